@@ -1,0 +1,60 @@
+"""shmkv's exceptions, one hierarchy under :class:`ShmKVError`.
+
+| class                  | raised when                                                        |
+|------------------------|--------------------------------------------------------------------|
+| ShmKVError             | base class; catch it to catch everything shmkv raises on purpose   |
+| OutOfBlocksError       | a commit path needs more free blocks than the pool has (ValueError, |
+|                        | with vLLM's message, so code written for vLLM keeps working)       |
+| UsageError             | the caller passed a bad argument (ValueError); nothing was changed |
+| PoolClosedError        | a handle or pool is used after ``close()``                          |
+| SegmentError           | base of the shared-memory segment errors                           |
+| SegmentNotFoundError   | attach to a name that has no segment                               |
+| SegmentExistsError     | create over a segment that already exists                          |
+| LayoutMismatchError    | the segment is not shmkv's, or of another layout version or config |
+| InvariantViolation     | ``check_invariants`` found corruption; carries ``.violations``     |
+
+Every message carries the numbers that explain it (block ids, counts, expected vs found).
+"""
+
+from __future__ import annotations
+
+
+class ShmKVError(Exception):
+    """Base class of every error shmkv raises on purpose."""
+
+
+class OutOfBlocksError(ShmKVError, ValueError):
+    """Not enough free blocks; a ValueError carrying vLLM's message."""
+
+
+class UsageError(ShmKVError, ValueError):
+    """A bad argument (double free, id out of range, bad name...); nothing was changed."""
+
+
+class PoolClosedError(UsageError):
+    """The pool, or a block handle of it, was used after ``close()``."""
+
+
+class SegmentError(ShmKVError):
+    """Base class of shared-memory segment errors."""
+
+
+class SegmentNotFoundError(SegmentError):
+    """No segment exists under the requested name."""
+
+
+class SegmentExistsError(SegmentError):
+    """A segment already exists under the name ``create`` was given."""
+
+
+class LayoutMismatchError(SegmentError):
+    """The segment's header does not match: bad magic, layout version, size or config."""
+
+
+class InvariantViolation(ShmKVError):
+    """Shared state is corrupt; ``violations`` lists every broken invariant, id first."""
+
+    def __init__(self, violations: list[str]) -> None:
+        self.violations = list(violations)
+        lines = "\n  ".join(self.violations)
+        super().__init__(f"{len(self.violations)} invariant violation(s):\n  {lines}")

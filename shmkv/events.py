@@ -1,0 +1,89 @@
+"""KV-cache events in vLLM 0.33.0's wire format, as msgspec Structs.
+
+Class names, field names, field order, defaults and struct options follow
+``vllm.distributed.kv_events``, so a consumer that decodes vLLM's ``KVEventBatch`` decodes
+shmkv's, and the other way round: events are tagged maps (``"type"`` = class name) with
+default-valued fields omitted; a batch is the array ``[ts, events, data_parallel_rank?]``.
+
+- ``BlockStored``: one per ``cache_full_blocks`` call, for the blocks it cached (hashes
+  without the group id), with the logical parent hash and the tokens they cover.
+- ``BlockRemoved``: one per key evicted from the prefix cache.
+- ``AllBlocksCleared``: a successful ``reset_prefix_cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+ExternalBlockHash = Union[bytes, int]  # noqa: UP007  (msgspec needs a runtime union on 3.10)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A batch of events: ``[ts, events, data_parallel_rank]``."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the KV-cache events; tagged with the class name under ``"type"``."""
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks entered the prefix cache."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None  # deprecated in vLLM, kept for its wire format
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks left the prefix cache (one event per evicted key)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was reset."""
+
+
+class KVEventBatch(EventBatch):
+    """An ``EventBatch`` whose events are KV-cache events."""
+
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """msgpack bytes of a batch, as vLLM publishes them."""
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decodes a batch encoded by shmkv or by vLLM."""
+    return _batch_decoder.decode(payload)

@@ -1,0 +1,219 @@
+"""The invariants of a shared pool, named once here, and ``check_invariants``.
+
+Catalogue (error messages and tests quote the ids):
+
+- **INV-HDR**: magic, layout version, format flags and the config echo are what this process
+  attached to, and ``state`` is READY.
+- **INV-FREE**: following ``next`` from ``free_head`` reaches ``free_tail`` in exactly
+  ``num_free_blocks`` steps, visiting no row twice and no sentinel or out-of-range row; ``prev``
+  is the exact inverse; the null block is never queued; a row that is not queued has
+  ``prev == next == NO_BLOCK``.
+- **INV-QKEY**: ``queue_key`` strictly increases from head to tail and stays within the
+  header's ``[queue_head_key, queue_tail_key]``, so sorting by key rebuilds the queue.
+- **INV-REF**: ``ref_cnt >= 0`` everywhere; a block other than the null block is in the free
+  queue exactly when its ``ref_cnt`` is 0; the null block's count stays 0.
+- **INV-CONSERVE**: ``num_free_blocks + blocks in use == num_blocks - 1`` (the null block
+  is neither), counting in-use blocks by ``ref_cnt > 0``.
+- **INV-HASH**: every chained block holds a key that hashes to its bucket; every block holding
+  a key is in exactly one chain, once; chains have no cycles; blocks without a key have
+  ``index_next == NO_BLOCK`` and group 0; the null block holds no key.
+
+``check_invariants`` collects every violation and raises one ``InvariantViolation``. It is
+O(num_blocks) and never on a hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shmkv import layout as L
+from shmkv.errors import InvariantViolation
+
+if TYPE_CHECKING:
+    from shmkv.block_pool import BlockPool
+
+
+def _check_header(pool: BlockPool, out: list[str]) -> None:
+    hdr = pool._layout.view(pool._segment.buf, "header")[0]
+    cfg = pool._layout.config
+    expected = {
+        "magic": L.MAGIC,
+        "layout_version": L.LAYOUT_VERSION,
+        "format_flags": cfg.format_flags,
+        "header_bytes": L.HEADER_DTYPE.itemsize,
+        "total_bytes": pool._layout.total_bytes,
+        "num_blocks": cfg.num_blocks,
+        "hash_block_size": cfg.hash_block_size,
+        "num_index_buckets": cfg.num_index_buckets,
+        "block_hash_bytes": L.BLOCK_HASH_BYTES,
+    }
+    for field, want in expected.items():
+        found = int(hdr[field])
+        if found != want:
+            out.append(f"INV-HDR: header {field} is {found}, attached as {want}")
+    state = int(hdr["state"])
+    if state != L.STATE_READY:
+        out.append(f"INV-HDR: state is {L.STATE_NAMES.get(state, state)}, not READY")
+
+
+def _check_free_queue(pool: BlockPool, out: list[str]) -> np.ndarray:
+    """Checks INV-FREE and INV-QKEY; returns a bool mask of the rows reached by the walk."""
+    lay = pool._layout
+    n = lay.config.num_blocks
+    head, tail = lay.free_head, lay.free_tail
+    blocks = pool._blocks
+    prev, nxt, keys = blocks["prev"], blocks["next"], blocks["queue_key"]
+    num_free = int(pool._hdr64[L.H_NUM_FREE])
+    queued = np.zeros(n + 2, dtype=bool)
+    order: list[int] = []
+    cur, before = int(nxt[head]), head
+    while cur != tail:
+        if not 0 <= cur < n:
+            out.append(f"INV-FREE: row {before}.next is {cur}, not a block or the tail sentinel")
+            break
+        if queued[cur]:
+            out.append(f"INV-FREE: block {cur} is reached twice (a cycle after row {before})")
+            break
+        if int(prev[cur]) != before:
+            out.append(f"INV-FREE: block {cur}.prev is {int(prev[cur])}, expected {before}")
+        queued[cur] = True
+        order.append(cur)
+        before, cur = cur, int(nxt[cur])
+    else:
+        if int(prev[tail]) != before:
+            out.append(f"INV-FREE: tail sentinel .prev is {int(prev[tail])}, expected {before}")
+    if len(order) != num_free:
+        out.append(
+            f"INV-FREE: walking the queue finds {len(order)} blocks, "
+            f"num_free_blocks says {num_free}"
+        )
+    if queued[L.NULL_BLOCK_ID]:
+        out.append("INV-FREE: the null block (0) is in the free queue")
+    loose = np.flatnonzero(~queued[:n] & ((prev[:n] != L.NO_BLOCK) | (nxt[:n] != L.NO_BLOCK)))
+    if len(loose):
+        out.append(
+            f"INV-FREE: {len(loose)} block(s) not in the queue still have links, "
+            f"e.g. block {int(loose[0])} (prev {int(prev[loose[0]])}, next {int(nxt[loose[0]])})"
+        )
+    if order:
+        k = keys[np.array(order)]
+        bad = np.flatnonzero(np.diff(k) <= 0)
+        if len(bad):
+            i = int(bad[0])
+            out.append(
+                f"INV-QKEY: queue_key does not increase from block {order[i]} ({int(k[i])}) "
+                f"to block {order[i + 1]} ({int(k[i + 1])})"
+            )
+        lo, hi = int(pool._hdr64[L.H_QUEUE_HEAD_KEY]), int(pool._hdr64[L.H_QUEUE_TAIL_KEY])
+        if int(k.min()) < lo or int(k.max()) > hi:
+            out.append(
+                f"INV-QKEY: queue keys span [{int(k.min())}, {int(k.max())}], outside the "
+                f"header's [{lo}, {hi}]"
+            )
+    return queued
+
+
+def _check_refs(pool: BlockPool, queued: np.ndarray, out: list[str]) -> None:
+    n = pool.num_gpu_blocks
+    ref = pool._blocks["ref_cnt"][:n]
+    negative = np.flatnonzero(ref < 0)
+    if len(negative):
+        b = int(negative[0])
+        out.append(f"INV-REF: {len(negative)} block(s) have ref_cnt < 0, e.g. block {b} ({ref[b]})")
+    real = np.arange(n) != L.NULL_BLOCK_ID
+    zero_not_queued = np.flatnonzero(real & (ref == 0) & ~queued[:n])
+    if len(zero_not_queued):
+        b = int(zero_not_queued[0])
+        out.append(
+            f"INV-REF: {len(zero_not_queued)} block(s) have ref_cnt 0 but are not in the free "
+            f"queue (leaked), e.g. block {b}"
+        )
+    held_and_queued = np.flatnonzero(real & (ref != 0) & queued[:n])
+    if len(held_and_queued):
+        b = int(held_and_queued[0])
+        out.append(
+            f"INV-REF: {len(held_and_queued)} block(s) are in the free queue with ref_cnt != 0, "
+            f"e.g. block {b} (ref_cnt {int(ref[b])})"
+        )
+    if n and int(ref[L.NULL_BLOCK_ID]) != 0:
+        out.append(f"INV-REF: the null block's ref_cnt is {int(ref[0])}, expected 0")
+    in_use = int(np.count_nonzero(real & (ref > 0)))
+    num_free = int(pool._hdr64[L.H_NUM_FREE])
+    if num_free + in_use != n - 1:
+        out.append(
+            f"INV-CONSERVE: num_free_blocks ({num_free}) + blocks in use ({in_use}) != "
+            f"num_blocks - 1 ({n - 1})"
+        )
+
+
+def _check_index(pool: BlockPool, out: list[str]) -> None:
+    n = pool.num_gpu_blocks
+    blocks = pool._blocks[:n]
+    index = pool._index
+    buckets = pool._layout.view(pool._segment.buf, "index_buckets")
+    hashed = blocks["hash_num_tokens"] != L.NO_HASH_TOKENS
+    if (blocks["hash_num_tokens"] < 0).any():
+        out.append("INV-HASH: a block has hash_num_tokens < 0")
+    if n and hashed[L.NULL_BLOCK_ID]:
+        out.append("INV-HASH: the null block (0) holds a prefix-cache key")
+    stray = np.flatnonzero(~hashed & ((blocks["index_next"] != L.NO_BLOCK) | (blocks["group_id"] != 0)))
+    if len(stray):
+        out.append(
+            f"INV-HASH: {len(stray)} block(s) without a key have index_next or group_id set, "
+            f"e.g. block {int(stray[0])}"
+        )
+    seen = np.zeros(n, dtype=np.int64)
+    for bucket in np.flatnonzero(buckets != L.NO_BLOCK).tolist():
+        cur = int(buckets[bucket])
+        steps = 0
+        while cur != L.NO_BLOCK:
+            if not 0 <= cur < n:
+                out.append(f"INV-HASH: bucket {bucket} links to row {cur}, not a block")
+                break
+            steps += 1
+            if steps > n:
+                out.append(f"INV-HASH: bucket {bucket}'s chain has a cycle")
+                break
+            seen[cur] += 1
+            key = index.block_key(cur)
+            if key is None:
+                out.append(f"INV-HASH: block {cur} is in bucket {bucket}'s chain without a key")
+            elif index.bucket_of(*key) != bucket:
+                out.append(
+                    f"INV-HASH: block {cur} is chained in bucket {bucket}, its key hashes to "
+                    f"bucket {index.bucket_of(*key)}"
+                )
+            cur = int(blocks["index_next"][cur])
+    twice = np.flatnonzero(seen > 1)
+    if len(twice):
+        out.append(f"INV-HASH: block {int(twice[0])} appears {int(seen[twice[0]])} times in chains")
+    unreachable = np.flatnonzero(hashed & (seen == 0))
+    if len(unreachable):
+        out.append(
+            f"INV-HASH: {len(unreachable)} block(s) hold a key but are in no chain, "
+            f"e.g. block {int(unreachable[0])}"
+        )
+
+
+def collect_violations(pool: BlockPool) -> list[str]:
+    """Every broken invariant of ``pool``, each message starting with its id."""
+    out: list[str] = []
+    _check_header(pool, out)
+    queued = _check_free_queue(pool, out)
+    _check_refs(pool, queued, out)
+    _check_index(pool, out)
+    return out
+
+
+def check_invariants(pool: BlockPool) -> None:
+    """Raises InvariantViolation listing every broken invariant; marks the segment POISONED.
+
+    Raises:
+        InvariantViolation: with ``.violations``, one string per broken invariant.
+    """
+    violations = collect_violations(pool)
+    if violations:
+        pool._layout.view(pool._segment.buf, "header")["state"] = L.STATE_POISONED
+        raise InvariantViolation(violations)

@@ -1,0 +1,200 @@
+"""Create, attach, close and unlink the POSIX shared-memory segment of a pool.
+
+``posix_ipc.SharedMemory`` + ``mmap``, mode 0600. Never ``multiprocessing.shared_memory``: on
+Python < 3.13 its resource tracker unlinks a segment when any attaching process exits.
+Attach validates the header in a fixed order and names the first field that is wrong.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import posix_ipc
+
+from shmkv import layout as L
+from shmkv.errors import LayoutMismatchError, SegmentError, SegmentExistsError, SegmentNotFoundError
+
+SEGMENT_MODE = 0o600
+
+
+class Segment:
+    """One mapped shared-memory object. Only its owner unlinks it, explicitly."""
+
+    def __init__(self, shm_name: str, mapping: mmap.mmap) -> None:
+        self.shm_name = shm_name
+        self.buf: mmap.mmap | None = mapping
+
+    @property
+    def size_bytes(self) -> int:
+        return 0 if self.buf is None else len(self.buf)
+
+    @classmethod
+    def create(cls, shm_name: str, size_bytes: int) -> Segment:
+        """Creates a new zero-filled segment of ``size_bytes``.
+
+        Raises:
+            SegmentExistsError: a segment of that name exists already.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(
+                shm_name, posix_ipc.O_CREX, mode=SEGMENT_MODE, size=size_bytes
+            )
+        except posix_ipc.ExistentialError as exc:
+            raise SegmentExistsError(
+                f"shared-memory segment {shm_name} already exists; attach to it, or unlink it "
+                "first if it is stale"
+            ) from exc
+        try:
+            mapping = mmap.mmap(shm.fd, size_bytes)
+        except BaseException:
+            shm.close_fd()
+            posix_ipc.unlink_shared_memory(shm_name)
+            raise
+        shm.close_fd()
+        return cls(shm_name, mapping)
+
+    @classmethod
+    def open(cls, shm_name: str) -> Segment:
+        """Maps an existing segment, whatever its size.
+
+        Raises:
+            SegmentNotFoundError: no segment of that name.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(shm_name)
+        except posix_ipc.ExistentialError as exc:
+            raise SegmentNotFoundError(f"no shared-memory segment named {shm_name}") from exc
+        try:
+            if shm.size == 0:
+                raise LayoutMismatchError(
+                    f"segment {shm_name} is empty (0 bytes): not a shmkv segment"
+                )
+            mapping = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        return cls(shm_name, mapping)
+
+    def close(self) -> None:
+        """Unmaps the segment. Every numpy view and memoryview of it must be released first."""
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None
+
+    @staticmethod
+    def unlink(shm_name: str) -> bool:
+        """Removes the name; mappings stay valid until closed. False if it did not exist."""
+        try:
+            posix_ipc.unlink_shared_memory(shm_name)
+        except posix_ipc.ExistentialError:
+            return False
+        return True
+
+
+def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
+    """Writes the header of a new segment, in state INITIALIZING."""
+    cfg = lay.config
+    hdr = lay.view(buf, "header")[0]
+    hdr["magic"] = L.MAGIC
+    hdr["layout_version"] = L.LAYOUT_VERSION
+    hdr["format_flags"] = cfg.format_flags
+    hdr["header_bytes"] = L.HEADER_DTYPE.itemsize
+    hdr["state"] = L.STATE_INITIALIZING
+    hdr["total_bytes"] = lay.total_bytes
+    hdr["num_blocks"] = cfg.num_blocks
+    hdr["hash_block_size"] = cfg.hash_block_size
+    hdr["num_index_buckets"] = cfg.num_index_buckets
+    hdr["block_hash_bytes"] = L.BLOCK_HASH_BYTES
+    hdr["creator_pid"] = os.getpid()
+    hdr["medium"] = cfg.medium.encode()
+    hdr["epoch"] = 1
+    del hdr
+
+
+def read_config(seg: Segment, expected: dict[str, object] | None = None) -> L.Layout:
+    """Validates a segment's header and returns its layout.
+
+    Checks, in order: size >= header, magic, layout version, format flags, header size,
+    hash width, total size (header vs layout formula vs actual), the caller's expected config,
+    state. ``expected`` maps PoolConfig field names to the values the caller requires.
+
+    Raises:
+        LayoutMismatchError: naming the field, the expected and the found value.
+        SegmentError: the segment is still initialising or is poisoned.
+    """
+    name = seg.shm_name
+    size = seg.size_bytes
+    if size < L.HEADER_DTYPE.itemsize:
+        raise LayoutMismatchError(
+            f"segment {name} is {size} bytes, smaller than a shmkv header "
+            f"({L.HEADER_DTYPE.itemsize} bytes): not a shmkv segment"
+        )
+    hdr = np.ndarray((1,), L.HEADER_DTYPE, buffer=seg.buf)[0].copy()
+
+    def mismatch(field: str, want: object, found: object, what: str = "") -> LayoutMismatchError:
+        return LayoutMismatchError(
+            f"segment {name}: header field {field} is {found!r}, expected {want!r}{what}"
+        )
+
+    if int(hdr["magic"]) != L.MAGIC:
+        raise mismatch("magic", hex(L.MAGIC), hex(int(hdr["magic"])), ": not a shmkv segment")
+    if int(hdr["layout_version"]) != L.LAYOUT_VERSION:
+        raise mismatch(
+            "layout_version", L.LAYOUT_VERSION, int(hdr["layout_version"]),
+            " (made by another shmkv version)",
+        )
+    flags = int(hdr["format_flags"])
+    known = L.FLAG_PREFIX_CACHING | L.FLAG_KV_EVENTS
+    if flags & ~known:
+        raise mismatch("format_flags", f"a subset of {known:#x}", f"{flags:#x}")
+    if int(hdr["header_bytes"]) != L.HEADER_DTYPE.itemsize:
+        raise mismatch("header_bytes", L.HEADER_DTYPE.itemsize, int(hdr["header_bytes"]))
+    if int(hdr["block_hash_bytes"]) != L.BLOCK_HASH_BYTES:
+        raise mismatch("block_hash_bytes", L.BLOCK_HASH_BYTES, int(hdr["block_hash_bytes"]))
+    num_blocks = int(hdr["num_blocks"])
+    hash_block_size = int(hdr["hash_block_size"])
+    if not 0 < num_blocks <= L.MAX_NUM_BLOCKS:
+        raise mismatch("num_blocks", f"1..{L.MAX_NUM_BLOCKS}", num_blocks)
+    if hash_block_size <= 0:
+        raise mismatch("hash_block_size", "> 0", hash_block_size)
+    config = L.PoolConfig(
+        num_blocks=num_blocks,
+        hash_block_size=hash_block_size,
+        enable_caching=bool(flags & L.FLAG_PREFIX_CACHING),
+        enable_kv_cache_events=bool(flags & L.FLAG_KV_EVENTS),
+        medium=bytes(hdr["medium"]).decode(errors="replace"),
+    )
+    lay = L.Layout.from_config(config)
+    if int(hdr["num_index_buckets"]) != config.num_index_buckets:
+        raise mismatch("num_index_buckets", config.num_index_buckets, int(hdr["num_index_buckets"]))
+    if int(hdr["total_bytes"]) != lay.total_bytes:
+        raise mismatch("total_bytes", lay.total_bytes, int(hdr["total_bytes"]))
+    if size < lay.total_bytes:
+        raise LayoutMismatchError(
+            f"segment {name} is {size} bytes but its header describes {lay.total_bytes}"
+        )
+    if expected:
+        wrong = [
+            f"{field}: expected {want!r}, found {getattr(config, field)!r}"
+            for field, want in expected.items()
+            if want is not None and getattr(config, field) != want
+        ]
+        if wrong:
+            raise LayoutMismatchError(
+                f"segment {name} has another config: " + "; ".join(wrong)
+            )
+    state = int(hdr["state"])
+    if state != L.STATE_READY:
+        label = L.STATE_NAMES.get(state, f"unknown ({state})")
+        raise SegmentError(
+            f"segment {name} is in state {label}, not READY"
+            + (
+                ": its creator has not finished (or died while) initialising it"
+                if state == L.STATE_INITIALIZING
+                else ": check_invariants found corruption in it"
+                if state == L.STATE_POISONED
+                else ""
+            )
+        )
+    return lay
