@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs vLLM 0.33.0's own KV-cache layer (BlockPool, KVCacheManager, coordinators, specs,
+# Request, KV events) into the CURRENT Python environment, CPU only, without vLLM's heavy
+# dependency list, so shmkv's differential tests and benchmarks can run it side by side.
+# Recipe from ../shared/peer/; torch 2.13.0 must be installed first (never a CUDA build).
+#
+#   bash benchmarks/vllm_peer/install.sh [PYTHON]      # default: python
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY="${1:-python}"
+pip_install() { "$PY" -m pip install --no-deps --disable-pip-version-check -q "$@"; }
+"$PY" -c "import torch" >/dev/null 2>&1 || pip_install "torch==2.13.0"
+pip_install "vllm==0.33.0"
+pip_install -r "$HERE/requirements.txt"
+"$PY" -W ignore "$HERE/check_imports.py"

@@ -1,0 +1,52 @@
+"""Fixtures shared by every test: unique pool names that are unlinked even on failure."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from shmkv import BlockPool
+from shmkv.layout import segment_name
+from tests.helpers import CheckedPool
+
+
+def unique_pool_name(prefix: str = "t") -> str:
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def pool_name():
+    """A pool name no other test uses; its segment is unlinked at teardown."""
+    name = unique_pool_name()
+    yield name
+    BlockPool.unlink(name)
+    assert not os.path.exists(f"/dev/shm{segment_name(name)}")
+
+
+@pytest.fixture
+def make_pool():
+    """Factory for raw pools (unique names); all are closed and unlinked at teardown."""
+    made: list[BlockPool] = []
+
+    def factory(num_gpu_blocks: int = 11, **kwargs) -> BlockPool:
+        pool = BlockPool.create(unique_pool_name(), num_gpu_blocks, **kwargs)
+        made.append(pool)
+        return pool
+
+    yield factory
+    for pool in made:
+        name = pool.pool_name
+        pool.close()
+        BlockPool.unlink(name)
+
+
+@pytest.fixture
+def make_checked_pool(make_pool):
+    """Factory for pools that run check_invariants() after every public call."""
+
+    def factory(num_gpu_blocks: int = 11, **kwargs) -> CheckedPool:
+        return CheckedPool(make_pool(num_gpu_blocks, **kwargs))
+
+    return factory

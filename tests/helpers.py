@@ -1,0 +1,75 @@
+"""Test helpers: requests with chained block hashes, and a pool that checks itself."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass, field
+
+from shmkv import BlockPool
+
+ROOT_HASH = hashlib.sha256(b"shmkv-tests-root").digest()
+
+
+def chain_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """sha256 chained over full blocks, vLLM style: H((parent, tokens, extra_keys))."""
+    out: list[bytes] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = (salt,) if salt and start == 0 else None
+        block = tuple(token_ids[start:start + block_size])
+        parent = hashlib.sha256(pickle.dumps((parent, block, extra), protocol=5)).digest()
+        out.append(parent)
+    return out
+
+
+@dataclass
+class FakeRequest:
+    """The part of a vLLM Request that BlockPool reads."""
+
+    all_token_ids: list[int]
+    block_size: int = 16
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.block_hashes = chain_hashes(self.all_token_ids, self.block_size, self.cache_salt)
+
+
+def make_request(num_tokens: int, first_token: int = 0, block_size: int = 16,
+                 cache_salt: str | None = None) -> FakeRequest:
+    return FakeRequest(list(range(first_token, first_token + num_tokens)), block_size, cache_salt)
+
+
+class CheckedPool:
+    """Proxies a BlockPool and runs check_invariants() after every public call."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self.num_checks = 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._pool, name)
+        if name.startswith("_") or not callable(attr) or name in ("check_invariants", "close"):
+            return attr
+
+        def checked(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._pool.check_invariants()
+                self.num_checks += 1
+
+        return checked
+
+    @property
+    def raw(self) -> BlockPool:
+        return self._pool
+
+
+def free_ids(pool) -> list[int]:
+    return pool.get_free_block_ids()
+
+
+def ids(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
