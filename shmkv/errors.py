@@ -11,6 +11,7 @@
 | SegmentNotFoundError   | attach to a name that has no segment                               |
 | SegmentExistsError     | create over a segment that already exists                          |
 | LayoutMismatchError    | the segment is not shmkv's, or of another layout version or config |
+| ProtocolError          | a message or event batch that cannot be decoded                    |
 | InvariantViolation     | ``check_invariants`` found corruption; carries ``.violations``     |
 
 Every message carries the numbers that explain it (block ids, counts, expected vs found).
@@ -49,6 +50,10 @@ class SegmentExistsError(SegmentError):
 
 class LayoutMismatchError(SegmentError):
     """The segment's header does not match: bad magic, layout version, size or config."""
+
+
+class ProtocolError(ShmKVError):
+    """A message or event batch could not be decoded (bad bytes, unknown tag)."""
 
 
 class InvariantViolation(ShmKVError):

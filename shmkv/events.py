@@ -17,6 +17,8 @@ from typing import Any, Union
 
 import msgspec
 
+from shmkv.errors import ProtocolError
+
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 
@@ -85,5 +87,12 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decodes a batch encoded by shmkv or by vLLM."""
-    return _batch_decoder.decode(payload)
+    """Decodes a batch encoded by shmkv or by vLLM.
+
+    Raises:
+        ProtocolError: the bytes are not a KV-event batch.
+    """
+    try:
+        return _batch_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"not a KV-event batch ({len(payload)} bytes): {exc}") from exc

@@ -375,3 +375,11 @@ def test_context_manager_creator_unlinks_attacher_does_not(pool_name):
         assert os.path.exists(path)
         assert pool.get_num_free_blocks() == 2
     assert not os.path.exists(path)
+
+
+def test_undecodable_event_batch_is_a_protocol_error():
+    """Bytes that are not a KV-event batch raise ProtocolError, not a msgspec error."""
+    from shmkv import ProtocolError
+
+    with pytest.raises(ProtocolError, match="not a KV-event batch"):
+        decode_batch(b"\x93\x01garbage")
