@@ -106,6 +106,24 @@ class KVCacheBlock:
             return f"KVCacheBlock(block_id={self.block_id}, <pool closed>)"
 
 
+class BlockHandles(Sequence):
+    """``pool.blocks``: every block's handle, by block id, made on first access."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_gpu_blocks
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._pool._handle(i) for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"block id {index} out of range [0, {n})")
+        return self._pool._handle(index % n)
+
+
 class BlockPool:
     """A KV-cache block pool whose metadata lives in one POSIX shared-memory segment.
 
@@ -151,8 +169,10 @@ class BlockPool:
         self._index = BlockHashToBlockMap(
             buf, self._i32, buckets, self._blocks, layout.view(buf, "index_buckets"), layout
         )
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i) for i in range(cfg.num_blocks)]
-        self.null_block = self.blocks[_NULL]
+        # Handles are made on first use: a million up front would cost a second per attach.
+        self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
+        self.blocks = BlockHandles(self)
+        self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -292,6 +312,12 @@ class BlockPool:
             )
         return ids
 
+    def _handle(self, block_id: int) -> KVCacheBlock:
+        handle = self._handles[block_id]
+        if handle is None:
+            handle = self._handles[block_id] = KVCacheBlock(self, block_id)
+        return handle
+
     def _evict_cached(self, block_id: int) -> bool:
         key = self._index.pop(block_id)
         if key is None:
@@ -318,13 +344,13 @@ class BlockPool:
                 f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
             )
         index = self._index
-        handles = self.blocks
+        handles = self._handles
         found = []
         for group_id in kv_cache_group_ids:
             block_id = index.get_one_block(block_hash, group_id)
             if block_id == L.NO_BLOCK:
                 return None
-            found.append(handles[block_id])
+            found.append(handles[block_id] or self._handle(block_id))
         return found
 
     def cache_full_blocks(
@@ -490,8 +516,9 @@ class BlockPool:
                 for block_id in arr[self._htok_col[arr] != L.NO_HASH_TOKENS].tolist():
                     self._evict_cached(block_id)
             self._ref_col[arr] = 1
-        handles = self.blocks
-        return [handles[b] for b in ids]
+        handles = self._handles
+        make = self._handle
+        return [handles[b] or make(b) for b in ids]
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Adds a reference to each block (a prefix-cache hit), taking blocks with
