@@ -48,6 +48,9 @@ _REF = L.F_REF
 _HTOK = L.F_HASH_TOKENS
 _NULL = L.NULL_BLOCK_ID
 _HASH_BYTES = L.BLOCK_HASH_BYTES
+_NO_BLOCK = L.NO_BLOCK
+_NO_HASH_TOKENS = L.NO_HASH_TOKENS
+_H_NUM_FREE = L.H_NUM_FREE
 
 
 class _Closed:
@@ -90,7 +93,7 @@ class KVCacheBlock:
     @property
     def block_hash_num_tokens(self) -> int | None:
         n = self._pool._i32[self.block_id * _R + _HTOK]
-        return None if n == L.NO_HASH_TOKENS else n
+        return None if n == _NO_HASH_TOKENS else n
 
     @property
     def is_null(self) -> bool:
@@ -225,8 +228,8 @@ class BlockPool:
     def _initialize(self) -> None:
         n = self.num_gpu_blocks
         self._ref_col[:] = 0
-        self._blocks["prev"] = L.NO_BLOCK
-        self._blocks["next"] = L.NO_BLOCK
+        self._blocks["prev"] = _NO_BLOCK
+        self._blocks["next"] = _NO_BLOCK
         self._index.initialize()
         # Block 0 is the null block, taken out of the queue for good (vLLM pops it first).
         self.free_block_queue.initialize(range(1, n))
@@ -348,7 +351,7 @@ class BlockPool:
         found = []
         for group_id in kv_cache_group_ids:
             block_id = index.get_one_block(block_hash, group_id)
-            if block_id == L.NO_BLOCK:
+            if block_id == _NO_BLOCK:
                 return None
             found.append(handles[block_id] or self._handle(block_id))
         return found
@@ -432,12 +435,12 @@ class BlockPool:
                 )
             num_tokens = (num_cached_blocks + i + 1) * block_size
             held = i32[block_id * _R + _HTOK]
-            if held != L.NO_HASH_TOKENS and held >= num_tokens:
+            if held != _NO_HASH_TOKENS and held >= num_tokens:
                 raise UsageError(
                     f"cache_full_blocks(): block {block_id} is already cached "
                     f"({held} tokens, asked for {num_tokens})"
                 )
-            plan.append((block_id, block_hash, num_tokens, held != L.NO_HASH_TOKENS))
+            plan.append((block_id, block_hash, num_tokens, held != _NO_HASH_TOKENS))
 
         for block_id, block_hash, num_tokens, rehash in plan:
             if rehash:  # a shorter key on the same block gives way to the full one
@@ -500,7 +503,7 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > self._hdr64[L.H_NUM_FREE]:
+        if num_blocks > self._hdr64[_H_NUM_FREE]:
             raise OutOfBlocksError(f"Cannot get {num_blocks} free blocks from the pool")
         ids, arr = self.free_block_queue.popleft_n_with_array(num_blocks)
         caching = self.enable_caching
@@ -508,12 +511,12 @@ class BlockPool:
             i32 = self._i32
             for block_id in ids:
                 base = block_id * _R
-                if caching and i32[base + _HTOK] != L.NO_HASH_TOKENS:
+                if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
                     self._evict_cached(block_id)
                 i32[base + _REF] = 1
         else:
             if caching:
-                for block_id in arr[self._htok_col[arr] != L.NO_HASH_TOKENS].tolist():
+                for block_id in arr[self._htok_col[arr] != _NO_HASH_TOKENS].tolist():
                     self._evict_cached(block_id)
             self._ref_col[arr] = 1
         handles = self._handles
@@ -551,7 +554,8 @@ class BlockPool:
         ids = self._block_ids(ordered_blocks, "free_blocks")
         n = len(ids)
         caching = self.enable_caching
-        if n >= BULK_MIN_BLOCKS and len(set(ids)) == n:
+        unique = n < 2 or len(set(ids)) == n
+        if n >= BULK_MIN_BLOCKS and unique:
             arr = np.array(ids, dtype=np.int64)
             arr = arr[arr != _NULL]
             refs = self._ref_col[arr]
@@ -561,13 +565,13 @@ class BlockPool:
             self._ref_col[arr] = refs
             zero = arr[refs == 0]
             if caching:
-                hashed = self._htok_col[zero] != L.NO_HASH_TOKENS
+                hashed = self._htok_col[zero] != _NO_HASH_TOKENS
                 evict_first, evict_last = zero[~hashed], zero[hashed]
             else:
                 evict_first, evict_last = zero, zero[:0]
         else:
             i32 = self._i32
-            counts = Counter(ids) if len(set(ids)) != n else None
+            counts = None if unique else Counter(ids)
             for block_id in ids if counts is None else counts:
                 if block_id != _NULL and i32[block_id * _R + _REF] < (
                     1 if counts is None else counts[block_id]
@@ -581,7 +585,7 @@ class BlockPool:
                 ref = i32[base + _REF] - 1
                 i32[base + _REF] = ref
                 if ref == 0:
-                    if caching and i32[base + _HTOK] != L.NO_HASH_TOKENS:
+                    if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
                         evict_last.append(block_id)
                     else:
                         evict_first.append(block_id)
@@ -633,7 +637,7 @@ class BlockPool:
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached ones with ``ref_cnt == 0`` included)."""
-        return self._hdr64[L.H_NUM_FREE]
+        return self._hdr64[_H_NUM_FREE]
 
     def get_usage(self) -> float:
         """Fraction of blocks in use, the null block left out (0 for a 1-block pool)."""

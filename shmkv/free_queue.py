@@ -40,6 +40,10 @@ _PREV = L.F_PREV
 _NEXT = L.F_NEXT
 _R64 = L.ROW_I64
 _KEY = L.F_QUEUE_KEY
+_NO_BLOCK = L.NO_BLOCK
+_H_NUM_FREE = L.H_NUM_FREE
+_H_HEAD_KEY = L.H_QUEUE_HEAD_KEY
+_H_TAIL_KEY = L.H_QUEUE_TAIL_KEY
 
 
 class FreeKVCacheBlockQueue:
@@ -71,13 +75,13 @@ class FreeKVCacheBlockQueue:
         self._next_col[chain[:-1]] = chain[1:]
         self._prev_col[chain[1:]] = chain[:-1]
         self._key_col[ids] = np.arange(n, dtype=np.int64)
-        self._hdr64[L.H_NUM_FREE] = n
-        self._hdr64[L.H_QUEUE_HEAD_KEY] = 0
-        self._hdr64[L.H_QUEUE_TAIL_KEY] = n - 1
+        self._hdr64[_H_NUM_FREE] = n
+        self._hdr64[_H_HEAD_KEY] = 0
+        self._hdr64[_H_TAIL_KEY] = n - 1
 
     @property
     def num_free_blocks(self) -> int:
-        return self._hdr64[L.H_NUM_FREE]
+        return self._hdr64[_H_NUM_FREE]
 
     def popleft(self) -> int:
         """Removes and returns the first free block.
@@ -92,9 +96,9 @@ class FreeKVCacheBlockQueue:
         nxt = i32[first * _R + _NEXT]
         i32[self.head * _R + _NEXT] = nxt
         i32[nxt * _R + _PREV] = self.head
-        i32[first * _R + _PREV] = L.NO_BLOCK
-        i32[first * _R + _NEXT] = L.NO_BLOCK
-        self._hdr64[L.H_NUM_FREE] -= 1
+        i32[first * _R + _PREV] = _NO_BLOCK
+        i32[first * _R + _NEXT] = _NO_BLOCK
+        self._hdr64[_H_NUM_FREE] -= 1
         return first
 
     def popleft_n(self, n: int) -> list[int]:
@@ -109,11 +113,19 @@ class FreeKVCacheBlockQueue:
         """``popleft_n``, also returning the ids as an int64 array when ``n`` is bulk-sized."""
         if n == 0:
             return [], None
-        num_free = self._hdr64[L.H_NUM_FREE]
+        num_free = self._hdr64[_H_NUM_FREE]
         if n > num_free:
             raise OutOfBlocksError(f"Cannot get {n} free blocks from the pool")
         i32 = self._i32
         cur = i32[self.head * _R + _NEXT]
+        if n == 1:
+            nxt = i32[cur * _R + _NEXT]
+            i32[self.head * _R + _NEXT] = nxt
+            i32[nxt * _R + _PREV] = self.head
+            i32[cur * _R + _PREV] = _NO_BLOCK
+            i32[cur * _R + _NEXT] = _NO_BLOCK
+            self._hdr64[_H_NUM_FREE] = num_free - 1
+            return [cur], None
         popped = [0] * n
         for k in range(n):
             popped[k] = cur
@@ -123,13 +135,13 @@ class FreeKVCacheBlockQueue:
         arr = None
         if n >= BULK_MIN_BLOCKS:
             arr = np.array(popped, dtype=np.int64)
-            self._prev_col[arr] = L.NO_BLOCK
-            self._next_col[arr] = L.NO_BLOCK
+            self._prev_col[arr] = _NO_BLOCK
+            self._next_col[arr] = _NO_BLOCK
         else:
             for b in popped:
-                i32[b * _R + _PREV] = L.NO_BLOCK
-                i32[b * _R + _NEXT] = L.NO_BLOCK
-        self._hdr64[L.H_NUM_FREE] = num_free - n
+                i32[b * _R + _PREV] = _NO_BLOCK
+                i32[b * _R + _NEXT] = _NO_BLOCK
+        self._hdr64[_H_NUM_FREE] = num_free - n
         return popped, arr
 
     def remove(self, block_id: int) -> None:
@@ -142,13 +154,13 @@ class FreeKVCacheBlockQueue:
         base = block_id * _R
         prev = i32[base + _PREV]
         nxt = i32[base + _NEXT]
-        if prev == L.NO_BLOCK or nxt == L.NO_BLOCK:
+        if prev == _NO_BLOCK or nxt == _NO_BLOCK:
             raise UsageError(f"remove(): block {block_id} is not in the free queue")
         i32[prev * _R + _NEXT] = nxt
         i32[nxt * _R + _PREV] = prev
-        i32[base + _PREV] = L.NO_BLOCK
-        i32[base + _NEXT] = L.NO_BLOCK
-        self._hdr64[L.H_NUM_FREE] -= 1
+        i32[base + _PREV] = _NO_BLOCK
+        i32[base + _NEXT] = _NO_BLOCK
+        self._hdr64[_H_NUM_FREE] -= 1
 
     def append(self, block_id: int) -> None:
         """Adds ``block_id`` at the tail (evicted last)."""
@@ -160,11 +172,11 @@ class FreeKVCacheBlockQueue:
         if n == 0:
             return
         hdr = self._hdr64
-        key0 = hdr[L.H_QUEUE_TAIL_KEY] + 1
+        key0 = hdr[_H_TAIL_KEY] + 1
         last = self._i32[self.tail * _R + _PREV]
         self._link_run(last, block_ids, self.tail, key0)
-        hdr[L.H_QUEUE_TAIL_KEY] = key0 + n - 1
-        hdr[L.H_NUM_FREE] += n
+        hdr[_H_TAIL_KEY] = key0 + n - 1
+        hdr[_H_NUM_FREE] += n
 
     def prepend_n(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Adds ``block_ids`` at the head (evicted first), keeping their order."""
@@ -172,11 +184,11 @@ class FreeKVCacheBlockQueue:
         if n == 0:
             return
         hdr = self._hdr64
-        key0 = hdr[L.H_QUEUE_HEAD_KEY] - n
+        key0 = hdr[_H_HEAD_KEY] - n
         first = self._i32[self.head * _R + _NEXT]
         self._link_run(self.head, block_ids, first, key0)
-        hdr[L.H_QUEUE_HEAD_KEY] = key0
-        hdr[L.H_NUM_FREE] += n
+        hdr[_H_HEAD_KEY] = key0
+        hdr[_H_NUM_FREE] += n
 
     def _link_run(self, before: int, block_ids, after: int, key0: int) -> None:
         """Links ``before <-> block_ids... <-> after`` with keys ``key0, key0 + 1, ...``."""
@@ -212,7 +224,7 @@ class FreeKVCacheBlockQueue:
         out = []
         cur = i32[self.head * _R + _NEXT]
         limit = self.tail + 1
-        while cur != self.tail and cur != L.NO_BLOCK and len(out) < limit:
+        while cur != self.tail and cur != _NO_BLOCK and len(out) < limit:
             out.append(cur)
             cur = i32[cur * _R + _NEXT]
         return out

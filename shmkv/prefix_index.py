@@ -30,6 +30,9 @@ _GROUP = L.F_GROUP
 _HTOK = L.F_HASH_TOKENS
 _HASH_BYTES = L.BLOCK_HASH_BYTES
 _MASK64 = (1 << 64) - 1
+_NO_BLOCK = L.NO_BLOCK
+_NO_HASH_TOKENS = L.NO_HASH_TOKENS
+_ROW_BYTES = L.BLOCK_DTYPE.itemsize
 _read_u64 = struct.Struct("<Q").unpack_from
 
 
@@ -56,10 +59,10 @@ class BlockHashToBlockMap:
 
     def initialize(self) -> None:
         """Empties the map and clears every block's key (a new pool, or a reset)."""
-        self._buckets_np[:] = L.NO_BLOCK
-        self._blocks["index_next"] = L.NO_BLOCK
+        self._buckets_np[:] = _NO_BLOCK
+        self._blocks["index_next"] = _NO_BLOCK
         self._blocks["group_id"] = 0
-        self._blocks["hash_num_tokens"] = L.NO_HASH_TOKENS
+        self._blocks["hash_num_tokens"] = _NO_HASH_TOKENS
         self._blocks["block_hash"] = bytes(_HASH_BYTES)
 
     def bucket_of(self, block_hash: bytes, group_id: int) -> int:
@@ -71,18 +74,18 @@ class BlockHashToBlockMap:
     def _matches(self, block_id: int, block_hash: bytes, group_id: int) -> bool:
         if self._i32[block_id * _R + _GROUP] != group_id:
             return False
-        off = self._hash0 + block_id * L.BLOCK_DTYPE.itemsize
+        off = self._hash0 + block_id * _ROW_BYTES
         return self._mem[off:off + _HASH_BYTES] == block_hash
 
     def get_one_block(self, block_hash: bytes, group_id: int) -> int:
         """The first-inserted block holding the key, or ``NO_BLOCK``."""
         i32 = self._i32
         cur = self._buckets[self.bucket_of(block_hash, group_id)]
-        while cur != L.NO_BLOCK:
+        while cur != _NO_BLOCK:
             if self._matches(cur, block_hash, group_id):
                 return cur
             cur = i32[cur * _R + _INEXT]
-        return L.NO_BLOCK
+        return _NO_BLOCK
 
     def contain(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
         """Whether ``block_id`` holds the key (it is then in the key's chain)."""
@@ -92,18 +95,18 @@ class BlockHashToBlockMap:
         """Gives an unhashed block the key and links it at the tail of its bucket chain."""
         i32 = self._i32
         base = block_id * _R
-        off = self._hash0 + block_id * L.BLOCK_DTYPE.itemsize
+        off = self._hash0 + block_id * _ROW_BYTES
         self._mem[off:off + _HASH_BYTES] = block_hash
         i32[base + _GROUP] = group_id
         i32[base + _HTOK] = num_tokens
-        i32[base + _INEXT] = L.NO_BLOCK
+        i32[base + _INEXT] = _NO_BLOCK
         bucket = self.bucket_of(block_hash, group_id)
         cur = self._buckets[bucket]
-        if cur == L.NO_BLOCK:
+        if cur == _NO_BLOCK:
             self._buckets[bucket] = block_id
             return
         nxt = i32[cur * _R + _INEXT]
-        while nxt != L.NO_BLOCK:
+        while nxt != _NO_BLOCK:
             cur = nxt
             nxt = i32[cur * _R + _INEXT]
         i32[cur * _R + _INEXT] = block_id
@@ -127,8 +130,8 @@ class BlockHashToBlockMap:
                     break
                 cur = after
         base = block_id * _R
-        i32[base + _INEXT] = L.NO_BLOCK
-        i32[base + _HTOK] = L.NO_HASH_TOKENS
+        i32[base + _INEXT] = _NO_BLOCK
+        i32[base + _HTOK] = _NO_HASH_TOKENS
         i32[base + _GROUP] = 0
         return key
 
@@ -136,21 +139,21 @@ class BlockHashToBlockMap:
         """(hash, group id) held by the block, or None."""
         i32 = self._i32
         base = block_id * _R
-        if i32[base + _HTOK] == L.NO_HASH_TOKENS:
+        if i32[base + _HTOK] == _NO_HASH_TOKENS:
             return None
-        off = self._hash0 + block_id * L.BLOCK_DTYPE.itemsize
+        off = self._hash0 + block_id * _ROW_BYTES
         return self._mem[off:off + _HASH_BYTES], i32[base + _GROUP]
 
     def iter_chain(self, bucket: int, limit: int) -> Iterator[int]:
         """Blocks of one bucket chain, at most ``limit`` of them (so a corrupt cycle ends)."""
         cur = self._buckets[bucket]
         for _ in range(limit):
-            if cur == L.NO_BLOCK:
+            if cur == _NO_BLOCK:
                 return
             yield cur
             cur = self._i32[cur * _R + _INEXT]
 
     def __len__(self) -> int:
         """Number of distinct keys (O(num_blocks); for tests and tools)."""
-        hashed = self._blocks[self._blocks["hash_num_tokens"] != L.NO_HASH_TOKENS]
+        hashed = self._blocks[self._blocks["hash_num_tokens"] != _NO_HASH_TOKENS]
         return len({(bytes(h), int(g)) for h, g in zip(hashed["block_hash"], hashed["group_id"])})
