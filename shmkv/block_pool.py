@@ -61,6 +61,9 @@ class _Closed:
 
     __setitem__ = __getitem__
 
+    def __getattr__(self, _):
+        raise PoolClosedError("the pool is closed; attach again to use it")
+
 
 _CLOSED = _Closed()
 
@@ -274,8 +277,8 @@ class BlockPool:
         if self._segment.buf is None:
             return
         self._i32 = self._i64 = self._hdr64 = _CLOSED
-        self.free_block_queue = self._index = None  # type: ignore[assignment]
-        self._blocks = self._ref_col = self._htok_col = None  # type: ignore[assignment]
+        self.free_block_queue = self._index = _CLOSED  # type: ignore[assignment]
+        self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
             view.release()
         self._views = []
@@ -424,9 +427,15 @@ class BlockPool:
 
         # Check everything before the first write, so a rejected call changes nothing.
         plan: list[tuple[int, bytes, int, bool]] = []
+        planned: set[int] = set()
         for i, block_id in enumerate(ids):
             if block_id == _NULL or (block_mask is not None and not block_mask[i]):
                 continue
+            if block_id in planned:
+                raise UsageError(
+                    f"cache_full_blocks(): block {block_id} appears twice in the blocks to cache"
+                )
+            planned.add(block_id)
             block_hash = fine_hashes[(num_cached_blocks + i + 1) * ratio - 1]
             if not isinstance(block_hash, bytes) or len(block_hash) != _HASH_BYTES:
                 raise UsageError(
@@ -495,6 +504,8 @@ class BlockPool:
             UsageError: ``num_blocks`` is not an int >= 0.
         """
         if type(num_blocks) is not int:
+            if isinstance(num_blocks, bool):
+                raise UsageError(f"get_new_blocks(): num_blocks must be an int, got {num_blocks!r}")
             try:
                 num_blocks = operator.index(num_blocks)
             except TypeError:
@@ -676,4 +687,6 @@ class BlockPool:
         """
         from shmkv.recovery import check_invariants
 
+        if self._segment.buf is None:
+            raise PoolClosedError("the pool is closed; attach again to use it")
         check_invariants(self)

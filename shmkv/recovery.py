@@ -53,6 +53,9 @@ def _check_header(pool: BlockPool, out: list[str]) -> None:
         found = int(hdr[field])
         if found != want:
             out.append(f"INV-HDR: header {field} is {found}, attached as {want}")
+    medium = bytes(hdr["medium"]).decode(errors="replace")
+    if medium != cfg.medium:
+        out.append(f"INV-HDR: header medium is {medium!r}, attached as {cfg.medium!r}")
     state = int(hdr["state"])
     if state != L.STATE_READY:
         out.append(f"INV-HDR: state is {L.STATE_NAMES.get(state, state)}, not READY")

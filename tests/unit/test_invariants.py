@@ -212,6 +212,12 @@ def test_hdr_changed_header_field(scene, field):
     assert_reports(scene.pool, exactly={"INV-HDR"}, message=f"header {field} is")
 
 
+def test_hdr_changed_medium(scene):
+    """A medium in the header other than the one attached to is INV-HDR."""
+    scene.header["medium"] = b"CPU"
+    assert_reports(scene.pool, exactly={"INV-HDR"}, message="header medium is 'CPU'")
+
+
 @pytest.mark.parametrize("state", [L.STATE_POISONED, L.STATE_INITIALIZING, 0, 99])
 def test_hdr_state_not_ready(scene, state):
     """A header state other than READY (POISONED, INITIALIZING, garbage) is INV-HDR."""
