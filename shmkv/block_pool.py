@@ -36,7 +36,14 @@ import numpy as np
 
 from shmkv import layout as L
 from shmkv.errors import OutOfBlocksError, PoolClosedError, UsageError
-from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from shmkv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+    use_int_block_hashes,
+)
 from shmkv.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
 from shmkv.prefix_index import BlockHashToBlockMap
 from shmkv.segment import Segment, read_config, write_header
@@ -329,8 +336,9 @@ class BlockPool:
         if key is None:
             return False
         if self.enable_kv_cache_events:
+            published = external_block_hash(key[0], use_int_block_hashes())
             self._event_queue.append(
-                BlockRemoved(block_hashes=[key[0]], medium=self.medium, group_idx=key[1])
+                BlockRemoved(block_hashes=[published], medium=self.medium, group_idx=key[1])
             )
         return True
 
@@ -466,8 +474,11 @@ class BlockPool:
 
     def _block_stored_event(self, request, plan, num_cached_blocks, num_full_blocks,
                             block_size, group_id, fine_hashes, ratio) -> BlockStored:
+        as_int = use_int_block_hashes()
         parent = (
-            fine_hashes[num_cached_blocks * ratio - 1] if num_cached_blocks > 0 else None
+            external_block_hash(fine_hashes[num_cached_blocks * ratio - 1], as_int)
+            if num_cached_blocks > 0
+            else None
         )
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
@@ -481,7 +492,7 @@ class BlockPool:
             extra_keys.append(tuple(keys) if keys else None)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
-            block_hashes=[h for _, h, _, _ in plan],
+            block_hashes=[external_block_hash(h, as_int) for _, h, _, _ in plan],
             parent_block_hash=parent,
             token_ids=list(request.all_token_ids[start:end]),
             block_size=block_size,

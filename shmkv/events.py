@@ -9,10 +9,14 @@ default-valued fields omitted; a batch is the array ``[ts, events, data_parallel
   without the group id), with the logical parent hash and the tokens they cover.
 - ``BlockRemoved``: one per key evicted from the prefix cache.
 - ``AllBlocksCleared``: a successful ``reset_prefix_cache``.
+
+Hashes in events are integers (the low 64 bits of the digest) unless
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, exactly as in vLLM 0.33.0.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Union
 
 import msgspec
@@ -23,6 +27,25 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 
 ExternalBlockHash = Union[bytes, int]  # noqa: UP007  (msgspec needs a runtime union on 3.10)
+
+
+INT_BLOCK_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+_LOW_64_BITS = (1 << 64) - 1
+
+
+def use_int_block_hashes() -> bool:
+    """Whether events carry hashes as integers (vLLM's default) rather than 32 bytes.
+
+    Read from vLLM's own variable, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (default "1"), at
+    each event, as vLLM reads it, so one setting governs both.
+    """
+    return bool(int(os.getenv(INT_BLOCK_HASHES_ENV, "1")))
+
+
+def external_block_hash(block_hash: bytes, as_int: bool) -> ExternalBlockHash:
+    """The form of a hash published in events: the low 64 bits of the digest read as a
+    big-endian integer, or the digest itself."""
+    return int.from_bytes(block_hash, "big") & _LOW_64_BITS if as_int else block_hash
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

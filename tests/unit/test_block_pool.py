@@ -14,6 +14,12 @@ from tests.helpers import chain_hashes, free_ids, ids, make_request
 BS = 16
 
 
+@pytest.fixture
+def byte_hashes(monkeypatch):
+    """Events carry the 32 hash bytes instead of vLLM's default 64-bit integers."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+
+
 def _allocate_and_cache(pool, req, num_tokens: int, hits=()):
     """What a scheduler does for a new request: touch the hits, allocate the rest, cache the
     full blocks. Returns the request's blocks."""
@@ -193,7 +199,7 @@ def test_cache_blocks_grows_index_incrementally(make_checked_pool):
     assert [b.block_hash_num_tokens for b in blocks] == [16, 32, 48]
 
 
-def test_null_and_masked_blocks_are_not_cached(make_checked_pool):
+def test_null_and_masked_blocks_are_not_cached(make_checked_pool, byte_hashes):
     """Null blocks and blocks masked out are skipped; the null block stays unhashed."""
     pool = make_checked_pool(8, enable_kv_cache_events=True)
     req = make_request(4 * BS)
@@ -239,7 +245,7 @@ def test_reset_prefix_cache_only_when_idle(make_checked_pool):
 
 
 @pytest.mark.parametrize("num_blocks", [2, 3, 10])
-def test_kv_cache_events(make_checked_pool, num_blocks):
+def test_kv_cache_events(make_checked_pool, byte_hashes, num_blocks):
     """vLLM test_kv_cache_events: one BlockStored per call, one BlockRemoved per evicted
     key on reuse, AllBlocksCleared on reset; batches encode to vLLM's wire format."""
     pool = make_checked_pool(num_blocks + 1, enable_kv_cache_events=True)
@@ -279,7 +285,7 @@ def test_events_disabled_take_events_is_empty(make_checked_pool):
     assert pool.take_events() == []
 
 
-def test_cache_salt_marks_only_the_first_block_in_events(make_checked_pool):
+def test_cache_salt_marks_only_the_first_block_in_events(make_checked_pool, byte_hashes):
     """The salt appears in the first block's extra keys only (vLLM's rule)."""
     pool = make_checked_pool(6, enable_kv_cache_events=True)
     req = make_request(3 * BS, cache_salt="tenant-a")
@@ -383,3 +389,22 @@ def test_undecodable_event_batch_is_a_protocol_error():
 
     with pytest.raises(ProtocolError, match="not a KV-event batch"):
         decode_batch(b"\x93\x01garbage")
+
+
+def test_event_hashes_are_64_bit_ints_by_default(make_checked_pool, monkeypatch):
+    """As in vLLM 0.33.0, events carry the low 64 bits of each digest (big-endian) unless
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    pool = make_checked_pool(6, enable_kv_cache_events=True)
+    req = make_request(3 * BS)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
+    pool.cache_full_blocks(req, blocks, 2, 3, BS, 0)
+    low64 = [int.from_bytes(h, "big") & (2**64 - 1) for h in req.block_hashes]
+    first, second = pool.take_events()
+    assert first.block_hashes == low64[:2] and first.parent_block_hash is None
+    assert second.block_hashes == low64[2:] and second.parent_block_hash == low64[1]
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(5)
+    removed = pool.take_events()
+    assert sorted(e.block_hashes[0] for e in removed) == sorted(low64)
