@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections import Counter
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from shmkv import layout as L
-from shmkv.errors import OutOfBlocksError, PoolClosedError, UsageError
+from shmkv.errors import InvariantViolation, OutOfBlocksError, PoolClosedError, UsageError
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -44,11 +44,27 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
-from shmkv.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
+from shmkv._pykernel import PyKernel
+from shmkv.free_queue import FreeKVCacheBlockQueue
 from shmkv.prefix_index import BlockHashToBlockMap
 from shmkv.segment import Segment, read_config, write_header
 
 logger = logging.getLogger(__name__)
+
+try:
+    from shmkv import _ckernel
+except ImportError:  # not built (no compiler at install time): the Python kernel serves
+    _ckernel = None
+else:
+    _ckernel.set_errors(UsageError, OutOfBlocksError, InvariantViolation)
+
+KERNEL_ENV = "SHMKV_KERNEL"
+KERNELS = ("c", "python")
+
+
+def default_kernel() -> str:
+    """The kernel a pool uses unless told otherwise: ``$SHMKV_KERNEL``, else C if built."""
+    return os.environ.get(KERNEL_ENV) or ("c" if _ckernel is not None else "python")
 
 _R = L.ROW_I32
 _REF = L.F_REF
@@ -73,6 +89,13 @@ class _Closed:
 
 
 _CLOSED = _Closed()
+
+# The layout constants the C kernel is compiled with; it refuses to run if they differ.
+_C_GEOMETRY = (
+    L.ROW_I32, L.ROW_I64, L.F_REF, L.F_PREV, L.F_NEXT, L.F_INDEX_NEXT, L.F_GROUP,
+    L.F_HASH_TOKENS, L.F_QUEUE_KEY, L.HASH_BYTE_OFFSET, L.BLOCK_HASH_BYTES, L.H_NUM_FREE,
+    L.H_QUEUE_HEAD_KEY, L.H_QUEUE_TAIL_KEY, L.GROUP_MIX,
+)
 
 
 class KVCacheBlock:
@@ -147,7 +170,13 @@ class BlockPool:
     processes mutating one pool concurrently corrupt it.
     """
 
-    def __init__(self, segment: Segment, layout: L.Layout, *, owner: bool) -> None:
+    def __init__(self, segment: Segment, layout: L.Layout, *, owner: bool,
+                 kernel: str | None = None) -> None:
+        self.kernel = kernel or default_kernel()
+        if self.kernel not in KERNELS:
+            raise UsageError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "c" and _ckernel is None:
+            raise UsageError("the C kernel (shmkv._ckernel) is not built; use kernel='python'")
         self._segment = segment
         self._layout = layout
         self._owner = owner
@@ -182,6 +211,14 @@ class BlockPool:
         self._index = BlockHashToBlockMap(
             buf, self._i32, buckets, self._blocks, layout.view(buf, "index_buckets"), layout
         )
+        if self.kernel == "c":
+            self._kernel = _ckernel.Kernel(
+                buf, meta_off, idx_off, cfg.num_blocks, cfg.num_index_buckets, _C_GEOMETRY
+            )
+        else:
+            self._kernel = PyKernel(
+                self._i32, self.free_block_queue, self._index, self._blocks, cfg.num_blocks
+            )
         # Handles are made on first use: a million up front would cost a second per attach.
         self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
         self.blocks = BlockHandles(self)
@@ -199,6 +236,8 @@ class BlockPool:
         hash_block_size: int = 16,
         enable_kv_cache_events: bool = False,
         medium: str = "GPU",
+        *,
+        kernel: str | None = None,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment.
 
@@ -209,6 +248,8 @@ class BlockPool:
             hash_block_size: tokens per hash unit of ``request.block_hashes``.
             enable_kv_cache_events: record events for :meth:`take_events`.
             medium: the storage medium named in events.
+            kernel: "c" or "python", this process's implementation of the hot loops
+                (default: ``$SHMKV_KERNEL``, else C when built). Both behave identically.
 
         Raises:
             UsageError: a bad name or config value.
@@ -227,7 +268,7 @@ class BlockPool:
         segment = Segment.create(shm_name, layout.total_bytes)
         try:
             write_header(segment.buf, layout)
-            pool = cls(segment, layout, owner=True)
+            pool = cls(segment, layout, owner=True, kernel=kernel)
             pool._initialize()
         except BaseException:
             segment.close()
@@ -254,6 +295,7 @@ class BlockPool:
         hash_block_size: int | None = None,
         enable_caching: bool | None = None,
         enable_kv_cache_events: bool | None = None,
+        kernel: str | None = None,
     ) -> BlockPool:
         """Attaches to an existing pool. Any config value given must match the segment's.
 
@@ -274,26 +316,24 @@ class BlockPool:
         }
         try:
             layout = read_config(segment, expected)
+            return cls(segment, layout, owner=False, kernel=kernel)
         except BaseException:
             segment.close()
             raise
-        return cls(segment, layout, owner=False)
 
     def close(self) -> None:
         """Unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
         if self._segment.buf is None:
             return
+        self._kernel.release()
+        self._kernel = _CLOSED  # type: ignore[assignment]
         self._i32 = self._i64 = self._hdr64 = _CLOSED
         self.free_block_queue = self._index = _CLOSED  # type: ignore[assignment]
         self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
             view.release()
         self._views = []
-        try:
-            self._segment.close()
-        except BufferError:
-            # Someone still holds a numpy view of the segment; the mapping goes when it does.
-            self._segment.buf = None
+        self._segment.close()
 
     @staticmethod
     def unlink(name: str) -> bool:
@@ -332,15 +372,21 @@ class BlockPool:
         return handle
 
     def _evict_cached(self, block_id: int) -> bool:
-        key = self._index.pop(block_id)
+        key = self._kernel.evict(block_id)
         if key is None:
             return False
         if self.enable_kv_cache_events:
-            published = external_block_hash(key[0], use_int_block_hashes())
-            self._event_queue.append(
-                BlockRemoved(block_hashes=[published], medium=self.medium, group_idx=key[1])
-            )
+            self._record_removed([key])
         return True
+
+    def _record_removed(self, keys: list[tuple[bytes, int]]) -> None:
+        as_int = use_int_block_hashes()
+        self._event_queue.extend(
+            BlockRemoved(
+                block_hashes=[external_block_hash(h, as_int)], medium=self.medium, group_idx=g
+            )
+            for h, g in keys
+        )
 
     # ------------------------------------------------------------------ vLLM API
 
@@ -353,19 +399,9 @@ class BlockPool:
         Raises:
             UsageError: the hash is not 32 bytes.
         """
-        if len(block_hash) != _HASH_BYTES:
-            raise UsageError(
-                f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
-            )
-        index = self._index
-        handles = self._handles
-        found = []
-        for group_id in kv_cache_group_ids:
-            block_id = index.get_one_block(block_hash, group_id)
-            if block_id == _NO_BLOCK:
-                return None
-            found.append(handles[block_id] or self._handle(block_id))
-        return found
+        return self._kernel.get_cached(
+            block_hash, kv_cache_group_ids, self._handles, self._handle
+        )
 
     def cache_full_blocks(
         self,
@@ -462,7 +498,7 @@ class BlockPool:
         for block_id, block_hash, num_tokens, rehash in plan:
             if rehash:  # a shorter key on the same block gives way to the full one
                 self._evict_cached(block_id)
-            self._index.insert(block_hash, kv_cache_group_id, block_id, num_tokens)
+            self._kernel.insert(block_hash, kv_cache_group_id, block_id, num_tokens)
 
         if self.enable_kv_cache_events:
             self._event_queue.append(
@@ -525,25 +561,16 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > self._hdr64[_H_NUM_FREE]:
-            raise OutOfBlocksError(f"Cannot get {num_blocks} free blocks from the pool")
-        ids, arr = self.free_block_queue.popleft_n_with_array(num_blocks)
-        caching = self.enable_caching
-        if arr is None:
-            i32 = self._i32
-            for block_id in ids:
-                base = block_id * _R
-                if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
-                    self._evict_cached(block_id)
-                i32[base + _REF] = 1
-        else:
-            if caching:
-                for block_id in arr[self._htok_col[arr] != _NO_HASH_TOKENS].tolist():
-                    self._evict_cached(block_id)
-            self._ref_col[arr] = 1
-        handles = self._handles
-        make = self._handle
-        return [handles[b] or make(b) for b in ids]
+        if not self.enable_kv_cache_events:
+            return self._kernel.allocate(
+                num_blocks, self.enable_caching, self._handles, self._handle, None
+            )
+        evicted: list[tuple[bytes, int]] = []
+        blocks = self._kernel.allocate(
+            num_blocks, self.enable_caching, self._handles, self._handle, evicted
+        )
+        self._record_removed(evicted)
+        return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Adds a reference to each block (a prefix-cache hit), taking blocks with
@@ -552,17 +579,7 @@ class BlockPool:
         Raises:
             UsageError: a block id out of range.
         """
-        ids = self._block_ids(blocks, "touch")
-        i32 = self._i32
-        queue = self.free_block_queue
-        for block_id in ids:
-            if block_id == _NULL:
-                continue
-            base = block_id * _R
-            ref = i32[base + _REF]
-            if ref == 0:
-                queue.remove(block_id)
-            i32[base + _REF] = ref + 1
+        self._kernel.touch(blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
@@ -573,53 +590,7 @@ class BlockPool:
             UsageError: a block id out of range, or a block freed more times than it is
                 referenced (a double free). Nothing is changed then.
         """
-        ids = self._block_ids(ordered_blocks, "free_blocks")
-        n = len(ids)
-        caching = self.enable_caching
-        unique = n < 2 or len(set(ids)) == n
-        if n >= BULK_MIN_BLOCKS and unique:
-            arr = np.array(ids, dtype=np.int64)
-            arr = arr[arr != _NULL]
-            refs = self._ref_col[arr]
-            if (refs <= 0).any():
-                self._raise_double_free(int(arr[np.argmax(refs <= 0)]), 1)
-            refs -= 1
-            self._ref_col[arr] = refs
-            zero = arr[refs == 0]
-            if caching:
-                hashed = self._htok_col[zero] != _NO_HASH_TOKENS
-                evict_first, evict_last = zero[~hashed], zero[hashed]
-            else:
-                evict_first, evict_last = zero, zero[:0]
-        else:
-            i32 = self._i32
-            counts = None if unique else Counter(ids)
-            for block_id in ids if counts is None else counts:
-                if block_id != _NULL and i32[block_id * _R + _REF] < (
-                    1 if counts is None else counts[block_id]
-                ):
-                    self._raise_double_free(block_id, 1 if counts is None else counts[block_id])
-            evict_first, evict_last = [], []
-            for block_id in ids:
-                if block_id == _NULL:
-                    continue
-                base = block_id * _R
-                ref = i32[base + _REF] - 1
-                i32[base + _REF] = ref
-                if ref == 0:
-                    if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
-                        evict_last.append(block_id)
-                    else:
-                        evict_first.append(block_id)
-        self.free_block_queue.prepend_n(evict_first)
-        self.free_block_queue.append_n(evict_last)
-
-    def _raise_double_free(self, block_id: int, times: int) -> None:
-        ref = self._i32[block_id * _R + _REF]
-        raise UsageError(
-            f"free_blocks(): block {block_id} has ref_cnt {ref} but is freed {times} time(s)"
-            + (" (it is already free)" if ref == 0 else "")
-        )
+        self._kernel.free(ordered_blocks, self.enable_caching)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the prefix-cache entries of the given blocks (a KV connector failed to load

@@ -77,9 +77,13 @@ class Segment:
         return cls(shm_name, mapping)
 
     def close(self) -> None:
-        """Unmaps the segment. Every numpy view and memoryview of it must be released first."""
+        """Unmaps the segment. If a numpy view of it is still alive somewhere, the mapping
+        goes when the last view does."""
         if self.buf is not None:
-            self.buf.close()
+            try:
+                self.buf.close()
+            except BufferError:
+                pass
             self.buf = None
 
     @staticmethod

@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from shmkv import BlockPool
+from shmkv.block_pool import _ckernel
 from shmkv.layout import segment_name
 from tests.helpers import CheckedPool
 
@@ -25,12 +26,27 @@ def pool_name():
     assert not os.path.exists(f"/dev/shm{segment_name(name)}")
 
 
+KERNELS = [
+    "python",
+    pytest.param(
+        "c", marks=pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")
+    ),
+]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request) -> str:
+    """Each pool test runs on both kernels: the pure-Python reference and the C one."""
+    return request.param
+
+
 @pytest.fixture
-def make_pool():
+def make_pool(kernel):
     """Factory for raw pools (unique names); all are closed and unlinked at teardown."""
     made: list[BlockPool] = []
 
     def factory(num_gpu_blocks: int = 11, **kwargs) -> BlockPool:
+        kwargs.setdefault("kernel", kernel)
         pool = BlockPool.create(unique_pool_name(), num_gpu_blocks, **kwargs)
         made.append(pool)
         return pool

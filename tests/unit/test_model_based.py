@@ -11,7 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import pytest
+
 from shmkv import BlockPool
+from shmkv.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import FakeRequest
 
@@ -87,10 +90,13 @@ PROMPTS = [list(range(p * 1000, p * 1000 + 64)) for p in range(3)]
 class PoolMachine(RuleBasedStateMachine):
     """Each running request owns its blocks; blocks are freed tail first, as vLLM does."""
 
+    kernel = "python"
+
     @initialize()
     def setup(self) -> None:
         self.name = unique_pool_name("hyp")
-        self.pool = BlockPool.create(self.name, NUM_BLOCKS, hash_block_size=BS)
+        self.pool = BlockPool.create(self.name, NUM_BLOCKS, hash_block_size=BS,
+                                     kernel=self.kernel)
         self.ref = ReferencePool(NUM_BLOCKS)
         self.running: list[tuple[FakeRequest, list[int]]] = []
 
@@ -162,5 +168,14 @@ class PoolMachine(RuleBasedStateMachine):
             assert got == (None if key is None else key[0] + b"\0\0\0\0")
 
 
-PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
-TestPoolMachine = PoolMachine.TestCase
+class CKernelPoolMachine(PoolMachine):
+    kernel = "c"
+
+
+_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = _SETTINGS
+CKernelPoolMachine.TestCase.settings = _SETTINGS
+TestPythonKernel = PoolMachine.TestCase
+TestCKernel = pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")(
+    CKernelPoolMachine.TestCase
+)

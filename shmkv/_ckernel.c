@@ -1,0 +1,664 @@
+/*
+ * shmkv._ckernel: the hot loops of BlockPool in C, over the shared segment.
+ *
+ * This is an accelerator, not a second design: it performs exactly the mutations of the
+ * pure-Python kernel (shmkv/_pykernel.py), in the same order, with the same checks and the
+ * same error messages, on the layout documented in shmkv/layout.py. The test suite runs
+ * against both kernels. The field positions below are checked against layout.py when a
+ * kernel is built (Kernel.__init__ receives them and refuses a mismatch).
+ *
+ * A Kernel holds a buffer export of the segment's mmap; release() must be called before the
+ * mmap is closed.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Row geometry of BLOCK_DTYPE (64-byte rows), in int32 / int64 words. */
+#define ROW_I32 16
+#define ROW_I64 8
+#define F_REF 0
+#define F_PREV 1
+#define F_NEXT 2
+#define F_INDEX_NEXT 3
+#define F_GROUP 4
+#define F_HASH_TOKENS 5
+#define F_QUEUE_KEY 3 /* int64 word */
+#define HASH_BYTE_OFFSET 32
+#define HASH_BYTES 32
+#define ROW_BYTES 64
+/* Header int64 words. */
+#define H_NUM_FREE 9
+#define H_QUEUE_HEAD_KEY 10
+#define H_QUEUE_TAIL_KEY 11
+#define NO_BLOCK (-1)
+#define NO_HASH_TOKENS 0
+#define NULL_BLOCK_ID 0
+#define GROUP_MIX 0x9E3779B97F4A7C15ULL
+
+static PyObject *UsageError = NULL;
+static PyObject *OutOfBlocksError = NULL;
+static PyObject *InvariantViolation = NULL;
+static PyObject *str_block_id = NULL;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    char *meta;       /* block_meta region */
+    int64_t *hdr64;   /* header, as int64 words */
+    int32_t *buckets; /* index_buckets region */
+    Py_ssize_t num_blocks;
+    uint64_t bucket_mask;
+    int32_t head, tail;
+    int32_t *scratch;  /* per-block counters for duplicate checks; all zero between calls */
+    int32_t *ids_buf;  /* per-call id list */
+    int32_t *first_buf, *last_buf;
+    Py_ssize_t buf_cap;
+} Kernel;
+
+#define I32(k, b, f) (((int32_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
+#define I64(k, b, f) (((int64_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
+#define HASHP(k, b) ((k)->meta + (Py_ssize_t)(b) * ROW_BYTES + HASH_BYTE_OFFSET)
+
+/* Shared memory written by another process is not trusted to be sane: every row index read
+ * from it is range-checked before it is dereferenced, so corruption raises
+ * InvariantViolation instead of crashing the process. */
+#define ROW_OK(k, x) ((x) >= 0 && (Py_ssize_t)(x) < (k)->num_blocks + 2)
+#define BLOCK_OK(k, x) ((x) >= 0 && (Py_ssize_t)(x) < (k)->num_blocks)
+
+static void *corrupt(const char *what, long row) {
+    PyObject *msg = PyUnicode_FromFormat("INV-FREE/INV-HASH: corrupt shared state: %s (row %ld)",
+                                         what, row);
+    if (!msg) return NULL;
+    PyObject *exc = PyObject_CallFunction(InvariantViolation, "([O])", msg);
+    Py_DECREF(msg);
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static int kernel_alive(Kernel *k) {
+    if (!k->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "shmkv kernel used after release()");
+        return 0;
+    }
+    return 1;
+}
+
+static int ensure_bufs(Kernel *k, Py_ssize_t n) {
+    if (n <= k->buf_cap) return 1;
+    Py_ssize_t cap = n < 64 ? 64 : n;
+    int32_t *a = PyMem_Realloc(k->ids_buf, cap * sizeof(int32_t));
+    if (!a) { PyErr_NoMemory(); return 0; }
+    k->ids_buf = a;
+    a = PyMem_Realloc(k->first_buf, cap * sizeof(int32_t));
+    if (!a) { PyErr_NoMemory(); return 0; }
+    k->first_buf = a;
+    a = PyMem_Realloc(k->last_buf, cap * sizeof(int32_t));
+    if (!a) { PyErr_NoMemory(); return 0; }
+    k->last_buf = a;
+    k->buf_cap = cap;
+    return 1;
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
+    PyObject *buf, *geometry;
+    Py_ssize_t meta_off, idx_off, num_blocks, num_buckets;
+    if (!PyArg_ParseTuple(args, "OnnnnO", &buf, &meta_off, &idx_off, &num_blocks,
+                          &num_buckets, &geometry))
+        return -1;
+    PyObject *mine = Py_BuildValue(
+        "(iiiiiiiiiiiiiiK)", ROW_I32, ROW_I64, F_REF, F_PREV, F_NEXT, F_INDEX_NEXT, F_GROUP,
+        F_HASH_TOKENS, F_QUEUE_KEY, HASH_BYTE_OFFSET, HASH_BYTES, H_NUM_FREE,
+        H_QUEUE_HEAD_KEY, H_QUEUE_TAIL_KEY, (unsigned long long)GROUP_MIX);
+    if (!mine) return -1;
+    int same = PyObject_RichCompareBool(mine, geometry, Py_EQ);
+    Py_DECREF(mine);
+    if (same < 0) return -1;
+    if (!same) {
+        PyErr_SetString(PyExc_ValueError,
+                        "shmkv._ckernel was built for another block layout; rebuild it");
+        return -1;
+    }
+    if (num_buckets <= 0 || (num_buckets & (num_buckets - 1))) {
+        PyErr_SetString(PyExc_ValueError, "num_buckets must be a power of two");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buf, &k->view, PyBUF_WRITABLE) < 0) return -1;
+    k->has_view = 1;
+    Py_ssize_t need_meta = meta_off + (num_blocks + 2) * ROW_BYTES;
+    Py_ssize_t need_idx = idx_off + num_buckets * 4;
+    if (k->view.len < need_meta || k->view.len < need_idx || meta_off % 8 || idx_off % 4) {
+        PyBuffer_Release(&k->view);
+        k->has_view = 0;
+        PyErr_SetString(PyExc_ValueError, "segment buffer too small for its layout");
+        return -1;
+    }
+    char *base = (char *)k->view.buf;
+    k->meta = base + meta_off;
+    k->hdr64 = (int64_t *)base;
+    k->buckets = (int32_t *)(base + idx_off);
+    k->num_blocks = num_blocks;
+    k->bucket_mask = (uint64_t)num_buckets - 1;
+    k->head = (int32_t)num_blocks;
+    k->tail = (int32_t)num_blocks + 1;
+    k->scratch = PyMem_Calloc(num_blocks ? num_blocks : 1, sizeof(int32_t));
+    if (!k->scratch) {
+        PyBuffer_Release(&k->view);
+        k->has_view = 0;
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Kernel_release(Kernel *k, PyObject *unused) {
+    if (k->has_view) {
+        PyBuffer_Release(&k->view);
+        k->has_view = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static void Kernel_dealloc(Kernel *k) {
+    if (k->has_view) PyBuffer_Release(&k->view);
+    PyMem_Free(k->scratch);
+    PyMem_Free(k->ids_buf);
+    PyMem_Free(k->first_buf);
+    PyMem_Free(k->last_buf);
+    Py_TYPE(k)->tp_free((PyObject *)k);
+}
+
+/* ------------------------------------------------------------------ prefix index */
+
+static inline uint64_t load_u64_le(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static inline uint64_t bucket_of(Kernel *k, const unsigned char *hash, uint32_t group) {
+    uint64_t w = load_u64_le(hash);
+    if (group) w ^= (uint64_t)group * GROUP_MIX;
+    return w & k->bucket_mask;
+}
+
+/* Returns the block, NO_BLOCK on a miss, or -2 (exception set) on a corrupt chain. */
+static int32_t index_lookup(Kernel *k, const unsigned char *hash, uint32_t group) {
+    int32_t cur = k->buckets[bucket_of(k, hash, group)];
+    Py_ssize_t steps = 0;
+    while (cur != NO_BLOCK) {
+        if (!BLOCK_OK(k, cur) || ++steps > k->num_blocks) {
+            corrupt("prefix-index chain leaves the blocks or loops", cur);
+            return -2;
+        }
+        if ((uint32_t)I32(k, cur, F_GROUP) == group &&
+            memcmp(HASHP(k, cur), hash, HASH_BYTES) == 0)
+            return cur;
+        cur = I32(k, cur, F_INDEX_NEXT);
+    }
+    return NO_BLOCK;
+}
+
+/* Unlinks a hashed block from its chain and clears its key (same order as Python:
+ * unlink first, then clear the hash fields). Returns 1 if it held a key. */
+static int index_pop(Kernel *k, int32_t b) {
+    if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) return 0;
+    uint32_t group = (uint32_t)I32(k, b, F_GROUP);
+    uint64_t bucket = bucket_of(k, (const unsigned char *)HASHP(k, b), group);
+    int32_t nxt = I32(k, b, F_INDEX_NEXT);
+    int32_t cur = k->buckets[bucket];
+    if (cur == b) {
+        k->buckets[bucket] = nxt;
+    } else {
+        while (BLOCK_OK(k, cur)) {
+            int32_t after = I32(k, cur, F_INDEX_NEXT);
+            if (after == b) {
+                I32(k, cur, F_INDEX_NEXT) = nxt;
+                break;
+            }
+            cur = after;
+        }
+    }
+    I32(k, b, F_INDEX_NEXT) = NO_BLOCK;
+    I32(k, b, F_HASH_TOKENS) = NO_HASH_TOKENS;
+    I32(k, b, F_GROUP) = 0;
+    return 1;
+}
+
+static PyObject *key_tuple(Kernel *k, int32_t b) {
+    return Py_BuildValue("(y#I)", HASHP(k, b), (Py_ssize_t)HASH_BYTES,
+                         (unsigned int)I32(k, b, F_GROUP));
+}
+
+static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "lookup(block_hash, group_id)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    char *hash;
+    Py_ssize_t len;
+    if (!PyBytes_CheckExact(args[0])) {
+        PyErr_Format(UsageError, "block hash must be bytes, got %.100s", Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    if (PyBytes_AsStringAndSize(args[0], &hash, &len) < 0) return NULL;
+    if (len != HASH_BYTES) {
+        PyErr_Format(UsageError, "block hash must be %d bytes (sha256), got %zd", HASH_BYTES,
+                     len);
+        return NULL;
+    }
+    unsigned long group = PyLong_AsUnsignedLong(args[1]);
+    if (group == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    int32_t found = index_lookup(k, (const unsigned char *)hash, (uint32_t)group);
+    if (found == -2) return NULL;
+    return PyLong_FromLong(found);
+}
+
+static inline PyObject *get_handle(PyObject *handles, PyObject *make, int32_t b) {
+    PyObject *h = PyList_GET_ITEM(handles, b);
+    if (h == Py_None) return PyObject_CallFunction(make, "i", b);
+    Py_INCREF(h);
+    return h;
+}
+
+/* get_cached(block_hash, group_ids, handles, make_handle) -> [handle per group] or None */
+static PyObject *Kernel_get_cached(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "get_cached(block_hash, group_ids, handles, make)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    if (!PyBytes_CheckExact(args[0])) {
+        PyErr_Format(UsageError, "block hash must be bytes, got %.100s", Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    if (PyBytes_GET_SIZE(args[0]) != HASH_BYTES) {
+        PyErr_Format(UsageError, "block hash must be %d bytes (sha256), got %zd", HASH_BYTES,
+                     PyBytes_GET_SIZE(args[0]));
+        return NULL;
+    }
+    const unsigned char *hash = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    PyObject *handles = args[2], *make = args[3];
+    if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {
+        PyErr_SetString(PyExc_TypeError, "handles must be the pool's handle list");
+        return NULL;
+    }
+    PyObject *groups = PySequence_Fast(args[1], "kv_cache_group_ids must be a sequence");
+    if (!groups) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(groups);
+    PyObject **items = PySequence_Fast_ITEMS(groups);
+    PyObject *out = PyList_New(n);
+    if (!out) { Py_DECREF(groups); return NULL; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long group = PyLong_AsUnsignedLong(items[i]);
+        if (group == (unsigned long)-1 && PyErr_Occurred()) goto fail;
+        int32_t b = index_lookup(k, hash, (uint32_t)group);
+        if (b == -2) goto fail;
+        if (b == NO_BLOCK) {
+            Py_DECREF(out);
+            Py_DECREF(groups);
+            Py_RETURN_NONE;
+        }
+        PyObject *h = get_handle(handles, make, b);
+        if (!h) goto fail;
+        PyList_SET_ITEM(out, i, h);
+    }
+    Py_DECREF(groups);
+    return out;
+fail:
+    Py_DECREF(out);
+    Py_DECREF(groups);
+    return NULL;
+}
+
+static PyObject *Kernel_insert(Kernel *k, PyObject *args) {
+    Py_buffer hash;
+    unsigned int group;
+    int block, num_tokens;
+    if (!PyArg_ParseTuple(args, "y*Iii", &hash, &group, &block, &num_tokens)) return NULL;
+    if (!kernel_alive(k) || hash.len != HASH_BYTES || block < 0 || block >= k->num_blocks) {
+        PyBuffer_Release(&hash);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "insert(): bad argument");
+        return NULL;
+    }
+    int32_t b = block;
+    memcpy(HASHP(k, b), hash.buf, HASH_BYTES);
+    PyBuffer_Release(&hash);
+    I32(k, b, F_GROUP) = (int32_t)group;
+    I32(k, b, F_HASH_TOKENS) = num_tokens;
+    I32(k, b, F_INDEX_NEXT) = NO_BLOCK;
+    uint64_t bucket = bucket_of(k, (const unsigned char *)HASHP(k, b), group);
+    int32_t cur = k->buckets[bucket];
+    if (cur == NO_BLOCK) {
+        k->buckets[bucket] = b;
+    } else {
+        int32_t nxt;
+        Py_ssize_t steps = 0;
+        while (BLOCK_OK(k, cur) && (nxt = I32(k, cur, F_INDEX_NEXT)) != NO_BLOCK &&
+               ++steps <= k->num_blocks)
+            cur = nxt;
+        if (!BLOCK_OK(k, cur) || steps > k->num_blocks)
+            return corrupt("prefix-index chain leaves the blocks or loops", cur);
+        I32(k, cur, F_INDEX_NEXT) = b;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Kernel_evict(Kernel *k, PyObject *arg) {
+    long b = PyLong_AsLong(arg);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    if (!kernel_alive(k)) return NULL;
+    if (b < 0 || b >= k->num_blocks) {
+        PyErr_Format(UsageError, "block id %ld is out of range [0, %zd)", b, k->num_blocks);
+        return NULL;
+    }
+    if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) Py_RETURN_NONE;
+    PyObject *key = key_tuple(k, (int32_t)b);
+    if (!key) return NULL;
+    index_pop(k, (int32_t)b);
+    return key;
+}
+
+/* ------------------------------------------------------------------ free queue */
+
+static inline void link_run(Kernel *k, int32_t before, const int32_t *ids, Py_ssize_t n,
+                            int32_t after, int64_t key0) {
+    int32_t prev = before;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        I32(k, b, F_PREV) = prev;
+        I32(k, prev, F_NEXT) = b;
+        I64(k, b, F_QUEUE_KEY) = key0 + i;
+        prev = b;
+    }
+    I32(k, prev, F_NEXT) = after;
+    I32(k, after, F_PREV) = prev;
+}
+
+static void queue_append_n(Kernel *k, const int32_t *ids, Py_ssize_t n) {
+    if (n == 0) return;
+    int64_t key0 = k->hdr64[H_QUEUE_TAIL_KEY] + 1;
+    link_run(k, I32(k, k->tail, F_PREV), ids, n, k->tail, key0);
+    k->hdr64[H_QUEUE_TAIL_KEY] = key0 + n - 1;
+    k->hdr64[H_NUM_FREE] += n;
+}
+
+static void queue_prepend_n(Kernel *k, const int32_t *ids, Py_ssize_t n) {
+    if (n == 0) return;
+    int64_t key0 = k->hdr64[H_QUEUE_HEAD_KEY] - n;
+    link_run(k, k->head, ids, n, I32(k, k->head, F_NEXT), key0);
+    k->hdr64[H_QUEUE_HEAD_KEY] = key0;
+    k->hdr64[H_NUM_FREE] += n;
+}
+
+/* ------------------------------------------------------------------ handles -> ids */
+
+/* Reads .block_id of every handle into k->ids_buf, checking the range. Returns the count,
+ * or -1 with an exception set. `seq` must come from PySequence_Fast. */
+static Py_ssize_t read_ids(Kernel *k, PyObject *seq, const char *what) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (!ensure_bufs(k, n)) return -1;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id_obj = PyObject_GetAttr(items[i], str_block_id);
+        if (!id_obj) {
+            if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear();
+                PyErr_Format(UsageError, "%s() takes KVCacheBlock handles, got %.100s", what,
+                             Py_TYPE(items[i])->tp_name);
+            }
+            return -1;
+        }
+        long b = PyLong_AsLong(id_obj);
+        Py_DECREF(id_obj);
+        if (b == -1 && PyErr_Occurred()) return -1;
+        if (b < 0 || b >= k->num_blocks) {
+            PyErr_Format(UsageError, "%s(): block id %ld is out of range [0, %zd)", what, b,
+                         k->num_blocks);
+            return -1;
+        }
+        k->ids_buf[i] = (int32_t)b;
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------------ pool operations */
+
+/* allocate(n, caching, handles, make_handle, evicted_out) -> list of handles */
+static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "allocate(n, caching, handles, make, evicted_out)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    int caching = PyObject_IsTrue(args[1]);
+    PyObject *handles = args[2], *make = args[3], *evicted_out = args[4];
+    if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {
+        PyErr_SetString(PyExc_TypeError, "handles must be the pool's handle list");
+        return NULL;
+    }
+    int64_t num_free = k->hdr64[H_NUM_FREE];
+    if (n < 0 || n > num_free) {
+        PyErr_Format(OutOfBlocksError, "Cannot get %zd free blocks from the pool", n);
+        return NULL;
+    }
+    if (!ensure_bufs(k, n)) return NULL;
+    /* Everything that can fail (memory for the result and the evicted keys) happens
+     * before the first write, so a failed call changes nothing. */
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    int32_t cur = I32(k, k->head, F_NEXT);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (cur <= NULL_BLOCK_ID || cur >= k->num_blocks) {
+            Py_DECREF(out);
+            return corrupt("free queue links to a row that is not a free block", cur);
+        }
+        k->ids_buf[i] = cur;
+        cur = I32(k, cur, F_NEXT);
+    }
+    if (!ROW_OK(k, cur)) {
+        Py_DECREF(out);
+        return corrupt("free queue links outside the block rows", cur);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = get_handle(handles, make, k->ids_buf[i]);
+        if (!h) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, h);
+    }
+    Py_ssize_t evicted_before = evicted_out == Py_None ? 0 : PyList_GET_SIZE(evicted_out);
+    if (caching && evicted_out != Py_None) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t b = k->ids_buf[i];
+            if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) continue;
+            PyObject *key = key_tuple(k, b);
+            if (!key || PyList_Append(evicted_out, key) < 0) {
+                Py_XDECREF(key);
+                PyList_SetSlice(evicted_out, evicted_before, PY_SSIZE_T_MAX, NULL);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(key);
+        }
+    }
+    /* Pop the run off the head: relink the head sentinel, then clear each block's links. */
+    if (n) {
+        I32(k, k->head, F_NEXT) = cur;
+        I32(k, cur, F_PREV) = k->head;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = k->ids_buf[i];
+        I32(k, b, F_PREV) = NO_BLOCK;
+        I32(k, b, F_NEXT) = NO_BLOCK;
+    }
+    k->hdr64[H_NUM_FREE] = num_free - n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = k->ids_buf[i];
+        if (caching) index_pop(k, b);
+        I32(k, b, F_REF) = 1;
+    }
+    return out;
+}
+
+/* free(blocks, caching): drop one reference per handle; checks first, then writes. */
+static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "free(blocks, caching)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    int caching = PyObject_IsTrue(args[1]);
+    PyObject *seq = PySequence_Fast(args[0], "free_blocks() takes an iterable of blocks");
+    if (!seq) return NULL;
+    Py_ssize_t n = read_ids(k, seq, "free_blocks");
+    Py_DECREF(seq);
+    if (n < 0) return NULL;
+    int32_t *ids = k->ids_buf;
+    /* Check: no block is freed more often than it is referenced. */
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b == NULL_BLOCK_ID) continue;
+        if (I32(k, b, F_REF) < ++k->scratch[b] && bad < 0) bad = i;
+    }
+    if (bad >= 0) {
+        int32_t b = ids[bad];
+        int32_t times = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ids[i] == b) times++;
+        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+        int32_t ref = I32(k, b, F_REF);
+        PyErr_Format(UsageError, "free_blocks(): block %d has ref_cnt %d but is freed %d time(s)%s",
+                     b, ref, times, ref == 0 ? " (it is already free)" : "");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+    if (!ROW_OK(k, I32(k, k->head, F_NEXT)) || !ROW_OK(k, I32(k, k->tail, F_PREV)))
+        return corrupt("a free-queue sentinel links outside the block rows", k->head);
+    Py_ssize_t nfirst = 0, nlast = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b == NULL_BLOCK_ID) continue;
+        int32_t ref = I32(k, b, F_REF) - 1;
+        I32(k, b, F_REF) = ref;
+        if (ref == 0) {
+            if (caching && I32(k, b, F_HASH_TOKENS) != NO_HASH_TOKENS)
+                k->last_buf[nlast++] = b;
+            else
+                k->first_buf[nfirst++] = b;
+        }
+    }
+    queue_prepend_n(k, k->first_buf, nfirst);
+    queue_append_n(k, k->last_buf, nlast);
+    Py_RETURN_NONE;
+}
+
+/* touch(blocks): one more reference each; ref-0 blocks leave the free queue. */
+static PyObject *Kernel_touch(Kernel *k, PyObject *arg) {
+    if (!kernel_alive(k)) return NULL;
+    PyObject *seq = PySequence_Fast(arg, "touch() takes a sequence of blocks");
+    if (!seq) return NULL;
+    Py_ssize_t n = read_ids(k, seq, "touch");
+    Py_DECREF(seq);
+    if (n < 0) return NULL;
+    int32_t *ids = k->ids_buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b != NULL_BLOCK_ID && I32(k, b, F_REF) == 0 &&
+            (!ROW_OK(k, I32(k, b, F_PREV)) || !ROW_OK(k, I32(k, b, F_NEXT)))) {
+            PyErr_Format(UsageError, "touch(): block %d has ref_cnt 0 but is not in the free queue",
+                         b);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b == NULL_BLOCK_ID) continue;
+        int32_t ref = I32(k, b, F_REF);
+        if (ref == 0) {
+            int32_t prev = I32(k, b, F_PREV), nxt = I32(k, b, F_NEXT);
+            I32(k, prev, F_NEXT) = nxt;
+            I32(k, nxt, F_PREV) = prev;
+            I32(k, b, F_PREV) = NO_BLOCK;
+            I32(k, b, F_NEXT) = NO_BLOCK;
+            k->hdr64[H_NUM_FREE] -= 1;
+        }
+        I32(k, b, F_REF) = ref + 1;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Kernel_methods[] = {
+    {"lookup", (PyCFunction)(void (*)(void))Kernel_lookup, METH_FASTCALL,
+     "lookup(block_hash, group_id) -> first-inserted block id holding the key, or -1"},
+    {"get_cached", (PyCFunction)(void (*)(void))Kernel_get_cached, METH_FASTCALL,
+     "get_cached(block_hash, group_ids, handles, make_handle) -> handles or None"},
+    {"insert", (PyCFunction)Kernel_insert, METH_VARARGS,
+     "insert(block_hash, group_id, block_id, num_tokens): give an unhashed block the key"},
+    {"evict", (PyCFunction)Kernel_evict, METH_O,
+     "evict(block_id) -> (hash, group) it held, or None; the key leaves the index"},
+    {"allocate", (PyCFunction)(void (*)(void))Kernel_allocate, METH_FASTCALL,
+     "allocate(n, caching, handles, make_handle, evicted_out) -> list of handles"},
+    {"free", (PyCFunction)(void (*)(void))Kernel_free, METH_FASTCALL,
+     "free(blocks, caching): drop one reference per block, requeue blocks reaching 0"},
+    {"touch", (PyCFunction)Kernel_touch, METH_O,
+     "touch(blocks): add a reference per block, taking ref-0 blocks out of the queue"},
+    {"release", (PyCFunction)Kernel_release, METH_NOARGS,
+     "release(): drop the buffer export of the segment"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject KernelType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmkv._ckernel.Kernel",
+    .tp_basicsize = sizeof(Kernel),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Kernel(buffer, meta_off, idx_off, num_blocks, num_buckets, geometry)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Kernel_init,
+    .tp_dealloc = (destructor)Kernel_dealloc,
+    .tp_methods = Kernel_methods,
+};
+
+static PyObject *set_errors(PyObject *mod, PyObject *args) {
+    PyObject *usage, *oob, *inv;
+    if (!PyArg_ParseTuple(args, "OOO", &usage, &oob, &inv)) return NULL;
+    Py_XSETREF(UsageError, Py_NewRef(usage));
+    Py_XSETREF(OutOfBlocksError, Py_NewRef(oob));
+    Py_XSETREF(InvariantViolation, Py_NewRef(inv));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_errors", set_errors, METH_VARARGS,
+     "set_errors(UsageError, OutOfBlocksError, InvariantViolation): the classes to raise"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "shmkv._ckernel",
+    "C fast path for BlockPool's hot loops (see shmkv/_pykernel.py for the reference).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__ckernel(void) {
+    if (PyType_Ready(&KernelType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    Py_INCREF(&KernelType);
+    if (PyModule_AddObject(m, "Kernel", (PyObject *)&KernelType) < 0) return NULL;
+    str_block_id = PyUnicode_InternFromString("block_id");
+    UsageError = Py_NewRef(PyExc_ValueError);
+    OutOfBlocksError = Py_NewRef(PyExc_ValueError);
+    InvariantViolation = Py_NewRef(PyExc_RuntimeError);
+    return m;
+}

@@ -1,0 +1,129 @@
+"""The two kernels (pure Python, C) make byte-identical shared state, and the C kernel
+treats corrupt shared memory as an error, never as a crash."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from shmkv import BlockPool, InvariantViolation, UsageError
+from shmkv import layout as L
+from shmkv.block_pool import _C_GEOMETRY, _ckernel
+from tests.conftest import unique_pool_name
+from tests.helpers import make_request
+
+needs_c = pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")
+
+
+def _state_bytes(pool: BlockPool) -> bytes:
+    """The segment's bytes with the creator pid (the one field that may differ) zeroed."""
+    raw = bytearray(pool._segment.buf)
+    start = L.HEADER_DTYPE.fields["creator_pid"][1]
+    raw[start:start + 4] = bytes(4)
+    return bytes(raw)
+
+
+def _workload(pool: BlockPool, rng: random.Random) -> list:
+    """A seeded mix of every mutating call; returns what the calls returned."""
+    results = []
+    running = []
+    for step in range(300):
+        op = rng.random()
+        if op < 0.45:
+            req = make_request(rng.randint(1, 80) * 4, first_token=rng.choice([0, 0, 1000, 5000]))
+            hits = []
+            for h in req.block_hashes:
+                found = pool.get_cached_block(h, [0])
+                if found is None:
+                    break
+                hits.append(found[0])
+            pool.touch(hits)
+            need = -(-len(req.all_token_ids) // 16) - len(hits)
+            try:
+                blocks = hits + pool.get_new_blocks(need)
+            except ValueError as exc:
+                results.append(str(exc))
+                pool.free_blocks(reversed(hits))
+                continue
+            pool.cache_full_blocks(req, blocks, len(hits), len(req.block_hashes), 16, 0)
+            running.append(blocks)
+            results.append([b.block_id for b in blocks])
+        elif op < 0.85 and running:
+            pool.free_blocks(reversed(running.pop(rng.randrange(len(running)))))
+        elif op < 0.95:
+            pool.evict_blocks({rng.randrange(pool.num_gpu_blocks)})
+        else:
+            results.append(pool.reset_prefix_cache())
+        results.append(pool.take_events())
+    return results
+
+
+@needs_c
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernels_write_identical_bytes(seed):
+    """The same calls on a Python-kernel pool and a C-kernel pool leave byte-identical
+    segments and return the same results and events."""
+    pools = [
+        BlockPool.create(unique_pool_name(), 97, enable_kv_cache_events=True, kernel=k)
+        for k in ("python", "c")
+    ]
+    try:
+        outcomes = [_workload(p, random.Random(seed)) for p in pools]
+        assert outcomes[0] == outcomes[1]
+        assert _state_bytes(pools[0]) == _state_bytes(pools[1])
+        for p in pools:
+            p.check_invariants()
+    finally:
+        for p in pools:
+            name = p.pool_name
+            p.close()
+            BlockPool.unlink(name)
+
+
+@needs_c
+def test_c_kernel_refuses_another_geometry(make_pool):
+    """A C kernel built for another row layout refuses to run rather than corrupt memory."""
+    pool = make_pool(8, kernel="python")
+    wrong = (_C_GEOMETRY[0] + 1,) + _C_GEOMETRY[1:]
+    lay = pool.layout
+    with pytest.raises(ValueError, match="built for another block layout"):
+        _ckernel.Kernel(pool._segment.buf, lay.offsets["block_meta"],
+                        lay.offsets["index_buckets"], 8, lay.config.num_index_buckets, wrong)
+
+
+@needs_c
+@pytest.mark.parametrize("bad_next", [10**6, -7])
+def test_c_kernel_corrupt_queue_raises_not_crashes(make_pool, bad_next):
+    """A free-queue link that points outside the blocks raises InvariantViolation."""
+    pool = make_pool(8, kernel="c")
+    pool._blocks["next"][2] = bad_next
+    with pytest.raises(InvariantViolation, match="corrupt shared state"):
+        pool.get_new_blocks(5)
+
+
+@needs_c
+def test_c_kernel_corrupt_index_chain_raises_not_loops(make_pool):
+    """A prefix-index chain that loops raises InvariantViolation instead of spinning."""
+    pool = make_pool(8, kernel="c")
+    req = make_request(32)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+    buckets = pool.layout.view(pool._segment.buf, "index_buckets")
+    bucket = int(np.flatnonzero(buckets == blocks[0].block_id)[0])
+    pool._blocks["index_next"][blocks[0].block_id] = blocks[0].block_id  # a self-loop
+    probe = bytes(31) + b"\x01"
+    probe = bytes(8) + probe[8:]  # any hash that lands in that bucket
+    while pool._index.bucket_of(probe, 0) != bucket:
+        probe = bytes([probe[0] + 1]) + probe[1:]
+    with pytest.raises(InvariantViolation, match="prefix-index chain"):
+        pool.get_cached_block(probe, [0])
+
+
+def test_unknown_kernel_is_a_usage_error(pool_name):
+    """kernel= must name a kernel; nothing is left behind when it does not."""
+    with pytest.raises(UsageError, match="kernel must be one of"):
+        BlockPool.create(pool_name, 8, kernel="fortran")
+    with pytest.raises(Exception, match="no shared-memory segment"):
+        BlockPool.attach(pool_name)
