@@ -33,14 +33,16 @@ about ``--work`` units (blocks or lookups); ``--warmup`` repeats are run and dro
 first) so slow drift hits both alike. Reported: the median and the min over the repeats,
 in ns per unit; ``ratio`` is vLLM's median over shmkv's (> 1 means shmkv is faster).
 
-Output: stdout carries a readable aligned table (op | n | shmkv ns | vLLM ns | vLLM/shmkv,
-medians, then the two mins).
-``--json PATH`` also writes one JSON object per (op, n, impl) to PATH, one per line, with at
-least ``bench, op, n, impl, unit, ns_per_block`` (= the median), ``median_ns, min_ns,
-repeats, warmup, units_per_repeat, num_blocks, ratio`` (null unless both impls ran) and the
-raw ``samples_ns``; ``--json -`` writes them to stdout and moves the table to stderr, so
-stdout stays pure JSON lines. Progress goes to stderr (one self-rewriting line on a
-terminal, one line per op otherwise; ``--no-progress`` silences it).
+Implementations: ``shmkv`` (the default build: the C kernel), ``shmkv-py`` (the pure-Python
+kernel, what an install without a C compiler runs) and ``vllm``.
+
+Output: stdout carries one JSON object per (op, n, impl), one per line, with at least
+``bench, op, n, impl, kernel, unit, ns_per_block`` (= the median), ``median_ns, min_ns,
+repeats, warmup, units_per_repeat, num_blocks, ratio`` (vLLM's median over this impl's; null
+without vLLM) and the raw ``samples_ns``; then a blank line and a readable aligned table
+(op | n | shmkv ns | shmkv-py ns | vLLM ns | vLLM/shmkv | vLLM/shmkv-py, medians).
+``--json PATH`` also writes the JSON lines to PATH. Progress goes to stderr (one
+self-rewriting line on a terminal, one line per op otherwise; ``--no-progress`` silences it).
 
 Examples::
 
@@ -262,6 +264,11 @@ def import_vllm_block_pool():
         return None, f"{type(exc).__name__}: {exc}"
 
 
+# shmkv implementations benchmarked: "shmkv" is the default build (the C kernel when it is
+# built), "shmkv-py" the pure-Python kernel every install has.
+SHMKV_KERNELS = {"shmkv": "c", "shmkv-py": "python"}
+
+
 class Pools:
     """Makes the pools of one case and tears them down (shmkv: close + unlink)."""
 
@@ -273,11 +280,11 @@ class Pools:
         self._shm: list[tuple[ShmBlockPool, str]] = []
 
     def make(self, impl: str):
-        if impl == "shmkv":
+        if impl in SHMKV_KERNELS:
             Pools._seq += 1
             name = f"bench-{os.getpid()}-{Pools._seq}"
             pool = ShmBlockPool.create(name, self.num_blocks, enable_caching=True,
-                                       hash_block_size=BLOCK_SIZE)
+                                       hash_block_size=BLOCK_SIZE, kernel=SHMKV_KERNELS[impl])
             self._shm.append((pool, name))
             return pool
         return self.vllm_cls(self.num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE)
@@ -354,8 +361,8 @@ class Result:
         s = self.samples.get(impl)
         return min(s) if s else None
 
-    def ratio(self) -> float | None:
-        s, v = self.median("shmkv"), self.median("vllm")
+    def ratio(self, impl: str = "shmkv") -> float | None:
+        s, v = self.median(impl), self.median("vllm")
         return v / s if s and v else None
 
 
@@ -389,7 +396,6 @@ def json_rows(results: list[Result], cfg: Config, repeats: int, warmup: int,
               vllm_version: str | None) -> list[dict]:
     rows = []
     for res in results:
-        ratio = res.ratio()
         for impl, samples in res.samples.items():
             med = statistics.median(samples)
             rows.append({
@@ -405,7 +411,9 @@ def json_rows(results: list[Result], cfg: Config, repeats: int, warmup: int,
                 "warmup": warmup,
                 "units_per_repeat": res.units_per_repeat,
                 "num_blocks": cfg.num_blocks,
-                "ratio": round(ratio, 4) if ratio is not None else None,
+                "kernel": SHMKV_KERNELS.get(impl),
+                "ratio": (round(res.ratio(impl), 4) if res.ratio(impl) is not None else None)
+                if impl != "vllm" else None,
                 "samples_ns": [round(s, 2) for s in samples],
                 "python": platform.python_version(),
                 "shmkv_version": shmkv.__version__,
@@ -419,13 +427,15 @@ def format_table(results: list[Result], cfg: Config, repeats: int, warmup: int,
     def ns(x: float | None) -> str:
         return "-" if x is None else f"{x:,.1f}"
 
-    header = ("op", "n", "shmkv ns", "vLLM ns", "vLLM/shmkv", "shmkv min", "vLLM min")
+    def x(r: float | None) -> str:
+        return "-" if r is None else f"{r:.2f}x"
+
+    header = ("op", "n", "shmkv ns", "shmkv-py ns", "vLLM ns", "vLLM/shmkv", "vLLM/shmkv-py")
     body = []
     for res in results:
-        ratio = res.ratio()
         body.append((res.case.op, str(res.case.n), ns(res.median("shmkv")),
-                     ns(res.median("vllm")), "-" if ratio is None else f"{ratio:.2f}x",
-                     ns(res.minimum("shmkv")), ns(res.minimum("vllm"))))
+                     ns(res.median("shmkv-py")), ns(res.median("vllm")),
+                     x(res.ratio("shmkv")), x(res.ratio("shmkv-py"))))
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     align = ["<", ">", ">", ">", ">", ">", ">"]
 
@@ -437,8 +447,8 @@ def format_table(results: list[Result], cfg: Config, repeats: int, warmup: int,
         f"BlockPool micro-benchmark: num_blocks={cfg.num_blocks}, block size {BLOCK_SIZE}, "
         f"~{cfg.work} units/repeat, median of {repeats} repeats ({warmup} warm-up), "
         f"python {platform.python_version()}, {vllm_note}",
-        "ns per block (get_cached_block: per lookup), medians then mins; "
-        "vLLM/shmkv (of the medians) > 1 means shmkv is faster",
+        "median ns per block (get_cached_block: per lookup); shmkv = C kernel, shmkv-py = "
+        "pure-Python kernel; vLLM/shmkv > 1 means shmkv is faster",
         line(header), rule, *map(line, body),
     ]
     return "\n".join(out)
@@ -462,7 +472,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ops", default=None,
                    help=f"comma-separated subset of: {', '.join(OP_NAMES)}")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="write JSON lines to PATH ('-': stdout, and the table goes to stderr)")
+                   help="also write the JSON lines to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     args = p.parse_args(argv)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
@@ -502,7 +512,10 @@ def main(argv: list[str] | None = None) -> int:
             if progress_on:
                 print(f"  vLLM {vllm_version} imported in {time.monotonic() - t0:.1f}s",
                       file=sys.stderr, flush=True)
-    impls = ["shmkv"] + (["vllm"] if vllm_cls is not None else [])
+    from shmkv.block_pool import _ckernel
+
+    impls = (["shmkv"] if _ckernel is not None else []) + ["shmkv-py"]
+    impls += ["vllm"] if vllm_cls is not None else []
 
     # Move everything imported so far (torch and vLLM: millions of objects) out of the GC's
     # reach, so the gc.collect() before each repeat costs microseconds, not 0.3 s.
@@ -529,17 +542,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = json_rows(results, cfg, args.repeats, args.warmup, vllm_version)
     table = format_table(results, cfg, args.repeats, args.warmup, vllm_note)
-    table_out = sys.stdout
-    if args.json == "-":
-        for row in rows:
-            print(json.dumps(row), flush=True)
-        table_out = sys.stderr
-    elif args.json:
+    for row in rows:
+        print(json.dumps(row))
+    if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {len(rows)} JSON lines to {path}", file=sys.stderr)
-    print(table, file=table_out, flush=True)
+    print()
+    print(table, flush=True)
     return 0
 
 

@@ -319,6 +319,33 @@ fail:
     return NULL;
 }
 
+/* Gives an unhashed block a key and links it at the tail of its bucket chain (hash fields
+ * first, then the link). Returns 0 with an exception set on a corrupt chain. */
+static int index_insert(Kernel *k, const unsigned char *hash, uint32_t group, int32_t b,
+                        int32_t num_tokens) {
+    memcpy(HASHP(k, b), hash, HASH_BYTES);
+    I32(k, b, F_GROUP) = (int32_t)group;
+    I32(k, b, F_HASH_TOKENS) = num_tokens;
+    I32(k, b, F_INDEX_NEXT) = NO_BLOCK;
+    uint64_t bucket = bucket_of(k, hash, group);
+    int32_t cur = k->buckets[bucket];
+    if (cur == NO_BLOCK) {
+        k->buckets[bucket] = b;
+        return 1;
+    }
+    int32_t nxt;
+    Py_ssize_t steps = 0;
+    while (BLOCK_OK(k, cur) && (nxt = I32(k, cur, F_INDEX_NEXT)) != NO_BLOCK &&
+           ++steps <= k->num_blocks)
+        cur = nxt;
+    if (!BLOCK_OK(k, cur) || steps > k->num_blocks) {
+        corrupt("prefix-index chain leaves the blocks or loops", cur);
+        return 0;
+    }
+    I32(k, cur, F_INDEX_NEXT) = b;
+    return 1;
+}
+
 static PyObject *Kernel_insert(Kernel *k, PyObject *args) {
     Py_buffer hash;
     unsigned int group;
@@ -329,26 +356,9 @@ static PyObject *Kernel_insert(Kernel *k, PyObject *args) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "insert(): bad argument");
         return NULL;
     }
-    int32_t b = block;
-    memcpy(HASHP(k, b), hash.buf, HASH_BYTES);
+    int ok = index_insert(k, (const unsigned char *)hash.buf, group, block, num_tokens);
     PyBuffer_Release(&hash);
-    I32(k, b, F_GROUP) = (int32_t)group;
-    I32(k, b, F_HASH_TOKENS) = num_tokens;
-    I32(k, b, F_INDEX_NEXT) = NO_BLOCK;
-    uint64_t bucket = bucket_of(k, (const unsigned char *)HASHP(k, b), group);
-    int32_t cur = k->buckets[bucket];
-    if (cur == NO_BLOCK) {
-        k->buckets[bucket] = b;
-    } else {
-        int32_t nxt;
-        Py_ssize_t steps = 0;
-        while (BLOCK_OK(k, cur) && (nxt = I32(k, cur, F_INDEX_NEXT)) != NO_BLOCK &&
-               ++steps <= k->num_blocks)
-            cur = nxt;
-        if (!BLOCK_OK(k, cur) || steps > k->num_blocks)
-            return corrupt("prefix-index chain leaves the blocks or loops", cur);
-        I32(k, cur, F_INDEX_NEXT) = b;
-    }
+    if (!ok) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -597,9 +607,128 @@ static PyObject *Kernel_touch(Kernel *k, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask,
+ *       evicted_out) -> [(position, hash)]: keys for a range of a request's blocks. */
+static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "cache(blocks, fine_hashes, num_cached, ratio, "
+                                         "block_size, group_id, block_mask, evicted_out)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    Py_ssize_t num_cached = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t ratio = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    unsigned long group = PyLong_AsUnsignedLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *mask = args[6], *evicted_out = args[7];
+    PyObject *seq = PySequence_Fast(args[0], "cache_full_blocks() takes a sequence of blocks");
+    if (!seq) return NULL;
+    Py_ssize_t n = read_ids(k, seq, "cache_full_blocks");
+    Py_DECREF(seq);
+    if (n < 0) return NULL;
+    PyObject *hashes = PySequence_Fast(args[1], "block_hashes must be a sequence");
+    if (!hashes) return NULL;
+    Py_ssize_t num_hashes = PySequence_Fast_GET_SIZE(hashes);
+    PyObject **hash_items = PySequence_Fast_ITEMS(hashes);
+    int32_t *ids = k->ids_buf;
+    /* first_buf[j] = the position i of the j-th block to cache. */
+    Py_ssize_t m = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b == NULL_BLOCK_ID) continue;
+        if (mask != Py_None) {
+            PyObject *flag = PySequence_GetItem(mask, i);
+            if (!flag) goto done;
+            int keep = PyObject_IsTrue(flag);
+            Py_DECREF(flag);
+            if (keep < 0) goto done;
+            if (!keep) continue;
+        }
+        if (k->scratch[b]) {
+            PyErr_Format(UsageError,
+                         "cache_full_blocks(): block %d appears twice in the blocks to cache", b);
+            goto done;
+        }
+        k->scratch[b] = 1;
+        Py_ssize_t position = num_cached + i;
+        Py_ssize_t h_index = (position + 1) * ratio - 1;
+        if (h_index < 0 || h_index >= num_hashes) {
+            PyErr_Format(UsageError, "cache_full_blocks(): block hash %zd is missing", position);
+            goto done;
+        }
+        PyObject *h = hash_items[h_index];
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != HASH_BYTES) {
+            if (PyBytes_CheckExact(h))
+                PyErr_Format(UsageError,
+                             "cache_full_blocks(): block hash %zd must be %d bytes, got bytes "
+                             "of %zd bytes", position, HASH_BYTES, PyBytes_GET_SIZE(h));
+            else
+                PyErr_Format(UsageError,
+                             "cache_full_blocks(): block hash %zd must be %d bytes, got %.100s",
+                             position, HASH_BYTES, Py_TYPE(h)->tp_name);
+            goto done;
+        }
+        Py_ssize_t num_tokens = (position + 1) * block_size;
+        int32_t held = I32(k, b, F_HASH_TOKENS);
+        if (held != NO_HASH_TOKENS && held >= num_tokens) {
+            PyErr_Format(UsageError,
+                         "cache_full_blocks(): block %d is already cached (%d tokens, asked "
+                         "for %zd)", b, held, num_tokens);
+            goto done;
+        }
+        k->first_buf[m++] = (int32_t)i;
+    }
+    /* Results and evicted keys are built before the first write. */
+    result = PyList_New(m);
+    if (!result) goto done;
+    Py_ssize_t evicted_before = evicted_out == Py_None ? 0 : PyList_GET_SIZE(evicted_out);
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_ssize_t i = k->first_buf[j], position = num_cached + i;
+        PyObject *h = hash_items[(position + 1) * ratio - 1];
+        PyObject *item = Py_BuildValue("(nO)", position, h);
+        if (!item) { Py_CLEAR(result); break; }
+        PyList_SET_ITEM(result, j, item);
+        int32_t b = ids[i];
+        if (evicted_out != Py_None && I32(k, b, F_HASH_TOKENS) != NO_HASH_TOKENS) {
+            PyObject *key = key_tuple(k, b);
+            if (!key || PyList_Append(evicted_out, key) < 0) {
+                Py_XDECREF(key);
+                Py_CLEAR(result);
+                break;
+            }
+            Py_DECREF(key);
+        }
+    }
+    if (!result) {
+        if (evicted_out != Py_None)
+            PyList_SetSlice(evicted_out, evicted_before, PY_SSIZE_T_MAX, NULL);
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_ssize_t i = k->first_buf[j], position = num_cached + i;
+        int32_t b = ids[i];
+        PyObject *h = hash_items[(position + 1) * ratio - 1];
+        index_pop(k, b); /* a shorter key on the same block gives way to the full one */
+        if (!index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group, b,
+                          (int32_t)((position + 1) * block_size))) {
+            Py_CLEAR(result);
+            goto done;
+        }
+    }
+done:
+    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+    Py_DECREF(hashes);
+    return result;
+}
+
 static PyMethodDef Kernel_methods[] = {
     {"lookup", (PyCFunction)(void (*)(void))Kernel_lookup, METH_FASTCALL,
      "lookup(block_hash, group_id) -> first-inserted block id holding the key, or -1"},
+    {"cache", (PyCFunction)(void (*)(void))Kernel_cache, METH_FASTCALL,
+     "cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask, "
+     "evicted_out) -> [(position, hash)]"},
     {"get_cached", (PyCFunction)(void (*)(void))Kernel_get_cached, METH_FASTCALL,
      "get_cached(block_hash, group_ids, handles, make_handle) -> handles or None"},
     {"insert", (PyCFunction)Kernel_insert, METH_VARARGS,

@@ -9,6 +9,8 @@ Kernel interface (both kernels):
 
 - ``allocate(n, caching, handles, make_handle, evicted_out) -> list[KVCacheBlock]``
 - ``free(blocks, caching)`` / ``touch(blocks)``
+- ``cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask,
+  evicted_out) -> [(position, hash)]``
 - ``get_cached(block_hash, group_ids, handles, make_handle) -> list | None``
 - ``lookup(block_hash, group_id) -> int`` / ``insert(block_hash, group_id, block_id,
   num_tokens)`` / ``evict(block_id) -> (hash, group) | None``
@@ -91,6 +93,51 @@ class PyKernel:
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:
         self._index.insert(block_hash, group_id, block_id, num_tokens)
+
+    def cache(self, blocks, fine_hashes, num_cached: int, ratio: int, block_size: int,
+              group_id: int, block_mask, evicted_out: list | None) -> list[tuple[int, bytes]]:
+        """Gives ``blocks`` (the range ``[num_cached, num_cached + len(blocks))`` of a request)
+        their keys; null and masked-out blocks are skipped. Checks everything first.
+
+        Returns:
+            (block position in the request, hash) of each block cached, in order.
+        """
+        ids = self._read_ids(blocks, "cache_full_blocks")
+        i32 = self._i32
+        plan: list[tuple[int, int, bytes, int, bool]] = []
+        planned: set[int] = set()
+        for i, block_id in enumerate(ids):
+            if block_id == _NULL or (block_mask is not None and not block_mask[i]):
+                continue
+            if block_id in planned:
+                raise UsageError(
+                    f"cache_full_blocks(): block {block_id} appears twice in the blocks to cache"
+                )
+            planned.add(block_id)
+            position = num_cached + i
+            block_hash = fine_hashes[(position + 1) * ratio - 1]
+            if type(block_hash) is not bytes or len(block_hash) != _HASH_BYTES:
+                raise UsageError(
+                    f"cache_full_blocks(): block hash {position} must be {_HASH_BYTES} bytes, "
+                    f"got {type(block_hash).__name__}"
+                    + (f" of {len(block_hash)} bytes" if type(block_hash) is bytes else "")
+                )
+            num_tokens = (position + 1) * block_size
+            held = i32[block_id * _R + _HTOK]
+            if held != _NO_HASH_TOKENS and held >= num_tokens:
+                raise UsageError(
+                    f"cache_full_blocks(): block {block_id} is already cached "
+                    f"({held} tokens, asked for {num_tokens})"
+                )
+            plan.append((position, block_id, block_hash, num_tokens, held != _NO_HASH_TOKENS))
+        index = self._index
+        for _, block_id, block_hash, num_tokens, rehash in plan:
+            if rehash:  # a shorter key on the same block gives way to the full one
+                key = index.pop(block_id)
+                if evicted_out is not None:
+                    evicted_out.append(key)
+            index.insert(block_hash, group_id, block_id, num_tokens)
+        return [(position, block_hash) for position, _, block_hash, _, _ in plan]
 
     def evict(self, block_id: int) -> tuple[bytes, int] | None:
         return self._index.pop(block_id)

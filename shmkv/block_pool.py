@@ -435,6 +435,7 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         for label, value in (("num_cached_blocks", num_cached_blocks),
+                             ("num_full_blocks", num_full_blocks),
                              ("block_size", block_size),
                              ("kv_cache_group_id", kv_cache_group_id)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -466,49 +467,23 @@ class BlockPool:
                 f"{hbs} tokens, {len(fine_hashes) // ratio} at block size {block_size}; "
                 f"{num_full_blocks} are needed"
             )
-        ids = self._block_ids(new_full, "cache_full_blocks")
-        i32 = self._i32
-
-        # Check everything before the first write, so a rejected call changes nothing.
-        plan: list[tuple[int, bytes, int, bool]] = []
-        planned: set[int] = set()
-        for i, block_id in enumerate(ids):
-            if block_id == _NULL or (block_mask is not None and not block_mask[i]):
-                continue
-            if block_id in planned:
-                raise UsageError(
-                    f"cache_full_blocks(): block {block_id} appears twice in the blocks to cache"
-                )
-            planned.add(block_id)
-            block_hash = fine_hashes[(num_cached_blocks + i + 1) * ratio - 1]
-            if not isinstance(block_hash, bytes) or len(block_hash) != _HASH_BYTES:
-                raise UsageError(
-                    f"cache_full_blocks(): block hash {num_cached_blocks + i} must be "
-                    f"{_HASH_BYTES} bytes, got {block_hash!r:.80}"
-                )
-            num_tokens = (num_cached_blocks + i + 1) * block_size
-            held = i32[block_id * _R + _HTOK]
-            if held != _NO_HASH_TOKENS and held >= num_tokens:
-                raise UsageError(
-                    f"cache_full_blocks(): block {block_id} is already cached "
-                    f"({held} tokens, asked for {num_tokens})"
-                )
-            plan.append((block_id, block_hash, num_tokens, held != _NO_HASH_TOKENS))
-
-        for block_id, block_hash, num_tokens, rehash in plan:
-            if rehash:  # a shorter key on the same block gives way to the full one
-                self._evict_cached(block_id)
-            self._kernel.insert(block_hash, kv_cache_group_id, block_id, num_tokens)
+        evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
+        cached = self._kernel.cache(
+            new_full, fine_hashes, num_cached_blocks, ratio, block_size, kv_cache_group_id,
+            block_mask, evicted,
+        )
+        if evicted:  # shorter keys the blocks held gave way to the full ones
+            self._record_removed(evicted)
 
         if self.enable_kv_cache_events:
             self._event_queue.append(
                 self._block_stored_event(
-                    request, plan, num_cached_blocks, num_full_blocks, block_size,
+                    request, cached, num_cached_blocks, num_full_blocks, block_size,
                     kv_cache_group_id, fine_hashes, ratio,
                 )
             )
 
-    def _block_stored_event(self, request, plan, num_cached_blocks, num_full_blocks,
+    def _block_stored_event(self, request, cached, num_cached_blocks, num_full_blocks,
                             block_size, group_id, fine_hashes, ratio) -> BlockStored:
         as_int = use_int_block_hashes()
         parent = (
@@ -519,16 +494,16 @@ class BlockPool:
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
         extra_keys: list[tuple[Any, ...] | None] = []
-        for _, _, num_tokens, _ in plan:
+        for position, _ in cached:
             keys: list[Any] = []
             if lora is not None:
                 keys.append(getattr(lora, "lora_name", None) or lora.name)
-            if salt and num_tokens == block_size:  # the salt only marks the first block
+            if salt and position == 0:  # the salt only marks the block at token 0
                 keys.append(salt)
             extra_keys.append(tuple(keys) if keys else None)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
-            block_hashes=[external_block_hash(h, as_int) for _, h, _, _ in plan],
+            block_hashes=[external_block_hash(h, as_int) for _, h in cached],
             parent_block_hash=parent,
             token_ids=list(request.all_token_ids[start:end]),
             block_size=block_size,
