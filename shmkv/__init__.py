@@ -19,28 +19,59 @@ from shmkv.errors import (
 )
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from shmkv.free_queue import FreeKVCacheBlockQueue
+from shmkv.hashing import (
+    DEFAULT_NONE_HASH_SEED,
+    HASH_FN_NAMES,
+    BlockHashListWithBlockSize,
+    RequestBlockHasher,
+    generate_block_hash_extra_keys,
+    get_hash_fn_by_name,
+    get_request_block_hasher,
+    hash_block_tokens,
+    none_hash,
+    sha256,
+    sha256_cbor,
+    to_event_extra_keys,
+)
 from shmkv.layout import LAYOUT_VERSION, NULL_BLOCK_ID
+from shmkv.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllBlocksCleared",
+    "BlockHashListWithBlockSize",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "DEFAULT_NONE_HASH_SEED",
     "FreeKVCacheBlockQueue",
+    "HASH_FN_NAMES",
     "InvariantViolation",
     "KVCacheBlock",
     "KVEventBatch",
     "LAYOUT_VERSION",
     "LayoutMismatchError",
+    "LoRARequest",
+    "MultiModalFeatureSpec",
     "NULL_BLOCK_ID",
     "OutOfBlocksError",
+    "PlaceholderRange",
     "PoolClosedError",
     "ProtocolError",
+    "Request",
+    "RequestBlockHasher",
     "SegmentError",
     "SegmentExistsError",
     "SegmentNotFoundError",
     "ShmKVError",
     "UsageError",
+    "generate_block_hash_extra_keys",
+    "get_hash_fn_by_name",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+    "none_hash",
+    "sha256",
+    "sha256_cbor",
+    "to_event_extra_keys",
 ]

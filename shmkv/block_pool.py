@@ -46,6 +46,7 @@ from shmkv.events import (
 )
 from shmkv._pykernel import PyKernel
 from shmkv.free_queue import FreeKVCacheBlockQueue
+from shmkv.hashing import generate_block_hash_extra_keys, to_event_extra_keys
 from shmkv.prefix_index import BlockHashToBlockMap
 from shmkv.segment import Segment, read_config, write_header
 
@@ -492,15 +493,16 @@ class BlockPool:
             else None
         )
         lora = getattr(request, "lora_request", None)
-        salt = getattr(request, "cache_salt", None)
-        extra_keys: list[tuple[Any, ...] | None] = []
+        # One entry per cached block, as vLLM: the block's hash extra keys (LoRA,
+        # multimodal, cache_salt, prompt embeds) in their untagged event form.
+        block_keys = []
+        mm_idx = 0
         for position, _ in cached:
-            keys: list[Any] = []
-            if lora is not None:
-                keys.append(getattr(lora, "lora_name", None) or lora.name)
-            if salt and position == 0:  # the salt only marks the block at token 0
-                keys.append(salt)
-            extra_keys.append(tuple(keys) if keys else None)
+            keys, mm_idx = generate_block_hash_extra_keys(
+                request, position * block_size, (position + 1) * block_size, mm_idx
+            )
+            block_keys.append(keys)
+        extra_keys = to_event_extra_keys(block_keys)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
             block_hashes=[external_block_hash(h, as_int) for _, h in cached],
@@ -510,7 +512,7 @@ class BlockPool:
             lora_id=lora.adapter_id if lora is not None else None,
             medium=self.medium,
             lora_name=lora.name if lora is not None else None,
-            extra_keys=extra_keys or None,
+            extra_keys=extra_keys,
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
         )

@@ -1,0 +1,92 @@
+"""Process liveness that pid reuse cannot fool: one OFD lock per process-table slot.
+
+Every attached process holds an open-file-description (OFD) write lock on byte ``slot`` of
+the pool's lock file (``/dev/shm/<segment name>.alive``) for as long as it is attached. The
+kernel drops the lock when the last descriptor of that open file goes away, which includes
+the process dying by any signal. Another process asks the kernel whether byte ``slot`` is
+still locked (``F_OFD_GETLK``): a free byte means the slot's owner is gone, whatever pid now
+runs. This is LMDB's reader-table trick, with OFD locks so that closing some other
+descriptor of the file never drops a lock by accident.
+
+Linux only (``fcntl.F_OFD_*``, Linux >= 3.15).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+
+from shmkv.errors import SegmentError
+
+# struct flock on Linux x86_64 / aarch64: short l_type, short l_whence, off_t l_start,
+# off_t l_len, pid_t l_pid, padded to 32 bytes. l_pid must be 0 for OFD locks.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def alive_path(shm_name: str) -> str:
+    """The lock file of a pool, beside its segment in /dev/shm."""
+    return f"/dev/shm{shm_name}.alive"
+
+
+def _flock(lock_type: int, byte: int) -> bytes:
+    return _FLOCK.pack(lock_type, os.SEEK_SET, byte, 1, 0)
+
+
+class AliveLocks:
+    """This process's view of the pool's lock file: claim a slot, test other slots."""
+
+    def __init__(self, path: str, *, create: bool) -> None:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        try:
+            self._fd = os.open(path, flags, 0o600)
+        except FileNotFoundError as exc:
+            raise SegmentError(f"the pool's lock file {path} is missing") from exc
+        self.path = path
+        self.held_slot: int | None = None
+
+    def claim(self, slot: int) -> bool:
+        """Takes the lock on byte ``slot``; False if a live process holds it."""
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, slot))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        self.held_slot = slot
+        return True
+
+    def release(self, slot: int) -> None:
+        """Drops this process's lock on byte ``slot``."""
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, slot))
+        if self.held_slot == slot:
+            self.held_slot = None
+
+    def is_alive(self, slot: int) -> bool:
+        """Whether some process (this one included) holds byte ``slot``."""
+        if slot == self.held_slot:
+            return True
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, slot))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    def close(self) -> None:
+        """Closes the descriptor, which drops every lock this process held on the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self.held_slot = None
+
+
+def process_start_ticks(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot), 0 if unknown.
+
+    Recorded with the pid so a reader can tell a reused pid from the original process.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # The command name (field 2) may contain spaces; fields after it follow the last ')'.
+    return int(stat.rsplit(b")", 1)[1].split()[19])
