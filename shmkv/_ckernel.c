@@ -29,9 +29,9 @@
 #define HASH_BYTES 32
 #define ROW_BYTES 64
 /* Header int64 words. */
-#define H_NUM_FREE 9
-#define H_QUEUE_HEAD_KEY 10
-#define H_QUEUE_TAIL_KEY 11
+#define H_NUM_FREE 17
+#define H_QUEUE_HEAD_KEY 18
+#define H_QUEUE_TAIL_KEY 19
 #define NO_BLOCK (-1)
 #define NO_HASH_TOKENS 0
 #define NULL_BLOCK_ID 0
@@ -49,6 +49,7 @@ typedef struct {
     char *meta;       /* block_meta region */
     int64_t *hdr64;   /* header, as int64 words */
     int32_t *buckets; /* index_buckets region */
+    int32_t *ledger;  /* this process's row of the ledger: references it holds per block */
     Py_ssize_t num_blocks;
     uint64_t bucket_mask;
     int32_t head, tail;
@@ -109,8 +110,8 @@ static int ensure_bufs(Kernel *k, Py_ssize_t n) {
 
 static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     PyObject *buf, *geometry;
-    Py_ssize_t meta_off, idx_off, num_blocks, num_buckets;
-    if (!PyArg_ParseTuple(args, "OnnnnO", &buf, &meta_off, &idx_off, &num_blocks,
+    Py_ssize_t meta_off, idx_off, ledger_off, num_blocks, num_buckets;
+    if (!PyArg_ParseTuple(args, "OnnnnnO", &buf, &meta_off, &idx_off, &ledger_off, &num_blocks,
                           &num_buckets, &geometry))
         return -1;
     PyObject *mine = Py_BuildValue(
@@ -134,7 +135,9 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     k->has_view = 1;
     Py_ssize_t need_meta = meta_off + (num_blocks + 2) * ROW_BYTES;
     Py_ssize_t need_idx = idx_off + num_buckets * 4;
-    if (k->view.len < need_meta || k->view.len < need_idx || meta_off % 8 || idx_off % 4) {
+    Py_ssize_t need_ledger = ledger_off + num_blocks * 4;
+    if (k->view.len < need_meta || k->view.len < need_idx || k->view.len < need_ledger ||
+        meta_off % 8 || idx_off % 4 || ledger_off % 4) {
         PyBuffer_Release(&k->view);
         k->has_view = 0;
         PyErr_SetString(PyExc_ValueError, "segment buffer too small for its layout");
@@ -144,6 +147,7 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     k->meta = base + meta_off;
     k->hdr64 = (int64_t *)base;
     k->buckets = (int32_t *)(base + idx_off);
+    k->ledger = (int32_t *)(base + ledger_off);
     k->num_blocks = num_blocks;
     k->bucket_mask = (uint64_t)num_buckets - 1;
     k->head = (int32_t)num_blocks;
@@ -515,6 +519,7 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
         int32_t b = k->ids_buf[i];
         if (caching) index_pop(k, b);
         I32(k, b, F_REF) = 1;
+        k->ledger[b] += 1;
     }
     return out;
 }
@@ -551,6 +556,21 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
                      b, ref, times, ref == 0 ? " (it is already free)" : "");
         return NULL;
     }
+    /* ... and no block is freed more often than this process references it. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b != NULL_BLOCK_ID && k->ledger[b] < k->scratch[b] && bad < 0) bad = i;
+    }
+    if (bad >= 0) {
+        int32_t b = ids[bad];
+        int32_t times = k->scratch[b];
+        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+        PyErr_Format(UsageError,
+                     "free_blocks(): block %d is freed %d time(s) but this process holds %d "
+                     "reference(s) to it (ref_cnt %d)",
+                     b, times, k->ledger[b], I32(k, b, F_REF));
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
     if (!ROW_OK(k, I32(k, k->head, F_NEXT)) || !ROW_OK(k, I32(k, k->tail, F_PREV)))
         return corrupt("a free-queue sentinel links outside the block rows", k->head);
@@ -560,6 +580,7 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
         if (b == NULL_BLOCK_ID) continue;
         int32_t ref = I32(k, b, F_REF) - 1;
         I32(k, b, F_REF) = ref;
+        k->ledger[b] -= 1;
         if (ref == 0) {
             if (caching && I32(k, b, F_HASH_TOKENS) != NO_HASH_TOKENS)
                 k->last_buf[nlast++] = b;
@@ -603,6 +624,7 @@ static PyObject *Kernel_touch(Kernel *k, PyObject *arg) {
             k->hdr64[H_NUM_FREE] -= 1;
         }
         I32(k, b, F_REF) = ref + 1;
+        k->ledger[b] += 1;
     }
     Py_RETURN_NONE;
 }
@@ -751,7 +773,7 @@ static PyTypeObject KernelType = {
     .tp_name = "shmkv._ckernel.Kernel",
     .tp_basicsize = sizeof(Kernel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Kernel(buffer, meta_off, idx_off, num_blocks, num_buckets, geometry)",
+    .tp_doc = "Kernel(buffer, meta_off, idx_off, ledger_off, num_blocks, num_buckets, geometry)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Kernel_init,
     .tp_dealloc = (destructor)Kernel_dealloc,

@@ -43,8 +43,10 @@ class PyKernel:
     """BlockPool's mutations over the free queue and the prefix index, in Python."""
 
     def __init__(self, i32, queue: FreeKVCacheBlockQueue, index: BlockHashToBlockMap,
-                 blocks: np.ndarray, num_blocks: int) -> None:
+                 blocks: np.ndarray, ledger_row: np.ndarray, num_blocks: int) -> None:
         self._i32 = i32
+        self._ledger_np = ledger_row
+        self._ledger = memoryview(ledger_row)
         self._queue = queue
         self._index = index
         self._ref_col = blocks["ref_cnt"]
@@ -52,6 +54,8 @@ class PyKernel:
         self._num_blocks = num_blocks
 
     def release(self) -> None:
+        self._ledger.release()
+        self._ledger = self._ledger_np = None
         self._i32 = self._queue = self._index = None
         self._ref_col = self._htok_col = None
 
@@ -150,6 +154,7 @@ class PyKernel:
             raise OutOfBlocksError(f"Cannot get {n} free blocks from the pool")
         ids, arr = self._queue.popleft_n_with_array(n)
         index = self._index
+        ledger = self._ledger
         if arr is None:
             i32 = self._i32
             for block_id in ids:
@@ -159,6 +164,7 @@ class PyKernel:
                     if evicted_out is not None:
                         evicted_out.append(key)
                 i32[base + _REF] = 1
+                ledger[block_id] += 1
         else:
             if caching:
                 for block_id in arr[self._htok_col[arr] != _NO_HASH_TOKENS].tolist():
@@ -166,6 +172,7 @@ class PyKernel:
                     if evicted_out is not None:
                         evicted_out.append(key)
             self._ref_col[arr] = 1
+            self._ledger_np[arr] += 1
         return [handles[b] or make_handle(b) for b in ids]
 
     def free(self, blocks, caching: bool) -> None:
@@ -178,8 +185,12 @@ class PyKernel:
             refs = self._ref_col[arr]
             if (refs <= 0).any():
                 self._raise_double_free(ids, int(arr[np.argmax(refs <= 0)]))
+            held = self._ledger_np[arr]
+            if (held <= 0).any():
+                self._raise_not_held(ids, int(arr[np.argmax(held <= 0)]))
             refs -= 1
             self._ref_col[arr] = refs
+            self._ledger_np[arr] = held - 1
             zero = arr[refs == 0]
             if caching:
                 hashed = self._htok_col[zero] != _NO_HASH_TOKENS
@@ -188,10 +199,14 @@ class PyKernel:
                 evict_first, evict_last = zero, zero[:0]
         else:
             i32 = self._i32
+            ledger = self._ledger
             if unique:
                 for block_id in ids:
                     if block_id != _NULL and i32[block_id * _R + _REF] < 1:
                         self._raise_double_free(ids, block_id)
+                for block_id in ids:
+                    if block_id != _NULL and ledger[block_id] < 1:
+                        self._raise_not_held(ids, block_id)
             else:
                 seen: Counter[int] = Counter()
                 for block_id in ids:
@@ -200,6 +215,9 @@ class PyKernel:
                     seen[block_id] += 1
                     if i32[block_id * _R + _REF] < seen[block_id]:
                         self._raise_double_free(ids, block_id)
+                for block_id in ids:
+                    if block_id != _NULL and ledger[block_id] < seen[block_id]:
+                        self._raise_not_held(ids, block_id)
             evict_first, evict_last = [], []
             for block_id in ids:
                 if block_id == _NULL:
@@ -207,6 +225,7 @@ class PyKernel:
                 base = block_id * _R
                 ref = i32[base + _REF] - 1
                 i32[base + _REF] = ref
+                ledger[block_id] -= 1
                 if ref == 0:
                     if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
                         evict_last.append(block_id)
@@ -225,6 +244,13 @@ class PyKernel:
             + (" (it is already free)" if ref == 0 else "")
         )
 
+    def _raise_not_held(self, ids: list[int], block_id: int) -> None:
+        raise UsageError(
+            f"free_blocks(): block {block_id} is freed {ids.count(block_id)} time(s) but this "
+            f"process holds {self._ledger[block_id]} reference(s) to it "
+            f"(ref_cnt {self._i32[block_id * _R + _REF]})"
+        )
+
     def touch(self, blocks) -> None:
         ids = self._read_ids(blocks, "touch")
         i32 = self._i32
@@ -237,6 +263,7 @@ class PyKernel:
                     f"touch(): block {block_id} has ref_cnt 0 but is not in the free queue"
                 )
         remove = self._queue.remove
+        ledger = self._ledger
         for block_id in ids:
             if block_id == _NULL:
                 continue
@@ -245,3 +272,4 @@ class PyKernel:
             if ref == 0:
                 remove(block_id)
             i32[base + _REF] = ref + 1
+            ledger[block_id] += 1

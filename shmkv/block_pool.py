@@ -29,13 +29,23 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import secrets
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from shmkv import layout as L
-from shmkv.errors import InvariantViolation, OutOfBlocksError, PoolClosedError, UsageError
+from shmkv.errors import (
+    FencedError,
+    InvariantViolation,
+    OutOfBlocksError,
+    PoolClosedError,
+    PoolFullError,
+    UsageError,
+)
+from shmkv.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -46,7 +56,21 @@ from shmkv.events import (
 )
 from shmkv._pykernel import PyKernel
 from shmkv.free_queue import FreeKVCacheBlockQueue
-from shmkv.hashing import generate_block_hash_extra_keys, to_event_extra_keys
+from shmkv.hashing import (
+    RequestBlockHasher,
+    generate_block_hash_extra_keys,
+    get_hash_fn_by_name,
+    none_hash,
+    to_event_extra_keys,
+)
+from shmkv.liveness import AliveLocks, alive_path, process_start_ticks
+from shmkv.lock import (
+    DEFAULT_LOCK_TIMEOUT_S,
+    PoolLock,
+    create_semaphore,
+    decode_holder,
+    unlink_semaphore,
+)
 from shmkv.prefix_index import BlockHashToBlockMap
 from shmkv.segment import Segment, read_config, write_header
 
@@ -88,10 +112,18 @@ class _Closed:
     def __getattr__(self, _):
         raise PoolClosedError("the pool is closed; attach again to use it")
 
+    def __enter__(self):
+        raise PoolClosedError("the pool is closed; attach again to use it")
+
+    def __exit__(self, *exc):
+        return None
+
 
 _CLOSED = _Closed()
 
 # The layout constants the C kernel is compiled with; it refuses to run if they differ.
+_PROC_INCARNATION = L.PROC_DTYPE.fields["incarnation"][1] // 8
+
 _C_GEOMETRY = (
     L.ROW_I32, L.ROW_I64, L.F_REF, L.F_PREV, L.F_NEXT, L.F_INDEX_NEXT, L.F_GROUP,
     L.F_HASH_TOKENS, L.F_QUEUE_KEY, L.HASH_BYTE_OFFSET, L.BLOCK_HASH_BYTES, L.H_NUM_FREE,
@@ -162,22 +194,33 @@ class BlockHandles(Sequence):
 
 
 class BlockPool:
-    """A KV-cache block pool whose metadata lives in one POSIX shared-memory segment.
+    """A KV-cache block pool whose metadata lives in one POSIX shared-memory segment, shared
+    by every process that attaches to it.
 
     Build one with :meth:`create` (a new segment) or :meth:`attach` (an existing one); both
     are usable as context managers. The creator's ``with`` block unlinks the segment on exit.
 
-    NOTE: one process at a time. Cross-process locking is not part of this layer yet, so two
-    processes mutating one pool concurrently corrupt it.
+    Every public method is atomic with respect to other processes (the pool lock), and
+    ``with pool.lock():`` makes a sequence of calls atomic. Each process holds a slot in the
+    segment's process table and a row of the reference ledger: a block's ``ref_cnt`` is the
+    sum of the references live processes hold, so ``close()`` or, for a process that died,
+    ``reap_dead()`` in any survivor gives back exactly what that process held.
     """
 
     def __init__(self, segment: Segment, layout: L.Layout, *, owner: bool,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, label: str = "",
+                 lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+                 _lock_enabled: bool = True) -> None:
         self.kernel = kernel or default_kernel()
         if self.kernel not in KERNELS:
             raise UsageError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.kernel == "c" and _ckernel is None:
             raise UsageError("the C kernel (shmkv._ckernel) is not built; use kernel='python'")
+        label_bytes = label.encode() if isinstance(label, str) else None
+        if label_bytes is None or len(label_bytes) > 32:
+            raise UsageError(f"label must be a str of at most 32 bytes, got {label!r}")
+        if not isinstance(lock_timeout_s, (int, float)) or not lock_timeout_s > 0:
+            raise UsageError(f"lock_timeout_s must be a positive number, got {lock_timeout_s!r}")
         self._segment = segment
         self._layout = layout
         self._owner = owner
@@ -187,7 +230,10 @@ class BlockPool:
         self.hash_block_size = cfg.hash_block_size
         self.enable_kv_cache_events = cfg.enable_kv_cache_events
         self.medium = cfg.medium
+        self.max_processes = cfg.max_processes
+        self.hash_fn_name = cfg.hash_fn_name
         self.pool_name = segment.shm_name.split("-", 1)[1].rsplit("-v", 1)[0]
+        self.pid = os.getpid()
 
         buf = segment.buf
         mem = memoryview(buf)
@@ -195,36 +241,61 @@ class BlockPool:
         meta_bytes = L.BLOCK_DTYPE.itemsize * (cfg.num_blocks + 2)
         idx_off = layout.offsets["index_buckets"]
         idx_bytes = 4 * cfg.num_index_buckets
+        proc_off = layout.offsets["proc_table"]
+        proc_bytes = L.PROC_DTYPE.itemsize * cfg.max_processes
         self._views = [
             mem,
             mem[0:L.HEADER_DTYPE.itemsize].cast("q"),
             mem[meta_off:meta_off + meta_bytes].cast("i"),
             mem[meta_off:meta_off + meta_bytes].cast("q"),
             mem[idx_off:idx_off + idx_bytes].cast("i"),
+            mem[proc_off:proc_off + proc_bytes].cast("Q"),
         ]
-        _, self._hdr64, self._i32, self._i64, buckets = self._views
+        _, self._hdr64, self._i32, self._i64, buckets, self._proc64 = self._views
+        self._header = layout.view(buf, "header")
         self._blocks = layout.view(buf, "block_meta")
         self._ref_col = self._blocks["ref_cnt"]
         self._htok_col = self._blocks["hash_num_tokens"]
+        self._procs = layout.view(buf, "proc_table")
+        self._ledger = layout.view(buf, "ledger")
         self.free_block_queue = FreeKVCacheBlockQueue(
             self._i32, self._i64, self._hdr64, self._blocks, layout
         )
         self._index = BlockHashToBlockMap(
             buf, self._i32, buckets, self._blocks, layout.view(buf, "index_buckets"), layout
         )
-        if self.kernel == "c":
-            self._kernel = _ckernel.Kernel(
-                buf, meta_off, idx_off, cfg.num_blocks, cfg.num_index_buckets, _C_GEOMETRY
-            )
-        else:
-            self._kernel = PyKernel(
-                self._i32, self.free_block_queue, self._index, self._blocks, cfg.num_blocks
-            )
+        self._log = EventLog(buf, self._hdr64, layout)
         # Handles are made on first use: a million up front would cost a second per attach.
         self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
         self.blocks = BlockHandles(self)
         self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
+        self._kernel = _CLOSED  # type: ignore[assignment]
+        self.slot = -1
+        self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        self._lock = PoolLock(
+            segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
+            timeout_s=lock_timeout_s, describe_holder=self._describe_holder,
+            enabled=_lock_enabled,
+        )
+        try:
+            self._claim_slot(label_bytes)
+        except BaseException:
+            self._lock.close()
+            self._alive.close()
+            self._release_views()
+            raise
+        ledger_off = layout.offsets["ledger"] + self.slot * cfg.num_blocks * 4
+        if self.kernel == "c":
+            self._kernel = _ckernel.Kernel(
+                buf, meta_off, idx_off, ledger_off, cfg.num_blocks, cfg.num_index_buckets,
+                _C_GEOMETRY,
+            )
+        else:
+            self._kernel = PyKernel(
+                self._i32, self.free_block_queue, self._index, self._blocks,
+                self._ledger[self.slot], cfg.num_blocks,
+            )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,42 +309,68 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         medium: str = "GPU",
         *,
+        max_processes: int = 16,
+        event_log_bytes: int | None = None,
+        hash_fn_name: str = "sha256",
         kernel: str | None = None,
+        label: str = "creator",
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
     ) -> BlockPool:
-        """Creates a pool in a new shared-memory segment.
+        """Creates a pool in a new shared-memory segment and attaches this process to it.
 
         Args:
             name: the pool's name (letters, digits, '.', '_', '-'; at most 64 characters).
             num_gpu_blocks: blocks in the pool, the null block included.
             enable_caching: keep a prefix cache of full blocks.
             hash_block_size: tokens per hash unit of ``request.block_hashes``.
-            enable_kv_cache_events: record events for :meth:`take_events`.
+            enable_kv_cache_events: record events for :meth:`take_events` and the global
+                event log (:meth:`read_events`).
             medium: the storage medium named in events.
+            max_processes: process-table slots (processes attached at once).
+            event_log_bytes: size of the global event ring (default 4 MiB with events on,
+                0 otherwise).
+            hash_fn_name: "sha256" or "sha256_cbor", the block-hash function all processes
+                use; its NONE_HASH is stored in the segment.
             kernel: "c" or "python", this process's implementation of the hot loops
                 (default: ``$SHMKV_KERNEL``, else C when built). Both behave identically.
+            label: a name for this process in the process table.
+            lock_timeout_s: the longest this process waits for the pool lock.
 
         Raises:
             UsageError: a bad name or config value.
             SegmentExistsError: a pool of that name exists already.
         """
+        if event_log_bytes is None:
+            event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES if enable_kv_cache_events else 0
         config = L.PoolConfig(
             num_blocks=num_gpu_blocks,
             hash_block_size=hash_block_size,
             enable_caching=bool(enable_caching),
             enable_kv_cache_events=bool(enable_kv_cache_events),
             medium=medium,
+            max_processes=max_processes,
+            event_log_bytes=event_log_bytes,
+            hash_fn_name=hash_fn_name,
         )
         config.validate()
+        if kernel is not None and kernel not in KERNELS:
+            raise UsageError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         layout = L.Layout.from_config(config)
         shm_name = L.segment_name(name)
         segment = Segment.create(shm_name, layout.total_bytes)
         try:
             write_header(segment.buf, layout)
-            pool = cls(segment, layout, owner=True, kernel=kernel)
+            layout.view(segment.buf, "header")["none_hash"] = none_hash(
+                get_hash_fn_by_name(hash_fn_name)
+            )
+            create_semaphore(shm_name)
+            AliveLocks(alive_path(shm_name), create=True).close()
+            pool = cls(segment, layout, owner=True, kernel=kernel, label=label,
+                       lock_timeout_s=lock_timeout_s)
             pool._initialize()
         except BaseException:
             segment.close()
-            Segment.unlink(shm_name)
+            cls._unlink_all(shm_name)
             raise
         return pool
 
@@ -285,7 +382,8 @@ class BlockPool:
         self._index.initialize()
         # Block 0 is the null block, taken out of the queue for good (vLLM pops it first).
         self.free_block_queue.initialize(range(1, n))
-        self._layout.view(self._segment.buf, "header")["state"] = L.STATE_READY
+        self._log.reset()
+        self._header["state"] = L.STATE_READY
 
     @classmethod
     def attach(
@@ -297,15 +395,22 @@ class BlockPool:
         enable_caching: bool | None = None,
         enable_kv_cache_events: bool | None = None,
         kernel: str | None = None,
+        label: str = "",
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        _lock_enabled: bool = True,
     ) -> BlockPool:
-        """Attaches to an existing pool. Any config value given must match the segment's.
+        """Attaches this process to an existing pool, taking a process-table slot. Any
+        config value given must match the segment's.
 
         Raises:
-            UsageError: a bad name.
+            UsageError: a bad name or argument.
             SegmentNotFoundError: no pool of that name.
             LayoutMismatchError: not a shmkv segment, another layout version, a size or a
                 config value that differs (the message names the field).
-            SegmentError: the segment is not READY (still initialising, or poisoned).
+            SegmentError: the segment is not READY (still initialising, or poisoned), or is
+                owned by another user.
+            PoolFullError: every slot is held by a live process (after reaping the dead).
+            LockTimeoutError: the pool lock could not be taken.
         """
         shm_name = L.segment_name(name)
         segment = Segment.open(shm_name)
@@ -317,20 +422,64 @@ class BlockPool:
         }
         try:
             layout = read_config(segment, expected)
-            return cls(segment, layout, owner=False, kernel=kernel)
+            return cls(segment, layout, owner=False, kernel=kernel, label=label,
+                       lock_timeout_s=lock_timeout_s, _lock_enabled=_lock_enabled)
         except BaseException:
             segment.close()
             raise
 
+    def _claim_slot(self, label: bytes) -> None:
+        """Takes a free process-table slot (reaping the dead if none is free)."""
+        with self._lock:
+            for attempt in range(2):
+                for slot in range(self.max_processes):
+                    if self._procs[slot]["state"] == L.SLOT_FREE and self._alive.claim(slot):
+                        break
+                else:
+                    if attempt == 0 and self._reap_dead_locked():
+                        continue
+                    live = [int(p) for p in self._procs["pid"][self._procs["state"] != 0]]
+                    raise PoolFullError(
+                        f"pool {self.pool_name}: all {self.max_processes} process slots are "
+                        f"held by live processes (pids {live})"
+                    )
+                break
+            incarnation = secrets.randbits(63) | 1
+            row = self._procs[slot]
+            row["pid"] = self.pid
+            row["incarnation"] = incarnation
+            row["start_ticks"] = process_start_ticks(self.pid)
+            row["attach_ns"] = time.time_ns()
+            row["label"] = label
+            row["state"] = L.SLOT_ACTIVE
+            self.slot = slot
+            self._incarnation = incarnation
+            self._lock.set_identity(slot, incarnation, self._proc64,
+                                    slot * (L.PROC_DTYPE.itemsize // 8) + _PROC_INCARNATION)
+
     def close(self) -> None:
-        """Unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
+        """Gives back every reference this process holds and its process-table slot, then
+        unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
         if self._segment.buf is None:
             return
-        self._kernel.release()
-        self._kernel = _CLOSED  # type: ignore[assignment]
-        self._i32 = self._i64 = self._hdr64 = _CLOSED
-        self.free_block_queue = self._index = _CLOSED  # type: ignore[assignment]
+        try:
+            with self._lock:
+                self._release_slot_locked(self.slot)
+        except (FencedError, PoolClosedError):
+            pass  # the slot is no longer ours: nothing of it to give back
+        finally:
+            self._lock.close()
+            self._lock = _CLOSED  # type: ignore[assignment]
+            self._alive.close()
+            self._kernel.release()
+            self._kernel = _CLOSED  # type: ignore[assignment]
+            self._release_views()
+
+    def _release_views(self) -> None:
+        self._i32 = self._i64 = self._hdr64 = self._proc64 = _CLOSED
+        self.free_block_queue = self._index = self._log = _CLOSED  # type: ignore[assignment]
         self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
+        self._procs = self._ledger = self._header = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
             view.release()
         self._views = []
@@ -338,19 +487,30 @@ class BlockPool:
 
     @staticmethod
     def unlink(name: str) -> bool:
-        """Removes a pool's segment name. Returns False if there was none.
+        """Removes a pool's segment, lock and lock file. Returns False if there was none.
 
         Processes that have it mapped keep working until they close it.
         """
-        return Segment.unlink(L.segment_name(name))
+        return BlockPool._unlink_all(L.segment_name(name))
+
+    @staticmethod
+    def _unlink_all(shm_name: str) -> bool:
+        found = Segment.unlink(shm_name)
+        unlink_semaphore(shm_name)
+        try:
+            os.unlink(alive_path(shm_name))
+        except FileNotFoundError:
+            pass
+        return found
 
     def __enter__(self) -> BlockPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        shm_name = self._segment.shm_name
         self.close()
         if self._owner:
-            Segment.unlink(self._segment.shm_name)
+            self._unlink_all(shm_name)
 
     # ------------------------------------------------------------------ helpers
 
@@ -382,11 +542,145 @@ class BlockPool:
 
     def _record_removed(self, keys: list[tuple[bytes, int]]) -> None:
         as_int = use_int_block_hashes()
-        self._event_queue.extend(
+        self._log_events([
             BlockRemoved(
                 block_hashes=[external_block_hash(h, as_int)], medium=self.medium, group_idx=g
             )
             for h, g in keys
+        ])
+
+    def _describe_holder(self, slot: int, pid: int) -> str:
+        if not 0 <= slot < self.max_processes:
+            return "not a process-table slot"
+        if self._alive.is_alive(slot):
+            return "that process is alive (a long hold, or it is stopped)"
+        return "that process is dead: it died holding the lock"
+
+    def _release_slot_locked(self, slot: int) -> int:
+        """Gives back every reference of ``slot``'s ledger row, frees the slot; returns the
+        number of references released. Caller holds the lock.
+
+        Blocks whose count reaches 0 return to the free queue as ``free_blocks`` would put
+        them, highest block id first: unhashed ones to the front, hashed ones to the back.
+        """
+        row = self._ledger[slot]
+        held = np.flatnonzero(row)
+        released = int(row[held].sum())
+        if len(held):
+            refs = self._ref_col[held] - row[held]
+            self._ref_col[held] = refs
+            row[held] = 0
+            zero = held[refs == 0][::-1]
+            if self.enable_caching:
+                hashed = self._htok_col[zero] != _NO_HASH_TOKENS
+                first, last = zero[~hashed], zero[hashed]
+            else:
+                first, last = zero, zero[:0]
+            if len(first):
+                self.free_block_queue.prepend_n(first)
+            if len(last):
+                self.free_block_queue.append_n(last)
+        proc = self._procs[slot]
+        proc["state"] = L.SLOT_FREE
+        proc["pid"] = 0
+        proc["incarnation"] = 0
+        proc["start_ticks"] = 0
+        proc["attach_ns"] = 0
+        proc["label"] = b""
+        if slot == self.slot:
+            self._alive.release(slot)
+        return released
+
+    def _reap_dead_locked(self) -> int:
+        reaped = 0
+        for slot in np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist():
+            if slot != self.slot and not self._alive.is_alive(slot):
+                pid = int(self._procs[slot]["pid"])
+                released = self._release_slot_locked(slot)
+                reaped += 1
+                logger.warning(
+                    "pool %s: reaped slot %d (pid %d, dead without close()): %d block "
+                    "references released", self.pool_name, slot, pid, released,
+                )
+        if reaped:
+            self._hdr64[L.H_NUM_REAPED] += reaped
+        return reaped
+
+    def reap_dead(self) -> int:
+        """Releases the references and slots of processes that died without ``close()``.
+
+        Returns:
+            how many processes were reaped.
+        """
+        with self._lock:
+            return self._reap_dead_locked()
+
+    def lock(self) -> PoolLock:
+        """The pool lock, as a context manager: ``with pool.lock(): ...`` makes a sequence of
+        calls (lookups, touches, allocations) atomic with respect to other processes. It is
+        re-entrant within this process.
+
+        Raises (on entry):
+            LockTimeoutError: not acquired within ``lock_timeout_s``; names the holder.
+            FencedError: this process's slot was reclaimed.
+        """
+        return self._lock
+
+    def _log_events(self, events: list[KVCacheEvent]) -> None:
+        """Records events for take_events() and in the global log (caller holds the lock)."""
+        self._event_queue.extend(events)
+        if self._log.capacity:
+            dropped = self._log.append(self.slot, events)
+            if dropped:
+                self._hdr64[L.H_NUM_EVENTS_DROPPED] += dropped
+
+    def event_cursor(self, from_start: bool = True) -> EventCursor:
+        """A cursor on the global event log: at its oldest event, or at its end."""
+        with self._lock:
+            return self._log.oldest() if from_start else self._log.end()
+
+    def read_events(self, cursor: EventCursor,
+                    max_events: int | None = None) -> tuple[list[LoggedEvent], int]:
+        """Events of every process since ``cursor``, in the pool's order (advances it).
+
+        Returns:
+            (events, lost): ``lost`` counts events overwritten before this reader got them.
+        """
+        with self._lock:
+            return self._log.read(cursor, max_events)
+
+    def processes(self) -> list[dict]:
+        """The process table: one dict per attached process (slot, pid, label, alive,
+        references held, attach time)."""
+        with self._lock:
+            out = []
+            for slot in np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist():
+                row = self._procs[slot]
+                out.append({
+                    "slot": slot,
+                    "pid": int(row["pid"]),
+                    "label": bytes(row["label"]).decode(errors="replace"),
+                    "alive": self._alive.is_alive(slot),
+                    "references": int(self._ledger[slot].sum()),
+                    "attach_ns": int(row["attach_ns"]),
+                    "self": slot == self.slot,
+                })
+            return out
+
+    def holder(self) -> tuple[int, int] | None:
+        """(slot, pid) of the process holding the pool lock now, or None."""
+        return decode_holder(self._hdr64[L.H_HOLDER])
+
+    @property
+    def none_hash(self) -> bytes:
+        """The NONE_HASH digest stored in the segment, shared by every process."""
+        return bytes(self._header["none_hash"][0])
+
+    def make_block_hasher(self) -> RequestBlockHasher:
+        """A request block hasher with the pool's hash function, block size and NONE_HASH, so
+        hashes computed in any process match."""
+        return RequestBlockHasher(
+            self.hash_block_size, get_hash_fn_by_name(self.hash_fn_name), self.none_hash
         )
 
     # ------------------------------------------------------------------ vLLM API
@@ -400,9 +694,14 @@ class BlockPool:
         Raises:
             UsageError: the hash is not 32 bytes.
         """
-        return self._kernel.get_cached(
-            block_hash, kv_cache_group_ids, self._handles, self._handle
-        )
+        lock = self._lock
+        lock.acquire()
+        try:
+            return self._kernel.get_cached(
+                block_hash, kv_cache_group_ids, self._handles, self._handle
+            )
+        finally:
+            lock.release()
 
     def cache_full_blocks(
         self,
@@ -469,20 +768,24 @@ class BlockPool:
                 f"{num_full_blocks} are needed"
             )
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
-        cached = self._kernel.cache(
-            new_full, fine_hashes, num_cached_blocks, ratio, block_size, kv_cache_group_id,
-            block_mask, evicted,
-        )
-        if evicted:  # shorter keys the blocks held gave way to the full ones
-            self._record_removed(evicted)
-
-        if self.enable_kv_cache_events:
-            self._event_queue.append(
-                self._block_stored_event(
-                    request, cached, num_cached_blocks, num_full_blocks, block_size,
-                    kv_cache_group_id, fine_hashes, ratio,
-                )
+        lock = self._lock
+        lock.acquire()
+        try:
+            cached = self._kernel.cache(
+                new_full, fine_hashes, num_cached_blocks, ratio, block_size,
+                kv_cache_group_id, block_mask, evicted,
             )
+            if evicted:  # shorter keys the blocks held gave way to the full ones
+                self._record_removed(evicted)
+            if self.enable_kv_cache_events:
+                self._log_events([
+                    self._block_stored_event(
+                        request, cached, num_cached_blocks, num_full_blocks, block_size,
+                        kv_cache_group_id, fine_hashes, ratio,
+                    )
+                ])
+        finally:
+            lock.release()
 
     def _block_stored_event(self, request, cached, num_cached_blocks, num_full_blocks,
                             block_size, group_id, fine_hashes, ratio) -> BlockStored:
@@ -538,16 +841,20 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
-        if not self.enable_kv_cache_events:
-            return self._kernel.allocate(
-                num_blocks, self.enable_caching, self._handles, self._handle, None
+        evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
+        lock = self._lock
+        lock.acquire()
+        try:
+            if num_blocks > self._hdr64[_H_NUM_FREE]:
+                self._reap_dead_locked()  # a dead process's blocks may be the missing ones
+            blocks = self._kernel.allocate(
+                num_blocks, self.enable_caching, self._handles, self._handle, evicted
             )
-        evicted: list[tuple[bytes, int]] = []
-        blocks = self._kernel.allocate(
-            num_blocks, self.enable_caching, self._handles, self._handle, evicted
-        )
-        self._record_removed(evicted)
-        return blocks
+            if evicted:
+                self._record_removed(evicted)
+            return blocks
+        finally:
+            lock.release()
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Adds a reference to each block (a prefix-cache hit), taking blocks with
@@ -556,7 +863,12 @@ class BlockPool:
         Raises:
             UsageError: a block id out of range.
         """
-        self._kernel.touch(blocks)
+        lock = self._lock
+        lock.acquire()
+        try:
+            self._kernel.touch(blocks)
+        finally:
+            lock.release()
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
@@ -565,9 +877,15 @@ class BlockPool:
 
         Raises:
             UsageError: a block id out of range, or a block freed more times than it is
-                referenced (a double free). Nothing is changed then.
+                referenced (a double free), or more times than this process references it.
+                Nothing is changed then.
         """
-        self._kernel.free(ordered_blocks, self.enable_caching)
+        lock = self._lock
+        lock.acquire()
+        try:
+            self._kernel.free(ordered_blocks, self.enable_caching)
+        finally:
+            lock.release()
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the prefix-cache entries of the given blocks (a KV connector failed to load
@@ -584,8 +902,9 @@ class BlockPool:
                 raise UsageError(
                     f"evict_blocks(): block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
                 )
-        for block_id in ids:
-            self._evict_cached(int(block_id))
+        with self._lock:
+            for block_id in ids:
+                self._evict_cached(int(block_id))
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, if no block but the null block is in use.
@@ -593,17 +912,18 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        num_used = self.num_gpu_blocks - self.get_num_free_blocks()
-        if num_used != 1:
-            logger.warning(
-                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
-                num_used - 1,
-            )
-            return False
-        self._index.initialize()
-        if self.enable_kv_cache_events:
-            self._event_queue.append(AllBlocksCleared())
-        return True
+        with self._lock:
+            num_used = self.num_gpu_blocks - self.get_num_free_blocks()
+            if num_used != 1:
+                logger.warning(
+                    "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                    num_used - 1,
+                )
+                return False
+            self._index.initialize()
+            if self.enable_kv_cache_events:
+                self._log_events([AllBlocksCleared()])
+            return True
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached ones with ``ref_cnt == 0`` included)."""
@@ -635,7 +955,8 @@ class BlockPool:
 
     def get_free_block_ids(self) -> list[int]:
         """The free queue, head (evicted first) to tail."""
-        return self.free_block_queue.get_all_free_block_ids()
+        with self._lock:
+            return self.free_block_queue.get_all_free_block_ids()
 
     def check_invariants(self) -> None:
         """Checks every invariant of the shared state.
@@ -648,4 +969,5 @@ class BlockPool:
 
         if self._segment.buf is None:
             raise PoolClosedError("the pool is closed; attach again to use it")
-        check_invariants(self)
+        with self._lock:
+            check_invariants(self)

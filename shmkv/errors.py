@@ -11,6 +11,9 @@
 | SegmentNotFoundError   | attach to a name that has no segment                               |
 | SegmentExistsError     | create over a segment that already exists                          |
 | LayoutMismatchError    | the segment is not shmkv's, or of another layout version or config |
+| LockTimeoutError       | the pool lock was not acquired in time; names the holder           |
+| FencedError            | this process's slot was reclaimed; it must attach again            |
+| PoolFullError          | every process-table slot is held by a live process                 |
 | ProtocolError          | a message or event batch that cannot be decoded                    |
 | InvariantViolation     | ``check_invariants`` found corruption; carries ``.violations``     |
 
@@ -50,6 +53,18 @@ class SegmentExistsError(SegmentError):
 
 class LayoutMismatchError(SegmentError):
     """The segment's header does not match: bad magic, layout version, size or config."""
+
+
+class LockTimeoutError(ShmKVError):
+    """The pool lock was not acquired within the timeout; the message names the holder."""
+
+
+class FencedError(ShmKVError):
+    """This process's process-table slot was reclaimed; it must not touch the pool again."""
+
+
+class PoolFullError(SegmentError):
+    """Every process-table slot is held by a live process."""
 
 
 class ProtocolError(ShmKVError):

@@ -1,18 +1,23 @@
 """The shared-memory layout of a shmkv pool: the single source of truth.
 
-One POSIX shared-memory object per pool, named ``/shmkv-<pool name>-v<LAYOUT_VERSION>``.
-It holds a fixed header followed by regions at 64-byte aligned offsets. ``REGIONS`` below is
-the table in code; this docstring renders the same table, and a unit test checks that every
+One POSIX shared-memory object per pool, named ``/shmkv-<pool name>-v<LAYOUT_VERSION>``,
+plus two siblings: the pool lock, a POSIX semaphore named ``<segment name>.lock``, and the
+liveness lock file ``/dev/shm<segment name>.alive`` (see ``shmkv/liveness.py``). The segment
+holds a fixed header followed by regions at 64-byte aligned offsets. ``REGIONS`` below is the
+table in code; this docstring renders the same table, and a unit test checks that every
 region and every field named in the code appears here.
 
 Regions
 -------
 
-| # | region          | dtype         | shape                  | written by                 | read by | guarded by | invariants |
-|---|-----------------|---------------|------------------------|----------------------------|---------|------------|------------|
-| 0 | `header`        | HEADER_DTYPE  | `[1]` (192 B)          | creator; then the pool     | all     | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
-| 1 | `block_meta`    | BLOCK_DTYPE   | `[num_blocks + 2]`     | `BlockPool`, `FreeKVCacheBlockQueue` (links only), `BlockHashToBlockMap` (`index_next` only) | all | pool lock | INV-FREE, INV-QKEY, INV-REF, INV-HASH |
-| 2 | `index_buckets` | int32         | `[num_index_buckets]`  | `BlockHashToBlockMap`      | all     | pool lock  | INV-HASH |
+| # | region          | dtype         | shape                        | written by | guarded by | invariants |
+|---|-----------------|---------------|------------------------------|------------|------------|------------|
+| 0 | `header`        | HEADER_DTYPE  | `[1]` (256 B)                | creator; then the lock holder | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
+| 1 | `block_meta`    | BLOCK_DTYPE   | `[num_blocks + 2]`           | the kernels: `FreeKVCacheBlockQueue` (links), `BlockHashToBlockMap` (`index_next`, hash fields), ref counts | pool lock | INV-FREE, INV-QKEY, INV-REF, INV-HASH |
+| 2 | `index_buckets` | int32         | `[num_index_buckets]`        | `BlockHashToBlockMap` | pool lock | INV-HASH |
+| 3 | `proc_table`    | PROC_DTYPE    | `[max_processes]`            | attach, close, reap_dead | pool lock | INV-PROC |
+| 4 | `ledger`        | int32         | `[max_processes, num_blocks]`| the kernels (the caller's row); reap_dead | pool lock | INV-LEDGER |
+| 5 | `event_log`     | uint8         | `[event_log_bytes]`          | `EventLog.append` | pool lock | INV-LOG |
 
 Header (little-endian; offsets in bytes)
 ----------------------------------------
@@ -33,25 +38,38 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `num_index_buckets` (u32, 40): size of region 2, a power of two >= 2 * num_blocks.
 - `block_hash_bytes` (u32, 44): ``BLOCK_HASH_BYTES`` (32: sha256 and sha256_cbor digests).
 - `creator_pid` (u32, 48): the pid that created the segment.
+- `max_processes` (u32, 52): slots in the process table and rows in the ledger.
 - `medium` (S8, 56): the storage medium named in KV events (``"GPU"`` by default).
+- `event_log_bytes` (u64, 64): size of the event ring (0: no global log).
+- `hash_fn_name` (S16, 72): the block-hash function every process must use.
+- `none_hash` (V32, 88): the NONE_HASH seed digest every process chains its first block on.
 
 Mutable, written only under the pool lock:
 
-- `epoch` (u64, 64): bumped whenever the pool is re-initialised or repaired.
-- `num_free_blocks` (i64, 72): length of the free queue.
-- `queue_head_key` (i64, 80): the smallest queue key handed out so far (``prepend_n``).
-- `queue_tail_key` (i64, 88): the largest queue key handed out so far (``append_n``).
-- `none_hash` (V32, 96): reserved for the NONE_HASH seed every process must share.
-- 64 bytes of padding, reserved.
+- `epoch` (u64, 128): bumped whenever the pool is re-initialised or repaired.
+- `num_free_blocks` (i64, 136): length of the free queue.
+- `queue_head_key` (i64, 144): the smallest queue key handed out so far (``prepend_n``).
+- `queue_tail_key` (i64, 152): the largest queue key handed out so far (``append_n``).
+- `holder` (i64, 160): the lock holder, ``slot + 1`` in the low 32 bits and its pid in the
+  high 32; 0 when the lock is free. Written right after the semaphore is taken, cleared
+  right before it is posted.
+- `holder_incarnation` (u64, 168) and `holder_since_ns` (i64, 176, CLOCK_MONOTONIC): the
+  rest of the holder record.
+- `next_event_seq` (i64, 184): the sequence number of the next logged event.
+- `log_write_pos` (i64, 192), `log_oldest_seq` (i64, 200), `log_oldest_pos` (i64, 208):
+  the event ring's monotonic byte position of the next record, and the sequence number and
+  position of the oldest record still intact (see ``shmkv/event_log.py``).
+- `num_reaped` (i64, 216): processes reaped after dying without ``close()``.
+- `num_events_dropped` (i64, 224): events too large for the ring, not logged.
 
 Block rows (``BLOCK_DTYPE``, 64 bytes, one per block plus two sentinel rows)
 ----------------------------------------------------------------------------
 
 | field             | type | meaning |
 |-------------------|------|---------|
-| `ref_cnt`         | i32  | references held by requests; 0 means the block is in the free queue (except the null block, whose count is never maintained) |
-| `prev`, `next`    | i32  | free-queue links: row indices, ``NO_BLOCK`` (-1) when the block is not queued. Only `FreeKVCacheBlockQueue` writes them. |
-| `index_next`      | i32  | next block in the same prefix-index bucket chain, ``NO_BLOCK`` at the end. Only `BlockHashToBlockMap` writes it. |
+| `ref_cnt`         | i32  | references held by requests of all processes (the sum of the block's ledger column); 0 means the block is in the free queue (except the null block, whose count is never maintained) |
+| `prev`, `next`    | i32  | free-queue links: row indices, ``NO_BLOCK`` (-1) when the block is not queued. Only the free queue writes them. |
+| `index_next`      | i32  | next block in the same prefix-index bucket chain, ``NO_BLOCK`` at the end. Only the index writes it. |
 | `group_id`        | u32  | KV-cache group of `block_hash` |
 | `hash_num_tokens` | i32  | prefix tokens the hash covers; ``NO_HASH_TOKENS`` (0) means "no hash" |
 | `queue_key`       | i64  | order key in the free queue: strictly increasing from head to tail, so the LRU order can be rebuilt by sorting |
@@ -61,6 +79,21 @@ Rows ``0 .. num_blocks - 1`` are blocks (row = block id). Row ``free_head = num_
 row ``free_tail = num_blocks + 1`` are the free queue's sentinels: ``block_meta[free_head].next``
 is the first free block and ``block_meta[free_tail].prev`` the last. An empty queue links the
 two sentinels to each other.
+
+Process table rows (``PROC_DTYPE``, 64 bytes)
+---------------------------------------------
+
+| field         | type | meaning |
+|---------------|------|---------|
+| `state`       | i32  | ``SLOT_FREE`` or ``SLOT_ACTIVE`` |
+| `pid`         | i32  | the attached process |
+| `incarnation` | u64  | a random id drawn at attach; a process whose slot no longer carries it is fenced |
+| `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
+| `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
+| `label`       | S32  | a name the process gave itself (``attach(label=...)``), for inspection |
+
+A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
+``ledger[slot, b]`` counts the references that process holds on block ``b``.
 
 The prefix-cache index (regions 1 and 2)
 -----------------------------------------
@@ -77,22 +110,29 @@ Write order
 
 All writes happen under the pool lock, so no reader sees a half-done mutation while the
 holder lives. Within a mutation the order is: unlink from the free queue, then change
-``ref_cnt``; set a block's hash fields, then link it into its bucket chain; unlink from the
-chain, then clear the hash fields. ``state`` turns ``READY`` only after everything else of a
-new segment is written.
+``ref_cnt`` and the ledger; set a block's hash fields, then link it into its bucket chain;
+unlink from the chain, then clear the hash fields. ``state`` turns ``READY`` only after
+everything else of a new segment is written. A process's ledger row is zero whenever its
+slot is ``SLOT_FREE``.
 
 Crash caveats
 -------------
 
-A process killed mid-mutation leaves that mutation half done; what repairs it (an intent
-record or a rebuild from ``ref_cnt``, ``block_hash`` and ``queue_key``) is the subject of the
-crash-safety work. A creator killed before ``state`` turns ``READY`` leaves a segment that
-``attach`` refuses with ``SegmentError``; ``BlockPool.unlink(name)`` removes it.
+A process killed outside the lock leaves its slot ``SLOT_ACTIVE`` with a dead OFD lock:
+``BlockPool.reap_dead()`` in any survivor releases its ledger references and its slot
+(allocation failures and a full process table reap first). A process killed inside the lock
+leaves the semaphore taken and a mutation half done; what repairs that (an intent record or
+a rebuild from ``ref_cnt``, the ledger, ``block_hash`` and ``queue_key``) is the subject of
+the crash-safety work. A creator killed before ``state`` turns ``READY`` leaves a segment
+that ``attach`` refuses with ``SegmentError``; ``BlockPool.unlink(name)`` removes it.
 
 Changelog
 ---------
 
 - v1: initial layout (header, block_meta, index_buckets).
+- v2: multi-process: a 256-byte header (holder record, event-log pointers, max_processes,
+  event_log_bytes, hash_fn_name, none_hash), and the proc_table, ledger and event_log
+  regions.
 """
 
 from __future__ import annotations
@@ -105,7 +145,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -129,23 +169,45 @@ NO_HASH_TOKENS = 0
 GROUP_MIX = 0x9E37_79B9_7F4A_7C15
 MAX_POOL_NAME_CHARS = 64
 MAX_NUM_BLOCKS = (1 << 31) - 3  # row indices, sentinels included, must fit an int32
+MAX_PROCESSES = 1024
+MIN_EVENT_LOG_BYTES = 4096
+DEFAULT_EVENT_LOG_BYTES = 4 << 20
 
 HEADER_DTYPE = np.dtype(
     {
         "names": [
+            # immutable: the config echo
             "magic", "layout_version", "format_flags", "header_bytes", "state",
             "total_bytes", "num_blocks", "hash_block_size", "num_index_buckets",
-            "block_hash_bytes", "creator_pid", "medium",
-            "epoch", "num_free_blocks", "queue_head_key", "queue_tail_key", "none_hash",
+            "block_hash_bytes", "creator_pid", "max_processes", "medium", "event_log_bytes",
+            "hash_fn_name", "none_hash",
+            # mutable, under the pool lock
+            "epoch", "num_free_blocks", "queue_head_key", "queue_tail_key",
+            "holder", "holder_incarnation", "holder_since_ns",
+            "next_event_seq", "log_write_pos", "log_oldest_seq", "log_oldest_pos",
+            "num_reaped", "num_events_dropped",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
             "<u8", "<u4", "<u4", "<u4",
-            "<u4", "<u4", "S8",
-            "<u8", "<i8", "<i8", "<i8", "V32",
+            "<u4", "<u4", "<u4", "S8", "<u8",
+            "S16", "V32",
+            "<u8", "<i8", "<i8", "<i8",
+            "<i8", "<u8", "<i8",
+            "<i8", "<i8", "<i8", "<i8",
+            "<i8", "<i8",
         ],
-        "offsets": [0, 8, 12, 16, 20, 24, 32, 36, 40, 44, 48, 56, 64, 72, 80, 88, 96],
-        "itemsize": 192,
+        "offsets": [
+            0, 8, 12, 16, 20,
+            24, 32, 36, 40,
+            44, 48, 52, 56, 64,
+            72, 88,
+            128, 136, 144, 152,
+            160, 168, 176,
+            184, 192, 200, 208,
+            216, 224,
+        ],
+        "itemsize": 256,
     }
 )
 
@@ -173,10 +235,32 @@ F_GROUP = BLOCK_DTYPE.fields["group_id"][1] // 4
 F_HASH_TOKENS = BLOCK_DTYPE.fields["hash_num_tokens"][1] // 4
 F_QUEUE_KEY = BLOCK_DTYPE.fields["queue_key"][1] // 8
 HASH_BYTE_OFFSET = BLOCK_DTYPE.fields["block_hash"][1]
-# Header words, for the same flat-view access.
+# Header int64 words, for the same flat-view access.
+H_EPOCH = HEADER_DTYPE.fields["epoch"][1] // 8
 H_NUM_FREE = HEADER_DTYPE.fields["num_free_blocks"][1] // 8
 H_QUEUE_HEAD_KEY = HEADER_DTYPE.fields["queue_head_key"][1] // 8
 H_QUEUE_TAIL_KEY = HEADER_DTYPE.fields["queue_tail_key"][1] // 8
+H_HOLDER = HEADER_DTYPE.fields["holder"][1] // 8
+H_HOLDER_INCARNATION = HEADER_DTYPE.fields["holder_incarnation"][1] // 8
+H_HOLDER_SINCE_NS = HEADER_DTYPE.fields["holder_since_ns"][1] // 8
+H_NEXT_EVENT_SEQ = HEADER_DTYPE.fields["next_event_seq"][1] // 8
+H_LOG_WRITE_POS = HEADER_DTYPE.fields["log_write_pos"][1] // 8
+H_LOG_OLDEST_SEQ = HEADER_DTYPE.fields["log_oldest_seq"][1] // 8
+H_LOG_OLDEST_POS = HEADER_DTYPE.fields["log_oldest_pos"][1] // 8
+H_NUM_REAPED = HEADER_DTYPE.fields["num_reaped"][1] // 8
+H_NUM_EVENTS_DROPPED = HEADER_DTYPE.fields["num_events_dropped"][1] // 8
+
+# One row per process-table slot (64 bytes).
+PROC_DTYPE = np.dtype(
+    {
+        "names": ["state", "pid", "incarnation", "start_ticks", "attach_ns", "label"],
+        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S32"],
+        "offsets": [0, 4, 8, 16, 24, 32],
+        "itemsize": 64,
+    }
+)
+SLOT_FREE = 0
+SLOT_ACTIVE = 1
 
 _POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -190,6 +274,9 @@ class PoolConfig:
     enable_caching: bool = True
     enable_kv_cache_events: bool = False
     medium: str = "GPU"
+    max_processes: int = 16
+    event_log_bytes: int = 0
+    hash_fn_name: str = "sha256"
 
     @property
     def format_flags(self) -> int:
@@ -216,6 +303,22 @@ class PoolConfig:
         medium = self.medium.encode() if isinstance(self.medium, str) else None
         if medium is None or not 0 < len(medium) <= 8:
             raise UsageError(f"medium must be a str of 1 to 8 bytes, got {self.medium!r}")
+        if (isinstance(self.max_processes, bool) or not isinstance(self.max_processes, int)
+                or not 1 <= self.max_processes <= MAX_PROCESSES):
+            raise UsageError(
+                f"max_processes must be an int in [1, {MAX_PROCESSES}], got {self.max_processes!r}"
+            )
+        if (isinstance(self.event_log_bytes, bool) or not isinstance(self.event_log_bytes, int)
+                or self.event_log_bytes < 0 or self.event_log_bytes % 8
+                or 0 < self.event_log_bytes < MIN_EVENT_LOG_BYTES):
+            raise UsageError(
+                f"event_log_bytes must be 0 or a multiple of 8 >= {MIN_EVENT_LOG_BYTES}, "
+                f"got {self.event_log_bytes!r}"
+            )
+        if self.hash_fn_name not in ("sha256", "sha256_cbor"):
+            raise UsageError(
+                f"hash_fn_name must be 'sha256' or 'sha256_cbor', got {self.hash_fn_name!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -249,6 +352,22 @@ REGIONS: tuple[Region, ...] = (
         "index_buckets", np.dtype("<i4"), lambda c: (c.num_index_buckets,),
         writer="BlockHashToBlockMap", guard="pool lock", invariants="INV-HASH",
         doc="first block of each prefix-index bucket chain, NO_BLOCK when empty",
+    ),
+    Region(
+        "proc_table", PROC_DTYPE, lambda c: (c.max_processes,),
+        writer="attach / close / reap_dead", guard="pool lock", invariants="INV-PROC",
+        doc="one slot per attached process: pid, start time, incarnation, label",
+    ),
+    Region(
+        "ledger", np.dtype("<i4"), lambda c: (c.max_processes, c.num_blocks),
+        writer="the kernels (row of the calling process); reap_dead (a dead process's row)",
+        guard="pool lock", invariants="INV-LEDGER",
+        doc="references each process holds on each block",
+    ),
+    Region(
+        "event_log", np.dtype("u1"), lambda c: (c.event_log_bytes,),
+        writer="EventLog.append", guard="pool lock", invariants="INV-LOG",
+        doc="byte ring of msgpack KV events with sequence numbers",
     ),
 )
 

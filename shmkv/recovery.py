@@ -17,6 +17,13 @@ Catalogue (error messages and tests quote the ids):
 - **INV-HASH**: every chained block holds a key that hashes to its bucket; every block holding
   a key is in exactly one chain, once; chains have no cycles; blocks without a key have
   ``index_next == NO_BLOCK`` and group 0; the null block holds no key.
+- **INV-LEDGER**: for every block but the null block, ``ref_cnt`` equals the sum of the
+  ledger column over the active process slots; ledger entries are ``>= 0``; a free slot's row
+  and the null block's column are all zero.
+- **INV-PROC**: an active slot has a pid and a non-zero incarnation; a free slot has neither.
+- **INV-LOG**: the event ring's pointers are ordered (``oldest_pos <= write_pos <= oldest_pos
+  + capacity``, ``oldest_seq <= next_seq``) and the records between them carry consecutive
+  sequence numbers, ``next_seq - oldest_seq`` of them.
 
 ``check_invariants`` collects every violation and raises one ``InvariantViolation``. It is
 O(num_blocks) and never on a hot path.
@@ -48,14 +55,19 @@ def _check_header(pool: BlockPool, out: list[str]) -> None:
         "hash_block_size": cfg.hash_block_size,
         "num_index_buckets": cfg.num_index_buckets,
         "block_hash_bytes": L.BLOCK_HASH_BYTES,
+        "max_processes": cfg.max_processes,
+        "event_log_bytes": cfg.event_log_bytes,
     }
     for field, want in expected.items():
         found = int(hdr[field])
         if found != want:
             out.append(f"INV-HDR: header {field} is {found}, attached as {want}")
-    medium = bytes(hdr["medium"]).decode(errors="replace")
-    if medium != cfg.medium:
-        out.append(f"INV-HDR: header medium is {medium!r}, attached as {cfg.medium!r}")
+    for field in ("medium", "hash_fn_name"):
+        found_text = bytes(hdr[field]).decode(errors="replace")
+        if found_text != getattr(cfg, field):
+            out.append(
+                f"INV-HDR: header {field} is {found_text!r}, attached as {getattr(cfg, field)!r}"
+            )
     state = int(hdr["state"])
     if state != L.STATE_READY:
         out.append(f"INV-HDR: state is {L.STATE_NAMES.get(state, state)}, not READY")
@@ -200,6 +212,75 @@ def _check_index(pool: BlockPool, out: list[str]) -> None:
         )
 
 
+def _check_ledger_and_procs(pool: BlockPool, out: list[str]) -> None:
+    n = pool.num_gpu_blocks
+    procs = pool._procs
+    ledger = pool._ledger
+    active = procs["state"] == L.SLOT_ACTIVE
+    bad_state = np.flatnonzero((procs["state"] != L.SLOT_ACTIVE) & (procs["state"] != L.SLOT_FREE))
+    for slot in bad_state.tolist():
+        out.append(f"INV-PROC: slot {slot} has state {int(procs['state'][slot])}")
+    for slot in np.flatnonzero(active).tolist():
+        if procs["pid"][slot] <= 0 or procs["incarnation"][slot] == 0:
+            out.append(
+                f"INV-PROC: active slot {slot} has pid {int(procs['pid'][slot])}, "
+                f"incarnation {int(procs['incarnation'][slot])}"
+            )
+    for slot in np.flatnonzero(procs["state"] == L.SLOT_FREE).tolist():
+        if procs["pid"][slot] != 0 or procs["incarnation"][slot] != 0:
+            out.append(f"INV-PROC: free slot {slot} still names pid {int(procs['pid'][slot])}")
+        if ledger[slot].any():
+            out.append(
+                f"INV-LEDGER: free slot {slot} still holds {int(ledger[slot].sum())} "
+                "reference(s)"
+            )
+    if (ledger < 0).any():
+        slot, block = (int(x[0]) for x in np.nonzero(ledger < 0))
+        out.append(f"INV-LEDGER: slot {slot} holds {int(ledger[slot, block])} references to "
+                   f"block {block}")
+    if n and ledger[:, L.NULL_BLOCK_ID].any():
+        out.append("INV-LEDGER: a process holds references to the null block")
+    held = ledger[active].sum(axis=0, dtype=np.int64)
+    ref = pool._blocks["ref_cnt"][:n].astype(np.int64)
+    differ = np.flatnonzero(held != ref)
+    differ = differ[differ != L.NULL_BLOCK_ID]
+    if len(differ):
+        b = int(differ[0])
+        out.append(
+            f"INV-LEDGER: {len(differ)} block(s) have ref_cnt != the references live "
+            f"processes hold, e.g. block {b}: ref_cnt {int(ref[b])}, ledger {int(held[b])}"
+        )
+
+
+def _check_event_log(pool: BlockPool, out: list[str]) -> None:
+    log = pool._log
+    cap = log.capacity
+    hdr = pool._hdr64
+    oldest_pos, write_pos = int(hdr[L.H_LOG_OLDEST_POS]), int(hdr[L.H_LOG_WRITE_POS])
+    oldest_seq, next_seq = int(hdr[L.H_LOG_OLDEST_SEQ]), int(hdr[L.H_NEXT_EVENT_SEQ])
+    if not (0 <= oldest_pos <= write_pos <= oldest_pos + cap) or oldest_seq > next_seq:
+        out.append(
+            f"INV-LOG: pointers out of order: oldest ({oldest_seq}, @{oldest_pos}), "
+            f"next ({next_seq}, @{write_pos}), capacity {cap}"
+        )
+        return
+    if not cap:
+        return
+    from shmkv.event_log import EventCursor
+
+    try:
+        events, lost = log.read(EventCursor(oldest_seq, oldest_pos))
+    except Exception as exc:  # noqa: BLE001  (a torn record: report it, whatever it raised)
+        out.append(f"INV-LOG: a record between the pointers does not decode: {exc}")
+        return
+    seqs = [e.seq for e in events]
+    if lost or seqs != list(range(oldest_seq, next_seq)):
+        out.append(
+            f"INV-LOG: records carry sequence numbers {seqs[:3]}...{seqs[-3:]} "
+            f"({len(seqs)} records), expected {oldest_seq}..{next_seq - 1}"
+        )
+
+
 def collect_violations(pool: BlockPool) -> list[str]:
     """Every broken invariant of ``pool``, each message starting with its id."""
     out: list[str] = []
@@ -207,6 +288,8 @@ def collect_violations(pool: BlockPool) -> list[str]:
     queued = _check_free_queue(pool, out)
     _check_refs(pool, queued, out)
     _check_index(pool, out)
+    _check_ledger_and_procs(pool, out)
+    _check_event_log(pool, out)
     return out
 
 

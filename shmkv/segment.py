@@ -67,6 +67,13 @@ class Segment:
         except posix_ipc.ExistentialError as exc:
             raise SegmentNotFoundError(f"no shared-memory segment named {shm_name}") from exc
         try:
+            owner = os.fstat(shm.fd).st_uid
+            if owner != os.geteuid():
+                # Root would be let in whatever the mode bits say: check the owner ourselves.
+                raise SegmentError(
+                    f"segment {shm_name} is owned by uid {owner}, not by this user "
+                    f"(uid {os.geteuid()}); refusing to attach"
+                )
             if shm.size == 0:
                 raise LayoutMismatchError(
                     f"segment {shm_name} is empty (0 bytes): not a shmkv segment"
@@ -112,6 +119,9 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     hdr["block_hash_bytes"] = L.BLOCK_HASH_BYTES
     hdr["creator_pid"] = os.getpid()
     hdr["medium"] = cfg.medium.encode()
+    hdr["max_processes"] = cfg.max_processes
+    hdr["event_log_bytes"] = cfg.event_log_bytes
+    hdr["hash_fn_name"] = cfg.hash_fn_name.encode()
     hdr["epoch"] = 1
     del hdr
 
@@ -168,7 +178,12 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None) -> L.La
         enable_caching=bool(flags & L.FLAG_PREFIX_CACHING),
         enable_kv_cache_events=bool(flags & L.FLAG_KV_EVENTS),
         medium=bytes(hdr["medium"]).decode(errors="replace"),
+        max_processes=int(hdr["max_processes"]),
+        event_log_bytes=int(hdr["event_log_bytes"]),
+        hash_fn_name=bytes(hdr["hash_fn_name"]).decode(errors="replace"),
     )
+    if not 1 <= config.max_processes <= L.MAX_PROCESSES:
+        raise mismatch("max_processes", f"1..{L.MAX_PROCESSES}", config.max_processes)
     lay = L.Layout.from_config(config)
     if int(hdr["num_index_buckets"]) != config.num_index_buckets:
         raise mismatch("num_index_buckets", config.num_index_buckets, int(hdr["num_index_buckets"]))

@@ -352,16 +352,21 @@ def test_large_batches_take_the_bulk_path_with_same_results(make_checked_pool):
 
 
 def test_attach_sees_the_same_pool(make_pool):
-    """A second BlockPool object attached to the segment sees the creator's state."""
+    """A second BlockPool object attached to the segment sees the creator's cache, and its
+    hits stay alive after the creator frees them."""
     pool = make_pool(11)
     req = make_request(2 * BS)
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
     other = BlockPool.attach(pool.pool_name, num_gpu_blocks=11, hash_block_size=16)
     try:
-        assert ids(other.get_cached_block(req.block_hashes[1], [0])) == [2]
+        hits = [other.get_cached_block(h, [0])[0] for h in req.block_hashes]
+        assert ids(hits) == [1, 2]
         assert other.get_num_free_blocks() == 8
-        other.free_blocks([other.blocks[2], other.blocks[1]])
+        other.touch(hits)
+        pool.free_blocks(reversed(blocks))  # the creator's references go; the hits stay held
+        assert [b.ref_cnt for b in hits] == [1, 1] and pool.get_num_free_blocks() == 8
+        other.free_blocks(reversed(hits))
         assert pool.get_free_block_ids() == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
         other.check_invariants()
     finally:
@@ -378,8 +383,9 @@ def test_context_manager_creator_unlinks_attacher_does_not(pool_name):
     with BlockPool.create(pool_name, 4) as pool:
         with BlockPool.attach(pool_name) as other:
             other.get_new_blocks(1)
+            assert pool.get_num_free_blocks() == 2
         assert os.path.exists(path)
-        assert pool.get_num_free_blocks() == 2
+        assert pool.get_num_free_blocks() == 3  # the attacher's close gave its block back
     assert not os.path.exists(path)
 
 

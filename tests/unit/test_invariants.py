@@ -20,7 +20,8 @@ from shmkv import layout as L
 from shmkv.errors import LayoutMismatchError
 from tests.helpers import make_request
 
-ALL_IDS = {"INV-HDR", "INV-FREE", "INV-QKEY", "INV-REF", "INV-CONSERVE", "INV-HASH"}
+ALL_IDS = {"INV-HDR", "INV-FREE", "INV-QKEY", "INV-REF", "INV-CONSERVE", "INV-HASH",
+           "INV-LEDGER", "INV-PROC", "INV-LOG"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -358,7 +359,7 @@ def test_ref_negative(scene):
     b = scene.held_unhashed[0]
     scene.blocks["ref_cnt"][b] = -1
     assert_reports(
-        scene.pool, exactly={"INV-REF", "INV-CONSERVE"},
+        scene.pool, exactly={"INV-REF", "INV-CONSERVE", "INV-LEDGER"},
         message=f"ref_cnt < 0, e.g. block {b} (-1)",
     )
 
@@ -368,7 +369,7 @@ def test_ref_zero_but_not_queued_is_a_leak(scene):
     b = scene.held_hashed[0]
     scene.blocks["ref_cnt"][b] = 0
     assert_reports(
-        scene.pool, exactly={"INV-REF", "INV-CONSERVE"}, message=f"(leaked), e.g. block {b}",
+        scene.pool, exactly={"INV-REF", "INV-CONSERVE", "INV-LEDGER"}, message=f"(leaked), e.g. block {b}",
     )
 
 
@@ -377,7 +378,7 @@ def test_ref_queued_with_positive_ref(scene):
     b = scene.free_hashed[0]
     scene.blocks["ref_cnt"][b] = 1
     assert_reports(
-        scene.pool, exactly={"INV-REF", "INV-CONSERVE"},
+        scene.pool, exactly={"INV-REF", "INV-CONSERVE", "INV-LEDGER"},
         message=f"in the free queue with ref_cnt != 0, e.g. block {b}",
     )
 

@@ -18,11 +18,15 @@ needs_c = pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not bui
 
 
 def _state_bytes(pool: BlockPool) -> bytes:
-    """The segment's bytes with the creator pid (the one field that may differ) zeroed."""
-    raw = bytearray(pool._segment.buf)
-    start = L.HEADER_DTYPE.fields["creator_pid"][1]
-    raw[start:start + 4] = bytes(4)
-    return bytes(raw)
+    """The pool's shared state: block rows, index, ledger and the free-queue counters (not
+    what names the process, nor the event log's timestamps)."""
+    buf = pool._segment.buf
+    lay = pool.layout
+    parts = [bytes(lay.view(buf, name)) for name in ("block_meta", "index_buckets", "ledger")]
+    hdr = lay.view(buf, "header")[0]
+    counters = [int(hdr[f]) for f in ("num_free_blocks", "queue_head_key", "queue_tail_key",
+                                      "next_event_seq", "log_write_pos")]
+    return b"".join(parts) + repr(counters).encode()
 
 
 def _workload(pool: BlockPool, rng: random.Random) -> list:
@@ -90,7 +94,8 @@ def test_c_kernel_refuses_another_geometry(make_pool):
     lay = pool.layout
     with pytest.raises(ValueError, match="built for another block layout"):
         _ckernel.Kernel(pool._segment.buf, lay.offsets["block_meta"],
-                        lay.offsets["index_buckets"], 8, lay.config.num_index_buckets, wrong)
+                        lay.offsets["index_buckets"], lay.offsets["ledger"], 8,
+                        lay.config.num_index_buckets, wrong)
 
 
 @needs_c

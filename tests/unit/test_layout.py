@@ -43,11 +43,14 @@ def test_regions_are_aligned_and_disjoint(num_blocks):
     assert buckets >= 2 * num_blocks and buckets & (buckets - 1) == 0
 
 
-def test_budget_is_at_most_64_bytes_per_block_plus_index():
-    """Metadata stays within 64 B per block plus the 4-byte index buckets (<= 4 per block)."""
+def test_budget_is_at_most_64_bytes_per_block_plus_index_and_ledger():
+    """Metadata stays within 64 B per block plus the 4-byte index buckets (<= 4 per block)
+    plus the ledger (4 B per block per process slot)."""
     n = 1 << 20
-    lay = Layout.from_config(PoolConfig(num_blocks=n, hash_block_size=16))
-    assert lay.total_bytes <= n * 64 + lay.config.num_index_buckets * 4 + 4096
+    cfg = PoolConfig(num_blocks=n, hash_block_size=16, max_processes=8)
+    lay = Layout.from_config(cfg)
+    ledger = 4 * n * cfg.max_processes
+    assert lay.total_bytes <= n * 64 + cfg.num_index_buckets * 4 + ledger + 8192
 
 
 def test_docstring_names_every_region_and_field():
