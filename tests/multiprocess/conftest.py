@@ -1,0 +1,30 @@
+"""Real OS processes: spawn context, a timeout on every join, every exit code checked."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+JOIN_TIMEOUT_S = 120
+
+
+@pytest.fixture
+def spawn_ctx():
+    return mp.get_context("spawn")
+
+
+def run_processes(ctx, target, arg_list, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
+    """Starts one process per args tuple, joins each with a timeout (killing stragglers),
+    and returns the exit codes."""
+    procs = [ctx.Process(target=target, args=args) for args in arg_list]
+    for p in procs:
+        p.start()
+    codes = []
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+        codes.append(p.exitcode)
+    return codes

@@ -1,0 +1,168 @@
+"""Several real processes on one pool: concurrent churn keeps every invariant, a prefix
+cached by one process is a hit for another, processes that vanish leak nothing, and the
+stress test demonstrably detects races when the lock is off."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from shmkv import BlockPool
+from shmkv.block_pool import _ckernel
+from tests.conftest import unique_pool_name
+from tests.helpers import FakeRequest
+from tests.multiprocess import workers
+from tests.multiprocess.conftest import run_processes
+
+pytestmark = pytest.mark.multiprocess
+
+KERNELS = ["python"] + (["c"] if _ckernel is not None else [])
+
+
+@pytest.fixture
+def pool_factory():
+    made = []
+
+    def factory(num_blocks: int, **kw) -> BlockPool:
+        pool = BlockPool.create(unique_pool_name("mp"), num_blocks, **kw)
+        made.append(pool)
+        return pool
+
+    yield factory
+    for pool in made:
+        name = pool.pool_name
+        pool.close()
+        BlockPool.unlink(name)
+
+
+def _fresh_check(ctx, name: str, expect_all_free: bool) -> None:
+    codes = run_processes(ctx, workers.check_from_fresh_process, [(name, expect_all_free)])
+    assert codes == [0], "check_invariants from a fresh process failed (see stderr)"
+
+
+@pytest.mark.parametrize("num_procs", [2, 4, 8])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_concurrent_churn_keeps_invariants(spawn_ctx, pool_factory, num_procs, kernel):
+    """2 to 8 processes allocate / cache / lookup-touch / free on one pool; afterwards a
+    fresh process finds every invariant intact and every block but the null one free."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed} processes={num_procs} kernel={kernel}")
+    pool = pool_factory(192, max_processes=num_procs + 2)
+    args = [(pool.pool_name, seed + i, 1.5, kernel, True) for i in range(num_procs)]
+    codes = run_processes(spawn_ctx, workers.hammer, args)
+    assert codes == [0] * num_procs, f"seed={seed}: worker exit codes {codes}"
+    _fresh_check(spawn_ctx, pool.pool_name, expect_all_free=True)
+    assert [p["slot"] for p in pool.processes()] == [pool.slot]
+
+
+@pytest.mark.xfail(strict=True, reason="without the pool lock, concurrent processes corrupt "
+                   "the pool; this proves the stress test can see it")
+def test_churn_without_the_lock_is_detected(spawn_ctx, pool_factory):
+    """The same churn with the lock disabled in every worker is caught: a worker fails its
+    own checks or the final invariant check fails."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    pool = pool_factory(96, max_processes=8)
+    args = [(pool.pool_name, seed + i, 3.0, "python", False) for i in range(4)]
+    codes = run_processes(spawn_ctx, workers.hammer, args)
+    assert codes == [0] * 4, f"worker exit codes {codes}"
+    _fresh_check(spawn_ctx, pool.pool_name, expect_all_free=True)
+
+
+def test_prefix_cached_by_a_is_a_hit_for_b_and_outlives_a(spawn_ctx, pool_factory):
+    """B hits the blocks A cached; after A frees them and closes, B's references keep them
+    alive with their hashes."""
+    pool = pool_factory(32)
+    tokens = list(range(64))
+    cached, release, done = spawn_ctx.Event(), spawn_ctx.Event(), spawn_ctx.Event()
+    a = spawn_ctx.Process(target=workers.cache_then_wait,
+                          args=(pool.pool_name, tokens, cached, release, done))
+    a.start()
+    try:
+        assert cached.wait(60), "A did not cache"
+        b = BlockPool.attach(pool.pool_name, label="B")
+        req = FakeRequest(tokens)
+        hits = [b.get_cached_block(h, [0]) for h in req.block_hashes]
+        assert all(h is not None for h in hits)
+        hits = [h[0] for h in hits]
+        b.touch(hits)
+        release.set()
+        assert done.wait(60), "A did not finish"
+        a.join(60)
+        assert a.exitcode == 0
+        assert [h.ref_cnt for h in hits] == [1] * 4
+        assert [h.block_hash[:32] for h in hits] == req.block_hashes
+        assert [p["label"] for p in pool.processes()] == ["creator", "B"]
+        b.free_blocks(reversed(hits))
+        b.close()
+    finally:
+        if a.is_alive():
+            a.kill()
+            a.join(10)
+    _fresh_check(spawn_ctx, pool.pool_name, expect_all_free=True)
+
+
+@pytest.mark.parametrize("how", ["return", "exception", "os_exit", "sigkill"])
+def test_process_leaving_without_close_leaks_nothing_after_reap(spawn_ctx, pool_factory, how):
+    """Whether a process returns, raises, calls os._exit or is SIGKILLed (outside the lock)
+    without close(), reap_dead() in a survivor gives back its blocks and its slot."""
+    pool = pool_factory(16)
+    ready = spawn_ctx.Event()
+    child = spawn_ctx.Process(target=workers.leave_without_close,
+                              args=(pool.pool_name, how, ready))
+    child.start()
+    child.join(60)
+    assert ready.is_set()
+    expected = {"return": 0, "exception": 1, "os_exit": 3, "sigkill": -9}[how]
+    assert child.exitcode == expected
+    assert pool.get_num_free_blocks() == 9  # the six blocks are still referenced
+    assert pool.reap_dead() == 1
+    assert pool.get_num_free_blocks() == 15
+    assert [p["slot"] for p in pool.processes()] == [pool.slot]
+    _fresh_check(spawn_ctx, pool.pool_name, expect_all_free=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_gpu_blocks": 99}, "LayoutMismatchError", "num_blocks: expected 99, found 16"),
+        ({"hash_block_size": 32, "num_gpu_blocks": 8},
+         "LayoutMismatchError", "num_blocks: expected 8, found 16; hash_block_size"),
+    ],
+)
+def test_attaching_with_other_expectations_is_refused(spawn_ctx, pool_factory, kwargs, error,
+                                                      match):
+    """A second process expecting another config gets an error naming every field."""
+    pool = pool_factory(16)
+    codes = run_processes(spawn_ctx, workers.attach_expecting,
+                          [(pool.pool_name, kwargs, error, match)])
+    assert codes == [0]
+
+
+def test_attaching_to_another_layout_version_is_refused(spawn_ctx, pool_factory):
+    """A segment whose header says another layout version is refused with both versions."""
+    from shmkv import layout as L
+
+    pool = pool_factory(16)
+    pool.layout.view(pool._segment.buf, "header")["layout_version"] = L.LAYOUT_VERSION + 1
+    try:
+        codes = run_processes(
+            spawn_ctx, workers.attach_expecting,
+            [(pool.pool_name, {}, "LayoutMismatchError",
+              f"layout_version is {L.LAYOUT_VERSION + 1}, expected {L.LAYOUT_VERSION}")],
+        )
+        assert codes == [0]
+    finally:
+        pool.layout.view(pool._segment.buf, "header")["layout_version"] = L.LAYOUT_VERSION
+
+
+def test_nothing_left_in_dev_shm(pool_factory):
+    """create + close + unlink leaves no segment, semaphore or lock file behind."""
+    pool = pool_factory(8)
+    name, shm = pool.pool_name, pool._segment.shm_name
+    pool.close()
+    BlockPool.unlink(name)
+    leftovers = [f for f in os.listdir("/dev/shm") if shm.lstrip("/") in f]
+    assert leftovers == []

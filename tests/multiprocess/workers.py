@@ -1,0 +1,132 @@
+"""Worker processes for the multi-process tests (module level, so spawn can import them).
+
+Every worker attaches by name, does its work, and reports through its exit code: 0 for
+success; anything else is a failure the parent asserts on. Failures print why to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+from shmkv import BlockPool
+from tests.helpers import FakeRequest
+
+BS = 16
+SYSTEM_PROMPTS = [list(range(p * 10_000, p * 10_000 + 96)) for p in range(4)]
+
+
+def hammer(name: str, seed: int, duration_s: float, kernel: str, lock_enabled: bool) -> None:
+    """Serving-like churn: admit requests (lookup + touch + allocate + cache under one hold),
+    check that every block a live request holds is still referenced, finish requests."""
+    rng = random.Random(seed)
+    try:
+        pool = BlockPool.attach(name, kernel=kernel, label=f"hammer-{seed}",
+                                _lock_enabled=lock_enabled)
+        running: list[tuple[FakeRequest, list]] = []
+        deadline = time.monotonic() + duration_s
+        steps = 0
+        while time.monotonic() < deadline:
+            steps += 1
+            if rng.random() < 0.55 or not running:
+                prompt = rng.choice(SYSTEM_PROMPTS)[: rng.choice([32, 64, 96])]
+                tokens = prompt + [rng.randrange(50_000) for _ in range(rng.randint(1, 40))]
+                req = FakeRequest(tokens)
+                with pool.lock():
+                    hits = []
+                    for h in req.block_hashes:
+                        found = pool.get_cached_block(h, [0])
+                        if found is None:
+                            break
+                        hits.append(found[0])
+                    pool.touch(hits)
+                    need = -(-len(tokens) // BS) - len(hits)
+                    try:
+                        blocks = hits + pool.get_new_blocks(need)
+                    except ValueError:
+                        pool.free_blocks(reversed(hits))
+                        continue
+                    pool.cache_full_blocks(req, blocks, len(hits), len(tokens) // BS, BS, 0)
+                running.append((req, blocks))
+            else:
+                req, blocks = running.pop(rng.randrange(len(running)))
+                pool.free_blocks(reversed(blocks))
+            if steps % 16 == 0:  # what a live request holds must stay held and unchanged
+                for req, blocks in running:
+                    for i, b in enumerate(blocks):
+                        if b.ref_cnt < 1:
+                            raise AssertionError(f"held block {b.block_id} has ref_cnt {b.ref_cnt}")
+                        if i < len(req.block_hashes) and b.block_hash is not None and (
+                            b.block_hash[:32] != req.block_hashes[i]
+                        ):
+                            raise AssertionError(f"held block {b.block_id} changed its hash")
+        for _, blocks in running:
+            pool.free_blocks(reversed(blocks))
+        pool.close()
+    except BaseException:  # noqa: BLE001  (report anything, then fail)
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def check_from_fresh_process(name: str, expect_all_free: bool) -> None:
+    """Attach, run check_invariants, optionally require every block but the null one free."""
+    try:
+        pool = BlockPool.attach(name, label="checker")
+        pool.check_invariants()
+        if expect_all_free:
+            free = pool.get_num_free_blocks()
+            if free != pool.num_gpu_blocks - 1:
+                raise AssertionError(f"{free} of {pool.num_gpu_blocks - 1} blocks free")
+        pool.close()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def cache_then_wait(name: str, tokens: list[int], cached, release, done) -> None:
+    """Process A: cache a prompt, signal, wait, then free it and close."""
+    pool = BlockPool.attach(name, label="A")
+    req = FakeRequest(tokens)
+    blocks = pool.get_new_blocks(len(req.block_hashes))
+    pool.cache_full_blocks(req, blocks, 0, len(blocks), BS, 0)
+    cached.set()
+    if not release.wait(60):
+        sys.exit(2)
+    pool.free_blocks(reversed(blocks))
+    pool.close()
+    done.set()
+
+
+def leave_without_close(name: str, how: str, ready) -> None:
+    """Attach, take blocks, then end without close() in the way ``how`` says."""
+    pool = BlockPool.attach(name, label=f"leaver-{how}")
+    pool.get_new_blocks(6)
+    ready.set()
+    if how == "return":
+        return
+    if how == "exception":
+        raise RuntimeError("a scheduler crashed with an exception")
+    if how == "os_exit":
+        os._exit(3)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError(how)
+
+
+def attach_expecting(name: str, kwargs: dict, expected_error: str, match: str) -> None:
+    """Attach with expectations that do not hold; exit 0 only for the expected error."""
+    import shmkv
+
+    try:
+        BlockPool.attach(name, **kwargs)
+    except getattr(shmkv, expected_error) as exc:
+        if match in str(exc):
+            return
+        print(f"wrong message: {exc}", file=sys.stderr)
+        sys.exit(1)
+    print("attach succeeded", file=sys.stderr)
+    sys.exit(1)
