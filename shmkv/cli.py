@@ -1,0 +1,245 @@
+"""The ``shmkv`` command.
+
+    shmkv demo [--processes N] [--requests R]   several schedulers share one pool
+    shmkv inspect NAME                          a live pool: header, usage, processes, invariants
+    shmkv unlink NAME                           remove a pool's segment, lock and lock file
+
+Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, nothing to
+unlink, a demo process failed); 2 bad usage or an error (message on stderr, no traceback
+unless ``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+
+from shmkv import layout as L
+from shmkv.block_pool import BlockPool
+from shmkv.errors import ShmKVError
+from shmkv.lock import decode_holder
+from shmkv.recovery import collect_violations
+
+EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------- demo
+
+SYSTEM_PROMPTS = {
+    "assistant": list(range(1000, 1064)),  # 64 tokens: 4 blocks of 16
+    "coder": list(range(2000, 2096)),  # 96 tokens: 6 blocks
+}
+
+
+def _demo_scheduler(name: str, index: int, num_requests: int, seed: int, first_done,
+                    lines) -> None:
+    """One scheduler process: serve requests, report each one's prefix hit."""
+    from shmkv.request import Request
+
+    pool = BlockPool.attach(name, label=f"scheduler-{index}")
+    hasher = pool.make_block_hasher()
+    rng = random.Random(seed)
+    own_blocks: set[int] = set()
+    bs = pool.hash_block_size
+    if index > 0:
+        first_done.wait(60)  # let scheduler 0 compute the system prompts first
+    for r in range(num_requests):
+        system = rng.choice(sorted(SYSTEM_PROMPTS))
+        user = [rng.randrange(30_000, 40_000) for _ in range(rng.randint(8, 40))]
+        req = Request(f"s{index}-r{r}", SYSTEM_PROMPTS[system] + user, block_hasher=hasher)
+        with pool.lock():
+            hits = []
+            for h in req.block_hashes:
+                found = pool.get_cached_block(h, [0])
+                if found is None:
+                    break
+                hits.append(found[0])
+            pool.touch(hits)
+            new = pool.get_new_blocks(-(-req.num_tokens // bs) - len(hits))
+            blocks = hits + new
+            pool.cache_full_blocks(req, blocks, len(hits), req.num_tokens // bs, bs, 0)
+        foreign = sum(1 for b in hits if b.block_id not in own_blocks)
+        own_blocks.update(b.block_id for b in new)
+        lines.put((index, r, system, req.num_tokens, len(hits) * bs, foreign * bs))
+        pool.free_blocks(reversed(blocks))
+        if index == 0 and r == 1:
+            first_done.set()
+    first_done.set()
+    pool.close()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    name = f"demo-{os.getpid()}"
+    ctx = mp.get_context("spawn")
+    pool = BlockPool.create(name, args.blocks, enable_kv_cache_events=True,
+                            max_processes=args.processes + 2, label="demo")
+    print(f"pool {name}: {args.blocks} blocks of {pool.hash_block_size} tokens in "
+          f"/dev/shm{pool._segment.shm_name}; {args.processes} scheduler processes, "
+          f"{args.requests} requests each")
+    lines = ctx.Queue()
+    first_done = ctx.Event()
+    procs = [
+        ctx.Process(target=_demo_scheduler,
+                    args=(name, i, args.requests, args.seed + i, first_done, lines))
+        for i in range(args.processes)
+    ]
+    status = EXIT_OK
+    try:
+        for p in procs:
+            p.start()
+        totals = {"requests": 0, "tokens": 0, "hit": 0, "foreign": 0}
+        deadline = time.monotonic() + args.timeout
+        for _ in range(args.processes * args.requests):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not any(p.is_alive() for p in procs) and lines.empty():
+                break
+            try:
+                index, r, system, tokens, hit, foreign = lines.get(timeout=max(remaining, 0.1))
+            except Exception:  # noqa: BLE001  (queue.Empty: a scheduler died; reported below)
+                break
+            totals["requests"] += 1
+            totals["tokens"] += tokens
+            totals["hit"] += hit
+            totals["foreign"] += foreign
+            print(f"  scheduler-{index} request {r:>2}: {system:<9} prompt {tokens:>3} tokens, "
+                  f"prefix hit {hit:>3} tokens ({foreign:>3} computed by another process)")
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 1))
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+            if p.exitcode != 0:
+                print(f"{p.name} exited with code {p.exitcode}", file=sys.stderr)
+                status = EXIT_PROBLEM
+        rate = totals["hit"] / totals["tokens"] if totals["tokens"] else 0.0
+        print(f"{totals['requests']} requests, {totals['tokens']} prompt tokens, "
+              f"{totals['hit']} served from the shared prefix cache ({rate:.0%}), "
+              f"{totals['foreign']} of them cached by another scheduler process")
+        events, lost = pool.read_events(pool.event_cursor())
+        print(f"global event log: {len(events)} events from "
+              f"{len({e.slot for e in events})} processes, {lost} lost")
+        pool.check_invariants()
+        print(f"invariants: OK; blocks free: {pool.get_num_free_blocks()} of "
+              f"{pool.num_gpu_blocks - 1}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        pool.close()
+        BlockPool.unlink(name)
+    return status
+
+
+# ---------------------------------------------------------------------------- inspect
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    pool = BlockPool.attach(args.name, label="shmkv-inspect")
+    try:
+        with pool.lock():
+            hdr = pool.layout.view(pool._segment.buf, "header")[0]
+            holder = decode_holder(int(hdr["holder"]))
+            violations = collect_violations(pool)
+        print(f"pool {args.name}  segment {pool._segment.shm_name}  "
+              f"({pool.layout.total_bytes:,} bytes, layout v{L.LAYOUT_VERSION})")
+        for field in L.HEADER_DTYPE.names:
+            value = hdr[field]
+            if field == "state":
+                value = L.STATE_NAMES.get(int(value), int(value))
+            elif field == "magic":
+                value = hex(int(value))
+            elif field in ("medium", "hash_fn_name"):
+                value = bytes(value).decode(errors="replace")
+            elif field == "none_hash":
+                value = bytes(value).hex()[:16] + "..."
+            elif field == "holder":
+                value = "free" if holder is None else f"slot {holder[0]}, pid {holder[1]}"
+            print(f"  {field:<20} {value}")
+        print("regions:")
+        for name, offset, nbytes, _ in pool.layout.describe():
+            print(f"  {name:<14} offset {offset:>12,}  {nbytes:>14,} B  "
+                  f"shape {pool.layout.shapes[name]}")
+        n = pool.num_gpu_blocks
+        free = pool.get_num_free_blocks()
+        cached = len(pool.cached_block_hash_to_block)
+        print(f"blocks: {n} total, {free} free, {n - 1 - free} in use, "
+              f"{cached} cached keys, usage {pool.get_usage():.1%}")
+        print("processes:")
+        for proc in pool.processes():
+            if proc["self"]:
+                continue
+            print(f"  slot {proc['slot']:>3}  pid {proc['pid']:>7}  "
+                  f"{'alive' if proc['alive'] else 'DEAD '}  refs {proc['references']:>7}  "
+                  f"{proc['label']}")
+        print("invariants: " + ("OK" if not violations else f"{len(violations)} broken"))
+        for v in violations:
+            print(f"  {v}")
+        return EXIT_OK if not violations else EXIT_PROBLEM
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------------------- unlink
+
+def cmd_unlink(args: argparse.Namespace) -> int:
+    if BlockPool.unlink(args.name):
+        print(f"removed pool {args.name}")
+        return EXIT_OK
+    print(f"no pool named {args.name}", file=sys.stderr)
+    return EXIT_PROBLEM
+
+
+# ---------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shmkv", description="One KV-cache block pool shared by every scheduler process "
+        "on a node.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="several scheduler processes share one pool",
+                          description="Starts scheduler processes on one new pool; each "
+                          "serves chat requests and prints the prefix hits it got.")
+    demo.add_argument("--processes", type=int, default=3, help="scheduler processes (3)")
+    demo.add_argument("--requests", type=int, default=6, help="requests per process (6)")
+    demo.add_argument("--blocks", type=int, default=256, help="blocks in the pool (256)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    demo.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    demo.set_defaults(func=cmd_demo)
+
+    inspect = sub.add_parser("inspect", help="print a live pool's state",
+                             description="Header, regions, usage, processes and invariant "
+                             "status of a live pool. Exit 1 if an invariant is broken.")
+    inspect.add_argument("name", help="pool name")
+    inspect.set_defaults(func=cmd_inspect)
+
+    unlink = sub.add_parser("unlink", help="remove a pool",
+                            description="Removes a pool's segment, lock and lock file. "
+                            "Processes that have it mapped keep working. Exit 1 if none.")
+    unlink.add_argument("name", help="pool name")
+    unlink.set_defaults(func=cmd_unlink)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo" and (args.processes < 1 or args.requests < 1 or args.blocks < 16):
+        print("shmkv demo: --processes and --requests must be >= 1, --blocks >= 16",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        return args.func(args)
+    except (ShmKVError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"shmkv {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
