@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Cross-process contention: 1, 2, 4 and 8 scheduler processes on one shmkv pool.
+
+Every process runs the same scheduler-like loop for ``--seconds``:
+
+1. build a request (one of four shared 64-token system prompts + a unique user message of
+   8 to 40 tokens) and hash it with the pool's block hasher (outside the lock, as a
+   scheduler hashes when a request arrives);
+2. under ONE hold of the pool lock: look up the longest cached prefix, ``touch`` the hits,
+   ``get_new_blocks`` for the rest, ``cache_full_blocks``;
+3. keep 8 requests running; when a ninth arrives, ``free_blocks`` the oldest (its own hold).
+
+Reported per configuration: aggregate requests per second over all processes, the speedup
+over one process, and the p50 / p99 of the lock wait and hold times (every hold of every
+process, measured by ``PoolLock.record``). Output: one JSON line per configuration on stdout,
+then a readable table, then the path of a PNG plot (throughput and p99 wait against the
+number of processes). ``--json PATH`` also writes the JSON lines to a file.
+
+    python benchmarks/bench_contention.py                  # 1,2,4,8 processes, 3 s each
+    python benchmarks/bench_contention.py --quick          # 1 s each
+    python benchmarks/bench_contention.py --kernel python  # the pure-Python kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shmkv import BlockPool, Request
+from shmkv.block_pool import default_kernel
+
+HERE = Path(__file__).resolve().parent
+SYSTEM_PROMPTS = [list(range(10_000 * p, 10_000 * p + 64)) for p in range(4)]
+RUNNING = 8
+
+
+def scheduler(name: str, index: int, seconds: float, kernel: str, start, results) -> None:
+    """One scheduler process; puts (requests, elapsed_s, waits_ns, holds_ns) on results."""
+    pool = BlockPool.attach(name, kernel=kernel, label=f"bench-{index}")
+    hasher = pool.make_block_hasher()
+    bs = pool.hash_block_size
+    rng = random.Random(index)
+    lock = pool.lock()
+    lock.record = []
+    running: list[list] = []
+    served = 0
+    start.wait(60)
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while time.perf_counter() < deadline:
+        tokens = rng.choice(SYSTEM_PROMPTS) + [rng.randrange(50_000, 90_000)
+                                               for _ in range(rng.randint(8, 40))]
+        req = Request(f"{index}-{served}", tokens, block_hasher=hasher)
+        if len(running) == RUNNING:
+            pool.free_blocks(reversed(running.pop(0)))
+        with lock:
+            hits = []
+            for h in req.block_hashes:
+                found = pool.get_cached_block(h, [0])
+                if found is None:
+                    break
+                hits.append(found[0])
+            pool.touch(hits)
+            blocks = hits + pool.get_new_blocks(-(-req.num_tokens // bs) - len(hits))
+            pool.cache_full_blocks(req, blocks, len(hits), req.num_tokens // bs, bs, 0)
+        running.append(blocks)
+        served += 1
+    elapsed = time.perf_counter() - t0
+    for blocks in running:
+        pool.free_blocks(reversed(blocks))
+    record = lock.record
+    lock.record = None
+    pool.close()
+    waits = np.array([w for w, _ in record], dtype=np.int64)
+    holds = np.array([h for _, h in record], dtype=np.int64)
+    results.put((served, elapsed, waits, holds))
+
+
+def run_config(num_procs: int, seconds: float, kernel: str, num_blocks: int) -> dict:
+    name = f"bench-contention-{os.getpid()}-{num_procs}"
+    ctx = mp.get_context("spawn")
+    pool = BlockPool.create(name, num_blocks, max_processes=num_procs + 1, kernel=kernel,
+                            label="bench-parent")
+    try:
+        start, results = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=scheduler, args=(name, i, seconds, kernel, start, results))
+                 for i in range(num_procs)]
+        for p in procs:
+            p.start()
+        time.sleep(0.5 + 0.1 * num_procs)  # let every process attach before the start
+        start.set()
+        outcomes = [results.get(timeout=seconds + 120) for _ in procs]
+        for p in procs:
+            p.join(60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a scheduler process exited with {p.exitcode}")
+        pool.check_invariants()
+        if pool.get_num_free_blocks() != num_blocks - 1:
+            raise RuntimeError("blocks were not all returned")
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
+    served = sum(o[0] for o in outcomes)
+    elapsed = max(o[1] for o in outcomes)
+    waits = np.concatenate([o[2] for o in outcomes]) / 1e3
+    holds = np.concatenate([o[3] for o in outcomes]) / 1e3
+    return {
+        "bench": "contention",
+        "processes": num_procs,
+        "kernel": kernel,
+        "seconds": round(elapsed, 3),
+        "requests": served,
+        "requests_per_s": round(served / elapsed, 1),
+        "lock_holds": int(len(holds)),
+        "wait_p50_us": round(float(np.percentile(waits, 50)), 2),
+        "wait_p99_us": round(float(np.percentile(waits, 99)), 2),
+        "hold_p50_us": round(float(np.percentile(holds, 50)), 2),
+        "hold_p99_us": round(float(np.percentile(holds, 99)), 2),
+        "num_blocks": num_blocks,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("processes", "requests/s", "speedup", "wait p50 us", "wait p99 us",
+              "hold p50 us", "hold p99 us")
+    base = rows[0]["requests_per_s"] if rows and rows[0]["processes"] == 1 else None
+    body = [
+        (str(r["processes"]), f"{r['requests_per_s']:,.0f}",
+         f"{r['requests_per_s'] / base:.2f}x" if base else "-",
+         f"{r['wait_p50_us']:.1f}", f"{r['wait_p99_us']:.1f}", f"{r['hold_p50_us']:.1f}",
+         f"{r['hold_p99_us']:.1f}")
+        for r in rows
+    ]
+    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    sys.path.insert(0, str(HERE))
+    from pngplot import line_chart
+
+    procs = [r["processes"] for r in rows]
+    base = rows[0]["requests_per_s"]
+    line_chart(
+        path,
+        title=f"shmkv: {rows[0]['kernel']} kernel, {os.cpu_count()} cores",
+        x_label="scheduler processes on one pool",
+        y_label="speedup / p99 lock wait (x 100 us)",
+        series={
+            "aggregate requests/s, x one process": (procs, [r["requests_per_s"] / base
+                                                              for r in rows]),
+            "p99 lock wait, x 100 us": (procs, [r["wait_p99_us"] / 100 for r in rows]),
+        },
+        x_ticks=procs,
+        log_x=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--procs", default="1,2,4,8", help="process counts (1,2,4,8)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per configuration (3)")
+    parser.add_argument("--quick", action="store_true", help="1 s per configuration")
+    parser.add_argument("--kernel", default=default_kernel(), choices=["c", "python"])
+    parser.add_argument("--blocks", type=int, default=4096, help="pool size (4096)")
+    parser.add_argument("--json", metavar="PATH", help="also write the JSON lines to PATH")
+    parser.add_argument("--plot", metavar="PATH", default=str(HERE / "results" / "contention.png"),
+                        help="PNG plot path (benchmarks/results/contention.png)")
+    args = parser.parse_args(argv)
+    counts = [int(x) for x in args.procs.split(",")]
+    seconds = 1.0 if args.quick else args.seconds
+    rows = []
+    for i, n in enumerate(counts):
+        print(f"[{i + 1}/{len(counts)}] {n} process(es), {seconds:g} s ...", file=sys.stderr,
+              flush=True)
+        rows.append(run_config(n, seconds, args.kernel, args.blocks))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print()
+    print(f"one pool, {args.kernel} kernel, {os.cpu_count()} cores, {seconds:g} s per row; "
+          "wait = time to take the pool lock, hold = time holding it")
+    print(format_table(rows))
+    plot_path = Path(args.plot)
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, plot_path)
+    print(f"plot: {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

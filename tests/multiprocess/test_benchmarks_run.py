@@ -1,0 +1,44 @@
+"""The benchmarks still run end to end (tiny settings): JSON lines, a table, a PNG.
+Speed itself is never asserted here; see benchmarks/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+def test_bench_block_pool_smoke():
+    """bench_block_pool --quick prints a JSON line per (op, n, impl) and the table."""
+    out = _run("benchmarks/bench_block_pool.py", "--quick", "--no-vllm", "--work", "256",
+               "--repeats", "1", "--warmup", "0", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {r["op"] for r in rows} >= {"alloc_free", "get_cached_block.hit", "touch_free"}
+    assert all(r["ns_per_block"] > 0 for r in rows)
+    assert "vLLM/shmkv" in out.stdout
+
+
+def test_bench_contention_smoke(tmp_path):
+    """bench_contention with 1 and 2 processes prints JSON lines, a table and a PNG."""
+    png = tmp_path / "contention.png"
+    out = _run("benchmarks/bench_contention.py", "--procs", "1,2", "--seconds", "0.3",
+               "--blocks", "512", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["processes"] for r in rows] == [1, 2]
+    assert all(r["requests"] > 0 and r["lock_holds"] > 0 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
