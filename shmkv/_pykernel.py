@@ -19,6 +19,7 @@ Kernel interface (both kernels):
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 
 import numpy as np
@@ -30,50 +31,125 @@ from shmkv.prefix_index import BlockHashToBlockMap
 
 _R = L.ROW_I32
 _REF = L.F_REF
-_PREV = L.F_PREV
-_NEXT = L.F_NEXT
 _HTOK = L.F_HASH_TOKENS
 _NULL = L.NULL_BLOCK_ID
 _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _HASH_BYTES = L.BLOCK_HASH_BYTES
+_H_NUM_FREE = L.H_NUM_FREE
+_ROW_BYTES = L.BLOCK_DTYPE.itemsize
+_GROUP_MIX = L.GROUP_MIX
+_MASK64 = (1 << 64) - 1
+_SEQUENCES = (list, tuple)
+_INT32_MAX = (1 << 31) - 1
+_read_u64 = struct.Struct("<Q").unpack_from
 
 
 class PyKernel:
-    """BlockPool's mutations over the free queue and the prefix index, in Python."""
+    """BlockPool's mutations over the free queue and the prefix index, in Python.
+
+    Single fields are read and written through per-field strided memoryviews
+    (``self._ref[b]`` is block ``b``'s ``ref_cnt``), about twice as fast as indexing the flat
+    int32 view. Writes to the links and to the index go through the queue and the map, which
+    own them; the kernel only reads those fields. :meth:`release` releases every strided view
+    (the queue's and the map's too) before the pool releases the views they are cut from.
+    """
 
     def __init__(self, i32, queue: FreeKVCacheBlockQueue, index: BlockHashToBlockMap,
                  blocks: np.ndarray, ledger_row: np.ndarray, num_blocks: int) -> None:
         self._i32 = i32
-        self._ledger_np = ledger_row
-        self._ledger = memoryview(ledger_row)
+        # This process's ledger row: the references it holds on each block.
+        self._led_np = ledger_row
+        self._led = memoryview(ledger_row)
         self._queue = queue
         self._index = index
         self._ref_col = blocks["ref_cnt"]
         self._htok_col = blocks["hash_num_tokens"]
         self._num_blocks = num_blocks
+        self._ref = i32[_REF::_R]
+        self._htok = i32[_HTOK::_R]
+        self._hdr64 = queue._hdr64
+        # Read-only use of the queue's and the map's views (both release them).
+        self._prev = queue._prev
+        self._next = queue._next
+        self._buckets = index._buckets
+        self._igroup = index._group
+        self._inext = index._inext
+        self._mem = index._mem
+        self._hash0 = index._hash0
+        self._mask = index._mask
 
     def release(self) -> None:
-        self._ledger.release()
-        self._ledger = self._ledger_np = None
+        if self._queue is None:
+            return
+        self._ref.release()
+        self._htok.release()
+        self._led.release()
+        self._led = self._led_np = None
+        self._queue.release()
+        self._index.release()
         self._i32 = self._queue = self._index = None
         self._ref_col = self._htok_col = None
+        self._ref = self._htok = self._hdr64 = self._prev = self._next = None
+        self._buckets = self._igroup = self._inext = self._mem = None
 
     def _read_ids(self, blocks, what: str) -> list[int]:
-        if not isinstance(blocks, (list, tuple)):
+        if not isinstance(blocks, _SEQUENCES):
             blocks = list(blocks)
+        n = self._num_blocks
+        if len(blocks) == 1:  # the same checks, for one block
+            block = blocks[0]
+            try:
+                block_id = block.block_id
+            except AttributeError:
+                raise UsageError(
+                    f"{what}() takes KVCacheBlock handles, got {type(block).__name__}"
+                ) from None
+            if block_id < 0 or block_id >= n:
+                raise UsageError(f"{what}(): block id {block_id} is out of range [0, {n})")
+            return [block_id]
+        ids = self._block_ids(blocks, what)
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            self._raise_out_of_range(ids, what)
+        return ids
+
+    def _read_ids_array(self, blocks, what: str) -> tuple[list[int], np.ndarray | None]:
+        """``_read_ids``, plus the ids as an int64 array when there are ``BULK_MIN_BLOCKS``
+        or more (the range check then runs on the array)."""
+        if not isinstance(blocks, _SEQUENCES):
+            blocks = list(blocks)
+        if len(blocks) < BULK_MIN_BLOCKS:
+            return self._read_ids(blocks, what), None
+        ids = self._block_ids(blocks, what)
+        arr = np.array(ids)
+        if arr.dtype != np.int64 or arr.ndim != 1:  # not plain ints: the list check
+            n = self._num_blocks
+            if min(ids) < 0 or max(ids) >= n:
+                self._raise_out_of_range(ids, what)
+            return ids, None
+        if arr.min() < 0 or arr.max() >= self._num_blocks:
+            self._raise_out_of_range(ids, what)
+        return ids, arr
+
+    @staticmethod
+    def _block_ids(blocks, what: str) -> list:
         try:
-            ids = [b.block_id for b in blocks]
+            if len(blocks) < BULK_MIN_BLOCKS:  # a loop beats a comprehension's set-up here
+                ids = []
+                for b in blocks:
+                    ids.append(b.block_id)
+                return ids
+            return [b.block_id for b in blocks]
         except AttributeError:
             bad = next(b for b in blocks if not hasattr(b, "block_id"))
             raise UsageError(
                 f"{what}() takes KVCacheBlock handles, got {type(bad).__name__}"
             ) from None
+
+    def _raise_out_of_range(self, ids: list, what: str) -> None:
         n = self._num_blocks
-        if ids and (min(ids) < 0 or max(ids) >= n):
-            bad = next(b for b in ids if not 0 <= b < n)
-            raise UsageError(f"{what}(): block id {bad} is out of range [0, {n})")
-        return ids
+        bad = next(b for b in ids if not 0 <= b < n)
+        raise UsageError(f"{what}(): block id {bad} is out of range [0, {n})")
 
     # ------------------------------------------------------------------ prefix index
 
@@ -87,12 +163,33 @@ class PyKernel:
         return self._index.get_one_block(block_hash, group_id)
 
     def get_cached(self, block_hash: bytes, group_ids, handles: list, make_handle) -> list | None:
+        if type(block_hash) is not bytes:
+            raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
+        if len(block_hash) != _HASH_BYTES:
+            raise UsageError(
+                f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
+            )
+        word = _read_u64(block_hash)[0]
         found = []
         for group_id in group_ids:
-            block_id = self.lookup(block_hash, group_id)
-            if block_id == _NO_BLOCK:
+            # BlockHashToBlockMap.get_one_block, inlined (reads only).
+            if group_id:
+                cur = self._buckets[(word ^ ((group_id * _GROUP_MIX) & _MASK64)) & self._mask]
+            else:
+                cur = self._buckets[word & self._mask]
+            if cur != _NO_BLOCK:
+                group_of, inext, mem, hash0 = self._igroup, self._inext, self._mem, self._hash0
+                while cur != _NO_BLOCK:
+                    if group_of[cur] == group_id:
+                        off = hash0 + cur * _ROW_BYTES
+                        if mem[off:off + _HASH_BYTES] == block_hash:
+                            break
+                    cur = inext[cur]
+                else:
+                    return None
+            else:
                 return None
-            found.append(handles[block_id] or make_handle(block_id))
+            found.append(handles[cur] or make_handle(cur))
         return found
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:
@@ -107,41 +204,69 @@ class PyKernel:
             (block position in the request, hash) of each block cached, in order.
         """
         ids = self._read_ids(blocks, "cache_full_blocks")
-        i32 = self._i32
-        plan: list[tuple[int, int, bytes, int, bool]] = []
+        htok = self._htok
+        start = num_cached + 1
+        n = len(ids)
+        if (block_mask is None and type(fine_hashes) is list and ratio > 0 and num_cached >= 0
+                and _NULL not in ids and (n < 2 or len(set(ids)) == n)):
+            # The usual call: every block distinct, new to the cache, with a valid hash. Check
+            # that much in one light pass; anything else takes the full loop below.
+            first = start * ratio - 1
+            hashes = fine_hashes[first:first + n * ratio:ratio]
+            if len(hashes) == n:
+                for block_id, block_hash in zip(ids, hashes, strict=True):
+                    if (type(block_hash) is not bytes or len(block_hash) != _HASH_BYTES
+                            or htok[block_id] != _NO_HASH_TOKENS):
+                        break
+                else:
+                    self._index.insert_n(
+                        zip(ids, hashes, range(start * block_size, (start + n) * block_size,
+                                               block_size), strict=True),
+                        group_id,
+                    )
+                    return list(zip(range(num_cached, num_cached + n), hashes, strict=True))
+        cached: list[tuple[int, bytes]] = []
+        entries: list[tuple[int, bytes, int]] = []
+        rehash: set[int] = set()  # blocks whose shorter key gives way to the full one
         planned: set[int] = set()
-        for i, block_id in enumerate(ids):
-            if block_id == _NULL or (block_mask is not None and not block_mask[i]):
+        for end, block_id in enumerate(ids, start):  # end = position + 1
+            if block_id == _NULL or (block_mask is not None and not block_mask[end - start]):
                 continue
             if block_id in planned:
                 raise UsageError(
                     f"cache_full_blocks(): block {block_id} appears twice in the blocks to cache"
                 )
             planned.add(block_id)
-            position = num_cached + i
-            block_hash = fine_hashes[(position + 1) * ratio - 1]
+            block_hash = fine_hashes[end * ratio - 1]
             if type(block_hash) is not bytes or len(block_hash) != _HASH_BYTES:
+                position = end - 1
                 raise UsageError(
                     f"cache_full_blocks(): block hash {position} must be {_HASH_BYTES} bytes, "
                     f"got {type(block_hash).__name__}"
                     + (f" of {len(block_hash)} bytes" if type(block_hash) is bytes else "")
                 )
-            num_tokens = (position + 1) * block_size
-            held = i32[block_id * _R + _HTOK]
-            if held != _NO_HASH_TOKENS and held >= num_tokens:
-                raise UsageError(
-                    f"cache_full_blocks(): block {block_id} is already cached "
-                    f"({held} tokens, asked for {num_tokens})"
-                )
-            plan.append((position, block_id, block_hash, num_tokens, held != _NO_HASH_TOKENS))
+            num_tokens = end * block_size
+            held = htok[block_id]
+            if held != _NO_HASH_TOKENS:
+                if held >= num_tokens:
+                    raise UsageError(
+                        f"cache_full_blocks(): block {block_id} is already cached "
+                        f"({held} tokens, asked for {num_tokens})"
+                    )
+                rehash.add(block_id)
+            cached.append((end - 1, block_hash))
+            entries.append((block_id, block_hash, num_tokens))
         index = self._index
-        for _, block_id, block_hash, num_tokens, rehash in plan:
-            if rehash:  # a shorter key on the same block gives way to the full one
-                key = index.pop(block_id)
-                if evicted_out is not None:
-                    evicted_out.append(key)
-            index.insert(block_hash, group_id, block_id, num_tokens)
-        return [(position, block_hash) for position, _, block_hash, _, _ in plan]
+        if not rehash:
+            index.insert_n(entries, group_id)
+        else:
+            for block_id, block_hash, num_tokens in entries:
+                if block_id in rehash:
+                    key = index.pop(block_id)
+                    if evicted_out is not None:
+                        evicted_out.append(key)
+                index.insert(block_hash, group_id, block_id, num_tokens)
+        return cached
 
     def evict(self, block_id: int) -> tuple[bytes, int] | None:
         return self._index.pop(block_id)
@@ -150,47 +275,98 @@ class PyKernel:
 
     def allocate(self, n: int, caching: bool, handles: list, make_handle,
                  evicted_out: list | None) -> list:
-        if n < 0 or n > self._queue.num_free_blocks:
+        if n < 0 or n > self._hdr64[_H_NUM_FREE]:
             raise OutOfBlocksError(f"Cannot get {n} free blocks from the pool")
+        if n == 1:
+            block_id = self._queue._popleft_one()
+            if caching and self._htok[block_id] != _NO_HASH_TOKENS:
+                key = self._index.pop(block_id)
+                if evicted_out is not None:
+                    evicted_out.append(key)
+            self._ref[block_id] = 1
+            self._led[block_id] += 1
+            return [handles[block_id] or make_handle(block_id)]
         ids, arr = self._queue.popleft_n_with_array(n)
-        index = self._index
-        ledger = self._ledger
-        if arr is None:
-            i32 = self._i32
-            for block_id in ids:
-                base = block_id * _R
-                if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
-                    key = index.pop(block_id)
-                    if evicted_out is not None:
-                        evicted_out.append(key)
-                i32[base + _REF] = 1
-                ledger[block_id] += 1
-        else:
+        if arr is not None:
             if caching:
+                pop = self._index.pop
                 for block_id in arr[self._htok_col[arr] != _NO_HASH_TOKENS].tolist():
-                    key = index.pop(block_id)
+                    key = pop(block_id)
                     if evicted_out is not None:
                         evicted_out.append(key)
             self._ref_col[arr] = 1
-            self._ledger_np[arr] += 1
-        return [handles[b] or make_handle(b) for b in ids]
+            self._led_np[arr] += 1
+            return [handles[b] or make_handle(b) for b in ids]
+        ref = self._ref
+        led = self._led
+        out = []  # evict, take a reference and make the handle in one pass
+        if caching:
+            htok = self._htok
+            for block_id in ids:
+                if htok[block_id] != _NO_HASH_TOKENS:
+                    key = self._index.pop(block_id)
+                    if evicted_out is not None:
+                        evicted_out.append(key)
+                ref[block_id] = 1
+                led[block_id] += 1
+                out.append(handles[block_id] or make_handle(block_id))
+        else:
+            for block_id in ids:
+                ref[block_id] = 1
+                led[block_id] += 1
+                out.append(handles[block_id] or make_handle(block_id))
+        return out
 
     def free(self, blocks, caching: bool) -> None:
-        ids = self._read_ids(blocks, "free_blocks")
+        if type(blocks) is list and len(blocks) == 1:  # one block: _read_ids, inlined
+            try:
+                block_id = blocks[0].block_id
+            except AttributeError:
+                block_id = -1
+            if block_id < 0 or block_id >= self._num_blocks:
+                block_id = self._read_ids(blocks, "free_blocks")[0]  # raises its error
+            if block_id == _NULL:
+                return
+            ref_of = self._ref
+            ref = ref_of[block_id]
+            if ref < 1:
+                self._raise_double_free([block_id], block_id)
+            led = self._led
+            if led[block_id] < 1:
+                self._raise_not_held([block_id], block_id)
+            ref_of[block_id] = ref - 1
+            led[block_id] -= 1
+            if ref == 1:
+                if caching and self._htok[block_id] != _NO_HASH_TOKENS:
+                    self._queue.append(block_id)
+                else:
+                    self._queue.prepend(block_id)
+            return
+        ids, arr = self._read_ids_array(blocks, "free_blocks")
+        if (_NULL in ids) if arr is None else (arr == _NULL).any():  # the null block is skipped
+            ids = [b for b in ids if b != _NULL]
+            if arr is not None:
+                arr = arr[arr != _NULL]
         n = len(ids)
-        unique = n < 2 or len(set(ids)) == n
+        if not n:
+            return
+        if arr is not None:
+            srt = np.sort(arr)
+            unique = not (srt[1:] == srt[:-1]).any()
+        else:
+            unique = n == 1 or len(set(ids)) == n
         if n >= BULK_MIN_BLOCKS and unique:
-            arr = np.array(ids, dtype=np.int64)
-            arr = arr[arr != _NULL]
+            if arr is None:
+                arr = np.array(ids, dtype=np.int64)
             refs = self._ref_col[arr]
             if (refs <= 0).any():
                 self._raise_double_free(ids, int(arr[np.argmax(refs <= 0)]))
-            held = self._ledger_np[arr]
+            held = self._led_np[arr]
             if (held <= 0).any():
                 self._raise_not_held(ids, int(arr[np.argmax(held <= 0)]))
             refs -= 1
             self._ref_col[arr] = refs
-            self._ledger_np[arr] = held - 1
+            self._led_np[arr] = held - 1
             zero = arr[refs == 0]
             if caching:
                 hashed = self._htok_col[zero] != _NO_HASH_TOKENS
@@ -198,38 +374,56 @@ class PyKernel:
             else:
                 evict_first, evict_last = zero, zero[:0]
         else:
-            i32 = self._i32
-            ledger = self._ledger
+            ref_of = self._ref
+            led = self._led
+            evict_first, evict_last = [], []
             if unique:
+                refs = []  # each block's ref_cnt, read once
                 for block_id in ids:
-                    if block_id != _NULL and i32[block_id * _R + _REF] < 1:
-                        self._raise_double_free(ids, block_id)
+                    refs.append(ref_of[block_id])
+                if min(refs) < 1:
+                    for block_id, ref in zip(ids, refs, strict=True):
+                        if ref < 1:
+                            self._raise_double_free(ids, block_id)
                 for block_id in ids:
-                    if block_id != _NULL and ledger[block_id] < 1:
+                    if led[block_id] < 1:
                         self._raise_not_held(ids, block_id)
             else:
                 seen: Counter[int] = Counter()
                 for block_id in ids:
-                    if block_id == _NULL:
-                        continue
                     seen[block_id] += 1
-                    if i32[block_id * _R + _REF] < seen[block_id]:
+                    if ref_of[block_id] < seen[block_id]:
                         self._raise_double_free(ids, block_id)
                 for block_id in ids:
-                    if block_id != _NULL and ledger[block_id] < seen[block_id]:
+                    if led[block_id] < seen[block_id]:
                         self._raise_not_held(ids, block_id)
-            evict_first, evict_last = [], []
-            for block_id in ids:
-                if block_id == _NULL:
-                    continue
-                base = block_id * _R
-                ref = i32[base + _REF] - 1
-                i32[base + _REF] = ref
-                ledger[block_id] -= 1
-                if ref == 0:
-                    if caching and i32[base + _HTOK] != _NO_HASH_TOKENS:
-                        evict_last.append(block_id)
-                    else:
+                refs = None
+            if refs is None:  # a block listed twice: read each ref_cnt as it changes
+                htok = self._htok
+                for block_id in ids:
+                    ref = ref_of[block_id] - 1
+                    ref_of[block_id] = ref
+                    led[block_id] -= 1
+                    if ref == 0:
+                        if caching and htok[block_id] != _NO_HASH_TOKENS:
+                            evict_last.append(block_id)
+                        else:
+                            evict_first.append(block_id)
+            elif caching:
+                htok = self._htok
+                for block_id, ref in zip(ids, refs, strict=True):
+                    ref_of[block_id] = ref - 1
+                    led[block_id] -= 1
+                    if ref == 1:
+                        if htok[block_id] != _NO_HASH_TOKENS:
+                            evict_last.append(block_id)
+                        else:
+                            evict_first.append(block_id)
+            else:
+                for block_id, ref in zip(ids, refs, strict=True):
+                    ref_of[block_id] = ref - 1
+                    led[block_id] -= 1
+                    if ref == 1:
                         evict_first.append(block_id)
         if len(evict_first):
             self._queue.prepend_n(evict_first)
@@ -237,7 +431,7 @@ class PyKernel:
             self._queue.append_n(evict_last)
 
     def _raise_double_free(self, ids: list[int], block_id: int) -> None:
-        ref = self._i32[block_id * _R + _REF]
+        ref = self._ref[block_id]
         times = ids.count(block_id)
         raise UsageError(
             f"free_blocks(): block {block_id} has ref_cnt {ref} but is freed {times} time(s)"
@@ -247,29 +441,76 @@ class PyKernel:
     def _raise_not_held(self, ids: list[int], block_id: int) -> None:
         raise UsageError(
             f"free_blocks(): block {block_id} is freed {ids.count(block_id)} time(s) but this "
-            f"process holds {self._ledger[block_id]} reference(s) to it "
-            f"(ref_cnt {self._i32[block_id * _R + _REF]})"
+            f"process holds {self._led[block_id]} reference(s) to it "
+            f"(ref_cnt {self._ref[block_id]})"
         )
 
     def touch(self, blocks) -> None:
-        ids = self._read_ids(blocks, "touch")
-        i32 = self._i32
+        ref_of = self._ref
+        if type(blocks) is list and len(blocks) == 1:  # one block: _read_ids, inlined
+            try:
+                block_id = blocks[0].block_id
+            except AttributeError:
+                block_id = -1
+            if block_id < 0 or block_id >= self._num_blocks:
+                block_id = self._read_ids(blocks, "touch")[0]  # raises its error
+            if block_id == _NULL:
+                return
+            ref = ref_of[block_id]
+            if ref == 0:
+                if self._prev[block_id] == _NO_BLOCK or self._next[block_id] == _NO_BLOCK:
+                    raise UsageError(
+                        f"touch(): block {block_id} has ref_cnt 0 but is not in the free queue"
+                    )
+                self._queue.remove(block_id)
+            ref_of[block_id] = ref + 1
+            self._led[block_id] += 1
+            return
+        ids, arr = self._read_ids_array(blocks, "touch")
+        if (_NULL in ids) if arr is None else (arr == _NULL).any():  # the null block is skipped
+            ids = [b for b in ids if b != _NULL]
+            if arr is not None:
+                arr = arr[arr != _NULL]
+        if arr is not None and len(arr) >= BULK_MIN_BLOCKS and self._touch_bulk(ids, arr):
+            return
+        prev_of, nxt_of = self._prev, self._next
+        queued = []  # the ref-0 blocks, to take out of the free queue
         for block_id in ids:
-            base = block_id * _R
-            if block_id != _NULL and i32[base + _REF] == 0 and (
-                i32[base + _PREV] == _NO_BLOCK or i32[base + _NEXT] == _NO_BLOCK
-            ):
+            if ref_of[block_id] == 0:
+                if prev_of[block_id] == _NO_BLOCK or nxt_of[block_id] == _NO_BLOCK:
+                    raise UsageError(
+                        f"touch(): block {block_id} has ref_cnt 0 but is not in the free queue"
+                    )
+                queued.append(block_id)
+        if queued:
+            self._queue._unlink_n(queued)  # checked above; a repeated block goes once
+        led = self._led
+        for block_id in ids:
+            ref_of[block_id] += 1
+            led[block_id] += 1
+
+    def _touch_bulk(self, ids: list, arr: np.ndarray) -> bool:
+        """``touch`` of the blocks ``ids`` (``arr`` as an array; no null block) with numpy;
+        returns False, having checked and written nothing, when they are not distinct."""
+        srt = np.sort(arr)
+        if (srt[1:] == srt[:-1]).any():
+            return False
+        refs = self._ref_col[arr]
+        if refs.max() >= _INT32_MAX:
+            return False  # the loop raises where the count overflows, as it always did
+        at_zero = np.flatnonzero(refs == 0)
+        if len(at_zero):
+            zero = arr[at_zero]
+            queue = self._queue
+            bad = (queue._prev_col[zero] == _NO_BLOCK) | (queue._next_col[zero] == _NO_BLOCK)
+            if bad.any():
+                block_id = ids[at_zero[np.argmax(bad)]]  # the first, as the loop finds it
                 raise UsageError(
                     f"touch(): block {block_id} has ref_cnt 0 but is not in the free queue"
                 )
-        remove = self._queue.remove
-        ledger = self._ledger
-        for block_id in ids:
-            if block_id == _NULL:
-                continue
-            base = block_id * _R
-            ref = i32[base + _REF]
-            if ref == 0:
-                remove(block_id)
-            i32[base + _REF] = ref + 1
-            ledger[block_id] += 1
+            if not queue._unlink_bulk(zero):
+                queue._unlink_n(zero.tolist())
+        refs += 1
+        self._ref_col[arr] = refs
+        self._led_np[arr] += 1
+        return True

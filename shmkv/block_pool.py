@@ -473,6 +473,8 @@ class BlockPool:
             self._alive.close()
             self._kernel.release()
             self._kernel = _CLOSED  # type: ignore[assignment]
+            self.free_block_queue.release()
+            self._index.release()
             self._release_views()
 
     def _release_views(self) -> None:
@@ -740,8 +742,8 @@ class BlockPool:
                              ("kv_cache_group_id", kv_cache_group_id)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"cache_full_blocks(): {label} must be an int >= 0, got {value!r}")
-        if kv_cache_group_id >= 1 << 32:
-            raise UsageError(f"cache_full_blocks(): kv_cache_group_id {kv_cache_group_id} >= 2**32")
+        if kv_cache_group_id >= 1 << 31:
+            raise UsageError(f"cache_full_blocks(): kv_cache_group_id {kv_cache_group_id} >= 2**31")
         hbs = self.hash_block_size
         if block_size == 0 or block_size % hbs:
             raise UsageError(

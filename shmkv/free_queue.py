@@ -55,6 +55,10 @@ class FreeKVCacheBlockQueue:
         hdr64: flat int64 memoryview of the header.
         blocks: numpy view of ``block_meta`` (for the bulk paths).
         layout: the pool's layout (sentinel rows).
+
+    The hot paths go through per-field strided views (``self._next[b]`` is row ``b``'s
+    ``next``), made once here; :meth:`release` drops them, and must run before the views
+    they are cut from are released.
     """
 
     def __init__(self, i32, i64, hdr64, blocks: np.ndarray, layout: L.Layout) -> None:
@@ -64,8 +68,17 @@ class FreeKVCacheBlockQueue:
         self._prev_col = blocks["prev"]
         self._next_col = blocks["next"]
         self._key_col = blocks["queue_key"]
+        self._prev = i32[_PREV::_R]
+        self._next = i32[_NEXT::_R]
+        self._key = i64[_KEY::_R64]
         self.head = layout.free_head
         self.tail = layout.free_tail
+
+    def release(self) -> None:
+        """Releases the strided views (before the pool releases the views they come from);
+        the queue is unusable afterwards."""
+        for view in (self._prev, self._next, self._key):
+            view.release()
 
     def initialize(self, block_ids: Sequence[int]) -> None:
         """Links ``block_ids`` in order as the whole queue (a new pool only)."""
@@ -89,15 +102,16 @@ class FreeKVCacheBlockQueue:
         Raises:
             OutOfBlocksError: the queue is empty ("No free blocks available", as vLLM).
         """
-        i32 = self._i32
-        first = i32[self.head * _R + _NEXT]
+        nxt_of, head = self._next, self.head
+        first = nxt_of[head]
         if first == self.tail:
             raise OutOfBlocksError("No free blocks available")
-        nxt = i32[first * _R + _NEXT]
-        i32[self.head * _R + _NEXT] = nxt
-        i32[nxt * _R + _PREV] = self.head
-        i32[first * _R + _PREV] = _NO_BLOCK
-        i32[first * _R + _NEXT] = _NO_BLOCK
+        prev_of = self._prev
+        nxt = nxt_of[first]
+        nxt_of[head] = nxt
+        prev_of[nxt] = head
+        prev_of[first] = _NO_BLOCK
+        nxt_of[first] = _NO_BLOCK
         self._hdr64[_H_NUM_FREE] -= 1
         return first
 
@@ -113,36 +127,51 @@ class FreeKVCacheBlockQueue:
         """``popleft_n``, also returning the ids as an int64 array when ``n`` is bulk-sized."""
         if n == 0:
             return [], None
-        num_free = self._hdr64[_H_NUM_FREE]
+        hdr = self._hdr64
+        num_free = hdr[_H_NUM_FREE]
         if n > num_free:
             raise OutOfBlocksError(f"Cannot get {n} free blocks from the pool")
-        i32 = self._i32
-        cur = i32[self.head * _R + _NEXT]
+        nxt_of, prev_of, head = self._next, self._prev, self.head
+        cur = nxt_of[head]
         if n == 1:
-            nxt = i32[cur * _R + _NEXT]
-            i32[self.head * _R + _NEXT] = nxt
-            i32[nxt * _R + _PREV] = self.head
-            i32[cur * _R + _PREV] = _NO_BLOCK
-            i32[cur * _R + _NEXT] = _NO_BLOCK
-            self._hdr64[_H_NUM_FREE] = num_free - 1
+            nxt = nxt_of[cur]
+            nxt_of[head] = nxt
+            prev_of[nxt] = head
+            prev_of[cur] = _NO_BLOCK
+            nxt_of[cur] = _NO_BLOCK
+            hdr[_H_NUM_FREE] = num_free - 1
             return [cur], None
-        popped = [0] * n
-        for k in range(n):
-            popped[k] = cur
-            cur = i32[cur * _R + _NEXT]
-        i32[self.head * _R + _NEXT] = cur
-        i32[cur * _R + _PREV] = self.head
+        popped = []
+        for _ in range(n):
+            popped.append(cur)
+            cur = nxt_of[cur]
+        # Relink the head first, then clear the run's links (the order matters only to a
+        # corrupt queue that loops, and stays the one it always was).
+        nxt_of[head] = cur
+        prev_of[cur] = head
         arr = None
         if n >= BULK_MIN_BLOCKS:
-            arr = np.array(popped, dtype=np.int64)
+            arr = np.fromiter(popped, dtype=np.int64, count=n)  # ints read from the links
             self._prev_col[arr] = _NO_BLOCK
             self._next_col[arr] = _NO_BLOCK
         else:
             for b in popped:
-                i32[b * _R + _PREV] = _NO_BLOCK
-                i32[b * _R + _NEXT] = _NO_BLOCK
-        self._hdr64[_H_NUM_FREE] = num_free - n
+                prev_of[b] = _NO_BLOCK
+                nxt_of[b] = _NO_BLOCK
+        hdr[_H_NUM_FREE] = num_free - n
         return popped, arr
+
+    def _popleft_one(self) -> int:
+        """``popleft_n(1)[0]`` without the checks: the caller has made sure a block is free."""
+        nxt_of, prev_of, head = self._next, self._prev, self.head
+        first = nxt_of[head]
+        nxt = nxt_of[first]
+        nxt_of[head] = nxt
+        prev_of[nxt] = head
+        prev_of[first] = _NO_BLOCK
+        nxt_of[first] = _NO_BLOCK
+        self._hdr64[_H_NUM_FREE] -= 1
+        return first
 
     def remove(self, block_id: int) -> None:
         """Unlinks ``block_id`` from anywhere in the queue, in O(1).
@@ -150,21 +179,100 @@ class FreeKVCacheBlockQueue:
         Raises:
             UsageError: the block is not in the queue.
         """
-        i32 = self._i32
-        base = block_id * _R
-        prev = i32[base + _PREV]
-        nxt = i32[base + _NEXT]
+        prev_of, nxt_of = self._prev, self._next
+        prev = prev_of[block_id]
+        nxt = nxt_of[block_id]
         if prev == _NO_BLOCK or nxt == _NO_BLOCK:
             raise UsageError(f"remove(): block {block_id} is not in the free queue")
-        i32[prev * _R + _NEXT] = nxt
-        i32[nxt * _R + _PREV] = prev
-        i32[base + _PREV] = _NO_BLOCK
-        i32[base + _NEXT] = _NO_BLOCK
+        nxt_of[prev] = nxt
+        prev_of[nxt] = prev
+        prev_of[block_id] = _NO_BLOCK
+        nxt_of[block_id] = _NO_BLOCK
         self._hdr64[_H_NUM_FREE] -= 1
+
+    def remove_n(self, block_ids: Sequence[int]) -> None:
+        """Unlinks every block of ``block_ids`` (a block listed twice is removed once),
+        writing the free count once. Checks them all first.
+
+        Raises:
+            UsageError: a block is not in the queue (the first such); nothing is changed.
+        """
+        prev_of, nxt_of = self._prev, self._next
+        for block_id in block_ids:
+            if prev_of[block_id] == _NO_BLOCK or nxt_of[block_id] == _NO_BLOCK:
+                raise UsageError(f"remove(): block {block_id} is not in the free queue")
+        self._unlink_n(block_ids)
+
+    def _unlink_n(self, block_ids: Sequence[int]) -> None:
+        """``remove_n`` without the checks: the caller has made sure every block is queued.
+        A repeated block is already unlinked (``prev == NO_BLOCK``) and skipped."""
+        prev_of, nxt_of = self._prev, self._next
+        n = len(block_ids)
+        for block_id in block_ids:
+            prev = prev_of[block_id]
+            if prev == _NO_BLOCK:
+                n -= 1
+                continue
+            nxt = nxt_of[block_id]
+            nxt_of[prev] = nxt
+            prev_of[nxt] = prev
+            prev_of[block_id] = _NO_BLOCK
+            nxt_of[block_id] = _NO_BLOCK
+        self._hdr64[_H_NUM_FREE] -= n
+
+    def _unlink_bulk(self, ids: np.ndarray) -> bool:
+        """``_unlink_n`` with numpy, for distinct queued blocks that form one run of the
+        queue (a prefix hit that was freed together: the usual case). Returns False, having
+        written nothing, when they do not (several runs, or links that do not agree)."""
+        prev_col, next_col = self._prev_col, self._next_col
+        prevs = prev_col[ids]
+        nexts = next_col[ids]
+        if (next_col[prevs] != ids).any() or (prev_col[nexts] != ids).any():
+            return False
+        srt = np.sort(ids)
+        n = len(ids)
+        pos = np.searchsorted(srt, prevs)
+        pos[pos == n] = 0
+        starts = srt[pos] != prevs  # blocks whose prev stays: the run starts there
+        pos = np.searchsorted(srt, nexts)
+        pos[pos == n] = 0
+        ends = srt[pos] != nexts  # blocks whose next stays: the run ends there
+        if starts.sum() != 1 or ends.sum() != 1:
+            return False
+        before = int(prevs[np.argmax(starts)])
+        after = int(nexts[np.argmax(ends)])
+        self._next[before] = after
+        self._prev[after] = before
+        prev_col[ids] = _NO_BLOCK
+        next_col[ids] = _NO_BLOCK
+        self._hdr64[_H_NUM_FREE] -= n
+        return True
 
     def append(self, block_id: int) -> None:
         """Adds ``block_id`` at the tail (evicted last)."""
-        self.append_n((block_id,))
+        hdr, prev_of, tail = self._hdr64, self._prev, self.tail
+        key = hdr[_H_TAIL_KEY] + 1
+        last = prev_of[tail]
+        prev_of[block_id] = last
+        self._next[last] = block_id
+        self._key[block_id] = key
+        self._next[block_id] = tail
+        prev_of[tail] = block_id
+        hdr[_H_TAIL_KEY] = key
+        hdr[_H_NUM_FREE] += 1
+
+    def prepend(self, block_id: int) -> None:
+        """Adds ``block_id`` at the head (evicted first)."""
+        hdr, nxt_of, head = self._hdr64, self._next, self.head
+        key = hdr[_H_HEAD_KEY] - 1
+        first = nxt_of[head]
+        self._prev[block_id] = head
+        nxt_of[head] = block_id
+        self._key[block_id] = key
+        nxt_of[block_id] = first
+        self._prev[first] = block_id
+        hdr[_H_HEAD_KEY] = key
+        hdr[_H_NUM_FREE] += 1
 
     def append_n(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Adds ``block_ids`` at the tail, keeping their order."""
@@ -173,8 +281,7 @@ class FreeKVCacheBlockQueue:
             return
         hdr = self._hdr64
         key0 = hdr[_H_TAIL_KEY] + 1
-        last = self._i32[self.tail * _R + _PREV]
-        self._link_run(last, block_ids, self.tail, key0)
+        self._link_run(self._prev[self.tail], block_ids, self.tail, key0)
         hdr[_H_TAIL_KEY] = key0 + n - 1
         hdr[_H_NUM_FREE] += n
 
@@ -185,15 +292,14 @@ class FreeKVCacheBlockQueue:
             return
         hdr = self._hdr64
         key0 = hdr[_H_HEAD_KEY] - n
-        first = self._i32[self.head * _R + _NEXT]
-        self._link_run(self.head, block_ids, first, key0)
+        self._link_run(self.head, block_ids, self._next[self.head], key0)
         hdr[_H_HEAD_KEY] = key0
         hdr[_H_NUM_FREE] += n
 
     def _link_run(self, before: int, block_ids, after: int, key0: int) -> None:
         """Links ``before <-> block_ids... <-> after`` with keys ``key0, key0 + 1, ...``."""
         n = len(block_ids)
-        i32 = self._i32
+        prev_of, nxt_of = self._prev, self._next
         if n >= BULK_MIN_BLOCKS:
             ids = np.asarray(block_ids, dtype=np.int64)
             self._prev_col[ids[1:]] = ids[:-1]
@@ -203,30 +309,28 @@ class FreeKVCacheBlockQueue:
         else:
             if isinstance(block_ids, np.ndarray):
                 block_ids = block_ids.tolist()
-            i64 = self._i64
-            prev = before
-            key = key0
-            for b in block_ids:
-                i32[b * _R + _PREV] = prev
-                i32[prev * _R + _NEXT] = b
-                i64[b * _R64 + _KEY] = key
-                key += 1
-                prev = b
-            first, last = block_ids[0], prev
-        i32[before * _R + _NEXT] = first
-        i32[first * _R + _PREV] = before
-        i32[last * _R + _NEXT] = after
-        i32[after * _R + _PREV] = last
+            key_of = self._key
+            last = before
+            for key, b in enumerate(block_ids, key0):
+                prev_of[b] = last
+                nxt_of[last] = b
+                key_of[b] = key
+                last = b
+            first = block_ids[0]
+        nxt_of[before] = first
+        prev_of[first] = before
+        nxt_of[last] = after
+        prev_of[after] = last
 
     def get_all_free_block_ids(self) -> list[int]:
         """Walks the queue head to tail. For tests and tools; O(num_free_blocks)."""
-        i32 = self._i32
+        nxt_of = self._next
         out = []
-        cur = i32[self.head * _R + _NEXT]
+        cur = nxt_of[self.head]
         limit = self.tail + 1
         while cur != self.tail and cur != _NO_BLOCK and len(out) < limit:
             out.append(cur)
-            cur = i32[cur * _R + _NEXT]
+            cur = nxt_of[cur]
         return out
 
     def __len__(self) -> int:

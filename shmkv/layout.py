@@ -223,8 +223,8 @@ BLOCK_DTYPE = np.dtype(
     }
 )
 
-# Hot paths read single fields through flat memoryviews over the block_meta region instead
-# of numpy scalars (about half the cost). These are the field positions in those views.
+# The hot paths read single fields through memoryviews over the block_meta region (flat, or
+# strided per field) instead of numpy scalars. These are the field positions in those views.
 ROW_I32 = BLOCK_DTYPE.itemsize // 4  # int32 words per row
 ROW_I64 = BLOCK_DTYPE.itemsize // 8  # int64 words per row
 F_REF = BLOCK_DTYPE.fields["ref_cnt"][1] // 4

@@ -30,9 +30,12 @@ _GROUP = L.F_GROUP
 _HTOK = L.F_HASH_TOKENS
 _HASH_BYTES = L.BLOCK_HASH_BYTES
 _MASK64 = (1 << 64) - 1
+_GROUP_MIX = L.GROUP_MIX
 _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _ROW_BYTES = L.BLOCK_DTYPE.itemsize
+_R64 = L.ROW_I64
+_HASH_WORD = L.HASH_BYTE_OFFSET // 8
 _read_u64 = struct.Struct("<Q").unpack_from
 
 
@@ -45,6 +48,10 @@ class BlockHashToBlockMap:
         buckets: int32 memoryview of ``index_buckets``.
         blocks: numpy view of ``block_meta``; buckets_np: numpy view of ``index_buckets``.
         layout: the pool's layout.
+
+    The hot paths go through per-field strided views (``self._inext[b]`` is row ``b``'s
+    ``index_next``), made once here; :meth:`release` drops them, and must run before the
+    views they are cut from are released.
     """
 
     def __init__(self, mem, i32, buckets, blocks: np.ndarray, buckets_np: np.ndarray,
@@ -56,6 +63,18 @@ class BlockHashToBlockMap:
         self._buckets_np = buckets_np
         self._mask = layout.config.num_index_buckets - 1
         self._hash0 = layout.offsets["block_meta"] + L.HASH_BYTE_OFFSET
+        self._inext = i32[_INEXT::_R]
+        self._group = i32[_GROUP::_R]
+        self._htok = i32[_HTOK::_R]
+        # The first 8 hash bytes of each row as an int64: the bucket's word, read in place
+        # (as a signed word it has the same low bits, so the same bucket).
+        self._hword = i32.cast("B").cast("q")[_HASH_WORD::_R64]
+
+    def release(self) -> None:
+        """Releases the strided views (before the pool releases the views they come from);
+        the map is unusable afterwards."""
+        for view in (self._inext, self._group, self._htok, self._hword):
+            view.release()
 
     def initialize(self) -> None:
         """Empties the map and clears every block's key (a new pool, or a reset)."""
@@ -68,23 +87,31 @@ class BlockHashToBlockMap:
     def bucket_of(self, block_hash: bytes, group_id: int) -> int:
         word = _read_u64(block_hash)[0]
         if group_id:
-            word ^= (group_id * L.GROUP_MIX) & _MASK64
+            word ^= (group_id * _GROUP_MIX) & _MASK64
         return word & self._mask
 
     def _matches(self, block_id: int, block_hash: bytes, group_id: int) -> bool:
-        if self._i32[block_id * _R + _GROUP] != group_id:
+        if self._group[block_id] != group_id:
             return False
         off = self._hash0 + block_id * _ROW_BYTES
         return self._mem[off:off + _HASH_BYTES] == block_hash
 
     def get_one_block(self, block_hash: bytes, group_id: int) -> int:
         """The first-inserted block holding the key, or ``NO_BLOCK``."""
-        i32 = self._i32
-        cur = self._buckets[self.bucket_of(block_hash, group_id)]
+        # bucket_of and _matches, inlined: this is the prefix-cache lookup.
+        word = _read_u64(block_hash)[0]
+        if group_id:
+            word ^= (group_id * _GROUP_MIX) & _MASK64
+        cur = self._buckets[word & self._mask]
+        if cur == _NO_BLOCK:
+            return _NO_BLOCK
+        group_of, inext, mem, hash0 = self._group, self._inext, self._mem, self._hash0
         while cur != _NO_BLOCK:
-            if self._matches(cur, block_hash, group_id):
-                return cur
-            cur = i32[cur * _R + _INEXT]
+            if group_of[cur] == group_id:
+                off = hash0 + cur * _ROW_BYTES
+                if mem[off:off + _HASH_BYTES] == block_hash:
+                    return cur
+            cur = inext[cur]
         return _NO_BLOCK
 
     def contain(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
@@ -93,56 +120,87 @@ class BlockHashToBlockMap:
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:
         """Gives an unhashed block the key and links it at the tail of its bucket chain."""
-        i32 = self._i32
-        base = block_id * _R
         off = self._hash0 + block_id * _ROW_BYTES
         self._mem[off:off + _HASH_BYTES] = block_hash
-        i32[base + _GROUP] = group_id
-        i32[base + _HTOK] = num_tokens
-        i32[base + _INEXT] = _NO_BLOCK
-        bucket = self.bucket_of(block_hash, group_id)
-        cur = self._buckets[bucket]
+        self._group[block_id] = group_id
+        self._htok[block_id] = num_tokens
+        inext = self._inext
+        inext[block_id] = _NO_BLOCK
+        word = self._hword[block_id]  # the hash just written
+        if group_id:
+            word ^= (group_id * _GROUP_MIX) & _MASK64
+        bucket = word & self._mask
+        buckets = self._buckets
+        cur = buckets[bucket]
         if cur == _NO_BLOCK:
-            self._buckets[bucket] = block_id
+            buckets[bucket] = block_id
             return
-        nxt = i32[cur * _R + _INEXT]
+        nxt = inext[cur]
         while nxt != _NO_BLOCK:
             cur = nxt
-            nxt = i32[cur * _R + _INEXT]
-        i32[cur * _R + _INEXT] = block_id
+            nxt = inext[cur]
+        inext[cur] = block_id
+
+    def insert_n(self, entries, group_id: int) -> None:
+        """``insert(block_hash, group_id, block_id, num_tokens)`` for each
+        ``(block_id, block_hash, num_tokens)`` of ``entries``, in order (one group)."""
+        mem, hash0, mask, buckets = self._mem, self._hash0, self._mask, self._buckets
+        group_of, htok, inext, hword = self._group, self._htok, self._inext, self._hword
+        mix = (group_id * _GROUP_MIX) & _MASK64 if group_id else 0
+        for block_id, block_hash, num_tokens in entries:
+            off = hash0 + block_id * _ROW_BYTES
+            mem[off:off + _HASH_BYTES] = block_hash
+            group_of[block_id] = group_id
+            htok[block_id] = num_tokens
+            inext[block_id] = _NO_BLOCK
+            bucket = (hword[block_id] ^ mix) & mask  # the hash just written
+            cur = buckets[bucket]
+            if cur == _NO_BLOCK:
+                buckets[bucket] = block_id
+                continue
+            nxt = inext[cur]
+            while nxt != _NO_BLOCK:
+                cur = nxt
+                nxt = inext[cur]
+            inext[cur] = block_id
 
     def pop(self, block_id: int) -> tuple[bytes, int] | None:
         """Removes a block's key from the map and the block; returns (hash, group) or None."""
-        key = self.block_key(block_id)
-        if key is None:
+        htok = self._htok
+        if htok[block_id] == _NO_HASH_TOKENS:
             return None
-        i32 = self._i32
-        bucket = self.bucket_of(*key)
-        nxt = i32[block_id * _R + _INEXT]
-        cur = self._buckets[bucket]
+        group_of = self._group
+        off = self._hash0 + block_id * _ROW_BYTES
+        block_hash = self._mem[off:off + _HASH_BYTES]
+        group_id = group_of[block_id]
+        # The bucket straight from the stored hash bytes (bucket_of, inlined).
+        word = self._hword[block_id]
+        if group_id:
+            word ^= (group_id * _GROUP_MIX) & _MASK64
+        bucket = word & self._mask
+        inext, buckets = self._inext, self._buckets
+        nxt = inext[block_id]
+        cur = buckets[bucket]
         if cur == block_id:
-            self._buckets[bucket] = nxt
+            buckets[bucket] = nxt
         else:
             while True:
-                after = i32[cur * _R + _INEXT]
+                after = inext[cur]
                 if after == block_id:
-                    i32[cur * _R + _INEXT] = nxt
+                    inext[cur] = nxt
                     break
                 cur = after
-        base = block_id * _R
-        i32[base + _INEXT] = _NO_BLOCK
-        i32[base + _HTOK] = _NO_HASH_TOKENS
-        i32[base + _GROUP] = 0
-        return key
+        inext[block_id] = _NO_BLOCK
+        htok[block_id] = _NO_HASH_TOKENS
+        group_of[block_id] = 0
+        return block_hash, group_id
 
     def block_key(self, block_id: int) -> tuple[bytes, int] | None:
         """(hash, group id) held by the block, or None."""
-        i32 = self._i32
-        base = block_id * _R
-        if i32[base + _HTOK] == _NO_HASH_TOKENS:
+        if self._htok[block_id] == _NO_HASH_TOKENS:
             return None
         off = self._hash0 + block_id * _ROW_BYTES
-        return self._mem[off:off + _HASH_BYTES], i32[base + _GROUP]
+        return self._mem[off:off + _HASH_BYTES], self._group[block_id]
 
     def iter_chain(self, bucket: int, limit: int) -> Iterator[int]:
         """Blocks of one bucket chain, at most ``limit`` of them (so a corrupt cycle ends)."""
@@ -151,7 +209,7 @@ class BlockHashToBlockMap:
             if cur == _NO_BLOCK:
                 return
             yield cur
-            cur = self._i32[cur * _R + _INEXT]
+            cur = self._inext[cur]
 
     def __len__(self) -> int:
         """Number of distinct keys (O(num_blocks); for tests and tools)."""

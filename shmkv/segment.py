@@ -84,8 +84,9 @@ class Segment:
         return cls(shm_name, mapping)
 
     def close(self) -> None:
-        """Unmaps the segment. If a numpy view of it is still alive somewhere, the mapping
-        goes when the last view does."""
+        """Unmaps the segment. Every view of it must be dropped first: a memoryview still
+        exported keeps the mapping (it goes when the view does), but numpy arrays do not,
+        and touching one after close() reads unmapped memory."""
         if self.buf is not None:
             try:
                 self.buf.close()

@@ -495,7 +495,7 @@ def test_cache_full_blocks_fewer_blocks_than_num_full(pool, fresh):
     [
         ({"num_cached_blocks": -1}, r"num_cached_blocks must be an int >= 0, got -1"),
         ({"kv_cache_group_id": -1}, r"kv_cache_group_id must be an int >= 0, got -1"),
-        ({"kv_cache_group_id": 1 << 32}, r"kv_cache_group_id 4294967296 >= 2\*\*32"),
+        ({"kv_cache_group_id": 1 << 31}, r"kv_cache_group_id 2147483648 >= 2\*\*31"),
         ({"kv_cache_group_id": "0"}, r"kv_cache_group_id must be an int >= 0, got '0'"),
     ],
 )
