@@ -6,9 +6,10 @@ Every process runs the same scheduler-like loop for ``--seconds``:
 1. build a request (one of four shared 64-token system prompts + a unique user message of
    8 to 40 tokens) and hash it with the pool's block hasher (outside the lock, as a
    scheduler hashes when a request arrives);
-2. under ONE hold of the pool lock: look up the longest cached prefix, ``touch`` the hits,
-   ``get_new_blocks`` for the rest, ``cache_full_blocks``;
-3. keep 8 requests running; when a ninth arrives, ``free_blocks`` the oldest (its own hold).
+2. under ONE hold of the pool lock (a scheduler step): finish the oldest of the 8 running
+   requests (``free_blocks``) when there are 8, look up the new request's longest cached
+   prefix (``get_cached_prefix``), ``touch`` the hits, ``get_new_blocks`` for the rest,
+   ``cache_full_blocks``.
 
 Reported per configuration: aggregate requests per second over all processes, the speedup
 over one process, and the p50 / p99 of the lock wait and hold times (every hold of every
@@ -16,8 +17,8 @@ process, measured by ``PoolLock.record``). Output: one JSON line per configurati
 then a readable table, then the path of a PNG plot (throughput and p99 wait against the
 number of processes). ``--json PATH`` also writes the JSON lines to a file.
 
-    python benchmarks/bench_contention.py                  # 1,2,4,8 processes, 3 s each
-    python benchmarks/bench_contention.py --quick          # 1 s each
+    python benchmarks/bench_contention.py                  # 1,2,4,8 processes, 3 rounds
+    python benchmarks/bench_contention.py --quick          # one round of 1 s runs
     python benchmarks/bench_contention.py --kernel python  # the pure-Python kernel
 """
 
@@ -60,15 +61,10 @@ def scheduler(name: str, index: int, seconds: float, kernel: str, start, results
         tokens = rng.choice(SYSTEM_PROMPTS) + [rng.randrange(50_000, 90_000)
                                                for _ in range(rng.randint(8, 40))]
         req = Request(f"{index}-{served}", tokens, block_hasher=hasher)
-        if len(running) == RUNNING:
-            pool.free_blocks(reversed(running.pop(0)))
         with lock:
-            hits = []
-            for h in req.block_hashes:
-                found = pool.get_cached_block(h, [0])
-                if found is None:
-                    break
-                hits.append(found[0])
+            if len(running) == RUNNING:  # the step also finishes the oldest request
+                pool.free_blocks(reversed(running.pop(0)))
+            hits = pool.get_cached_prefix(req.block_hashes)
             pool.touch(hits)
             blocks = hits + pool.get_new_blocks(-(-req.num_tokens // bs) - len(hits))
             pool.cache_full_blocks(req, blocks, len(hits), req.num_tokens // bs, bs, 0)
@@ -172,8 +168,11 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--procs", default="1,2,4,8", help="process counts (1,2,4,8)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="per configuration (3)")
-    parser.add_argument("--quick", action="store_true", help="1 s per configuration")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per run (2)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all configurations, interleaved; medians are "
+                        "reported (3)")
+    parser.add_argument("--quick", action="store_true", help="1 round of 1 s runs")
     parser.add_argument("--kernel", default=default_kernel(), choices=["c", "python"])
     parser.add_argument("--blocks", type=int, default=4096, help="pool size (4096)")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON lines to PATH")
@@ -182,18 +181,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.procs.split(",")]
     seconds = 1.0 if args.quick else args.seconds
+    rounds = 1 if args.quick else args.rounds
+    # The machines here drift (other tenants, frequency): interleave the configurations over
+    # several rounds and report, per configuration, the run with the median throughput.
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    total = rounds * len(counts)
+    for r in range(rounds):
+        for i, n in enumerate(counts):
+            print(f"[{r * len(counts) + i + 1}/{total}] round {r + 1}: {n} process(es), "
+                  f"{seconds:g} s ...", file=sys.stderr, flush=True)
+            runs[n].append(run_config(n, seconds, args.kernel, args.blocks))
     rows = []
-    for i, n in enumerate(counts):
-        print(f"[{i + 1}/{len(counts)}] {n} process(es), {seconds:g} s ...", file=sys.stderr,
-              flush=True)
-        rows.append(run_config(n, seconds, args.kernel, args.blocks))
-        print(json.dumps(rows[-1]), flush=True)
+    for n in counts:
+        ordered = sorted(runs[n], key=lambda row: row["requests_per_s"])
+        row = dict(ordered[len(ordered) // 2])
+        row["rounds"] = rounds
+        row["requests_per_s_all"] = [x["requests_per_s"] for x in runs[n]]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
     print()
-    print(f"one pool, {args.kernel} kernel, {os.cpu_count()} cores, {seconds:g} s per row; "
-          "wait = time to take the pool lock, hold = time holding it")
+    print(f"one pool, {args.kernel} kernel, {os.cpu_count()} cores, median of {rounds} "
+          f"interleaved {seconds:g} s runs; wait = time to take the pool lock, hold = time "
+          "holding it")
     print(format_table(rows))
     plot_path = Path(args.plot)
     plot_path.parent.mkdir(parents=True, exist_ok=True)

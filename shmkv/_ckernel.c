@@ -350,6 +350,53 @@ static int index_insert(Kernel *k, const unsigned char *hash, uint32_t group, in
     return 1;
 }
 
+/* prefix(block_hashes, group_id, max_blocks, handles, make) -> handles of the longest run of
+ * leading hashes cached in the group (at most max_blocks; -1 for no limit). */
+static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "prefix(block_hashes, group_id, max_blocks, handles, make)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    unsigned long group = PyLong_AsUnsignedLong(args[1]);
+    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *handles = args[3], *make = args[4];
+    if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {
+        PyErr_SetString(PyExc_TypeError, "handles must be the pool's handle list");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "block_hashes must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (max_blocks >= 0 && max_blocks < n) n = max_blocks;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0);
+    if (!out) { Py_DECREF(seq); return NULL; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != HASH_BYTES) {
+            PyErr_Format(UsageError, "block hash %zd must be %d bytes (sha256), got %.100s", i,
+                         HASH_BYTES, Py_TYPE(h)->tp_name);
+            goto fail;
+        }
+        int32_t b = index_lookup(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group);
+        if (b == -2) goto fail;
+        if (b == NO_BLOCK) break;
+        PyObject *handle = get_handle(handles, make, b);
+        if (!handle) goto fail;
+        int rc = PyList_Append(out, handle);
+        Py_DECREF(handle);
+        if (rc < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyObject *Kernel_insert(Kernel *k, PyObject *args) {
     Py_buffer hash;
     unsigned int group;
@@ -753,6 +800,8 @@ static PyMethodDef Kernel_methods[] = {
      "evicted_out) -> [(position, hash)]"},
     {"get_cached", (PyCFunction)(void (*)(void))Kernel_get_cached, METH_FASTCALL,
      "get_cached(block_hash, group_ids, handles, make_handle) -> handles or None"},
+    {"prefix", (PyCFunction)(void (*)(void))Kernel_prefix, METH_FASTCALL,
+     "prefix(block_hashes, group_id, max_blocks, handles, make) -> the longest cached prefix"},
     {"insert", (PyCFunction)Kernel_insert, METH_VARARGS,
      "insert(block_hash, group_id, block_id, num_tokens): give an unhashed block the key"},
     {"evict", (PyCFunction)Kernel_evict, METH_O,

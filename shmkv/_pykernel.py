@@ -12,6 +12,7 @@ Kernel interface (both kernels):
 - ``cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask,
   evicted_out) -> [(position, hash)]``
 - ``get_cached(block_hash, group_ids, handles, make_handle) -> list | None``
+- ``prefix(block_hashes, group_id, max_blocks, handles, make_handle) -> list``
 - ``lookup(block_hash, group_id) -> int`` / ``insert(block_hash, group_id, block_id,
   num_tokens)`` / ``evict(block_id) -> (hash, group) | None``
 - ``release()``
@@ -190,6 +191,24 @@ class PyKernel:
             else:
                 return None
             found.append(handles[cur] or make_handle(cur))
+        return found
+
+    def prefix(self, block_hashes, group_id: int, max_blocks: int, handles: list,
+               make_handle) -> list:
+        """Handles of the longest run of leading hashes cached in the group."""
+        if max_blocks >= 0:
+            block_hashes = block_hashes[:max_blocks]
+        found = []
+        for i, block_hash in enumerate(block_hashes):
+            if type(block_hash) is not bytes or len(block_hash) != _HASH_BYTES:
+                raise UsageError(
+                    f"block hash {i} must be {_HASH_BYTES} bytes (sha256), got "
+                    f"{type(block_hash).__name__}"
+                )
+            hit = self.get_cached(block_hash, (group_id,), handles, make_handle)
+            if hit is None:
+                break
+            found.append(hit[0])
         return found
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:

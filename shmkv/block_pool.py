@@ -705,6 +705,33 @@ class BlockPool:
         finally:
             lock.release()
 
+    def get_cached_prefix(self, block_hashes: Sequence[bytes], kv_cache_group_id: int = 0,
+                          max_num_blocks: int | None = None) -> list[KVCacheBlock]:
+        """The longest run of leading ``block_hashes`` cached in one group: what a
+        full-attention hit search finds with one ``get_cached_block`` per hash, in one call
+        (and one short hold of the lock). A shmkv addition; vLLM's managers loop.
+
+        Raises:
+            UsageError: a hash that is not 32 bytes, a bad group id or limit.
+        """
+        if (isinstance(kv_cache_group_id, bool) or not isinstance(kv_cache_group_id, int)
+                or not 0 <= kv_cache_group_id < 1 << 31):
+            raise UsageError(f"get_cached_prefix(): bad kv_cache_group_id {kv_cache_group_id!r}")
+        if max_num_blocks is not None and (
+            isinstance(max_num_blocks, bool) or not isinstance(max_num_blocks, int)
+            or max_num_blocks < 0
+        ):
+            raise UsageError(f"get_cached_prefix(): bad max_num_blocks {max_num_blocks!r}")
+        lock = self._lock
+        lock.acquire()
+        try:
+            return self._kernel.prefix(
+                block_hashes, kv_cache_group_id, -1 if max_num_blocks is None else max_num_blocks,
+                self._handles, self._handle,
+            )
+        finally:
+            lock.release()
+
     def cache_full_blocks(
         self,
         request: Any,

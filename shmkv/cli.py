@@ -52,12 +52,7 @@ def _demo_scheduler(name: str, index: int, num_requests: int, seed: int, first_d
         user = [rng.randrange(30_000, 40_000) for _ in range(rng.randint(8, 40))]
         req = Request(f"s{index}-r{r}", SYSTEM_PROMPTS[system] + user, block_hasher=hasher)
         with pool.lock():
-            hits = []
-            for h in req.block_hashes:
-                found = pool.get_cached_block(h, [0])
-                if found is None:
-                    break
-                hits.append(found[0])
+            hits = pool.get_cached_prefix(req.block_hashes)
             pool.touch(hits)
             new = pool.get_new_blocks(-(-req.num_tokens // bs) - len(hits))
             blocks = hits + new

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from threading import get_ident
 
 import posix_ipc
 
@@ -89,6 +90,7 @@ class PoolLock:
         self._enabled = enabled
         self._gate = threading.RLock()
         self._depth = 0
+        self._owner_thread = 0
         # Statistics of this process's holds, for benchmarks and metrics.
         self.num_acquired = 0
         self.wait_ns_total = 0
@@ -112,13 +114,13 @@ class PoolLock:
         Raises:
             LockTimeoutError: not acquired within ``timeout_s``; names the holder.
         """
+        if self._depth and self._owner_thread == get_ident():
+            self._depth += 1  # nested in this thread's hold: nothing else to do
+            return
         if not self._gate.acquire(timeout=self.timeout_s):
             raise LockTimeoutError(
                 f"pool lock: another thread of this process held it for over {self.timeout_s} s"
             )
-        if self._depth:
-            self._depth += 1
-            return
         start = _monotonic_ns()
         if self._enabled:
             try:
@@ -141,6 +143,7 @@ class PoolLock:
         hdr[_H_INCARNATION] = self._incarnation
         hdr[_H_SINCE] = now
         self._depth = 1
+        self._owner_thread = get_ident()
         self._held_since = now
         self.num_acquired += 1
         self.wait_ns_total += now - start
@@ -150,18 +153,21 @@ class PoolLock:
     def release(self) -> None:
         """Gives back one level of the lock; the last level clears the holder record and
         posts the semaphore."""
-        self._depth -= 1
-        if self._depth == 0:
-            hdr = self._hdr64
-            hdr[_H_HOLDER] = 0
-            hdr[_H_INCARNATION] = 0
-            hdr[_H_SINCE] = 0
-            if self._enabled:
-                self._sem.release()
-            held = _monotonic_ns() - self._held_since
-            self.hold_ns_total += held
-            if self.record is not None:
-                self.record[-1] = (self.record[-1][0], held)
+        if self._depth > 1:
+            self._depth -= 1  # still held by this thread's outer level
+            return
+        self._depth = 0
+        self._owner_thread = 0
+        hdr = self._hdr64
+        hdr[_H_HOLDER] = 0
+        hdr[_H_INCARNATION] = 0
+        hdr[_H_SINCE] = 0
+        if self._enabled:
+            self._sem.release()
+        held = _monotonic_ns() - self._held_since
+        self.hold_ns_total += held
+        if self.record is not None:
+            self.record[-1] = (self.record[-1][0], held)
         self._gate.release()
 
     @property

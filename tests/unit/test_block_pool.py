@@ -414,3 +414,18 @@ def test_event_hashes_are_64_bit_ints_by_default(make_checked_pool, monkeypatch)
     pool.get_new_blocks(5)
     removed = pool.take_events()
     assert sorted(e.block_hashes[0] for e in removed) == sorted(low64)
+
+
+def test_get_cached_prefix_equals_the_lookup_loop(make_checked_pool):
+    """get_cached_prefix returns what a get_cached_block loop finds, honours the limit and
+    the group, and checks its hashes."""
+    pool = make_checked_pool(16)
+    req = make_request(5 * BS)
+    blocks = pool.get_new_blocks(5)
+    pool.cache_full_blocks(req, blocks, 0, 3, BS, 0)
+    assert ids(pool.get_cached_prefix(req.block_hashes)) == ids(_lookup(pool, req)) == [1, 2, 3]
+    assert ids(pool.get_cached_prefix(req.block_hashes, max_num_blocks=2)) == [1, 2]
+    assert pool.get_cached_prefix(req.block_hashes, kv_cache_group_id=1) == []
+    assert pool.get_cached_prefix([]) == []
+    with pytest.raises(ValueError, match="block hash 0 must be 32 bytes"):
+        pool.get_cached_prefix([b"short"])

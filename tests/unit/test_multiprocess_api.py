@@ -236,3 +236,30 @@ def test_torn_event_log_is_inv_log(make_pool):
     pool._hdr64[L.H_NEXT_EVENT_SEQ] += 1
     with pytest.raises(InvariantViolation, match="INV-LOG"):
         pool.check_invariants()
+
+
+def test_lock_serialises_threads_of_one_process(make_pool):
+    """Two threads of one process never hold the pool lock at once; nesting stays
+    per thread."""
+    import threading
+
+    pool = make_pool(8)
+    inside = []
+    overlap = []
+
+    def worker():
+        for _ in range(300):
+            with pool.lock():
+                inside.append(1)
+                if len(inside) > 1:
+                    overlap.append(1)
+                with pool.lock():
+                    pool.get_num_free_blocks()
+                inside.pop()
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert overlap == [] and pool.holder() is None
