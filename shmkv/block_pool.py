@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from shmkv import layout as L
+from shmkv._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
     InvariantViolation,
@@ -54,7 +55,6 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
-from shmkv._pykernel import PyKernel
 from shmkv.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     RequestBlockHasher,
@@ -515,18 +515,6 @@ class BlockPool:
             self._unlink_all(shm_name)
 
     # ------------------------------------------------------------------ helpers
-
-    def _block_ids(self, blocks: Iterable[KVCacheBlock], what: str) -> list[int]:
-        try:
-            ids = [b.block_id for b in blocks]
-        except AttributeError as exc:
-            raise UsageError(f"{what}() takes KVCacheBlock handles: {exc}") from None
-        if ids and (min(ids) < 0 or max(ids) >= self.num_gpu_blocks):
-            bad = next(b for b in ids if not 0 <= b < self.num_gpu_blocks)
-            raise UsageError(
-                f"{what}(): block id {bad} is out of range [0, {self.num_gpu_blocks})"
-            )
-        return ids
 
     def _handle(self, block_id: int) -> KVCacheBlock:
         handle = self._handles[block_id]

@@ -37,12 +37,16 @@ def hammer(name: str, seed: int, duration_s: float, kernel: str, lock_enabled: b
                 tokens = prompt + [rng.randrange(50_000) for _ in range(rng.randint(1, 40))]
                 req = FakeRequest(tokens)
                 with pool.lock():
-                    hits = []
-                    for h in req.block_hashes:
-                        found = pool.get_cached_block(h, [0])
-                        if found is None:
-                            break
-                        hits.append(found[0])
+                    # Alternate the two ways of finding a prefix hit; both must agree.
+                    if steps % 2:
+                        hits = pool.get_cached_prefix(req.block_hashes)
+                    else:
+                        hits = []
+                        for h in req.block_hashes:
+                            found = pool.get_cached_block(h, [0])
+                            if found is None:
+                                break
+                            hits.append(found[0])
                     pool.touch(hits)
                     need = -(-len(tokens) // BS) - len(hits)
                     try:

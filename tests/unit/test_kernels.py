@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from shmkv import BlockPool, InvariantViolation, UsageError
-from shmkv import layout as L
 from shmkv.block_pool import _C_GEOMETRY, _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import make_request
@@ -37,12 +36,7 @@ def _workload(pool: BlockPool, rng: random.Random) -> list:
         op = rng.random()
         if op < 0.45:
             req = make_request(rng.randint(1, 80) * 4, first_token=rng.choice([0, 0, 1000, 5000]))
-            hits = []
-            for h in req.block_hashes:
-                found = pool.get_cached_block(h, [0])
-                if found is None:
-                    break
-                hits.append(found[0])
+            hits = pool.get_cached_prefix(req.block_hashes)
             pool.touch(hits)
             need = -(-len(req.all_token_ids) // 16) - len(hits)
             try:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import pytest
 
 from shmkv import BlockPool
 from shmkv.block_pool import _ckernel
