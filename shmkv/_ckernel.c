@@ -12,8 +12,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* Row geometry of BLOCK_DTYPE (64-byte rows), in int32 / int64 words. */
 #define ROW_I32 16
@@ -40,6 +44,8 @@
 static PyObject *UsageError = NULL;
 static PyObject *OutOfBlocksError = NULL;
 static PyObject *InvariantViolation = NULL;
+static PyObject *LockTimeoutError = NULL;
+static PyObject *FencedError = NULL;
 static PyObject *str_block_id = NULL;
 
 typedef struct {
@@ -829,9 +835,280 @@ static PyTypeObject KernelType = {
     .tp_methods = Kernel_methods,
 };
 
+
+/* ------------------------------------------------------------------ the pool lock */
+
+/* CLock: the pool lock of shmkv/lock.py (same semaphore, same holder record, same
+ * re-entrancy and fencing rules) with its fast path in C. Re-entrant per thread; other
+ * threads of the process wait on the semaphore itself, with the GIL released. */
+typedef struct {
+    PyObject_HEAD
+    sem_t *sem;
+    Py_buffer view;
+    int has_view;
+    int64_t *hdr64;
+    Py_ssize_t h_holder, h_incarnation, h_since;
+    uint64_t *fence; /* this process's slot incarnation in the process table, or NULL */
+    int64_t holder_word;
+    uint64_t incarnation;
+    double timeout_s;
+    int enabled;
+    long depth;
+    unsigned long owner;
+    int64_t held_since;
+    long long num_acquired, wait_ns_total, hold_ns_total;
+    PyObject *record;     /* None, or a list of (wait_ns, hold_ns) */
+    PyObject *on_timeout; /* callable() -> message naming the holder */
+} CLock;
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
+    PyObject *buf, *on_timeout;
+    const char *name;
+    long long holder_word;
+    int enabled;
+    if (!PyArg_ParseTuple(args, "OsnnnLdpO", &buf, &name, &l->h_holder, &l->h_incarnation,
+                          &l->h_since, &holder_word, &l->timeout_s, &enabled, &on_timeout))
+        return -1;
+    if (PyObject_GetBuffer(buf, &l->view, PyBUF_WRITABLE) < 0) return -1;
+    l->has_view = 1;
+    if (l->view.len < (l->h_since + 1) * 8) {
+        PyErr_SetString(PyExc_ValueError, "segment buffer too small for the header");
+        return -1;
+    }
+    l->hdr64 = (int64_t *)l->view.buf;
+    l->sem = sem_open(name, 0);
+    if (l->sem == SEM_FAILED) {
+        l->sem = NULL;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+        return -1;
+    }
+    l->holder_word = holder_word;
+    l->enabled = enabled;
+    Py_INCREF(Py_None);
+    l->record = Py_None;
+    Py_INCREF(on_timeout);
+    l->on_timeout = on_timeout;
+    return 0;
+}
+
+static void CLock_dealloc(CLock *l) {
+    if (l->sem) sem_close(l->sem);
+    if (l->has_view) PyBuffer_Release(&l->view);
+    Py_XDECREF(l->record);
+    Py_XDECREF(l->on_timeout);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static PyObject *CLock_close(CLock *l, PyObject *unused) {
+    if (l->sem) {
+        sem_close(l->sem);
+        l->sem = NULL;
+    }
+    if (l->has_view) {
+        PyBuffer_Release(&l->view);
+        l->has_view = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *CLock_set_identity(CLock *l, PyObject *args) {
+    long long holder_word;
+    unsigned long long incarnation;
+    Py_ssize_t fence_offset;
+    if (!PyArg_ParseTuple(args, "LKn", &holder_word, &incarnation, &fence_offset)) return NULL;
+    if (!l->has_view || fence_offset < 0 || fence_offset + 8 > l->view.len || fence_offset % 8) {
+        PyErr_SetString(PyExc_ValueError, "bad fence offset");
+        return NULL;
+    }
+    l->holder_word = holder_word;
+    l->incarnation = incarnation;
+    l->fence = (uint64_t *)((char *)l->view.buf + fence_offset);
+    Py_RETURN_NONE;
+}
+
+static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
+    unsigned long me = PyThread_get_thread_ident();
+    if (l->depth && l->owner == me) {
+        l->depth++;
+        Py_RETURN_NONE;
+    }
+    if (!l->sem || !l->has_view) {
+        PyErr_SetString(UsageError, "the pool is closed; attach again to use it");
+        return NULL;
+    }
+    int64_t start = now_ns();
+    if (l->enabled && sem_trywait(l->sem) != 0) {
+        int rc;
+        struct timespec deadline;
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        double whole = (double)(long long)l->timeout_s;
+        deadline.tv_sec += (time_t)whole;
+        deadline.tv_nsec += (long)((l->timeout_s - whole) * 1e9);
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec += 1;
+            deadline.tv_nsec -= 1000000000L;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            rc = sem_timedwait(l->sem, &deadline);
+        } while (rc != 0 && errno == EINTR);
+        Py_END_ALLOW_THREADS
+        if (rc != 0) {
+            if (errno != ETIMEDOUT) return PyErr_SetFromErrno(PyExc_OSError);
+            PyObject *msg = PyObject_CallNoArgs(l->on_timeout);
+            if (msg) {
+                PyErr_SetObject(LockTimeoutError, msg);
+                Py_DECREF(msg);
+            }
+            return NULL;
+        }
+    }
+    int64_t now = now_ns();
+    if (l->fence && *l->fence != l->incarnation) {
+        if (l->enabled) sem_post(l->sem);
+        PyErr_SetString(FencedError,
+                        "this process's slot in the pool was reclaimed (it was taken for dead); "
+                        "it must attach again");
+        return NULL;
+    }
+    l->hdr64[l->h_holder] = l->holder_word;
+    l->hdr64[l->h_incarnation] = (int64_t)l->incarnation;
+    l->hdr64[l->h_since] = now;
+    l->depth = 1;
+    l->owner = me;
+    l->held_since = now;
+    l->num_acquired++;
+    l->wait_ns_total += now - start;
+    if (l->record != Py_None) {
+        PyObject *item = Py_BuildValue("(Li)", (long long)(now - start), 0);
+        if (!item || PyList_Append(l->record, item) < 0) {
+            Py_XDECREF(item);
+            PyErr_Clear(); /* statistics only: never fail a hold for them */
+        } else {
+            Py_DECREF(item);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *CLock_release(CLock *l, PyObject *unused) {
+    if (l->depth > 1) {
+        l->depth--;
+        Py_RETURN_NONE;
+    }
+    if (l->depth == 0 || !l->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "release of a pool lock that is not held");
+        return NULL;
+    }
+    l->depth = 0;
+    l->owner = 0;
+    l->hdr64[l->h_holder] = 0;
+    l->hdr64[l->h_incarnation] = 0;
+    l->hdr64[l->h_since] = 0;
+    if (l->enabled) sem_post(l->sem);
+    int64_t held = now_ns() - l->held_since;
+    l->hold_ns_total += held;
+    if (l->record != Py_None && PyList_GET_SIZE(l->record) > 0) {
+        Py_ssize_t last = PyList_GET_SIZE(l->record) - 1;
+        PyObject *prev = PyList_GET_ITEM(l->record, last);
+        PyObject *item = Py_BuildValue("(OL)", PyTuple_GET_ITEM(prev, 0), (long long)held);
+        if (item) PyList_SetItem(l->record, last, item);
+        else PyErr_Clear();
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *CLock_enter(CLock *l, PyObject *unused) {
+    PyObject *r = CLock_acquire(l, NULL);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_INCREF(l);
+    return (PyObject *)l;
+}
+
+static PyObject *CLock_exit(CLock *l, PyObject *args) {
+    PyObject *r = CLock_release(l, NULL);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_FALSE;
+}
+
+static PyObject *CLock_get_held(CLock *l, void *c) { return PyBool_FromLong(l->depth > 0); }
+static PyObject *CLock_get_record(CLock *l, void *c) { Py_INCREF(l->record); return l->record; }
+static int CLock_set_record(CLock *l, PyObject *v, void *c) {
+    if (!v || (v != Py_None && !PyList_Check(v))) {
+        PyErr_SetString(PyExc_TypeError, "record must be a list or None");
+        return -1;
+    }
+    Py_INCREF(v);
+    Py_SETREF(l->record, v);
+    return 0;
+}
+static PyObject *CLock_get_timeout(CLock *l, void *c) { return PyFloat_FromDouble(l->timeout_s); }
+static int CLock_set_timeout(CLock *l, PyObject *v, void *c) {
+    double t = v ? PyFloat_AsDouble(v) : -1;
+    if (PyErr_Occurred()) return -1;
+    if (!(t > 0)) {
+        PyErr_SetString(PyExc_ValueError, "timeout_s must be positive");
+        return -1;
+    }
+    l->timeout_s = t;
+    return 0;
+}
+static PyObject *CLock_get_stat(CLock *l, void *which) {
+    long long v = which == (void *)0 ? l->num_acquired
+                : which == (void *)1 ? l->wait_ns_total : l->hold_ns_total;
+    return PyLong_FromLongLong(v);
+}
+
+static PyGetSetDef CLock_getset[] = {
+    {"held", (getter)CLock_get_held, NULL, "whether this process holds the lock", NULL},
+    {"record", (getter)CLock_get_record, (setter)CLock_set_record,
+     "None, or a list receiving (wait_ns, hold_ns) per hold", NULL},
+    {"timeout_s", (getter)CLock_get_timeout, (setter)CLock_set_timeout,
+     "the longest a caller waits", NULL},
+    {"num_acquired", (getter)CLock_get_stat, NULL, "holds taken", (void *)0},
+    {"wait_ns_total", (getter)CLock_get_stat, NULL, "ns spent waiting", (void *)1},
+    {"hold_ns_total", (getter)CLock_get_stat, NULL, "ns spent holding", (void *)2},
+    {NULL},
+};
+
+static PyMethodDef CLock_methods[] = {
+    {"acquire", (PyCFunction)CLock_acquire, METH_NOARGS, "take the lock (or one more level)"},
+    {"release", (PyCFunction)CLock_release, METH_NOARGS, "give back one level of the lock"},
+    {"__enter__", (PyCFunction)CLock_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)CLock_exit, METH_VARARGS, NULL},
+    {"set_identity", (PyCFunction)CLock_set_identity, METH_VARARGS,
+     "set_identity(holder_word, incarnation, fence_offset_bytes)"},
+    {"close", (PyCFunction)CLock_close, METH_NOARGS, "close the semaphore and the buffer"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CLockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmkv._ckernel.CLock",
+    .tp_basicsize = sizeof(CLock),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "CLock(buffer, sem_name, h_holder, h_incarnation, h_since, holder_word, "
+              "timeout_s, enabled, on_timeout)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)CLock_init,
+    .tp_dealloc = (destructor)CLock_dealloc,
+    .tp_methods = CLock_methods,
+    .tp_getset = CLock_getset,
+};
+
 static PyObject *set_errors(PyObject *mod, PyObject *args) {
-    PyObject *usage, *oob, *inv;
-    if (!PyArg_ParseTuple(args, "OOO", &usage, &oob, &inv)) return NULL;
+    PyObject *usage, *oob, *inv, *timeout, *fenced;
+    if (!PyArg_ParseTuple(args, "OOOOO", &usage, &oob, &inv, &timeout, &fenced)) return NULL;
+    Py_XSETREF(LockTimeoutError, Py_NewRef(timeout));
+    Py_XSETREF(FencedError, Py_NewRef(fenced));
     Py_XSETREF(UsageError, Py_NewRef(usage));
     Py_XSETREF(OutOfBlocksError, Py_NewRef(oob));
     Py_XSETREF(InvariantViolation, Py_NewRef(inv));
@@ -840,7 +1117,8 @@ static PyObject *set_errors(PyObject *mod, PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"set_errors", set_errors, METH_VARARGS,
-     "set_errors(UsageError, OutOfBlocksError, InvariantViolation): the classes to raise"},
+     "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
+     "FencedError): the classes to raise"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -852,13 +1130,18 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__ckernel(void) {
     if (PyType_Ready(&KernelType) < 0) return NULL;
+    if (PyType_Ready(&CLockType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&KernelType);
     if (PyModule_AddObject(m, "Kernel", (PyObject *)&KernelType) < 0) return NULL;
+    Py_INCREF(&CLockType);
+    if (PyModule_AddObject(m, "CLock", (PyObject *)&CLockType) < 0) return NULL;
     str_block_id = PyUnicode_InternFromString("block_id");
     UsageError = Py_NewRef(PyExc_ValueError);
     OutOfBlocksError = Py_NewRef(PyExc_ValueError);
     InvariantViolation = Py_NewRef(PyExc_RuntimeError);
+    LockTimeoutError = Py_NewRef(PyExc_TimeoutError);
+    FencedError = Py_NewRef(PyExc_RuntimeError);
     return m;
 }

@@ -40,7 +40,9 @@ from shmkv import layout as L
 from shmkv._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
+    SegmentError,
     InvariantViolation,
+    LockTimeoutError,
     OutOfBlocksError,
     PoolClosedError,
     PoolFullError,
@@ -69,6 +71,9 @@ from shmkv.lock import (
     PoolLock,
     create_semaphore,
     decode_holder,
+    holder_word,
+    lock_name,
+    timeout_message,
     unlink_semaphore,
 )
 from shmkv.prefix_index import BlockHashToBlockMap
@@ -81,7 +86,8 @@ try:
 except ImportError:  # not built (no compiler at install time): the Python kernel serves
     _ckernel = None
 else:
-    _ckernel.set_errors(UsageError, OutOfBlocksError, InvariantViolation)
+    _ckernel.set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError,
+                        FencedError)
 
 KERNEL_ENV = "SHMKV_KERNEL"
 KERNELS = ("c", "python")
@@ -273,11 +279,23 @@ class BlockPool:
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
-        self._lock = PoolLock(
-            segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
-            timeout_s=lock_timeout_s, describe_holder=self._describe_holder,
-            enabled=_lock_enabled,
-        )
+        if self.kernel == "c":  # the same lock, with its fast path in C
+            if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
+                self._release_views()
+                raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
+            self._lock = _ckernel.CLock(
+                buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
+                L.H_HOLDER_SINCE_NS, holder_word(-1, self.pid), float(lock_timeout_s),
+                _lock_enabled,
+                lambda: timeout_message(self._hdr64, self._lock.timeout_s,
+                                        self._describe_holder),
+            )
+        else:
+            self._lock = PoolLock(
+                segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
+                timeout_s=lock_timeout_s, describe_holder=self._describe_holder,
+                enabled=_lock_enabled,
+            )
         try:
             self._claim_slot(label_bytes)
         except BaseException:
@@ -454,8 +472,14 @@ class BlockPool:
             row["state"] = L.SLOT_ACTIVE
             self.slot = slot
             self._incarnation = incarnation
-            self._lock.set_identity(slot, incarnation, self._proc64,
-                                    slot * (L.PROC_DTYPE.itemsize // 8) + _PROC_INCARNATION)
+            fence_index = slot * (L.PROC_DTYPE.itemsize // 8) + _PROC_INCARNATION
+            if isinstance(self._lock, PoolLock):
+                self._lock.set_identity(slot, incarnation, self._proc64, fence_index)
+            else:
+                self._lock.set_identity(
+                    holder_word(slot, self.pid), incarnation,
+                    self._layout.offsets["proc_table"] + 8 * fence_index,
+                )
 
     def close(self) -> None:
         """Gives back every reference this process holds and its process-table slot, then
@@ -605,7 +629,7 @@ class BlockPool:
         with self._lock:
             return self._reap_dead_locked()
 
-    def lock(self) -> PoolLock:
+    def lock(self):
         """The pool lock, as a context manager: ``with pool.lock(): ...`` makes a sequence of
         calls (lookups, touches, allocations) atomic with respect to other processes. It is
         re-entrant within this process.

@@ -54,6 +54,26 @@ def unlink_semaphore(shm_name: str) -> bool:
     return True
 
 
+def holder_word(slot: int, pid: int) -> int:
+    """The ``holder`` header word of a process: ``slot + 1`` low, pid high (0 = free)."""
+    return ((slot + 1) & 0xFFFF_FFFF) | (pid << 32)
+
+
+def timeout_message(hdr64, timeout_s: float, describe_holder=None) -> str:
+    """Why a wait for the pool lock timed out: who holds it, since when, alive or dead."""
+    holder = decode_holder(hdr64[_H_HOLDER])
+    if holder is None:
+        who = "no holder is recorded (it may have died between taking and recording it)"
+    else:
+        slot, pid = holder
+        since = hdr64[_H_SINCE]
+        held_s = (_monotonic_ns() - since) / 1e9 if since else float("nan")
+        who = f"held by slot {slot} (pid {pid}) for {held_s:.1f} s"
+        if describe_holder is not None:
+            who += f"; {describe_holder(slot, pid)}"
+    return f"pool lock not acquired within {timeout_s} s: {who}"
+
+
 def decode_holder(word: int) -> tuple[int, int] | None:
     """(slot, pid) from a ``holder`` word, or None when the lock is free."""
     if word == 0:
@@ -83,7 +103,7 @@ class PoolLock:
 
             raise SegmentError(f"the pool's lock {lock_name(shm_name)} is missing") from None
         self._hdr64 = hdr64
-        self._holder_word = ((slot + 1) & 0xFFFF_FFFF) | (pid << 32)
+        self._holder_word = holder_word(slot, pid)
         self._incarnation = incarnation
         self.timeout_s = timeout_s
         self._describe_holder = describe_holder
@@ -183,17 +203,7 @@ class PoolLock:
         self.release()
 
     def _timeout_message(self) -> str:
-        holder = decode_holder(self._hdr64[_H_HOLDER])
-        if holder is None:
-            who = "no holder is recorded (it may have died between taking and recording it)"
-        else:
-            slot, pid = holder
-            since = self._hdr64[_H_SINCE]
-            held_s = (_monotonic_ns() - since) / 1e9 if since else float("nan")
-            who = f"held by slot {slot} (pid {pid}) for {held_s:.1f} s"
-            if self._describe_holder is not None:
-                who += f"; {self._describe_holder(slot, pid)}"
-        return f"pool lock not acquired within {self.timeout_s} s: {who}"
+        return timeout_message(self._hdr64, self.timeout_s, self._describe_holder)
 
     def close(self) -> None:
         self._sem.close()
