@@ -42,3 +42,12 @@ def test_bench_contention_smoke(tmp_path):
     assert [r["processes"] for r in rows] == [1, 2]
     assert all(r["requests"] > 0 and r["lock_holds"] > 0 for r in rows)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_locks_smoke():
+    """bench_locks prints a JSON line per (lock, processes) and cleans up after itself."""
+    out = _run("benchmarks/bench_locks.py", "--iterations", "2000")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["lock"], r["processes"]) for r in rows} >= {("posix_ipc", 1), ("ofd", 2)}
+    assert not [f for f in os.listdir("/dev/shm") if "bench-locks" in f]
