@@ -139,7 +139,8 @@ def format_table(rows: list[dict]) -> str:
         for r in rows
     ]
     widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *body]]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+             for row in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -239,7 +239,7 @@ def _new_chart(width, height, title, x_label, y_label, y_values, pad, clear_top=
     _draw_text(img, title, width // 2, 12, scale=title_scale, ha="center")
     _draw_text(img, y_label, 10, (top + bottom) // 2, ha="left", va="center", vertical=True)
     _draw_text(img, x_label, (left + box.right) // 2, height - 10, ha="center", va="bottom")
-    for value, label in zip(ticks, labels):
+    for value, label in zip(ticks, labels, strict=True):
         y = int(round(y_px(value)))
         _fill_rect(img, left + 1, y, box.right - 1, y, GRID)
         _fill_rect(img, left - 5, y, left - 1, y, AXIS)
@@ -251,7 +251,7 @@ def _draw_x_ticks(img, box: _Box, positions, labels, grid: bool = True) -> None:
     """Tick marks (and vertical grid lines) at ``positions``; labels that would overlap the
     previous drawn label are left out."""
     last_right = -1e9
-    for x, label in zip(positions, labels):
+    for x, label in zip(positions, labels, strict=True):
         x = int(round(x))
         if grid:
             _fill_rect(img, x, box.top + 1, x, box.bottom - 1, GRID)
@@ -362,7 +362,7 @@ def line_chart(path, *, title: str, x_label: str, y_label: str,
         color, px, py = PALETTE[i % len(PALETTE)], x_px(xs), y_px(ys)
         for j in range(len(px) - 1):
             _draw_line(img, px[j], py[j], px[j + 1], py[j + 1], color)
-        for x, y in zip(px, py):
+        for x, y in zip(px, py, strict=True):
             _paint(img, _DISC, int(round(x)) - 3, int(round(y)) - 3, color)
     _draw_frame(img, box)
     entries = [(name, PALETTE[i % len(PALETTE)]) for i, (name, _, _) in enumerate(data)]

@@ -40,12 +40,12 @@ from shmkv import layout as L
 from shmkv._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
-    SegmentError,
     InvariantViolation,
     LockTimeoutError,
     OutOfBlocksError,
     PoolClosedError,
     PoolFullError,
+    SegmentError,
     UsageError,
 )
 from shmkv.event_log import EventCursor, EventLog, LoggedEvent
@@ -798,7 +798,8 @@ class BlockPool:
             )
         if block_mask is not None and len(block_mask) != num_new:
             raise UsageError(
-                f"cache_full_blocks(): block_mask has {len(block_mask)} entries for {num_new} blocks"
+                f"cache_full_blocks(): block_mask has {len(block_mask)} entries for "
+                f"{num_new} blocks"
             )
         ratio = block_size // hbs
         fine_hashes = request.block_hashes

@@ -31,7 +31,9 @@ PAD = 0xFFFF_FFFF
 _ALIGN = 8
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Union[BlockStored, BlockRemoved, AllBlocksCleared])
+_decoder = msgspec.msgpack.Decoder(
+    Union[BlockStored, BlockRemoved, AllBlocksCleared]  # noqa: UP007 (a runtime union)
+)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class EventLog:
         hdr[L.H_LOG_OLDEST_POS] = oldest
         hdr[L.H_LOG_OLDEST_SEQ] = seq
 
-    def read(self, cursor: EventCursor, max_events: int | None = None) -> tuple[list[LoggedEvent], int]:
+    def read(self, cursor: EventCursor,
+             max_events: int | None = None) -> tuple[list[LoggedEvent], int]:
         """Events from ``cursor`` on (advancing it). Returns (events, number lost because
         the reader fell more than a ring behind)."""
         hdr, cap = self._hdr, self.capacity

@@ -214,4 +214,5 @@ class BlockHashToBlockMap:
     def __len__(self) -> int:
         """Number of distinct keys (O(num_blocks); for tests and tools)."""
         hashed = self._blocks[self._blocks["hash_num_tokens"] != _NO_HASH_TOKENS]
-        return len({(bytes(h), int(g)) for h, g in zip(hashed["block_hash"], hashed["group_id"])})
+        keys = zip(hashed["block_hash"], hashed["group_id"], strict=True)
+        return len({(bytes(h), int(g)) for h, g in keys})

@@ -173,7 +173,8 @@ def _check_index(pool: BlockPool, out: list[str]) -> None:
         out.append("INV-HASH: a block has hash_num_tokens < 0")
     if n and hashed[L.NULL_BLOCK_ID]:
         out.append("INV-HASH: the null block (0) holds a prefix-cache key")
-    stray = np.flatnonzero(~hashed & ((blocks["index_next"] != L.NO_BLOCK) | (blocks["group_id"] != 0)))
+    linked = (blocks["index_next"] != L.NO_BLOCK) | (blocks["group_id"] != 0)
+    stray = np.flatnonzero(~hashed & linked)
     if len(stray):
         out.append(
             f"INV-HASH: {len(stray)} block(s) without a key have index_next or group_id set, "

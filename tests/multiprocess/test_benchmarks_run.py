@@ -35,7 +35,8 @@ def test_bench_block_pool_smoke():
 def test_bench_contention_smoke(tmp_path):
     """bench_contention with 1 and 2 processes prints JSON lines, a table and a PNG."""
     png = tmp_path / "contention.png"
-    out = _run("benchmarks/bench_contention.py", "--procs", "1,2", "--seconds", "0.3", "--rounds", "1",
+    out = _run("benchmarks/bench_contention.py", "--procs", "1,2", "--seconds", "0.3",
+               "--rounds", "1",
                "--blocks", "512", "--plot", str(png))
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -22,7 +22,7 @@ def _assert_queue(pool, expected: list[int], label: str) -> None:
     assert q.get_all_free_block_ids() == expected, label
     assert q.num_free_blocks == len(expected), label
     chain = [head, *expected, tail]
-    for before, block, after in zip(chain, chain[1:], chain[2:]):
+    for before, block, after in zip(chain, chain[1:], chain[2:], strict=False):
         assert links(pool, block) == (before, after), f"{label}: links of {block}"
     assert links(pool, head)[1] == chain[1], label
     assert links(pool, tail)[0] == chain[-2], label

@@ -369,7 +369,8 @@ def test_ref_zero_but_not_queued_is_a_leak(scene):
     b = scene.held_hashed[0]
     scene.blocks["ref_cnt"][b] = 0
     assert_reports(
-        scene.pool, exactly={"INV-REF", "INV-CONSERVE", "INV-LEDGER"}, message=f"(leaked), e.g. block {b}",
+        scene.pool, exactly={"INV-REF", "INV-CONSERVE", "INV-LEDGER"},
+        message=f"(leaked), e.g. block {b}",
     )
 
 

@@ -32,7 +32,7 @@ def _workload(pool: BlockPool, rng: random.Random) -> list:
     """A seeded mix of every mutating call; returns what the calls returned."""
     results = []
     running = []
-    for step in range(300):
+    for _ in range(300):
         op = rng.random()
         if op < 0.45:
             req = make_request(rng.randint(1, 80) * 4, first_token=rng.choice([0, 0, 1000, 5000]))
