@@ -166,3 +166,29 @@ def test_nothing_left_in_dev_shm(pool_factory):
     BlockPool.unlink(name)
     leftovers = [f for f in os.listdir("/dev/shm") if shm.lstrip("/") in f]
     assert leftovers == []
+
+
+def test_creator_dying_does_not_take_the_pool_with_it(spawn_ctx):
+    """SIGKILL of the creating process leaves a pool the others keep using; its blocks
+    come back at the next reap."""
+    name = unique_pool_name("creator")
+    ready, stop = spawn_ctx.Event(), spawn_ctx.Event()
+    creator = spawn_ctx.Process(target=workers.create_and_wait, args=(name, ready, stop))
+    creator.start()
+    try:
+        assert ready.wait(60)
+        survivor = BlockPool.attach(name, label="survivor")
+        creator.kill()
+        creator.join(30)
+        assert creator.exitcode == -9
+        blocks = survivor.get_new_blocks(27)  # all the free ones
+        assert len(blocks) == 27
+        assert survivor.reap_dead() == 1
+        assert len(survivor.get_new_blocks(4)) == 4  # the creator's four came back
+        survivor.check_invariants()
+        survivor.close()
+    finally:
+        if creator.is_alive():
+            creator.kill()
+            creator.join(10)
+        BlockPool.unlink(name)

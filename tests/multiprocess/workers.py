@@ -134,3 +134,11 @@ def attach_expecting(name: str, kwargs: dict, expected_error: str, match: str) -
         sys.exit(1)
     print("attach succeeded", file=sys.stderr)
     sys.exit(1)
+
+
+def create_and_wait(name: str, ready, stop) -> None:
+    """Create a pool, hold a few blocks, and wait to be killed."""
+    pool = BlockPool.create(name, 32, label="creator")
+    pool.get_new_blocks(4)
+    ready.set()
+    stop.wait(60)
