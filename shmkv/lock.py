@@ -137,17 +137,22 @@ class PoolLock:
         if self._depth and self._owner_thread == get_ident():
             self._depth += 1  # nested in this thread's hold: nothing else to do
             return
-        if not self._gate.acquire(timeout=self.timeout_s):
+        gate = self._gate
+        if not gate.acquire(False) and not gate.acquire(timeout=self.timeout_s):
             raise LockTimeoutError(
                 f"pool lock: another thread of this process held it for over {self.timeout_s} s"
             )
-        start = _monotonic_ns()
+        start = 0
         if self._enabled:
             try:
-                self._sem.acquire(self.timeout_s)
+                self._sem.acquire(0)  # the uncontended case: no clock, no timed wait
             except posix_ipc.BusyError:
-                self._gate.release()
-                raise LockTimeoutError(self._timeout_message()) from None
+                start = _monotonic_ns()
+                try:
+                    self._sem.acquire(self.timeout_s)
+                except posix_ipc.BusyError:
+                    gate.release()
+                    raise LockTimeoutError(self._timeout_message()) from None
         now = _monotonic_ns()
         fence = self._fence_view
         if fence is not None and fence[self._fence_index] != self._incarnation:
@@ -165,10 +170,11 @@ class PoolLock:
         self._depth = 1
         self._owner_thread = get_ident()
         self._held_since = now
+        waited = now - start if start else 0
         self.num_acquired += 1
-        self.wait_ns_total += now - start
+        self.wait_ns_total += waited
         if self.record is not None:
-            self.record.append((now - start, 0))
+            self.record.append((waited, 0))
 
     def release(self) -> None:
         """Gives back one level of the lock; the last level clears the holder record and
