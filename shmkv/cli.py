@@ -3,6 +3,7 @@
     shmkv demo [--processes N] [--requests R]   several schedulers share one pool
     shmkv inspect NAME                          a live pool: header, usage, processes, invariants
     shmkv unlink NAME                           remove a pool's segment, lock and lock file
+    shmkv cleanup [--dry-run]                   remove pools no live process is attached to
 
 Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, nothing to
 unlink, a demo process failed); 2 bad usage or an error (message on stderr, no traceback
@@ -188,6 +189,63 @@ def cmd_unlink(args: argparse.Namespace) -> int:
     return EXIT_PROBLEM
 
 
+# ---------------------------------------------------------------------------- cleanup
+
+def orphaned_pools() -> tuple[list[str], list[str]]:
+    """(pools of this layout version with no live process attached, segments of another
+    layout version). Reads the process tables without attaching (no slot is taken)."""
+    import numpy as np
+
+    from shmkv.liveness import AliveLocks, alive_path
+    from shmkv.segment import Segment, read_config
+
+    suffix = f"-v{L.LAYOUT_VERSION}"
+    orphans, foreign = [], []
+    for entry in sorted(os.listdir("/dev/shm")):
+        if not entry.startswith("shmkv-") or entry.endswith(".alive"):
+            continue
+        if not entry.endswith(suffix):
+            foreign.append(entry)
+            continue
+        name = entry[len("shmkv-"):-len(suffix)]
+        try:
+            segment = Segment.open(f"/{entry}")
+        except ShmKVError:
+            continue
+        try:
+            layout = read_config(segment)
+            procs = layout.view(segment.buf, "proc_table")
+            active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
+            del procs
+            alive = AliveLocks(alive_path(f"/{entry}"), create=False)
+            try:
+                if not any(alive.is_alive(slot) for slot in active):
+                    orphans.append(name)
+            finally:
+                alive.close()
+        except ShmKVError:
+            orphans.append(name)  # torn or half-created, and nobody can attach to it
+        finally:
+            segment.close()
+    return orphans, foreign
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    orphans, foreign = orphaned_pools()
+    for name in orphans:
+        if args.dry_run:
+            print(f"would remove pool {name} (no live process attached)")
+        else:
+            BlockPool.unlink(name)
+            print(f"removed pool {name} (no live process attached)")
+    for entry in foreign:
+        print(f"left /dev/shm/{entry}: another layout version (remove it with the shmkv "
+              "that made it, or by hand)")
+    if not orphans:
+        print("no orphaned pools")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "Processes that have it mapped keep working. Exit 1 if none.")
     unlink.add_argument("name", help="pool name")
     unlink.set_defaults(func=cmd_unlink)
+
+    cleanup = sub.add_parser("cleanup", help="remove pools no live process is attached to",
+                             description="Removes every pool of this layout version whose "
+                             "process table names no live process (their creators and users "
+                             "died without unlinking). A process attaching at that very "
+                             "moment keeps working on the removed pool.")
+    cleanup.add_argument("--dry-run", action="store_true", help="only say what would go")
+    cleanup.set_defaults(func=cmd_cleanup)
     return parser
 
 

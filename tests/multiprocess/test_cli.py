@@ -58,3 +58,32 @@ def test_unlink_and_error_exit_codes(pool_name):
     assert "no shared-memory segment" in missing.stderr and "Traceback" not in missing.stderr
     bad = shmkv("inspect", "a/b")
     assert bad.returncode == 2 and "contains '/'" in bad.stderr
+
+
+def test_cleanup_removes_only_pools_nobody_lives_in(spawn_ctx, make_pool):
+    """A pool whose processes all died is removed; a pool with a live process stays."""
+    from tests.conftest import unique_pool_name
+    from tests.multiprocess import workers
+
+    live = make_pool(8)
+    dead_name = unique_pool_name("orphan")
+    ready, stop = spawn_ctx.Event(), spawn_ctx.Event()
+    creator = spawn_ctx.Process(target=workers.create_and_wait, args=(dead_name, ready, stop))
+    creator.start()
+    try:
+        assert ready.wait(60)
+        creator.kill()
+        creator.join(30)
+        dry = shmkv("cleanup", "--dry-run")
+        assert dry.returncode == 0
+        assert f"would remove pool {dead_name}" in dry.stdout
+        assert live.pool_name not in dry.stdout
+        out = shmkv("cleanup")
+        assert out.returncode == 0 and f"removed pool {dead_name}" in out.stdout
+        assert not [f for f in os.listdir("/dev/shm") if dead_name in f]
+        assert live.get_num_free_blocks() == 7  # untouched
+    finally:
+        if creator.is_alive():
+            creator.kill()
+            creator.join(10)
+        BlockPool.unlink(dead_name)
