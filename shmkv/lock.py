@@ -12,6 +12,11 @@ a waiter that times out can name the holder, and (in the crash-safety layer) tel
 holder from a slow one. ``holder`` packs ``slot + 1`` in the low 32 bits and the pid in the
 high 32, so one word says "free" (0) or who holds it.
 
+``PoolLock`` is the pure-Python implementation; pools on the C kernel use
+``shmkv._ckernel.CLock``, the same protocol (semaphore, holder record, re-entrancy per thread,
+fence check) with its fast path in C. ``benchmarks/bench_locks.py`` compares them with an
+OFD lock.
+
 NOTE: a POSIX semaphore is not released when its holder dies; what happens then is the
 crash-safety layer's business. Waits are always bounded (``timeout_s``).
 """
