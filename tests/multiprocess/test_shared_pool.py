@@ -192,3 +192,34 @@ def test_creator_dying_does_not_take_the_pool_with_it(spawn_ctx):
             creator.kill()
             creator.join(10)
         BlockPool.unlink(name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_waiting_on_a_holder_killed_inside_the_lock_times_out_naming_it_dead(spawn_ctx, kernel):
+    """A process SIGKILLed while it holds the pool lock leaves the semaphore taken (repair is
+    the crash-safety layer's job); a waiter's bounded wait ends in LockTimeoutError that names
+    the holder's slot and pid and says it is dead."""
+    from shmkv import LockTimeoutError
+
+    name = unique_pool_name("deadholder")
+    pool = BlockPool.create(name, 16, kernel=kernel, lock_timeout_s=0.3)
+    held = spawn_ctx.Event()
+    holder = spawn_ctx.Process(target=workers.hold_lock_forever, args=(name, held))
+    holder.start()
+    try:
+        assert held.wait(60)
+        holder.kill()
+        holder.join(30)
+        assert holder.exitcode == -9
+        with pytest.raises(LockTimeoutError,
+                           match=rf"held by slot 1 \(pid {holder.pid}\).*dead"):
+            pool.get_new_blocks(1)
+        with pytest.raises(LockTimeoutError):  # close() cannot give back what it holds...
+            pool.close()
+        with pytest.raises(ValueError, match="closed"):  # ...but it does unmap
+            pool.get_num_free_blocks()
+    finally:
+        if holder.is_alive():
+            holder.kill()
+            holder.join(10)
+        BlockPool.unlink(name)

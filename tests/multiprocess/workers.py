@@ -142,3 +142,11 @@ def create_and_wait(name: str, ready, stop) -> None:
     pool.get_new_blocks(4)
     ready.set()
     stop.wait(60)
+
+
+def hold_lock_forever(name: str, held) -> None:
+    """Attach, take the pool lock, and never give it back (the parent kills us)."""
+    pool = BlockPool.attach(name, label="holder")
+    pool.lock().acquire()
+    held.set()
+    time.sleep(120)
