@@ -26,11 +26,16 @@ Catalogue (error messages and tests quote the ids):
   sequence numbers, ``next_seq - oldest_seq`` of them.
 
 ``check_invariants`` collects every violation and raises one ``InvariantViolation``. It is
-O(num_blocks) and never on a hot path.
+O(num_blocks) and never on a hot path. ``rebuild`` rewrites every derived structure
+(``ref_cnt``, the free queue, the index chains) from the authoritative ones (the ledger, the
+hash fields, ``queue_key``): the fallback repair of the crash-safety plan
+(``docs/crash-safety.md``).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -304,3 +309,97 @@ def check_invariants(pool: BlockPool) -> None:
     if violations:
         pool._layout.view(pool._segment.buf, "header")["state"] = L.STATE_POISONED
         raise InvariantViolation(violations)
+
+
+@dataclass(frozen=True)
+class RebuildReport:
+    """What ``rebuild`` found and fixed."""
+
+    ref_cnt_fixed: int  # blocks whose ref_cnt disagreed with the ledger
+    num_free_blocks: int
+    num_cached_blocks: int
+    hashes_dropped: int  # blocks whose hash fields were invalid (cleared)
+    seconds: float
+
+
+def rebuild(pool: BlockPool) -> RebuildReport:
+    """Rebuilds every derived structure from the authoritative ones, in vectorised passes.
+    The caller holds the pool lock.
+
+    Authoritative: the ledger rows of active slots (references), each block's hash fields
+    and each free block's ``queue_key`` (LRU order). Derived, and rewritten: ``ref_cnt``,
+    the free queue's links and counters, and the prefix index's chains. Blocks holding the
+    same key are chained in block-id order (the original insertion order is not recorded).
+    Bumps ``epoch``.
+    """
+    t0 = time.perf_counter()
+    lay = pool._layout
+    n = lay.config.num_blocks
+    blocks = pool._blocks
+    hdr = pool._hdr64
+    procs = pool._procs
+    active = procs["state"] == L.SLOT_ACTIVE
+
+    # References: the ledger is the truth.
+    ref = pool._ledger[active].sum(axis=0, dtype=np.int32)
+    ref[L.NULL_BLOCK_ID] = 0
+    ref_fixed = int(np.count_nonzero(blocks["ref_cnt"][:n] != ref))
+    blocks["ref_cnt"][:n] = ref
+
+    # Free queue: every block but the null one with no reference, in queue_key order.
+    # (Each field is built in a private array and written to the segment once.)
+    free = np.flatnonzero(ref == 0)
+    free = free[free != L.NULL_BLOCK_ID]
+    keys = blocks["queue_key"]
+    order = free[np.argsort(keys[free])]  # keys are distinct in a sane queue
+    chain = np.concatenate(([lay.free_head], order, [lay.free_tail]))
+    links = np.full(n + 2, L.NO_BLOCK, dtype=np.int32)
+    links[chain[:-1]] = chain[1:]
+    blocks["next"] = links
+    links[:] = L.NO_BLOCK
+    links[chain[1:]] = chain[:-1]
+    blocks["prev"] = links
+    keys[order] = np.arange(len(order), dtype=np.int64)
+    hdr[L.H_NUM_FREE] = len(order)
+    hdr[L.H_QUEUE_HEAD_KEY] = 0
+    hdr[L.H_QUEUE_TAIL_KEY] = len(order) - 1
+
+    # Prefix index: chain every block that holds a key into the bucket its key hashes to.
+    htok = blocks["hash_num_tokens"][:n].copy()
+    invalid = htok < 0
+    invalid[L.NULL_BLOCK_ID] |= htok[L.NULL_BLOCK_ID] != L.NO_HASH_TOKENS
+    dropped = int(np.count_nonzero(invalid))
+    if dropped:
+        htok[invalid] = L.NO_HASH_TOKENS
+        blocks["hash_num_tokens"][:n] = htok
+    hashed = np.flatnonzero(htok != L.NO_HASH_TOKENS)
+    groups_all = blocks["group_id"][:n].copy()
+    groups_all[htok == L.NO_HASH_TOKENS] = 0
+    blocks["group_id"][:n] = groups_all
+    chain_next = np.full(n + 2, L.NO_BLOCK, dtype=np.int32)
+    buckets = lay.view(pool._segment.buf, "index_buckets")
+    buckets[:] = L.NO_BLOCK
+    if len(hashed):
+        first_word = np.ndarray(
+            (n,), dtype="<u8", buffer=pool._segment.buf,
+            offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET,
+            strides=(L.BLOCK_DTYPE.itemsize,),
+        )[hashed]
+        with np.errstate(over="ignore"):
+            words = first_word ^ (groups_all[hashed].astype(np.uint64) * np.uint64(L.GROUP_MIX))
+        bucket = (words & np.uint64(lay.config.num_index_buckets - 1)).astype(np.int64)
+        by_bucket = np.argsort(bucket * n + hashed)  # by bucket, then block id
+        ids, bucket = hashed[by_bucket], bucket[by_bucket]
+        same = bucket[1:] == bucket[:-1]
+        chain_next[ids[:-1][same]] = ids[1:][same]
+        heads = np.concatenate(([True], ~same))
+        buckets[bucket[heads]] = ids[heads]
+    blocks["index_next"] = chain_next
+    hdr[L.H_EPOCH] += 1
+    return RebuildReport(
+        ref_cnt_fixed=ref_fixed,
+        num_free_blocks=len(order),
+        num_cached_blocks=len(hashed),
+        hashes_dropped=dropped,
+        seconds=time.perf_counter() - t0,
+    )

@@ -52,3 +52,12 @@ def test_bench_locks_smoke():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert {(r["lock"], r["processes"]) for r in rows} >= {("posix_ipc", 1), ("ofd", 2)}
     assert not [f for f in os.listdir("/dev/shm") if "bench-locks" in f]
+
+
+def test_bench_recovery_smoke():
+    """bench_recovery prints a JSON line per size and the table."""
+    out = _run("benchmarks/bench_recovery.py", "--sizes", "1000,5000", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["num_blocks"] for r in rows] == [1000, 5000]
+    assert all(r["rebuild_ms_median"] > 0 for r in rows)
