@@ -33,7 +33,7 @@ def run(num_blocks: int, repeats: int) -> dict:
     try:
         held = []
         num_cached = 0
-        for i in range((num_blocks // 2) // 16):
+        for _ in range((num_blocks // 2) // 16):
             blocks = pool.get_new_blocks(16)
             if num_cached < num_blocks // 4:
                 hashes = [os.urandom(32) for _ in range(16)]
