@@ -102,18 +102,9 @@ class FreeKVCacheBlockQueue:
         Raises:
             OutOfBlocksError: the queue is empty ("No free blocks available", as vLLM).
         """
-        nxt_of, head = self._next, self.head
-        first = nxt_of[head]
-        if first == self.tail:
+        if self._next[self.head] == self.tail:
             raise OutOfBlocksError("No free blocks available")
-        prev_of = self._prev
-        nxt = nxt_of[first]
-        nxt_of[head] = nxt
-        prev_of[nxt] = head
-        prev_of[first] = _NO_BLOCK
-        nxt_of[first] = _NO_BLOCK
-        self._hdr64[_H_NUM_FREE] -= 1
-        return first
+        return self._popleft_one()
 
     def popleft_n(self, n: int) -> list[int]:
         """Removes and returns the first ``n`` free blocks, in queue order.
