@@ -9,15 +9,22 @@
  *
  * A Kernel holds a buffer export of the segment's mmap; release() must be called before the
  * mmap is closed.
+ *
+ * Every store to the segment goes through J32/J64, which first appends the word's old value
+ * to the undo journal (shmkv/journal.py has the protocol), so a holder killed at any store
+ * can be rolled back by whoever takes the lock over. FAULT_TICK() before each store is the
+ * fault-injection point of shmkv/fault.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <semaphore.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Row geometry of BLOCK_DTYPE (64-byte rows), in int32 / int64 words. */
 #define ROW_I32 16
@@ -36,6 +43,12 @@
 #define H_NUM_FREE 17
 #define H_QUEUE_HEAD_KEY 18
 #define H_QUEUE_TAIL_KEY 19
+#define H_JOURNAL_LEN 29
+#define H_LOCK_SEQ 30
+#define JOURNAL_OVERFLOWED (-1)
+#define PHASE_IDLE 0
+#define PHASE_ACQUIRING 1
+#define PHASE_RELEASING 2
 #define NO_BLOCK (-1)
 #define NO_HASH_TOKENS 0
 #define NULL_BLOCK_ID 0
@@ -48,10 +61,42 @@ static PyObject *LockTimeoutError = NULL;
 static PyObject *FencedError = NULL;
 static PyObject *str_block_id = NULL;
 
+/* ------------------------------------------------------------------ fault injection */
+
+/* Stores still allowed before this process kills itself; -1 when no fault is armed. */
+static long long fault_left = -1;
+
+static void fault_fire(void) {
+    kill(getpid(), SIGKILL);
+    for (;;) pause();
+}
+
+#define FAULT_TICK()                                         \
+    do {                                                     \
+        if (fault_left >= 0 && fault_left-- == 0) fault_fire(); \
+    } while (0)
+
+static PyObject *fault_arm(PyObject *mod, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    fault_left = n > 0 ? n - 1 : -1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fault_tick(PyObject *mod, PyObject *unused) {
+    FAULT_TICK();
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ the kernel */
+
 typedef struct {
     PyObject_HEAD
     Py_buffer view;
     int has_view;
+    char *base;       /* the segment */
+    int64_t *journal; /* the undo journal: (where, old) pairs */
+    int64_t journal_cap;
     char *meta;       /* block_meta region */
     int64_t *hdr64;   /* header, as int64 words */
     int32_t *buckets; /* index_buckets region */
@@ -68,6 +113,39 @@ typedef struct {
 #define I32(k, b, f) (((int32_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
 #define I64(k, b, f) (((int64_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
 #define HASHP(k, b) ((k)->meta + (Py_ssize_t)(b) * ROW_BYTES + HASH_BYTE_OFFSET)
+
+/* Appends the old value of the `width`-byte word at p to the undo journal (or marks it
+ * overflowed). Three fault points: before the entry, before the count, before the write. */
+static inline void journal_save(Kernel *k, const void *p, int width) {
+    FAULT_TICK();
+    int64_t n = k->hdr64[H_JOURNAL_LEN];
+    if (n >= 0 && n < k->journal_cap) {
+        int64_t *entry = k->journal + 2 * n;
+        entry[0] = ((int64_t)((const char *)p - k->base) << 4) | width;
+        entry[1] = width == 4 ? (int64_t)*(const int32_t *)p : *(const int64_t *)p;
+        FAULT_TICK();
+        k->hdr64[H_JOURNAL_LEN] = n + 1;
+    } else if (n >= 0) {
+        k->hdr64[H_JOURNAL_LEN] = JOURNAL_OVERFLOWED;
+    }
+    FAULT_TICK();
+}
+
+/* Journaled stores: J32(k, I32(k, b, F_REF), 1) is `I32(k, b, F_REF) = 1`, undoably. */
+#define J32(k, lvalue, value)                       \
+    do {                                            \
+        int32_t *p_ = &(lvalue);                    \
+        int32_t v_ = (int32_t)(value);              \
+        journal_save((k), p_, 4);                   \
+        *p_ = v_;                                   \
+    } while (0)
+#define J64(k, lvalue, value)                       \
+    do {                                            \
+        int64_t *p_ = &(lvalue);                    \
+        int64_t v_ = (int64_t)(value);              \
+        journal_save((k), p_, 8);                   \
+        *p_ = v_;                                   \
+    } while (0)
 
 /* Shared memory written by another process is not trusted to be sane: every row index read
  * from it is range-checked before it is dereferenced, so corruption raises
@@ -116,14 +194,15 @@ static int ensure_bufs(Kernel *k, Py_ssize_t n) {
 
 static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     PyObject *buf, *geometry;
-    Py_ssize_t meta_off, idx_off, ledger_off, num_blocks, num_buckets;
-    if (!PyArg_ParseTuple(args, "OnnnnnO", &buf, &meta_off, &idx_off, &ledger_off, &num_blocks,
-                          &num_buckets, &geometry))
+    Py_ssize_t meta_off, idx_off, ledger_off, num_blocks, num_buckets, journal_off, journal_cap;
+    if (!PyArg_ParseTuple(args, "OnnnnnnnO", &buf, &meta_off, &idx_off, &ledger_off,
+                          &num_blocks, &num_buckets, &journal_off, &journal_cap, &geometry))
         return -1;
     PyObject *mine = Py_BuildValue(
-        "(iiiiiiiiiiiiiiK)", ROW_I32, ROW_I64, F_REF, F_PREV, F_NEXT, F_INDEX_NEXT, F_GROUP,
+        "(iiiiiiiiiiiiiiiiK)", ROW_I32, ROW_I64, F_REF, F_PREV, F_NEXT, F_INDEX_NEXT, F_GROUP,
         F_HASH_TOKENS, F_QUEUE_KEY, HASH_BYTE_OFFSET, HASH_BYTES, H_NUM_FREE,
-        H_QUEUE_HEAD_KEY, H_QUEUE_TAIL_KEY, (unsigned long long)GROUP_MIX);
+        H_QUEUE_HEAD_KEY, H_QUEUE_TAIL_KEY, H_JOURNAL_LEN, H_LOCK_SEQ,
+        (unsigned long long)GROUP_MIX);
     if (!mine) return -1;
     int same = PyObject_RichCompareBool(mine, geometry, Py_EQ);
     Py_DECREF(mine);
@@ -142,7 +221,9 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     Py_ssize_t need_meta = meta_off + (num_blocks + 2) * ROW_BYTES;
     Py_ssize_t need_idx = idx_off + num_buckets * 4;
     Py_ssize_t need_ledger = ledger_off + num_blocks * 4;
+    Py_ssize_t need_journal = journal_off + journal_cap * 16;
     if (k->view.len < need_meta || k->view.len < need_idx || k->view.len < need_ledger ||
+        k->view.len < need_journal || journal_cap < 0 || journal_off % 8 ||
         meta_off % 8 || idx_off % 4 || ledger_off % 4) {
         PyBuffer_Release(&k->view);
         k->has_view = 0;
@@ -150,6 +231,9 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
         return -1;
     }
     char *base = (char *)k->view.buf;
+    k->base = base;
+    k->journal = (int64_t *)(base + journal_off);
+    k->journal_cap = journal_cap;
     k->meta = base + meta_off;
     k->hdr64 = (int64_t *)base;
     k->buckets = (int32_t *)(base + idx_off);
@@ -225,20 +309,20 @@ static int index_pop(Kernel *k, int32_t b) {
     int32_t nxt = I32(k, b, F_INDEX_NEXT);
     int32_t cur = k->buckets[bucket];
     if (cur == b) {
-        k->buckets[bucket] = nxt;
+        J32(k, k->buckets[bucket], nxt);
     } else {
         while (BLOCK_OK(k, cur)) {
             int32_t after = I32(k, cur, F_INDEX_NEXT);
             if (after == b) {
-                I32(k, cur, F_INDEX_NEXT) = nxt;
+                J32(k, I32(k, cur, F_INDEX_NEXT), nxt);
                 break;
             }
             cur = after;
         }
     }
-    I32(k, b, F_INDEX_NEXT) = NO_BLOCK;
-    I32(k, b, F_HASH_TOKENS) = NO_HASH_TOKENS;
-    I32(k, b, F_GROUP) = 0;
+    J32(k, I32(k, b, F_INDEX_NEXT), NO_BLOCK);
+    J32(k, I32(k, b, F_HASH_TOKENS), NO_HASH_TOKENS);
+    J32(k, I32(k, b, F_GROUP), 0);
     return 1;
 }
 
@@ -333,14 +417,19 @@ fail:
  * first, then the link). Returns 0 with an exception set on a corrupt chain. */
 static int index_insert(Kernel *k, const unsigned char *hash, uint32_t group, int32_t b,
                         int32_t num_tokens) {
-    memcpy(HASHP(k, b), hash, HASH_BYTES);
-    I32(k, b, F_GROUP) = (int32_t)group;
-    I32(k, b, F_HASH_TOKENS) = num_tokens;
-    I32(k, b, F_INDEX_NEXT) = NO_BLOCK;
+    int64_t *words = (int64_t *)HASHP(k, b);
+    for (int w = 0; w < HASH_BYTES / 8; w++) {
+        int64_t word;
+        memcpy(&word, hash + 8 * w, 8);
+        J64(k, words[w], word);
+    }
+    J32(k, I32(k, b, F_GROUP), (int32_t)group);
+    J32(k, I32(k, b, F_HASH_TOKENS), num_tokens);
+    J32(k, I32(k, b, F_INDEX_NEXT), NO_BLOCK);
     uint64_t bucket = bucket_of(k, hash, group);
     int32_t cur = k->buckets[bucket];
     if (cur == NO_BLOCK) {
-        k->buckets[bucket] = b;
+        J32(k, k->buckets[bucket], b);
         return 1;
     }
     int32_t nxt;
@@ -352,7 +441,7 @@ static int index_insert(Kernel *k, const unsigned char *hash, uint32_t group, in
         corrupt("prefix-index chain leaves the blocks or loops", cur);
         return 0;
     }
-    I32(k, cur, F_INDEX_NEXT) = b;
+    J32(k, I32(k, cur, F_INDEX_NEXT), b);
     return 1;
 }
 
@@ -441,29 +530,29 @@ static inline void link_run(Kernel *k, int32_t before, const int32_t *ids, Py_ss
     int32_t prev = before;
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = ids[i];
-        I32(k, b, F_PREV) = prev;
-        I32(k, prev, F_NEXT) = b;
-        I64(k, b, F_QUEUE_KEY) = key0 + i;
+        J32(k, I32(k, b, F_PREV), prev);
+        J32(k, I32(k, prev, F_NEXT), b);
+        J64(k, I64(k, b, F_QUEUE_KEY), key0 + i);
         prev = b;
     }
-    I32(k, prev, F_NEXT) = after;
-    I32(k, after, F_PREV) = prev;
+    J32(k, I32(k, prev, F_NEXT), after);
+    J32(k, I32(k, after, F_PREV), prev);
 }
 
 static void queue_append_n(Kernel *k, const int32_t *ids, Py_ssize_t n) {
     if (n == 0) return;
     int64_t key0 = k->hdr64[H_QUEUE_TAIL_KEY] + 1;
     link_run(k, I32(k, k->tail, F_PREV), ids, n, k->tail, key0);
-    k->hdr64[H_QUEUE_TAIL_KEY] = key0 + n - 1;
-    k->hdr64[H_NUM_FREE] += n;
+    J64(k, k->hdr64[H_QUEUE_TAIL_KEY], key0 + n - 1);
+    J64(k, k->hdr64[H_NUM_FREE], k->hdr64[H_NUM_FREE] + n);
 }
 
 static void queue_prepend_n(Kernel *k, const int32_t *ids, Py_ssize_t n) {
     if (n == 0) return;
     int64_t key0 = k->hdr64[H_QUEUE_HEAD_KEY] - n;
     link_run(k, k->head, ids, n, I32(k, k->head, F_NEXT), key0);
-    k->hdr64[H_QUEUE_HEAD_KEY] = key0;
-    k->hdr64[H_NUM_FREE] += n;
+    J64(k, k->hdr64[H_QUEUE_HEAD_KEY], key0);
+    J64(k, k->hdr64[H_NUM_FREE], k->hdr64[H_NUM_FREE] + n);
 }
 
 /* ------------------------------------------------------------------ handles -> ids */
@@ -559,20 +648,20 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
     }
     /* Pop the run off the head: relink the head sentinel, then clear each block's links. */
     if (n) {
-        I32(k, k->head, F_NEXT) = cur;
-        I32(k, cur, F_PREV) = k->head;
+        J32(k, I32(k, k->head, F_NEXT), cur);
+        J32(k, I32(k, cur, F_PREV), k->head);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = k->ids_buf[i];
-        I32(k, b, F_PREV) = NO_BLOCK;
-        I32(k, b, F_NEXT) = NO_BLOCK;
+        J32(k, I32(k, b, F_PREV), NO_BLOCK);
+        J32(k, I32(k, b, F_NEXT), NO_BLOCK);
     }
-    k->hdr64[H_NUM_FREE] = num_free - n;
+    J64(k, k->hdr64[H_NUM_FREE], num_free - n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = k->ids_buf[i];
         if (caching) index_pop(k, b);
-        I32(k, b, F_REF) = 1;
-        k->ledger[b] += 1;
+        J32(k, I32(k, b, F_REF), 1);
+        J32(k, k->ledger[b], k->ledger[b] + 1);
     }
     return out;
 }
@@ -632,8 +721,8 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
         int32_t b = ids[i];
         if (b == NULL_BLOCK_ID) continue;
         int32_t ref = I32(k, b, F_REF) - 1;
-        I32(k, b, F_REF) = ref;
-        k->ledger[b] -= 1;
+        J32(k, I32(k, b, F_REF), ref);
+        J32(k, k->ledger[b], k->ledger[b] - 1);
         if (ref == 0) {
             if (caching && I32(k, b, F_HASH_TOKENS) != NO_HASH_TOKENS)
                 k->last_buf[nlast++] = b;
@@ -670,14 +759,14 @@ static PyObject *Kernel_touch(Kernel *k, PyObject *arg) {
         int32_t ref = I32(k, b, F_REF);
         if (ref == 0) {
             int32_t prev = I32(k, b, F_PREV), nxt = I32(k, b, F_NEXT);
-            I32(k, prev, F_NEXT) = nxt;
-            I32(k, nxt, F_PREV) = prev;
-            I32(k, b, F_PREV) = NO_BLOCK;
-            I32(k, b, F_NEXT) = NO_BLOCK;
-            k->hdr64[H_NUM_FREE] -= 1;
+            J32(k, I32(k, prev, F_NEXT), nxt);
+            J32(k, I32(k, nxt, F_PREV), prev);
+            J32(k, I32(k, b, F_PREV), NO_BLOCK);
+            J32(k, I32(k, b, F_NEXT), NO_BLOCK);
+            J64(k, k->hdr64[H_NUM_FREE], k->hdr64[H_NUM_FREE] - 1);
         }
-        I32(k, b, F_REF) = ref + 1;
-        k->ledger[b] += 1;
+        J32(k, I32(k, b, F_REF), ref + 1);
+        J32(k, k->ledger[b], k->ledger[b] + 1);
     }
     Py_RETURN_NONE;
 }
@@ -828,7 +917,8 @@ static PyTypeObject KernelType = {
     .tp_name = "shmkv._ckernel.Kernel",
     .tp_basicsize = sizeof(Kernel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Kernel(buffer, meta_off, idx_off, ledger_off, num_blocks, num_buckets, geometry)",
+    .tp_doc = "Kernel(buffer, meta_off, idx_off, ledger_off, num_blocks, num_buckets, "
+              "journal_off, journal_cap, geometry)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Kernel_init,
     .tp_dealloc = (destructor)Kernel_dealloc,
@@ -839,8 +929,12 @@ static PyTypeObject KernelType = {
 /* ------------------------------------------------------------------ the pool lock */
 
 /* CLock: the pool lock of shmkv/lock.py (same semaphore, same holder record, same
- * re-entrancy and fencing rules) with its fast path in C. Re-entrant per thread; other
- * threads of the process wait on the semaphore itself, with the GIL released. */
+ * re-entrancy, fencing, lock-phase and take-over rules) with its fast path in C. Re-entrant
+ * per thread; other threads of the process wait on the semaphore itself, with the GIL
+ * released. Waits are cut in slices; after each empty slice `on_stall()` (Python) may take
+ * the lock over from a dead holder and returns True when it did. A hold that starts after a
+ * take-over, or finds the undo journal non-empty, calls `on_dirty(took_over)` (Python: the
+ * repair) before the caller's critical section runs. */
 typedef struct {
     PyObject_HEAD
     sem_t *sem;
@@ -849,9 +943,11 @@ typedef struct {
     int64_t *hdr64;
     Py_ssize_t h_holder, h_incarnation, h_since;
     uint64_t *fence; /* this process's slot incarnation in the process table, or NULL */
+    int64_t *phase;  /* this process's lock_phase word in the process table, or NULL */
     int64_t holder_word;
     uint64_t incarnation;
     double timeout_s;
+    double slice_s;
     int enabled;
     long depth;
     unsigned long owner;
@@ -859,6 +955,8 @@ typedef struct {
     long long num_acquired, wait_ns_total, hold_ns_total;
     PyObject *record;     /* None, or a list of (wait_ns, hold_ns) */
     PyObject *on_timeout; /* callable() -> message naming the holder */
+    PyObject *on_stall;   /* callable() -> True if it took the lock over */
+    PyObject *on_dirty;   /* callable(took_over) -> None: repair under the lock */
 } CLock;
 
 static inline int64_t now_ns(void) {
@@ -868,16 +966,17 @@ static inline int64_t now_ns(void) {
 }
 
 static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
-    PyObject *buf, *on_timeout;
+    PyObject *buf, *on_timeout, *on_stall, *on_dirty;
     const char *name;
     long long holder_word;
     int enabled;
-    if (!PyArg_ParseTuple(args, "OsnnnLdpO", &buf, &name, &l->h_holder, &l->h_incarnation,
-                          &l->h_since, &holder_word, &l->timeout_s, &enabled, &on_timeout))
+    if (!PyArg_ParseTuple(args, "OsnnnLddpOOO", &buf, &name, &l->h_holder, &l->h_incarnation,
+                          &l->h_since, &holder_word, &l->timeout_s, &l->slice_s, &enabled,
+                          &on_timeout, &on_stall, &on_dirty))
         return -1;
     if (PyObject_GetBuffer(buf, &l->view, PyBUF_WRITABLE) < 0) return -1;
     l->has_view = 1;
-    if (l->view.len < (l->h_since + 1) * 8) {
+    if (l->view.len < (H_LOCK_SEQ + 1) * 8 || l->view.len < (l->h_since + 1) * 8) {
         PyErr_SetString(PyExc_ValueError, "segment buffer too small for the header");
         return -1;
     }
@@ -892,8 +991,9 @@ static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
     l->enabled = enabled;
     Py_INCREF(Py_None);
     l->record = Py_None;
-    Py_INCREF(on_timeout);
-    l->on_timeout = on_timeout;
+    l->on_timeout = Py_NewRef(on_timeout);
+    l->on_stall = Py_NewRef(on_stall);
+    l->on_dirty = Py_NewRef(on_dirty);
     return 0;
 }
 
@@ -902,6 +1002,8 @@ static void CLock_dealloc(CLock *l) {
     if (l->has_view) PyBuffer_Release(&l->view);
     Py_XDECREF(l->record);
     Py_XDECREF(l->on_timeout);
+    Py_XDECREF(l->on_stall);
+    Py_XDECREF(l->on_dirty);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
@@ -914,23 +1016,94 @@ static PyObject *CLock_close(CLock *l, PyObject *unused) {
         PyBuffer_Release(&l->view);
         l->has_view = 0;
     }
+    l->fence = NULL;
+    l->phase = NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *CLock_set_identity(CLock *l, PyObject *args) {
     long long holder_word;
     unsigned long long incarnation;
-    Py_ssize_t fence_offset;
-    if (!PyArg_ParseTuple(args, "LKn", &holder_word, &incarnation, &fence_offset)) return NULL;
-    if (!l->has_view || fence_offset < 0 || fence_offset + 8 > l->view.len || fence_offset % 8) {
-        PyErr_SetString(PyExc_ValueError, "bad fence offset");
+    Py_ssize_t fence_offset, phase_offset;
+    if (!PyArg_ParseTuple(args, "LKnn", &holder_word, &incarnation, &fence_offset,
+                          &phase_offset))
+        return NULL;
+    if (!l->has_view || fence_offset < -1 || fence_offset + 8 > l->view.len ||
+        (fence_offset >= 0 && fence_offset % 8) || phase_offset < 0 ||
+        phase_offset + 8 > l->view.len || phase_offset % 8) {
+        PyErr_SetString(PyExc_ValueError, "bad fence or phase offset");
         return NULL;
     }
     l->holder_word = holder_word;
     l->incarnation = incarnation;
-    l->fence = (uint64_t *)((char *)l->view.buf + fence_offset);
+    l->fence = fence_offset < 0 ? NULL : (uint64_t *)((char *)l->view.buf + fence_offset);
+    l->phase = (int64_t *)((char *)l->view.buf + phase_offset);
     Py_RETURN_NONE;
 }
+
+static int fenced(CLock *l) {
+    if (l->fence && *l->fence != l->incarnation) {
+        PyErr_SetString(FencedError,
+                        "this process's slot in the pool was reclaimed (it was taken for dead); "
+                        "it must attach again");
+        return 1;
+    }
+    return 0;
+}
+
+static inline void set_phase(CLock *l, int64_t phase) {
+    if (l->phase) {
+        FAULT_TICK();
+        *l->phase = phase;
+    }
+}
+
+/* Waits for the semaphore in slices, asking on_stall() after each empty one. Returns 1 when
+ * acquired, 2 when taken over, 0 with an exception set. */
+static int wait_in_slices(CLock *l, int64_t start) {
+    int64_t deadline = start + (int64_t)(l->timeout_s * 1e9);
+    for (;;) {
+        int64_t now = now_ns();
+        int64_t slice = (int64_t)(l->slice_s * 1e9);
+        if (now + slice > deadline) slice = deadline - now;
+        if (slice < 0) slice = 0;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += (time_t)(slice / 1000000000LL);
+        until.tv_nsec += (long)(slice % 1000000000LL);
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec += 1;
+            until.tv_nsec -= 1000000000L;
+        }
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            rc = sem_timedwait(l->sem, &until);
+        } while (rc != 0 && errno == EINTR);
+        Py_END_ALLOW_THREADS
+        if (rc == 0) return 1;
+        if (errno != ETIMEDOUT) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return 0;
+        }
+        PyObject *took = PyObject_CallNoArgs(l->on_stall);
+        if (!took) return 0;
+        int yes = PyObject_IsTrue(took);
+        Py_DECREF(took);
+        if (yes < 0) return 0;
+        if (yes) return 2;
+        if (now_ns() >= deadline) {
+            PyObject *msg = PyObject_CallNoArgs(l->on_timeout);
+            if (msg) {
+                PyErr_SetObject(LockTimeoutError, msg);
+                Py_DECREF(msg);
+            }
+            return 0;
+        }
+    }
+}
+
+static PyObject *CLock_release(CLock *l, PyObject *unused);
 
 static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
     unsigned long me = PyThread_get_thread_ident();
@@ -942,44 +1115,30 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
         PyErr_SetString(UsageError, "the pool is closed; attach again to use it");
         return NULL;
     }
+    if (fenced(l)) return NULL; /* a reclaimed slot: touch nothing, not even its phase */
+    set_phase(l, PHASE_ACQUIRING);
     int64_t start = now_ns();
+    int got = 1;
     if (l->enabled && sem_trywait(l->sem) != 0) {
-        int rc;
-        struct timespec deadline;
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        double whole = (double)(long long)l->timeout_s;
-        deadline.tv_sec += (time_t)whole;
-        deadline.tv_nsec += (long)((l->timeout_s - whole) * 1e9);
-        if (deadline.tv_nsec >= 1000000000L) {
-            deadline.tv_sec += 1;
-            deadline.tv_nsec -= 1000000000L;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        do {
-            rc = sem_timedwait(l->sem, &deadline);
-        } while (rc != 0 && errno == EINTR);
-        Py_END_ALLOW_THREADS
-        if (rc != 0) {
-            if (errno != ETIMEDOUT) return PyErr_SetFromErrno(PyExc_OSError);
-            PyObject *msg = PyObject_CallNoArgs(l->on_timeout);
-            if (msg) {
-                PyErr_SetObject(LockTimeoutError, msg);
-                Py_DECREF(msg);
-            }
+        got = wait_in_slices(l, start);
+        if (!got) {
+            set_phase(l, PHASE_IDLE);
             return NULL;
         }
     }
     int64_t now = now_ns();
-    if (l->fence && *l->fence != l->incarnation) {
+    if (fenced(l)) { /* reclaimed while it waited: the slot (and its phase) is not ours */
         if (l->enabled) sem_post(l->sem);
-        PyErr_SetString(FencedError,
-                        "this process's slot in the pool was reclaimed (it was taken for dead); "
-                        "it must attach again");
         return NULL;
     }
+    FAULT_TICK();
     l->hdr64[l->h_holder] = l->holder_word;
+    FAULT_TICK();
     l->hdr64[l->h_incarnation] = (int64_t)l->incarnation;
+    FAULT_TICK();
     l->hdr64[l->h_since] = now;
+    FAULT_TICK();
+    l->hdr64[H_LOCK_SEQ] += 1;
     l->depth = 1;
     l->owner = me;
     l->held_since = now;
@@ -993,6 +1152,19 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
         } else {
             Py_DECREF(item);
         }
+    }
+    if (got == 2 || l->hdr64[H_JOURNAL_LEN] != 0) {
+        PyObject *r = PyObject_CallFunctionObjArgs(l->on_dirty, got == 2 ? Py_True : Py_False,
+                                                   NULL);
+        if (!r) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject *rel = CLock_release(l, NULL);
+            Py_XDECREF(rel);
+            PyErr_Restore(type, value, tb);
+            return NULL;
+        }
+        Py_DECREF(r);
     }
     Py_RETURN_NONE;
 }
@@ -1008,10 +1180,19 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
     }
     l->depth = 0;
     l->owner = 0;
+    set_phase(l, PHASE_RELEASING);
+    if (l->hdr64[H_JOURNAL_LEN] != 0) { /* commit: the hold's writes stand */
+        FAULT_TICK();
+        l->hdr64[H_JOURNAL_LEN] = 0;
+    }
+    FAULT_TICK();
     l->hdr64[l->h_holder] = 0;
+    FAULT_TICK();
     l->hdr64[l->h_incarnation] = 0;
+    FAULT_TICK();
     l->hdr64[l->h_since] = 0;
     if (l->enabled) sem_post(l->sem);
+    set_phase(l, PHASE_IDLE);
     int64_t held = now_ns() - l->held_since;
     l->hold_ns_total += held;
     if (l->record != Py_None && PyList_GET_SIZE(l->record) > 0) {
@@ -1085,7 +1266,8 @@ static PyMethodDef CLock_methods[] = {
     {"__enter__", (PyCFunction)CLock_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)CLock_exit, METH_VARARGS, NULL},
     {"set_identity", (PyCFunction)CLock_set_identity, METH_VARARGS,
-     "set_identity(holder_word, incarnation, fence_offset_bytes)"},
+     "set_identity(holder_word, incarnation, fence_offset_bytes (-1: none), "
+     "phase_offset_bytes)"},
     {"close", (PyCFunction)CLock_close, METH_NOARGS, "close the semaphore and the buffer"},
     {NULL, NULL, 0, NULL},
 };
@@ -1096,7 +1278,7 @@ static PyTypeObject CLockType = {
     .tp_basicsize = sizeof(CLock),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "CLock(buffer, sem_name, h_holder, h_incarnation, h_since, holder_word, "
-              "timeout_s, enabled, on_timeout)",
+              "timeout_s, slice_s, enabled, on_timeout, on_stall, on_dirty)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)CLock_init,
     .tp_dealloc = (destructor)CLock_dealloc,
@@ -1116,6 +1298,9 @@ static PyObject *set_errors(PyObject *mod, PyObject *args) {
 }
 
 static PyMethodDef module_methods[] = {
+    {"fault_arm", fault_arm, METH_O,
+     "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
+    {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/fault.py)"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},

@@ -28,6 +28,7 @@ import numpy as np
 from shmkv import layout as L
 from shmkv.errors import OutOfBlocksError, UsageError
 from shmkv.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
+from shmkv.journal import Journal, JournaledColumn, JournaledView
 from shmkv.prefix_index import BlockHashToBlockMap
 
 _R = L.ROW_I32
@@ -51,31 +52,35 @@ class PyKernel:
 
     Single fields are read and written through per-field strided memoryviews
     (``self._ref[b]`` is block ``b``'s ``ref_cnt``), about twice as fast as indexing the flat
-    int32 view. Writes to the links and to the index go through the queue and the map, which
-    own them; the kernel only reads those fields. :meth:`release` releases every strided view
-    (the queue's and the map's too) before the pool releases the views they are cut from.
+    int32 view; its writes (and the ledger's) are journaled (``shmkv/journal.py``). Writes to
+    the links and to the index go through the queue and the map, which own them; the kernel
+    only reads those fields. :meth:`release` releases every strided view (the queue's and the
+    map's too) before the pool releases the views they are cut from.
     """
 
     def __init__(self, i32, queue: FreeKVCacheBlockQueue, index: BlockHashToBlockMap,
-                 blocks: np.ndarray, ledger_row: np.ndarray, num_blocks: int) -> None:
+                 blocks: np.ndarray, ledger_row: np.ndarray, num_blocks: int,
+                 journal: Journal, meta_offset: int, ledger_offset: int) -> None:
         self._i32 = i32
         # This process's ledger row: the references it holds on each block.
-        self._led_np = ledger_row
-        self._led = memoryview(ledger_row)
+        self._led_np = JournaledColumn(ledger_row, journal, ledger_offset)
+        self._led_view = memoryview(ledger_row)
+        self._led = JournaledView(self._led_view, journal, ledger_offset, 4)
         self._queue = queue
         self._index = index
-        self._ref_col = blocks["ref_cnt"]
+        self._ref_col = JournaledColumn(blocks["ref_cnt"], journal, meta_offset)
         self._htok_col = blocks["hash_num_tokens"]
         self._num_blocks = num_blocks
-        self._ref = i32[_REF::_R]
+        self._ref_view = i32[_REF::_R]
+        self._ref = JournaledView(self._ref_view, journal, meta_offset + 4 * _REF, _ROW_BYTES)
         self._htok = i32[_HTOK::_R]
-        self._hdr64 = queue._hdr64
+        self._hdr64 = queue._hdr_raw
         # Read-only use of the queue's and the map's views (both release them).
-        self._prev = queue._prev
-        self._next = queue._next
-        self._buckets = index._buckets
-        self._igroup = index._group
-        self._inext = index._inext
+        self._prev = queue.prev_raw
+        self._next = queue.next_raw
+        self._buckets = index.buckets_raw
+        self._igroup = index.group_raw
+        self._inext = index.inext_raw
         self._mem = index._mem
         self._hash0 = index._hash0
         self._mask = index._mask
@@ -83,10 +88,10 @@ class PyKernel:
     def release(self) -> None:
         if self._queue is None:
             return
-        self._ref.release()
+        self._ref_view.release()
         self._htok.release()
-        self._led.release()
-        self._led = self._led_np = None
+        self._led_view.release()
+        self._led = self._led_np = self._led_view = self._ref_view = None
         self._queue.release()
         self._index.release()
         self._i32 = self._queue = self._index = None

@@ -32,10 +32,12 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from shmkv import fault as _fault
 from shmkv import layout as L
 from shmkv._pykernel import PyKernel
 from shmkv.errors import (
@@ -65,9 +67,11 @@ from shmkv.hashing import (
     none_hash,
     to_event_extra_keys,
 )
+from shmkv.journal import Journal, JournaledColumn, JournaledView, undo
 from shmkv.liveness import AliveLocks, alive_path, process_start_ticks
 from shmkv.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
+    WAIT_SLICE_S,
     PoolLock,
     create_semaphore,
     decode_holder,
@@ -78,6 +82,7 @@ from shmkv.lock import (
 )
 from shmkv.prefix_index import BlockHashToBlockMap
 from shmkv.segment import Segment, read_config, write_header
+from shmkv.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +133,28 @@ class _Closed:
 _CLOSED = _Closed()
 
 # The layout constants the C kernel is compiled with; it refuses to run if they differ.
-_PROC_INCARNATION = L.PROC_DTYPE.fields["incarnation"][1] // 8
-
 _C_GEOMETRY = (
     L.ROW_I32, L.ROW_I64, L.F_REF, L.F_PREV, L.F_NEXT, L.F_INDEX_NEXT, L.F_GROUP,
     L.F_HASH_TOKENS, L.F_QUEUE_KEY, L.HASH_BYTE_OFFSET, L.BLOCK_HASH_BYTES, L.H_NUM_FREE,
-    L.H_QUEUE_HEAD_KEY, L.H_QUEUE_TAIL_KEY, L.GROUP_MIX,
+    L.H_QUEUE_HEAD_KEY, L.H_QUEUE_TAIL_KEY, L.H_JOURNAL_LEN, L.H_LOCK_SEQ, L.GROUP_MIX,
 )
+# A process row's words journaled by attach and close: all but lock_phase, which the lock
+# writes, unjournaled, for the row's owner (shmkv/lock.py).
+_PROC_ROW_WORDS = L.P_LOCK_PHASE
+
+
+@dataclass
+class RepairReport:
+    """What the repair at the start of a hold found and did (``BlockPool.last_repair``)."""
+
+    cause: str  # whom the lock was taken over from, or why the journal was not empty
+    took_over: bool
+    journal_entries_undone: int
+    rebuilt: bool  # the journal had overflowed: derived structures rebuilt instead
+    processes_reaped: int
+    references_released: int
+    seconds: float
+    epoch: int
 
 
 class KVCacheBlock:
@@ -216,6 +236,7 @@ class BlockPool:
     def __init__(self, segment: Segment, layout: L.Layout, *, owner: bool,
                  kernel: str | None = None, label: str = "",
                  lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+                 stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
                  _lock_enabled: bool = True) -> None:
         self.kernel = kernel or default_kernel()
         if self.kernel not in KERNELS:
@@ -223,10 +244,14 @@ class BlockPool:
         if self.kernel == "c" and _ckernel is None:
             raise UsageError("the C kernel (shmkv._ckernel) is not built; use kernel='python'")
         label_bytes = label.encode() if isinstance(label, str) else None
-        if label_bytes is None or len(label_bytes) > 32:
-            raise UsageError(f"label must be a str of at most 32 bytes, got {label!r}")
-        if not isinstance(lock_timeout_s, (int, float)) or not lock_timeout_s > 0:
-            raise UsageError(f"lock_timeout_s must be a positive number, got {lock_timeout_s!r}")
+        if label_bytes is None or len(label_bytes) > L.MAX_LABEL_BYTES:
+            raise UsageError(
+                f"label must be a str of at most {L.MAX_LABEL_BYTES} bytes, got {label!r}"
+            )
+        for what, value in (("lock_timeout_s", lock_timeout_s), ("stuck_after_s", stuck_after_s)):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not value > 0):
+                raise UsageError(f"{what} must be a positive number, got {value!r}")
         self._segment = segment
         self._layout = layout
         self._owner = owner
@@ -264,13 +289,19 @@ class BlockPool:
         self._htok_col = self._blocks["hash_num_tokens"]
         self._procs = layout.view(buf, "proc_table")
         self._ledger = layout.view(buf, "ledger")
+        self._journal = Journal(buf, layout, self._hdr64)
+        self._hdr_w = JournaledView(self._hdr64, self._journal, 0, 8)
+        self._ref_col_w = JournaledColumn(self._ref_col, self._journal, meta_off)
         self.free_block_queue = FreeKVCacheBlockQueue(
-            self._i32, self._i64, self._hdr64, self._blocks, layout
+            self._i32, self._i64, self._hdr64, self._blocks, layout, self._journal
         )
         self._index = BlockHashToBlockMap(
-            buf, self._i32, buckets, self._blocks, layout.view(buf, "index_buckets"), layout
+            buf, self._i32, buckets, self._blocks, layout.view(buf, "index_buckets"), layout,
+            self._journal,
         )
-        self._log = EventLog(buf, self._hdr64, layout)
+        self._log = EventLog(buf, self._hdr64, layout, self._journal)
+        self.last_repair: RepairReport | None = None
+        self._last_reaped_refs = 0
         # Handles are made on first use: a million up front would cost a second per attach.
         self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
         self.blocks = BlockHandles(self)
@@ -279,27 +310,36 @@ class BlockPool:
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        self._my_holder_word = holder_word(-1, self.pid)
+        if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
+            self._alive.close()
+            self._release_views()
+            raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
+        self._takeover = TakeOver(
+            segment.shm_name, self._hdr64, self._procs, self._alive,
+            lambda: self._my_holder_word, stuck_after_s,
+        )
         if self.kernel == "c":  # the same lock, with its fast path in C
-            if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
-                self._release_views()
-                raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
             self._lock = _ckernel.CLock(
                 buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
-                L.H_HOLDER_SINCE_NS, holder_word(-1, self.pid), float(lock_timeout_s),
-                _lock_enabled,
+                L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
+                WAIT_SLICE_S, _lock_enabled,
                 lambda: timeout_message(self._hdr64, self._lock.timeout_s,
                                         self._describe_holder),
+                self._takeover.on_stall, self._repair_locked,
             )
         else:
             self._lock = PoolLock(
                 segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
                 timeout_s=lock_timeout_s, describe_holder=self._describe_holder,
-                enabled=_lock_enabled,
+                enabled=_lock_enabled, on_stall=self._takeover.on_stall,
+                on_dirty=self._repair_locked,
             )
         try:
             self._claim_slot(label_bytes)
         except BaseException:
             self._lock.close()
+            self._takeover.close()
             self._alive.close()
             self._release_views()
             raise
@@ -307,12 +347,12 @@ class BlockPool:
         if self.kernel == "c":
             self._kernel = _ckernel.Kernel(
                 buf, meta_off, idx_off, ledger_off, cfg.num_blocks, cfg.num_index_buckets,
-                _C_GEOMETRY,
+                layout.offsets["journal"], cfg.journal_entries, _C_GEOMETRY,
             )
         else:
             self._kernel = PyKernel(
                 self._i32, self.free_block_queue, self._index, self._blocks,
-                self._ledger[self.slot], cfg.num_blocks,
+                self._ledger[self.slot], cfg.num_blocks, self._journal, meta_off, ledger_off,
             )
 
     # ------------------------------------------------------------------ lifecycle
@@ -330,9 +370,11 @@ class BlockPool:
         max_processes: int = 16,
         event_log_bytes: int | None = None,
         hash_fn_name: str = "sha256",
+        journal_entries: int | None = None,
         kernel: str | None = None,
         label: str = "creator",
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
 
@@ -349,10 +391,16 @@ class BlockPool:
                 0 otherwise).
             hash_fn_name: "sha256" or "sha256_cbor", the block-hash function all processes
                 use; its NONE_HASH is stored in the segment.
+            journal_entries: size of the undo journal (default: enough for one call on
+                every block, at most 2**21); a hold that writes more words is repaired by a
+                rebuild instead of an exact rollback if its process dies.
             kernel: "c" or "python", this process's implementation of the hot loops
                 (default: ``$SHMKV_KERNEL``, else C when built). Both behave identically.
             label: a name for this process in the process table.
             lock_timeout_s: the longest this process waits for the pool lock.
+            stuck_after_s: how long the lock must stand taken with no holder recorded
+                before this process takes it over from a dead process that was taking or
+                giving it back (``shmkv/takeover.py``).
 
         Raises:
             UsageError: a bad name or config value.
@@ -369,7 +417,11 @@ class BlockPool:
             max_processes=max_processes,
             event_log_bytes=event_log_bytes,
             hash_fn_name=hash_fn_name,
+            journal_entries=0 if journal_entries is None else journal_entries,
         )
+        if journal_entries is not None and (isinstance(journal_entries, bool)
+                                            or journal_entries == 0):
+            raise UsageError(f"journal_entries must be a positive int, got {journal_entries!r}")
         config.validate()
         if kernel is not None and kernel not in KERNELS:
             raise UsageError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -384,7 +436,7 @@ class BlockPool:
             create_semaphore(shm_name)
             AliveLocks(alive_path(shm_name), create=True).close()
             pool = cls(segment, layout, owner=True, kernel=kernel, label=label,
-                       lock_timeout_s=lock_timeout_s)
+                       lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s)
             pool._initialize()
         except BaseException:
             segment.close()
@@ -415,6 +467,7 @@ class BlockPool:
         kernel: str | None = None,
         label: str = "",
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         _lock_enabled: bool = True,
     ) -> BlockPool:
         """Attaches this process to an existing pool, taking a process-table slot. Any
@@ -441,70 +494,112 @@ class BlockPool:
         try:
             layout = read_config(segment, expected)
             return cls(segment, layout, owner=False, kernel=kernel, label=label,
-                       lock_timeout_s=lock_timeout_s, _lock_enabled=_lock_enabled)
+                       lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s,
+                       _lock_enabled=_lock_enabled)
         except BaseException:
             segment.close()
             raise
 
     def _claim_slot(self, label: bytes) -> None:
-        """Takes a free process-table slot (reaping the dead if none is free)."""
-        with self._lock:
-            for attempt in range(2):
-                for slot in range(self.max_processes):
-                    if self._procs[slot]["state"] == L.SLOT_FREE and self._alive.claim(slot):
-                        break
-                else:
-                    if attempt == 0 and self._reap_dead_locked():
-                        continue
-                    live = [int(p) for p in self._procs["pid"][self._procs["state"] != 0]]
-                    raise PoolFullError(
-                        f"pool {self.pool_name}: all {self.max_processes} process slots are "
-                        f"held by live processes (pids {live})"
-                    )
-                break
-            incarnation = secrets.randbits(63) | 1
-            row = self._procs[slot]
-            row["pid"] = self.pid
-            row["incarnation"] = incarnation
-            row["start_ticks"] = process_start_ticks(self.pid)
-            row["attach_ns"] = time.time_ns()
-            row["label"] = label
-            row["state"] = L.SLOT_ACTIVE
-            self.slot = slot
-            self._incarnation = incarnation
-            fence_index = slot * (L.PROC_DTYPE.itemsize // 8) + _PROC_INCARNATION
-            if isinstance(self._lock, PoolLock):
-                self._lock.set_identity(slot, incarnation, self._proc64, fence_index)
-            else:
-                self._lock.set_identity(
-                    holder_word(slot, self.pid), incarnation,
-                    self._layout.offsets["proc_table"] + 8 * fence_index,
-                )
+        """Takes a free process-table slot (reaping the dead if none is free).
+
+        The slot's liveness byte is taken first, without the lock (the kernel arbitrates
+        it), so that the lock's ``lock_phase`` marks already sit in a row this process owns
+        during the hold that fills the row in.
+        """
+        slot = self._claim_free_slot()
+        if slot is not None:
+            self._set_lock_identity(slot, None)
+        counting = _fault.planned is not None and _fault.begin("attach")
+        try:
+            with self._lock:
+                if slot is None:  # every slot taken: reap the dead, under the lock
+                    self._reap_dead_locked()
+                    slot = self._claim_free_slot()
+                    if slot is None:
+                        live = [int(p) for p in self._procs["pid"][self._procs["state"] != 0]]
+                        raise PoolFullError(
+                            f"pool {self.pool_name}: all {self.max_processes} process slots "
+                            f"are held by live processes (pids {live})"
+                        )
+                    self._set_lock_identity(slot, None)
+                incarnation = secrets.randbits(63) | 1
+                self._save_proc_row(slot, _PROC_ROW_WORDS)
+                row = self._procs[slot]
+                row["pid"] = self.pid
+                row["incarnation"] = incarnation
+                row["start_ticks"] = process_start_ticks(self.pid)
+                row["attach_ns"] = time.time_ns()
+                row["label"] = label
+                row["state"] = L.SLOT_ACTIVE
+                self.slot = slot
+                self._incarnation = incarnation
+                self._set_lock_identity(slot, incarnation)
+        finally:
+            if counting:
+                _fault.end()
+
+    def _claim_free_slot(self) -> int | None:
+        """A FREE slot whose liveness byte this process could take, or None."""
+        for slot in np.flatnonzero(self._procs["state"] == L.SLOT_FREE).tolist():
+            if self._alive.claim(slot):
+                if self._procs[slot]["state"] == L.SLOT_FREE:
+                    return slot
+                self._alive.release(slot)  # filled in by a process that has since died
+        return None
+
+    def _set_lock_identity(self, slot: int, incarnation: int | None) -> None:
+        """Points the lock at this process's row: ``holder`` word, ``lock_phase`` and, once
+        the row carries ``incarnation``, the fence."""
+        self._my_holder_word = holder_word(slot, self.pid)
+        words = L.PROC_I64
+        fence_index = slot * words + L.P_INCARNATION if incarnation is not None else None
+        phase_index = slot * words + L.P_LOCK_PHASE
+        if isinstance(self._lock, PoolLock):
+            self._lock.set_identity(slot, incarnation or 0, self._proc64, fence_index,
+                                    phase_index)
+        else:
+            base = self._layout.offsets["proc_table"]
+            self._lock.set_identity(
+                self._my_holder_word, incarnation or 0,
+                -1 if fence_index is None else base + 8 * fence_index, base + 8 * phase_index,
+            )
+
+    def _save_proc_row(self, slot: int, words: int) -> None:
+        """Journals the first ``words`` int64 words of a process row before they change."""
+        base = self._layout.offsets["proc_table"] + slot * L.PROC_DTYPE.itemsize
+        self._journal.save_many(np.arange(base, base + 8 * words, 8, dtype=np.int64), 8)
 
     def close(self) -> None:
         """Gives back every reference this process holds and its process-table slot, then
         unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
         if self._segment.buf is None:
             return
+        counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
                 self._release_slot_locked(self.slot)
         except (FencedError, PoolClosedError):
             pass  # the slot is no longer ours: nothing of it to give back
         finally:
+            if counting:
+                _fault.end()
             self._lock.close()
             self._lock = _CLOSED  # type: ignore[assignment]
-            self._alive.close()
+            self._takeover.close()
+            self._alive.close()  # only now: the row's lock_phase was ours until the release
             self._kernel.release()
             self._kernel = _CLOSED  # type: ignore[assignment]
             self.free_block_queue.release()
             self._index.release()
+            self._journal.release()
             self._release_views()
 
     def _release_views(self) -> None:
-        self._i32 = self._i64 = self._hdr64 = self._proc64 = _CLOSED
+        self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED
         self.free_block_queue = self._index = self._log = _CLOSED  # type: ignore[assignment]
         self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
+        self._ref_col_w = self._journal = _CLOSED  # type: ignore[assignment]
         self._procs = self._ledger = self._header = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
             view.release()
@@ -572,18 +667,21 @@ class BlockPool:
 
     def _release_slot_locked(self, slot: int) -> int:
         """Gives back every reference of ``slot``'s ledger row, frees the slot; returns the
-        number of references released. Caller holds the lock.
+        number of references released. Caller holds the lock. Every write is journaled.
 
         Blocks whose count reaches 0 return to the free queue as ``free_blocks`` would put
         them, highest block id first: unhashed ones to the front, hashed ones to the back.
+        A dead process's ``lock_phase`` is cleared with its row; this process's own (in
+        ``close``) is left to the lock, which still writes it until the hold ends.
         """
         row = self._ledger[slot]
         held = np.flatnonzero(row)
         released = int(row[held].sum())
         if len(held):
             refs = self._ref_col[held] - row[held]
-            self._ref_col[held] = refs
-            row[held] = 0
+            self._ref_col_w[held] = refs
+            row_offset = self._layout.offsets["ledger"] + slot * self.num_gpu_blocks * 4
+            JournaledColumn(row, self._journal, row_offset)[held] = 0
             zero = held[refs == 0][::-1]
             if self.enable_caching:
                 hashed = self._htok_col[zero] != _NO_HASH_TOKENS
@@ -594,6 +692,8 @@ class BlockPool:
                 self.free_block_queue.prepend_n(first)
             if len(last):
                 self.free_block_queue.append_n(last)
+        own = slot == self.slot
+        self._save_proc_row(slot, _PROC_ROW_WORDS if own else L.PROC_I64)
         proc = self._procs[slot]
         proc["state"] = L.SLOT_FREE
         proc["pid"] = 0
@@ -601,8 +701,8 @@ class BlockPool:
         proc["start_ticks"] = 0
         proc["attach_ns"] = 0
         proc["label"] = b""
-        if slot == self.slot:
-            self._alive.release(slot)
+        if not own:
+            proc["lock_phase"] = L.PHASE_IDLE
         return released
 
     def _reap_dead_locked(self) -> int:
@@ -612,13 +712,52 @@ class BlockPool:
                 pid = int(self._procs[slot]["pid"])
                 released = self._release_slot_locked(slot)
                 reaped += 1
+                self._last_reaped_refs += released
                 logger.warning(
                     "pool %s: reaped slot %d (pid %d, dead without close()): %d block "
                     "references released", self.pool_name, slot, pid, released,
                 )
         if reaped:
-            self._hdr64[L.H_NUM_REAPED] += reaped
+            self._hdr_w[L.H_NUM_REAPED] += reaped
         return reaped
+
+    def _repair_locked(self, took_over: bool) -> None:
+        """Repairs the pool at the start of a hold that took the lock over from a dead
+        process, or found the undo journal non-empty: rolls the dead hold back from the
+        journal (or, if it overflowed, rebuilds the derived structures), reaps the dead,
+        bumps the epoch. Called by the lock, which holds it; ``last_repair`` reports."""
+        from shmkv.recovery import rebuild
+
+        t0 = time.perf_counter()
+        hdr = self._hdr64
+        cause = self._takeover.victim if took_over else (
+            "the previous hold left its undo journal unfinished"
+        )
+        try:
+            pending = hdr[L.H_JOURNAL_LEN]
+            undone, rebuilt = 0, False
+            if pending > 0:
+                undone = undo(self._segment.buf, self._layout, hdr)
+            elif pending < 0:
+                rebuild(self)
+                hdr[L.H_JOURNAL_LEN] = 0
+                rebuilt = True
+            if took_over:
+                self._hdr_w[L.H_NUM_TAKEOVERS] += 1
+            self._last_reaped_refs = 0
+            reaped = self._reap_dead_locked()
+            self._hdr_w[L.H_EPOCH] += 1
+        except BaseException:
+            self._header["state"] = L.STATE_POISONED
+            logger.error("pool %s: repair failed; the pool is marked POISONED", self.pool_name)
+            raise
+        self.last_repair = RepairReport(
+            cause=cause, took_over=took_over, journal_entries_undone=undone, rebuilt=rebuilt,
+            processes_reaped=reaped, references_released=self._last_reaped_refs,
+            seconds=time.perf_counter() - t0, epoch=int(hdr[L.H_EPOCH]),
+        )
+        logger.warning("pool %s: repaired after a dead hold: %s", self.pool_name,
+                       self.last_repair)
 
     def reap_dead(self) -> int:
         """Releases the references and slots of processes that died without ``close()``.
@@ -626,8 +765,13 @@ class BlockPool:
         Returns:
             how many processes were reaped.
         """
-        with self._lock:
-            return self._reap_dead_locked()
+        counting = _fault.planned is not None and _fault.begin("reap")
+        try:
+            with self._lock:
+                return self._reap_dead_locked()
+        finally:
+            if counting:
+                _fault.end()
 
     def lock(self):
         """The pool lock, as a context manager: ``with pool.lock(): ...`` makes a sequence of
@@ -646,7 +790,7 @@ class BlockPool:
         if self._log.capacity:
             dropped = self._log.append(self.slot, events)
             if dropped:
-                self._hdr64[L.H_NUM_EVENTS_DROPPED] += dropped
+                self._hdr_w[L.H_NUM_EVENTS_DROPPED] += dropped
 
     def event_cursor(self, from_start: bool = True) -> EventCursor:
         """A cursor on the global event log: at its oldest event, or at its end."""
@@ -810,6 +954,7 @@ class BlockPool:
                 f"{num_full_blocks} are needed"
             )
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
+        counting = _fault.planned is not None and _fault.begin("cache")
         lock = self._lock
         lock.acquire()
         try:
@@ -828,6 +973,8 @@ class BlockPool:
                 ])
         finally:
             lock.release()
+            if counting:
+                _fault.end()
 
     def _block_stored_event(self, request, cached, num_cached_blocks, num_full_blocks,
                             block_size, group_id, fine_hashes, ratio) -> BlockStored:
@@ -884,6 +1031,7 @@ class BlockPool:
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
+        counting = _fault.planned is not None and _fault.begin("allocate")
         lock = self._lock
         lock.acquire()
         try:
@@ -897,6 +1045,8 @@ class BlockPool:
             return blocks
         finally:
             lock.release()
+            if counting:
+                _fault.end()
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Adds a reference to each block (a prefix-cache hit), taking blocks with
@@ -905,12 +1055,15 @@ class BlockPool:
         Raises:
             UsageError: a block id out of range.
         """
+        counting = _fault.planned is not None and _fault.begin("touch")
         lock = self._lock
         lock.acquire()
         try:
             self._kernel.touch(blocks)
         finally:
             lock.release()
+            if counting:
+                _fault.end()
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
@@ -922,12 +1075,15 @@ class BlockPool:
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
+        counting = _fault.planned is not None and _fault.begin("free")
         lock = self._lock
         lock.acquire()
         try:
             self._kernel.free(ordered_blocks, self.enable_caching)
         finally:
             lock.release()
+            if counting:
+                _fault.end()
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the prefix-cache entries of the given blocks (a KV connector failed to load
@@ -944,9 +1100,14 @@ class BlockPool:
                 raise UsageError(
                     f"evict_blocks(): block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
                 )
-        with self._lock:
-            for block_id in ids:
-                self._evict_cached(int(block_id))
+        counting = _fault.planned is not None and _fault.begin("evict")
+        try:
+            with self._lock:
+                for block_id in ids:
+                    self._evict_cached(int(block_id))
+        finally:
+            if counting:
+                _fault.end()
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, if no block but the null block is in use.
@@ -954,18 +1115,23 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        with self._lock:
-            num_used = self.num_gpu_blocks - self.get_num_free_blocks()
-            if num_used != 1:
-                logger.warning(
-                    "Failed to reset prefix cache because some blocks (%d) are not freed yet",
-                    num_used - 1,
-                )
-                return False
-            self._index.initialize()
-            if self.enable_kv_cache_events:
-                self._log_events([AllBlocksCleared()])
-            return True
+        counting = _fault.planned is not None and _fault.begin("reset")
+        try:
+            with self._lock:
+                num_used = self.num_gpu_blocks - self.get_num_free_blocks()
+                if num_used != 1:
+                    logger.warning(
+                        "Failed to reset prefix cache because some blocks (%d) are not freed "
+                        "yet", num_used - 1,
+                    )
+                    return False
+                self._index.clear()
+                if self.enable_kv_cache_events:
+                    self._log_events([AllBlocksCleared()])
+                return True
+        finally:
+            if counting:
+                _fault.end()
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached ones with ``ref_cnt == 0`` included)."""

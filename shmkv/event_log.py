@@ -9,7 +9,8 @@ the oldest-record pointers in the header move past them, so ``[log_oldest_pos,
 log_write_pos)`` always holds whole, intact records with consecutive sequence numbers
 starting at ``log_oldest_seq``.
 
-Writers append under the pool lock. Readers keep a private cursor ``(seq, pos)`` and copy
+Writers append under the pool lock, journaling (``shmkv/journal.py``) the ring bytes and
+header words they overwrite, so a writer killed half way is rolled back whole. Readers keep a private cursor ``(seq, pos)`` and copy
 records out under the lock; a reader that fell more than a ring behind is told how many
 events it lost and continues from the oldest record still there.
 """
@@ -25,6 +26,7 @@ import msgspec
 
 from shmkv import layout as L
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from shmkv.journal import Journal, JournaledView
 
 _RECORD = struct.Struct("<IIQd")
 PAD = 0xFFFF_FFFF
@@ -61,11 +63,14 @@ class EventLog:
         mem: the segment's mmap.
         hdr64: flat int64 memoryview of the header.
         layout: the pool's layout.
+        journal: the pool's undo journal.
     """
 
-    def __init__(self, mem, hdr64, layout: L.Layout) -> None:
+    def __init__(self, mem, hdr64, layout: L.Layout, journal: Journal) -> None:
         self._mem = mem
         self._hdr = hdr64
+        self._hdr_w = JournaledView(hdr64, journal, 0, 8)
+        self._save_bytes = journal.save_bytes
         self._base = layout.offsets["event_log"]
         self.capacity = layout.config.event_log_bytes
 
@@ -96,11 +101,12 @@ class EventLog:
         return dropped
 
     def _append_record(self, slot: int, ts: float, payload: bytes, need: int) -> None:
-        hdr, cap = self._hdr, self.capacity
+        hdr, cap = self._hdr_w, self.capacity
         pos = hdr[L.H_LOG_WRITE_POS]
         phys = pos % cap
         if phys + need > cap:  # pad to the end of the ring, start again at 0
             self._make_room(pos, cap - phys)
+            self._save_bytes(self._base + phys, _RECORD.size)
             _RECORD.pack_into(self._mem, self._base + phys, PAD, 0, 0, 0.0)
             pos += cap - phys
             phys = 0
@@ -108,6 +114,7 @@ class EventLog:
         self._make_room(pos, need)
         seq = hdr[L.H_NEXT_EVENT_SEQ]
         start = self._base + phys
+        self._save_bytes(start, need)
         _RECORD.pack_into(self._mem, start, len(payload), slot, seq, ts)
         self._mem[start + _RECORD.size:start + _RECORD.size + len(payload)] = payload
         hdr[L.H_NEXT_EVENT_SEQ] = seq + 1
@@ -116,7 +123,7 @@ class EventLog:
     def _make_room(self, pos: int, need: int) -> None:
         """Moves the oldest-record pointers past every record that [pos, pos + need)
         would overwrite."""
-        hdr, cap = self._hdr, self.capacity
+        hdr, cap = self._hdr_w, self.capacity
         oldest = hdr[L.H_LOG_OLDEST_POS]
         seq = hdr[L.H_LOG_OLDEST_SEQ]
         while oldest < pos and oldest < pos + need - cap:

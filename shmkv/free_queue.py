@@ -19,8 +19,8 @@ keys are redundant with the links, on purpose: sorting the free blocks by key re
 queue when the links cannot be trusted (INV-QKEY).
 
 NOTE: only this class writes ``prev``, ``next`` and ``queue_key`` (and the header's
-``num_free_blocks``, ``queue_head_key``, ``queue_tail_key``). All methods take and return
-block ids; callers hold the pool lock.
+``num_free_blocks``, ``queue_head_key``, ``queue_tail_key``), every write journaled first
+(``shmkv/journal.py``). All methods take and return block ids; callers hold the pool lock.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 
 from shmkv import layout as L
 from shmkv.errors import OutOfBlocksError, UsageError
+from shmkv.journal import Journal, JournaledColumn, JournaledView
 
 # Below this many blocks a Python loop over the links beats numpy's per-call overhead.
 BULK_MIN_BLOCKS = 24
@@ -55,46 +56,57 @@ class FreeKVCacheBlockQueue:
         hdr64: flat int64 memoryview of the header.
         blocks: numpy view of ``block_meta`` (for the bulk paths).
         layout: the pool's layout (sentinel rows).
+        journal: the pool's undo journal.
 
     The hot paths go through per-field strided views (``self._next[b]`` is row ``b``'s
-    ``next``), made once here; :meth:`release` drops them, and must run before the views
+    ``next``), made once here and journaled; ``prev_raw``/``next_raw`` are the same views
+    unjournaled, for readers. :meth:`release` drops them, and must run before the views
     they are cut from are released.
     """
 
-    def __init__(self, i32, i64, hdr64, blocks: np.ndarray, layout: L.Layout) -> None:
-        self._i32 = i32
-        self._i64 = i64
-        self._hdr64 = hdr64
-        self._prev_col = blocks["prev"]
-        self._next_col = blocks["next"]
-        self._key_col = blocks["queue_key"]
-        self._prev = i32[_PREV::_R]
-        self._next = i32[_NEXT::_R]
-        self._key = i64[_KEY::_R64]
+    def __init__(self, i32, i64, hdr64, blocks: np.ndarray, layout: L.Layout,
+                 journal: Journal) -> None:
+        meta = layout.offsets["block_meta"]
+        row = L.BLOCK_DTYPE.itemsize
+        self._blocks = blocks
+        self._hdr_raw = hdr64
+        self._hdr64 = JournaledView(hdr64, journal, 0, 8)
+        self._prev_col = JournaledColumn(blocks["prev"], journal, meta + 4 * _PREV)
+        self._next_col = JournaledColumn(blocks["next"], journal, meta + 4 * _NEXT)
+        self._key_col = JournaledColumn(blocks["queue_key"], journal, meta + 8 * _KEY)
+        self.prev_raw = i32[_PREV::_R]
+        self.next_raw = i32[_NEXT::_R]
+        self._key_raw = i64[_KEY::_R64]
+        self._prev = JournaledView(self.prev_raw, journal, meta + 4 * _PREV, row)
+        self._next = JournaledView(self.next_raw, journal, meta + 4 * _NEXT, row)
+        self._key = JournaledView(self._key_raw, journal, meta + 8 * _KEY, row)
         self.head = layout.free_head
         self.tail = layout.free_tail
 
     def release(self) -> None:
         """Releases the strided views (before the pool releases the views they come from);
         the queue is unusable afterwards."""
-        for view in (self._prev, self._next, self._key):
+        for view in (self.prev_raw, self.next_raw, self._key_raw):
             view.release()
+        self._blocks = None
 
     def initialize(self, block_ids: Sequence[int]) -> None:
-        """Links ``block_ids`` in order as the whole queue (a new pool only)."""
+        """Links ``block_ids`` in order as the whole queue (a new pool, before it is READY:
+        unjournaled)."""
         ids = np.asarray(block_ids, dtype=np.int64)
         n = len(ids)
         chain = np.concatenate(([self.head], ids, [self.tail]))
-        self._next_col[chain[:-1]] = chain[1:]
-        self._prev_col[chain[1:]] = chain[:-1]
-        self._key_col[ids] = np.arange(n, dtype=np.int64)
-        self._hdr64[_H_NUM_FREE] = n
-        self._hdr64[_H_HEAD_KEY] = 0
-        self._hdr64[_H_TAIL_KEY] = n - 1
+        blocks, hdr = self._blocks, self._hdr_raw
+        blocks["next"][chain[:-1]] = chain[1:]
+        blocks["prev"][chain[1:]] = chain[:-1]
+        blocks["queue_key"][ids] = np.arange(n, dtype=np.int64)
+        hdr[_H_NUM_FREE] = n
+        hdr[_H_HEAD_KEY] = 0
+        hdr[_H_TAIL_KEY] = n - 1
 
     @property
     def num_free_blocks(self) -> int:
-        return self._hdr64[_H_NUM_FREE]
+        return self._hdr_raw[_H_NUM_FREE]
 
     def popleft(self) -> int:
         """Removes and returns the first free block.
@@ -315,7 +327,7 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_block_ids(self) -> list[int]:
         """Walks the queue head to tail. For tests and tools; O(num_free_blocks)."""
-        nxt_of = self._next
+        nxt_of = self.next_raw
         out = []
         cur = nxt_of[self.head]
         limit = self.tail + 1

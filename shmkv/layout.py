@@ -18,6 +18,7 @@ Regions
 | 3 | `proc_table`    | PROC_DTYPE    | `[max_processes]`            | attach, close, reap_dead | pool lock | INV-PROC |
 | 4 | `ledger`        | int32         | `[max_processes, num_blocks]`| the kernels (the caller's row); reap_dead | pool lock | INV-LEDGER |
 | 5 | `event_log`     | uint8         | `[event_log_bytes]`          | `EventLog.append` | pool lock | INV-LOG |
+| 6 | `journal`       | JOURNAL_DTYPE | `[journal_entries]`          | every journaled write (`shmkv/journal.py`, `_ckernel.c`) | pool lock | INV-JOURNAL |
 
 Header (little-endian; offsets in bytes)
 ----------------------------------------
@@ -43,6 +44,7 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `event_log_bytes` (u64, 64): size of the event ring (0: no global log).
 - `hash_fn_name` (S16, 72): the block-hash function every process must use.
 - `none_hash` (V32, 88): the NONE_HASH seed digest every process chains its first block on.
+- `journal_entries` (u64, 120): size of region 6, the undo journal.
 
 Mutable, written only under the pool lock:
 
@@ -61,6 +63,12 @@ Mutable, written only under the pool lock:
   position of the oldest record still intact (see ``shmkv/event_log.py``).
 - `num_reaped` (i64, 216): processes reaped after dying without ``close()``.
 - `num_events_dropped` (i64, 224): events too large for the ring, not logged.
+- `journal_len` (i64, 232): undo-journal entries of the current hold; 0 when no mutation is
+  in flight (the holder zeroes it right before clearing `holder`), ``JOURNAL_OVERFLOWED``
+  (-1) when the hold wrote more than the journal holds (repair then rebuilds).
+- `lock_seq` (u64, 240): holds taken so far; a waiter that sees it stand still with no
+  holder recorded and the semaphore taken knows the lock is stuck.
+- `num_takeovers` (u64, 248): locks taken over from a dead holder.
 
 Block rows (``BLOCK_DTYPE``, 64 bytes, one per block plus two sentinel rows)
 ----------------------------------------------------------------------------
@@ -90,10 +98,28 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `incarnation` | u64  | a random id drawn at attach; a process whose slot no longer carries it is fenced |
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
-| `label`       | S32  | a name the process gave itself (``attach(label=...)``), for inspection |
+| `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
+| `lock_phase`  | i64  | ``PHASE_IDLE``, ``PHASE_ACQUIRING`` (from before its semaphore wait to its hold's end) or ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded. Written by the slot's owner, outside the journal. |
 
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
+
+The undo journal (region 6, ``JOURNAL_DTYPE``, 16 bytes per entry)
+-------------------------------------------------------------------
+
+| field   | type | meaning |
+|---------|------|---------|
+| `where` | i64  | byte offset of the written word in the segment, times 16, plus its width (4 or 8) |
+| `old`   | i64  | the word's value before the write (an i32 sign-extended) |
+
+Before every write under the lock, the writer appends the word's old value at
+``journal[journal_len]`` and then bumps ``journal_len``; the write itself comes last. So at
+any instant the entries ``[0, journal_len)`` restore every word the hold has changed, and a
+process that takes the lock over from a dead holder restores them (earliest entry of each
+word wins) and gets the pool exactly as it was before the dead holder's hold began. A hold
+that overflows the journal sets ``journal_len`` to -1 and goes on unjournaled; its repair is
+a rebuild (``shmkv/recovery.py``). Writes of 8 bytes and more (hashes, event records, process
+rows) are journaled as aligned 8-byte words; every word is always journaled with one width.
 
 The prefix-cache index (regions 1 and 2)
 -----------------------------------------
@@ -108,8 +134,9 @@ masked to the table size.
 Write order
 -----------
 
-All writes happen under the pool lock, so no reader sees a half-done mutation while the
-holder lives. Within a mutation the order is: unlink from the free queue, then change
+Every write but those of the lock itself (``lock_phase``, the holder record, ``lock_seq``,
+``journal_len``) happens under the pool lock and is journaled first, so no reader sees a
+half-done mutation while the holder lives, and none survives its death. Within a mutation the order is: unlink from the free queue, then change
 ``ref_cnt`` and the ledger; set a block's hash fields, then link it into its bucket chain;
 unlink from the chain, then clear the hash fields. ``state`` turns ``READY`` only after
 everything else of a new segment is written. A process's ledger row is zero whenever its
@@ -121,9 +148,8 @@ Crash caveats
 A process killed outside the lock leaves its slot ``SLOT_ACTIVE`` with a dead OFD lock:
 ``BlockPool.reap_dead()`` in any survivor releases its ledger references and its slot
 (allocation failures and a full process table reap first). A process killed inside the lock
-leaves the semaphore taken and a mutation half done; what repairs that (an intent record or
-a rebuild from ``ref_cnt``, the ledger, ``block_hash`` and ``queue_key``) is the subject of
-the crash-safety work. A creator killed before ``state`` turns ``READY`` leaves a segment
+leaves the semaphore taken and, maybe, a mutation half done: a waiter takes the lock over
+and rolls the hold back from the journal (see ``docs/crash-safety.md``). A creator killed before ``state`` turns ``READY`` leaves a segment
 that ``attach`` refuses with ``SegmentError``; ``BlockPool.unlink(name)`` removes it.
 
 Changelog
@@ -133,6 +159,8 @@ Changelog
 - v2: multi-process: a 256-byte header (holder record, event-log pointers, max_processes,
   event_log_bytes, hash_fn_name, none_hash), and the proc_table, ledger and event_log
   regions.
+- v3: crash safety: the undo journal (region 6; header `journal_entries`, `journal_len`),
+  `lock_seq`, `num_takeovers`; process rows gain `lock_phase` (labels shrink to 24 bytes).
 """
 
 from __future__ import annotations
@@ -145,7 +173,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -172,6 +200,10 @@ MAX_NUM_BLOCKS = (1 << 31) - 3  # row indices, sentinels included, must fit an i
 MAX_PROCESSES = 1024
 MIN_EVENT_LOG_BYTES = 4096
 DEFAULT_EVENT_LOG_BYTES = 4 << 20
+MIN_JOURNAL_ENTRIES = 64
+MAX_JOURNAL_ENTRIES = 1 << 28
+JOURNAL_OVERFLOWED = -1
+MAX_LABEL_BYTES = 24
 
 HEADER_DTYPE = np.dtype(
     {
@@ -180,32 +212,32 @@ HEADER_DTYPE = np.dtype(
             "magic", "layout_version", "format_flags", "header_bytes", "state",
             "total_bytes", "num_blocks", "hash_block_size", "num_index_buckets",
             "block_hash_bytes", "creator_pid", "max_processes", "medium", "event_log_bytes",
-            "hash_fn_name", "none_hash",
+            "hash_fn_name", "none_hash", "journal_entries",
             # mutable, under the pool lock
             "epoch", "num_free_blocks", "queue_head_key", "queue_tail_key",
             "holder", "holder_incarnation", "holder_since_ns",
             "next_event_seq", "log_write_pos", "log_oldest_seq", "log_oldest_pos",
-            "num_reaped", "num_events_dropped",
+            "num_reaped", "num_events_dropped", "journal_len", "lock_seq", "num_takeovers",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
             "<u8", "<u4", "<u4", "<u4",
             "<u4", "<u4", "<u4", "S8", "<u8",
-            "S16", "V32",
+            "S16", "V32", "<u8",
             "<u8", "<i8", "<i8", "<i8",
             "<i8", "<u8", "<i8",
             "<i8", "<i8", "<i8", "<i8",
-            "<i8", "<i8",
+            "<i8", "<i8", "<i8", "<u8", "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
             24, 32, 36, 40,
             44, 48, 52, 56, 64,
-            72, 88,
+            72, 88, 120,
             128, 136, 144, 152,
             160, 168, 176,
             184, 192, 200, 208,
-            216, 224,
+            216, 224, 232, 240, 248,
         ],
         "itemsize": 256,
     }
@@ -249,18 +281,32 @@ H_LOG_OLDEST_SEQ = HEADER_DTYPE.fields["log_oldest_seq"][1] // 8
 H_LOG_OLDEST_POS = HEADER_DTYPE.fields["log_oldest_pos"][1] // 8
 H_NUM_REAPED = HEADER_DTYPE.fields["num_reaped"][1] // 8
 H_NUM_EVENTS_DROPPED = HEADER_DTYPE.fields["num_events_dropped"][1] // 8
+H_JOURNAL_LEN = HEADER_DTYPE.fields["journal_len"][1] // 8
+H_LOCK_SEQ = HEADER_DTYPE.fields["lock_seq"][1] // 8
+H_NUM_TAKEOVERS = HEADER_DTYPE.fields["num_takeovers"][1] // 8
 
 # One row per process-table slot (64 bytes).
 PROC_DTYPE = np.dtype(
     {
-        "names": ["state", "pid", "incarnation", "start_ticks", "attach_ns", "label"],
-        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S32"],
-        "offsets": [0, 4, 8, 16, 24, 32],
+        "names": ["state", "pid", "incarnation", "start_ticks", "attach_ns", "label",
+                  "lock_phase"],
+        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S24", "<i8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 56],
         "itemsize": 64,
     }
 )
 SLOT_FREE = 0
 SLOT_ACTIVE = 1
+PHASE_IDLE = 0
+PHASE_ACQUIRING = 1
+PHASE_RELEASING = 2
+# int64 words of a process row, for the locks' flat-view access.
+P_INCARNATION = PROC_DTYPE.fields["incarnation"][1] // 8
+P_LOCK_PHASE = PROC_DTYPE.fields["lock_phase"][1] // 8
+PROC_I64 = PROC_DTYPE.itemsize // 8
+
+# One undo-journal entry: where (byte offset * 16 + width) and the old value.
+JOURNAL_DTYPE = np.dtype([("where", "<i8"), ("old", "<i8")])
 
 _POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -277,6 +323,11 @@ class PoolConfig:
     max_processes: int = 16
     event_log_bytes: int = 0
     hash_fn_name: str = "sha256"
+    journal_entries: int = 0  # 0: default_journal_entries(num_blocks)
+
+    def __post_init__(self) -> None:
+        if self.journal_entries == 0 and isinstance(self.num_blocks, int):
+            object.__setattr__(self, "journal_entries", default_journal_entries(self.num_blocks))
 
     @property
     def format_flags(self) -> int:
@@ -315,10 +366,22 @@ class PoolConfig:
                 f"event_log_bytes must be 0 or a multiple of 8 >= {MIN_EVENT_LOG_BYTES}, "
                 f"got {self.event_log_bytes!r}"
             )
+        if (isinstance(self.journal_entries, bool) or not isinstance(self.journal_entries, int)
+                or not MIN_JOURNAL_ENTRIES <= self.journal_entries <= MAX_JOURNAL_ENTRIES):
+            raise UsageError(
+                f"journal_entries must be an int in [{MIN_JOURNAL_ENTRIES}, "
+                f"{MAX_JOURNAL_ENTRIES}], got {self.journal_entries!r}"
+            )
         if self.hash_fn_name not in ("sha256", "sha256_cbor"):
             raise UsageError(
                 f"hash_fn_name must be 'sha256' or 'sha256_cbor', got {self.hash_fn_name!r}"
             )
+
+
+def default_journal_entries(num_blocks: int) -> int:
+    """Journal entries by default: enough for one call on every block of the pool (an
+    allocation that evicts writes about eight words per block), at most 2**21 (32 MiB)."""
+    return min(8 * num_blocks + 4096, 1 << 21)
 
 
 @dataclass(frozen=True)
@@ -368,6 +431,12 @@ REGIONS: tuple[Region, ...] = (
         "event_log", np.dtype("u1"), lambda c: (c.event_log_bytes,),
         writer="EventLog.append", guard="pool lock", invariants="INV-LOG",
         doc="byte ring of msgpack KV events with sequence numbers",
+    ),
+    Region(
+        "journal", JOURNAL_DTYPE, lambda c: (c.journal_entries,),
+        writer="the lock holder, before each of its writes", guard="pool lock",
+        invariants="INV-JOURNAL",
+        doc="undo journal: old values of the words the current hold has written",
     ),
 )
 

@@ -8,6 +8,10 @@ still locked (``F_OFD_GETLK``): a free byte means the slot's owner is gone, what
 runs. This is LMDB's reader-table trick, with OFD locks so that closing some other
 descriptor of the file never drops a lock by accident.
 
+Byte ``ARBITER_BYTE`` (past every slot) arbitrates the take-over of a dead lock holder:
+the waiters that find the holder dead race for it, non-blocking, and only the winner takes
+over (``shmkv/takeover.py``).
+
 Linux only (``fcntl.F_OFD_*``, Linux >= 3.15).
 """
 
@@ -19,6 +23,9 @@ import os
 import struct
 
 from shmkv.errors import SegmentError
+from shmkv.layout import MAX_PROCESSES
+
+ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
 
 # struct flock on Linux x86_64 / aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid, padded to 32 bytes. l_pid must be 0 for OFD locks.
@@ -62,6 +69,20 @@ class AliveLocks:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, slot))
         if self.held_slot == slot:
             self.held_slot = None
+
+    def try_arbiter(self) -> bool:
+        """Takes the take-over arbiter byte without waiting; False if another process has
+        it."""
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, ARBITER_BYTE))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def release_arbiter(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, ARBITER_BYTE))
 
     def is_alive(self, slot: int) -> bool:
         """Whether some process (this one included) holds byte ``slot``."""

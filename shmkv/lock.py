@@ -12,13 +12,23 @@ a waiter that times out can name the holder, and (in the crash-safety layer) tel
 holder from a slow one. ``holder`` packs ``slot + 1`` in the low 32 bits and the pid in the
 high 32, so one word says "free" (0) or who holds it.
 
-``PoolLock`` is the pure-Python implementation; pools on the C kernel use
-``shmkv._ckernel.CLock``, the same protocol (semaphore, holder record, re-entrancy per thread,
-fence check) with its fast path in C. ``benchmarks/bench_locks.py`` compares them with an
-OFD lock.
+Protocol of one hold, every store in this order (the fault points of ``shmkv/fault.py``):
 
-NOTE: a POSIX semaphore is not released when its holder dies; what happens then is the
-crash-safety layer's business. Waits are always bounded (``timeout_s``).
+1. acquire: fence check (a reclaimed slot raises ``FencedError`` and writes nothing); own
+   ``lock_phase = ACQUIRING``; the semaphore, waited for in slices of ``WAIT_SLICE_S``, with
+   ``on_stall()`` after each (the take-over of a dead holder, ``shmkv/takeover.py``); the
+   holder record; ``lock_seq += 1``; then, if the lock was taken over or the undo journal is
+   not empty, ``on_dirty(took_over)``: the repair, before the caller's critical section.
+2. release: ``lock_phase = RELEASING``; ``journal_len = 0`` (the commit); the holder record
+   cleared; the semaphore posted; ``lock_phase = IDLE``.
+
+``PoolLock`` is the pure-Python implementation; pools on the C kernel use
+``shmkv._ckernel.CLock``, the same protocol with its fast path in C.
+``benchmarks/bench_locks.py`` compares them with an OFD lock.
+
+NOTE: a POSIX semaphore is not released when its holder dies; ``lock_phase``, the holder
+record and ``lock_seq`` are what let a waiter find out that it did. Waits are always
+bounded (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -29,15 +39,24 @@ from threading import get_ident
 
 import posix_ipc
 
+from shmkv import fault as _fault
 from shmkv import layout as L
 from shmkv.errors import FencedError, LockTimeoutError
 
 _H_HOLDER = L.H_HOLDER
 _H_INCARNATION = L.H_HOLDER_INCARNATION
 _H_SINCE = L.H_HOLDER_SINCE_NS
+_H_LOCK_SEQ = L.H_LOCK_SEQ
+_H_JOURNAL_LEN = L.H_JOURNAL_LEN
 _monotonic_ns = time.monotonic_ns
+_FENCED = (
+    "this process's slot in the pool was reclaimed (it was taken for dead); it must attach "
+    "again"
+)
 
 DEFAULT_LOCK_TIMEOUT_S = 10.0
+# Waits are cut in slices this long; after each, the waiter checks for a dead holder.
+WAIT_SLICE_S = 0.02
 
 
 def lock_name(shm_name: str) -> str:
@@ -96,11 +115,17 @@ class PoolLock:
         timeout_s: the longest a caller waits before LockTimeoutError.
         describe_holder: callable(slot, pid) -> str, for the timeout message.
         enabled: False only in tests that prove the race detector works.
+        on_stall: callable() -> bool, asked after each empty wait slice; True when it took
+            the lock over from a dead holder.
+        on_dirty: callable(took_over), called right after a hold starts that took the lock
+            over or found the undo journal non-empty: the repair.
+        slice_s: the wait slice.
     """
 
     def __init__(self, shm_name: str, hdr64, slot: int, pid: int, incarnation: int,
                  timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, describe_holder=None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, on_stall=None, on_dirty=None,
+                 slice_s: float = WAIT_SLICE_S) -> None:
         try:
             self._sem = posix_ipc.Semaphore(lock_name(shm_name))
         except posix_ipc.ExistentialError:
@@ -111,8 +136,11 @@ class PoolLock:
         self._holder_word = holder_word(slot, pid)
         self._incarnation = incarnation
         self.timeout_s = timeout_s
+        self.slice_s = slice_s
         self._describe_holder = describe_holder
         self._enabled = enabled
+        self._on_stall = on_stall or (lambda: False)
+        self._on_dirty = on_dirty
         self._gate = threading.RLock()
         self._depth = 0
         self._owner_thread = 0
@@ -122,22 +150,39 @@ class PoolLock:
         self.hold_ns_total = 0
         self._held_since = 0
         self.record: list[tuple[int, int]] | None = None  # (wait_ns, hold_ns) per hold
-        self._fence_view = None
+        self._proc64 = None
         self._fence_index = 0
+        self._phase_index = 0
 
-    def set_identity(self, slot: int, incarnation: int, fence_view, fence_index: int) -> None:
-        """Records this process's slot; from now on every acquire checks that the slot
-        still carries ``incarnation`` (``fence_view[fence_index]``), or raises FencedError."""
+    def set_identity(self, slot: int, incarnation: int, proc64, fence_index: int | None,
+                     phase_index: int) -> None:
+        """Records this process's slot: the lock keeps its ``lock_phase``
+        (``proc64[phase_index]``) and, given a ``fence_index``, checks on every acquire
+        that the slot still carries ``incarnation`` (``proc64[fence_index]``), or raises
+        FencedError."""
         self._holder_word = ((slot + 1) & 0xFFFF_FFFF) | (self._holder_word >> 32 << 32)
         self._incarnation = incarnation
-        self._fence_view = fence_view
+        self._proc64 = proc64
         self._fence_index = fence_index
+        self._phase_index = phase_index
+
+    def _fenced(self) -> bool:
+        proc = self._proc64
+        return (proc is not None and self._fence_index is not None
+                and proc[self._fence_index] != self._incarnation)
+
+    def _set_phase(self, phase: int) -> None:
+        if self._proc64 is not None:
+            if _fault.armed:
+                _fault.tick()
+            self._proc64[self._phase_index] = phase
 
     def acquire(self) -> None:
         """Takes the lock (or one more level of it).
 
         Raises:
             LockTimeoutError: not acquired within ``timeout_s``; names the holder.
+            FencedError: this process's slot was reclaimed.
         """
         if self._depth and self._owner_thread == get_ident():
             self._depth += 1  # nested in this thread's hold: nothing else to do
@@ -147,54 +192,103 @@ class PoolLock:
             raise LockTimeoutError(
                 f"pool lock: another thread of this process held it for over {self.timeout_s} s"
             )
-        start = 0
+        try:
+            took_over = self._take_semaphore()
+        except BaseException:
+            gate.release()
+            raise
+        now = _monotonic_ns()
+        hdr = self._hdr64
+        if _fault.armed:
+            _fault.tick()
+        hdr[_H_HOLDER] = self._holder_word
+        if _fault.armed:
+            _fault.tick()
+        hdr[_H_INCARNATION] = self._incarnation
+        if _fault.armed:
+            _fault.tick()
+        hdr[_H_SINCE] = now
+        if _fault.armed:
+            _fault.tick()
+        hdr[_H_LOCK_SEQ] += 1
+        self._depth = 1
+        self._owner_thread = get_ident()
+        self._held_since = now
+        self.num_acquired += 1
+        if self.record is not None:
+            self.record.append((self._waited, 0))
+        if (took_over or hdr[_H_JOURNAL_LEN]) and self._on_dirty is not None:
+            try:
+                self._on_dirty(took_over)
+            except BaseException:
+                self.release()
+                raise
+
+    def _take_semaphore(self) -> bool:
+        """Fence check, phase, semaphore. Returns True if the lock was taken over."""
+        if self._fenced():  # a reclaimed slot: touch nothing, not even its phase
+            raise FencedError(_FENCED)
+        self._set_phase(L.PHASE_ACQUIRING)
+        self._waited = 0
+        took_over = False
         if self._enabled:
             try:
                 self._sem.acquire(0)  # the uncontended case: no clock, no timed wait
             except posix_ipc.BusyError:
                 start = _monotonic_ns()
                 try:
-                    self._sem.acquire(self.timeout_s)
-                except posix_ipc.BusyError:
-                    gate.release()
-                    raise LockTimeoutError(self._timeout_message()) from None
-        now = _monotonic_ns()
-        fence = self._fence_view
-        if fence is not None and fence[self._fence_index] != self._incarnation:
+                    took_over = self._wait_in_slices(start)
+                except BaseException:
+                    self._set_phase(L.PHASE_IDLE)
+                    raise
+                self._waited = _monotonic_ns() - start
+                self.wait_ns_total += self._waited
+        if self._fenced():  # reclaimed while it waited: the slot (and its phase) is not ours
             if self._enabled:
                 self._sem.release()
-            self._gate.release()
-            raise FencedError(
-                "this process's slot in the pool was reclaimed (it was taken for dead); "
-                "it must attach again"
-            )
-        hdr = self._hdr64
-        hdr[_H_HOLDER] = self._holder_word
-        hdr[_H_INCARNATION] = self._incarnation
-        hdr[_H_SINCE] = now
-        self._depth = 1
-        self._owner_thread = get_ident()
-        self._held_since = now
-        waited = now - start if start else 0
-        self.num_acquired += 1
-        self.wait_ns_total += waited
-        if self.record is not None:
-            self.record.append((waited, 0))
+            raise FencedError(_FENCED)
+        return took_over
+
+    def _wait_in_slices(self, start: int) -> bool:
+        deadline = start + int(self.timeout_s * 1e9)
+        while True:
+            left = (deadline - _monotonic_ns()) / 1e9
+            try:
+                self._sem.acquire(max(0.0, min(self.slice_s, left)))
+                return False
+            except posix_ipc.BusyError:
+                pass
+            if self._on_stall():
+                return True
+            if _monotonic_ns() >= deadline:
+                raise LockTimeoutError(self._timeout_message())
 
     def release(self) -> None:
-        """Gives back one level of the lock; the last level clears the holder record and
-        posts the semaphore."""
+        """Gives back one level of the lock; the last level commits the undo journal,
+        clears the holder record and posts the semaphore."""
         if self._depth > 1:
             self._depth -= 1  # still held by this thread's outer level
             return
         self._depth = 0
         self._owner_thread = 0
         hdr = self._hdr64
+        self._set_phase(L.PHASE_RELEASING)
+        if hdr[_H_JOURNAL_LEN]:  # commit: the hold's writes stand
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_JOURNAL_LEN] = 0
+        if _fault.armed:
+            _fault.tick()
         hdr[_H_HOLDER] = 0
+        if _fault.armed:
+            _fault.tick()
         hdr[_H_INCARNATION] = 0
+        if _fault.armed:
+            _fault.tick()
         hdr[_H_SINCE] = 0
         if self._enabled:
             self._sem.release()
+        self._set_phase(L.PHASE_IDLE)
         held = _monotonic_ns() - self._held_since
         self.hold_ns_total += held
         if self.record is not None:
@@ -217,4 +311,5 @@ class PoolLock:
         return timeout_message(self._hdr64, self.timeout_s, self._describe_holder)
 
     def close(self) -> None:
+        self._proc64 = None
         self._sem.close()

@@ -11,8 +11,8 @@ A block holds at most one key, stored in its own row (``block_hash``, ``group_id
 ``hash_num_tokens``); ``hash_num_tokens == NO_HASH_TOKENS`` means it holds none. A block is in
 a chain exactly when it holds a key (INV-HASH).
 
-NOTE: only this class writes ``index_buckets``, ``index_next`` and the hash fields of a row.
-Callers hold the pool lock.
+NOTE: only this class writes ``index_buckets``, ``index_next`` and the hash fields of a row,
+every write journaled first (``shmkv/journal.py``). Callers hold the pool lock.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from shmkv import layout as L
+from shmkv.journal import Journal, JournaledColumn, JournaledView
 
 _R = L.ROW_I32
 _INEXT = L.F_INDEX_NEXT
@@ -48,24 +49,37 @@ class BlockHashToBlockMap:
         buckets: int32 memoryview of ``index_buckets``.
         blocks: numpy view of ``block_meta``; buckets_np: numpy view of ``index_buckets``.
         layout: the pool's layout.
+        journal: the pool's undo journal.
 
     The hot paths go through per-field strided views (``self._inext[b]`` is row ``b``'s
-    ``index_next``), made once here; :meth:`release` drops them, and must run before the
-    views they are cut from are released.
+    ``index_next``), made once here and journaled; the ``*_raw`` ones are the same views
+    unjournaled, for readers. :meth:`release` drops them, and must run before the views
+    they are cut from are released.
     """
 
     def __init__(self, mem, i32, buckets, blocks: np.ndarray, buckets_np: np.ndarray,
-                 layout: L.Layout) -> None:
+                 layout: L.Layout, journal: Journal) -> None:
+        meta = layout.offsets["block_meta"]
+        idx = layout.offsets["index_buckets"]
         self._mem = mem
-        self._i32 = i32
-        self._buckets = buckets
+        self._journal = journal
+        self.buckets_raw = buckets
+        self._buckets = JournaledView(buckets, journal, idx, 4)
         self._blocks = blocks
         self._buckets_np = buckets_np
         self._mask = layout.config.num_index_buckets - 1
-        self._hash0 = layout.offsets["block_meta"] + L.HASH_BYTE_OFFSET
-        self._inext = i32[_INEXT::_R]
-        self._group = i32[_GROUP::_R]
-        self._htok = i32[_HTOK::_R]
+        self._hash0 = meta + L.HASH_BYTE_OFFSET
+        self.inext_raw = i32[_INEXT::_R]
+        self.group_raw = i32[_GROUP::_R]
+        self._htok_raw = i32[_HTOK::_R]
+        self._inext = JournaledView(self.inext_raw, journal, meta + 4 * _INEXT, _ROW_BYTES)
+        self._group = JournaledView(self.group_raw, journal, meta + 4 * _GROUP, _ROW_BYTES)
+        self._htok = JournaledView(self._htok_raw, journal, meta + 4 * _HTOK, _ROW_BYTES)
+        self._columns = {
+            name: JournaledColumn(blocks[name], journal, meta + blocks.dtype.fields[name][1])
+            for name in ("index_next", "group_id", "hash_num_tokens")
+        }
+        self._buckets_col = JournaledColumn(buckets_np, journal, idx)
         # The first 8 hash bytes of each row as an int64: the bucket's word, read in place
         # (as a signed word it has the same low bits, so the same bucket).
         self._hword = i32.cast("B").cast("q")[_HASH_WORD::_R64]
@@ -73,16 +87,34 @@ class BlockHashToBlockMap:
     def release(self) -> None:
         """Releases the strided views (before the pool releases the views they come from);
         the map is unusable afterwards."""
-        for view in (self._inext, self._group, self._htok, self._hword):
+        for view in (self.inext_raw, self.group_raw, self._htok_raw, self._hword):
             view.release()
+        self._columns = self._buckets_col = None
 
     def initialize(self) -> None:
-        """Empties the map and clears every block's key (a new pool, or a reset)."""
+        """Empties the map and clears every block's key (a new pool, before it is READY:
+        unjournaled)."""
         self._buckets_np[:] = _NO_BLOCK
         self._blocks["index_next"] = _NO_BLOCK
         self._blocks["group_id"] = 0
         self._blocks["hash_num_tokens"] = _NO_HASH_TOKENS
         self._blocks["block_hash"] = bytes(_HASH_BYTES)
+
+    def clear(self) -> None:
+        """Empties the map (``reset_prefix_cache``): unlinks every hashed block and clears
+        its key fields, as :meth:`pop` does one by one. Writes, journaled, only the words
+        that change. The hash bytes stay, meaningless once ``hash_num_tokens`` is 0."""
+        hashed = np.flatnonzero(self._blocks["hash_num_tokens"] != _NO_HASH_TOKENS)
+        self._buckets_col[np.flatnonzero(self._buckets_np != _NO_BLOCK)] = _NO_BLOCK
+        self._columns["index_next"][hashed] = _NO_BLOCK
+        self._columns["hash_num_tokens"][hashed] = _NO_HASH_TOKENS
+        self._columns["group_id"][hashed] = 0
+
+    def _write_hash(self, off: int, block_hash: bytes) -> None:
+        save = self._journal.save
+        for word in range(off, off + _HASH_BYTES, 8):
+            save(word, 8)
+        self._mem[off:off + _HASH_BYTES] = block_hash
 
     def bucket_of(self, block_hash: bytes, group_id: int) -> int:
         word = _read_u64(block_hash)[0]
@@ -91,7 +123,7 @@ class BlockHashToBlockMap:
         return word & self._mask
 
     def _matches(self, block_id: int, block_hash: bytes, group_id: int) -> bool:
-        if self._group[block_id] != group_id:
+        if self.group_raw[block_id] != group_id:
             return False
         off = self._hash0 + block_id * _ROW_BYTES
         return self._mem[off:off + _HASH_BYTES] == block_hash
@@ -102,10 +134,10 @@ class BlockHashToBlockMap:
         word = _read_u64(block_hash)[0]
         if group_id:
             word ^= (group_id * _GROUP_MIX) & _MASK64
-        cur = self._buckets[word & self._mask]
+        cur = self.buckets_raw[word & self._mask]
         if cur == _NO_BLOCK:
             return _NO_BLOCK
-        group_of, inext, mem, hash0 = self._group, self._inext, self._mem, self._hash0
+        group_of, inext, mem, hash0 = self.group_raw, self.inext_raw, self._mem, self._hash0
         while cur != _NO_BLOCK:
             if group_of[cur] == group_id:
                 off = hash0 + cur * _ROW_BYTES
@@ -120,8 +152,7 @@ class BlockHashToBlockMap:
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:
         """Gives an unhashed block the key and links it at the tail of its bucket chain."""
-        off = self._hash0 + block_id * _ROW_BYTES
-        self._mem[off:off + _HASH_BYTES] = block_hash
+        self._write_hash(self._hash0 + block_id * _ROW_BYTES, block_hash)
         self._group[block_id] = group_id
         self._htok[block_id] = num_tokens
         inext = self._inext
@@ -144,12 +175,12 @@ class BlockHashToBlockMap:
     def insert_n(self, entries, group_id: int) -> None:
         """``insert(block_hash, group_id, block_id, num_tokens)`` for each
         ``(block_id, block_hash, num_tokens)`` of ``entries``, in order (one group)."""
-        mem, hash0, mask, buckets = self._mem, self._hash0, self._mask, self._buckets
+        hash0, mask, buckets = self._hash0, self._mask, self._buckets
         group_of, htok, inext, hword = self._group, self._htok, self._inext, self._hword
+        write_hash = self._write_hash
         mix = (group_id * _GROUP_MIX) & _MASK64 if group_id else 0
         for block_id, block_hash, num_tokens in entries:
-            off = hash0 + block_id * _ROW_BYTES
-            mem[off:off + _HASH_BYTES] = block_hash
+            write_hash(hash0 + block_id * _ROW_BYTES, block_hash)
             group_of[block_id] = group_id
             htok[block_id] = num_tokens
             inext[block_id] = _NO_BLOCK
@@ -197,19 +228,19 @@ class BlockHashToBlockMap:
 
     def block_key(self, block_id: int) -> tuple[bytes, int] | None:
         """(hash, group id) held by the block, or None."""
-        if self._htok[block_id] == _NO_HASH_TOKENS:
+        if self._htok_raw[block_id] == _NO_HASH_TOKENS:
             return None
         off = self._hash0 + block_id * _ROW_BYTES
-        return self._mem[off:off + _HASH_BYTES], self._group[block_id]
+        return self._mem[off:off + _HASH_BYTES], self.group_raw[block_id]
 
     def iter_chain(self, bucket: int, limit: int) -> Iterator[int]:
         """Blocks of one bucket chain, at most ``limit`` of them (so a corrupt cycle ends)."""
-        cur = self._buckets[bucket]
+        cur = self.buckets_raw[bucket]
         for _ in range(limit):
             if cur == _NO_BLOCK:
                 return
             yield cur
-            cur = self._inext[cur]
+            cur = self.inext_raw[cur]
 
     def __len__(self) -> int:
         """Number of distinct keys (O(num_blocks); for tests and tools)."""

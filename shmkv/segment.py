@@ -122,6 +122,7 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     hdr["medium"] = cfg.medium.encode()
     hdr["max_processes"] = cfg.max_processes
     hdr["event_log_bytes"] = cfg.event_log_bytes
+    hdr["journal_entries"] = cfg.journal_entries
     hdr["hash_fn_name"] = cfg.hash_fn_name.encode()
     hdr["epoch"] = 1
     del hdr
@@ -182,9 +183,15 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None) -> L.La
         max_processes=int(hdr["max_processes"]),
         event_log_bytes=int(hdr["event_log_bytes"]),
         hash_fn_name=bytes(hdr["hash_fn_name"]).decode(errors="replace"),
+        journal_entries=int(hdr["journal_entries"]),
     )
     if not 1 <= config.max_processes <= L.MAX_PROCESSES:
         raise mismatch("max_processes", f"1..{L.MAX_PROCESSES}", config.max_processes)
+    if not L.MIN_JOURNAL_ENTRIES <= config.journal_entries <= L.MAX_JOURNAL_ENTRIES:
+        raise mismatch(
+            "journal_entries", f"{L.MIN_JOURNAL_ENTRIES}..{L.MAX_JOURNAL_ENTRIES}",
+            config.journal_entries,
+        )
     lay = L.Layout.from_config(config)
     if int(hdr["num_index_buckets"]) != config.num_index_buckets:
         raise mismatch("num_index_buckets", config.num_index_buckets, int(hdr["num_index_buckets"]))

@@ -73,3 +73,12 @@ def free_ids(pool) -> list[int]:
 
 def ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
+
+
+def segment_image(pool: BlockPool) -> bytes:
+    """The segment's bytes, for "this call changed nothing" checks: every hold bumps the
+    header's ``lock_seq`` (lock bookkeeping, not pool state), so it is masked out."""
+    image = bytearray(pool._segment.buf)
+    offset = pool.layout.view(pool._segment.buf, "header").dtype.fields["lock_seq"][1]
+    image[offset:offset + 8] = bytes(8)
+    return bytes(image)

@@ -30,7 +30,7 @@ from shmkv import (
 )
 from shmkv import layout as L
 from tests.conftest import unique_pool_name
-from tests.helpers import make_request
+from tests.helpers import make_request, segment_image
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -118,11 +118,11 @@ def first_diff(before: bytes, after: bytes) -> str:
 @contextmanager
 def rejected(pool: BlockPool, exc_type=UsageError, match: str | None = None):
     """Expects ``exc_type``; afterwards the segment and the pending events are unchanged."""
-    before = bytes(pool._segment.buf)
+    before = segment_image(pool)
     pending = list(pool._event_queue)
     with pytest.raises(exc_type, match=match) as info:
         yield info
-    after = bytes(pool._segment.buf)
+    after = segment_image(pool)
     assert after == before, f"rejected call changed the segment: {first_diff(before, after)}"
     assert pool.take_events() == pending, "rejected call changed the event queue"
     pool.check_invariants()
@@ -247,7 +247,7 @@ def test_attach_segment_smaller_than_header(raw_segment):
 
 def test_attach_truncated_pool(pool, raw_segment):
     """attach() to a copy of a real pool cut short raises LayoutMismatchError with both sizes."""
-    image = bytes(pool._segment.buf)
+    image = segment_image(pool)
     name = raw_segment(image[: len(image) // 2])
     with pytest.raises(LayoutMismatchError, match=rf"is {len(image) // 2} bytes but its header "
                        rf"describes {len(image)}"):
@@ -258,17 +258,17 @@ def test_attach_other_layout_version(pool):
     """attach() to a segment of another layout version names layout_version, expected vs found."""
     hdr = pool._layout.view(pool._segment.buf, "header")
     hdr["layout_version"] = LAYOUT_VERSION + 1
-    patched = bytes(pool._segment.buf)
+    patched = segment_image(pool)
     with pytest.raises(LayoutMismatchError, match="layout_version") as info:
         BlockPool.attach(pool.pool_name)
     msg = str(info.value)
     assert f"is {LAYOUT_VERSION + 1}" in msg and f"expected {LAYOUT_VERSION}" in msg
-    assert bytes(pool._segment.buf) == patched
+    assert segment_image(pool) == patched
 
 
 def test_attach_mismatching_config_lists_every_field(pool):
     """attach() with expected config values that differ lists every differing field."""
-    before = bytes(pool._segment.buf)
+    before = segment_image(pool)
     with pytest.raises(LayoutMismatchError) as info:
         BlockPool.attach(pool.pool_name, num_gpu_blocks=12, hash_block_size=32,
                          enable_kv_cache_events=False)
@@ -277,7 +277,7 @@ def test_attach_mismatching_config_lists_every_field(pool):
     assert "hash_block_size: expected 32, found 16" in msg
     assert "enable_kv_cache_events: expected False, found True" in msg
     assert "enable_caching" not in msg  # not given, so not compared
-    assert bytes(pool._segment.buf) == before
+    assert segment_image(pool) == before
 
 
 def test_attach_matching_config_works(pool):
@@ -555,9 +555,9 @@ def test_evict_blocks_handle_instead_of_id(pool):
 
 def test_reset_prefix_cache_with_blocks_in_use(pool):
     """reset_prefix_cache() with blocks in use returns False and changes nothing."""
-    before = bytes(pool._segment.buf)
+    before = segment_image(pool)
     assert pool.reset_prefix_cache() is False
-    assert bytes(pool._segment.buf) == before
+    assert segment_image(pool) == before
 
 
 # ----------------------------------------------------------------------------- unlink

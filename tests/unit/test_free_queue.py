@@ -9,6 +9,7 @@ import pytest
 from shmkv import OutOfBlocksError, UsageError
 from shmkv.layout import NO_BLOCK
 from shmkv.recovery import collect_violations
+from tests.helpers import segment_image
 
 
 def links(pool, block_id):
@@ -86,10 +87,10 @@ def test_popleft_n_returns_head_in_order_with_cleared_links(make_pool, n):
 def test_popleft_n_more_than_free_changes_nothing(make_pool):
     """Asking for more blocks than are free raises vLLM's message and pops nothing."""
     pool = make_pool(5)
-    before = bytes(pool._segment.buf)
+    before = segment_image(pool)
     with pytest.raises(ValueError, match="^Cannot get 5 free blocks from the pool$"):
         pool.free_block_queue.popleft_n(5)
-    assert bytes(pool._segment.buf) == before
+    assert segment_image(pool) == before
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 30])
@@ -138,7 +139,7 @@ def test_remove_of_unqueued_block_raises(make_pool):
     pool = make_pool(5)
     q = pool.free_block_queue
     b = q.popleft()
-    before = bytes(pool._segment.buf)
+    before = segment_image(pool)
     with pytest.raises(UsageError, match=f"block {b} is not in the free queue"):
         q.remove(b)
-    assert bytes(pool._segment.buf) == before
+    assert segment_image(pool) == before

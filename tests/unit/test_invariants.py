@@ -18,7 +18,7 @@ import shmkv.recovery
 from shmkv import BlockPool, InvariantViolation, SegmentError
 from shmkv import layout as L
 from shmkv.errors import LayoutMismatchError
-from tests.helpers import make_request
+from tests.helpers import make_request, segment_image
 
 ALL_IDS = {"INV-HDR", "INV-FREE", "INV-QKEY", "INV-REF", "INV-CONSERVE", "INV-HASH",
            "INV-LEDGER", "INV-PROC", "INV-LOG"}
@@ -149,9 +149,9 @@ def test_healthy_scene_passes(scene):
 
 def test_check_on_healthy_pool_writes_nothing(scene):
     """A passing check leaves the segment byte-for-byte unchanged."""
-    before = bytes(scene.pool._segment.buf)
+    before = segment_image(scene.pool)
     scene.pool.check_invariants()
-    assert bytes(scene.pool._segment.buf) == before
+    assert segment_image(scene.pool) == before
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

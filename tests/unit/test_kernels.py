@@ -89,7 +89,8 @@ def test_c_kernel_refuses_another_geometry(make_pool):
     with pytest.raises(ValueError, match="built for another block layout"):
         _ckernel.Kernel(pool._segment.buf, lay.offsets["block_meta"],
                         lay.offsets["index_buckets"], lay.offsets["ledger"], 8,
-                        lay.config.num_index_buckets, wrong)
+                        lay.config.num_index_buckets, lay.offsets["journal"],
+                        lay.config.journal_entries, wrong)
 
 
 @needs_c

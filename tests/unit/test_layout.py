@@ -43,14 +43,17 @@ def test_regions_are_aligned_and_disjoint(num_blocks):
     assert buckets >= 2 * num_blocks and buckets & (buckets - 1) == 0
 
 
-def test_budget_is_at_most_64_bytes_per_block_plus_index_and_ledger():
+def test_budget_is_at_most_64_bytes_per_block_plus_index_ledger_and_journal():
     """Metadata stays within 64 B per block plus the 4-byte index buckets (<= 4 per block)
-    plus the ledger (4 B per block per process slot)."""
+    plus the ledger (4 B per block per process slot) plus the undo journal (16 B per entry,
+    at most 32 MiB by default)."""
     n = 1 << 20
     cfg = PoolConfig(num_blocks=n, hash_block_size=16, max_processes=8)
     lay = Layout.from_config(cfg)
     ledger = 4 * n * cfg.max_processes
-    assert lay.total_bytes <= n * 64 + cfg.num_index_buckets * 4 + ledger + 8192
+    assert cfg.journal_entries == L.default_journal_entries(n) == 1 << 21
+    journal = 16 * cfg.journal_entries
+    assert lay.total_bytes <= n * 64 + cfg.num_index_buckets * 4 + ledger + journal + 8192
 
 
 def test_docstring_names_every_region_and_field():

@@ -12,7 +12,7 @@ from shmkv import BlockPool, InvariantViolation
 from shmkv import layout as L
 from shmkv.errors import FencedError, LockTimeoutError, PoolFullError, SegmentError
 from shmkv.events import BlockRemoved, BlockStored
-from tests.helpers import make_request
+from tests.helpers import make_request, segment_image
 
 
 def _attach(pool, **kw):
@@ -59,10 +59,10 @@ def test_freeing_another_processes_reference_is_refused(make_pool):
     blocks = pool.get_new_blocks(2)
     other = _attach(pool)
     try:
-        before = bytes(pool._segment.buf)
+        before = segment_image(pool)
         with pytest.raises(ValueError, match="this process holds 0 reference"):
             other.free_blocks([other.blocks[blocks[0].block_id]])
-        assert bytes(pool._segment.buf) == before
+        assert segment_image(pool) == before
     finally:
         other.close()
 
@@ -93,10 +93,10 @@ def test_reap_dead_releases_a_dead_slots_references(make_pool):
     assert int(pool._hdr64[L.H_NUM_REAPED]) == 1
     pool.check_invariants()
     # The reaped process is fenced: its next call fails and writes nothing.
-    before = bytes(pool._segment.buf)
+    before = segment_image(pool)
     with pytest.raises(FencedError, match="reclaimed"):
         other.get_new_blocks(1)
-    assert bytes(pool._segment.buf) == before
+    assert segment_image(pool) == before
     other.close()  # closing a fenced pool gives nothing back and does not raise
     pool.check_invariants()
 

@@ -1,0 +1,173 @@
+"""The undo journal: every write under the pool lock first records the old value.
+
+Protocol (region ``journal`` and header word ``journal_len``, see ``shmkv/layout.py``): to
+write a word, the lock holder stores ``(where, old)`` at ``journal[journal_len]``, then
+bumps ``journal_len``, then writes the word. A kill between any two of those stores leaves
+entries ``[0, journal_len)`` that restore every word the hold changed (an entry written but
+not yet counted guards a word not yet written). The holder commits by zeroing
+``journal_len`` on release, before it clears the holder record; whoever takes the lock with
+``journal_len != 0`` repairs first: :func:`undo` restores the words, earliest entry first
+for a word written twice, so the pool is exactly what it was when the dead hold began. A
+hold that writes more words than the journal has entries sets ``journal_len`` to
+``JOURNAL_OVERFLOWED`` and goes on unjournaled; its repair is ``recovery.rebuild``.
+
+The C kernel (``_ckernel.c``) writes the same entries for its own stores. Here, the Python
+side writes through :class:`JournaledView` (single words, for the hot paths) and
+:class:`JournaledColumn` (numpy fancy-index writes, journaled in one vectorised append).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shmkv import fault as _fault
+from shmkv import layout as L
+
+_H_LEN = L.H_JOURNAL_LEN
+_OVERFLOWED = L.JOURNAL_OVERFLOWED
+
+
+class Journal:
+    """This process's writer of the pool's undo journal (callers hold the pool lock)."""
+
+    def __init__(self, buf, layout: L.Layout, hdr64) -> None:
+        mem = memoryview(buf)
+        self._seg32 = mem.cast("i")
+        self._seg64 = mem.cast("q")
+        off = layout.offsets["journal"]
+        cap = layout.config.journal_entries
+        self._ent = mem[off:off + 16 * cap].cast("q")  # where, old, where, old, ...
+        self._entries = layout.view(buf, "journal")
+        self._seg32_np = np.frombuffer(buf, dtype="<i4")
+        self._seg64_np = np.frombuffer(buf, dtype="<i8")
+        self._hdr = hdr64
+        self.capacity = cap
+
+    def release(self) -> None:
+        for view in (self._ent, self._seg32, self._seg64):
+            view.release()
+        self._entries = self._seg32_np = self._seg64_np = None
+
+    def save(self, offset: int, width: int) -> None:
+        """Records the ``width``-byte word (4 or 8) at byte ``offset`` before a write."""
+        hdr = self._hdr
+        n = hdr[_H_LEN]
+        if _fault.armed:
+            _fault.tick()
+        if 0 <= n < self.capacity:
+            ent = self._ent
+            ent[2 * n] = offset << 4 | width
+            ent[2 * n + 1] = self._seg32[offset >> 2] if width == 4 else self._seg64[offset >> 3]
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_LEN] = n + 1
+        elif n >= 0:
+            hdr[_H_LEN] = _OVERFLOWED
+        if _fault.armed:
+            _fault.tick()  # the write the caller makes next
+
+    def save_many(self, offsets: np.ndarray, width: int) -> None:
+        """Records the words at byte ``offsets`` (an int64 array) before a bulk write."""
+        hdr = self._hdr
+        n = hdr[_H_LEN]
+        k = len(offsets)
+        if _fault.armed:
+            _fault.tick()
+        if n >= 0 and n + k <= self.capacity:
+            entries = self._entries
+            entries["where"][n:n + k] = offsets << 4 | width
+            if width == 4:
+                entries["old"][n:n + k] = self._seg32_np[offsets >> 2]
+            else:
+                entries["old"][n:n + k] = self._seg64_np[offsets >> 3]
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_LEN] = n + k
+        elif n >= 0:
+            hdr[_H_LEN] = _OVERFLOWED
+        if _fault.armed:
+            _fault.tick()
+
+    def save_bytes(self, offset: int, nbytes: int) -> None:
+        """Records ``nbytes`` (a multiple of 8, 8-aligned) from byte ``offset`` as words."""
+        if nbytes == 8:
+            self.save(offset, 8)
+        else:
+            self.save_many(np.arange(offset, offset + nbytes, 8, dtype=np.int64), 8)
+
+
+class JournaledView:
+    """A flat or strided memoryview whose item writes are journaled first.
+
+    Args:
+        view: the memoryview (format "i" or "q").
+        journal: the pool's journal.
+        base: byte offset in the segment of item 0.
+        stride: bytes between items.
+    """
+
+    __slots__ = ("_view", "_save", "_base", "_stride", "_width")
+
+    def __init__(self, view, journal: Journal, base: int, stride: int) -> None:
+        self._view = view
+        self._save = journal.save
+        self._base = base
+        self._stride = stride
+        self._width = view.itemsize
+
+    def __getitem__(self, i):
+        return self._view[i]
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self._save(self._base + i * self._stride, self._width)
+        self._view[i] = value
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def release(self) -> None:
+        self._view.release()
+
+
+class JournaledColumn:
+    """A numpy column (one field of a structured array, or a plain int array) whose
+    fancy-index writes are journaled first, in one vectorised append."""
+
+    __slots__ = ("_col", "_journal", "_base", "_stride", "_width")
+
+    def __init__(self, col: np.ndarray, journal: Journal, base: int) -> None:
+        self._col = col
+        self._journal = journal
+        self._base = base
+        self._stride = col.strides[0]
+        self._width = col.dtype.itemsize
+
+    def __getitem__(self, idx):
+        return self._col[idx]
+
+    def __setitem__(self, idx, value) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        self._journal.save_many(self._base + idx * self._stride, self._width)
+        self._col[idx] = value
+
+
+def undo(buf, layout: L.Layout, hdr64) -> int:
+    """Restores every word the journal records and empties it; returns the entries undone.
+    Idempotent until ``journal_len`` is zeroed, which it does last, so a repairer that dies
+    half way leaves the same work to the next one. The caller holds the lock and has seen
+    ``0 < journal_len``."""
+    n = hdr64[_H_LEN]
+    entries = layout.view(buf, "journal")[:n]
+    where = entries["where"]
+    # Earliest entry of each word: its value before the hold.
+    _, first = np.unique(where, return_index=True)
+    where, old = where[first], entries["old"][first]
+    offsets, widths = where >> 4, where & 15
+    seg32 = np.frombuffer(buf, dtype="<i4")
+    seg64 = np.frombuffer(buf, dtype="<i8")
+    four = widths == 4
+    seg32[offsets[four] >> 2] = old[four].astype(np.int32)
+    eight = widths == 8
+    seg64[offsets[eight] >> 3] = old[eight]
+    hdr64[_H_LEN] = 0
+    return int(n)

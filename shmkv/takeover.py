@@ -1,0 +1,141 @@
+"""Taking the pool lock over from a process that died holding it.
+
+A POSIX semaphore is not released when its holder dies. A waiter wakes after every empty
+wait slice (``lock.WAIT_SLICE_S``) and calls :meth:`TakeOver.on_stall`, which recognises two
+situations:
+
+1. **Dead holder.** ``holder`` names a slot whose liveness byte is free (the process is
+   gone; ``shmkv/liveness.py``), or, for a holder without a slot (a process attaching to a
+   full table), a pid that no longer exists. Unambiguous: the holder writes ``holder`` after
+   taking the semaphore and clears it before posting, so the unit died with it.
+2. **Stuck with no holder.** ``holder == 0``, the semaphore at 0 and ``lock_seq`` unchanged
+   for ``stuck_after_s``, and some slot whose process is dead shows ``lock_phase``
+   ACQUIRING or RELEASING: it died between taking the semaphore and writing ``holder``, or
+   between clearing ``holder`` and posting. (A live process takes nanoseconds over either
+   window; a dead one marked ACQUIRING may also have died while still waiting, which is why
+   the semaphore must have stood still for a long time. A live process stopped, SIGSTOP,
+   inside that window for longer than ``stuck_after_s`` while such a dead waiter exists
+   would be taken for dead: the one case this cannot tell apart.)
+
+Exactly one waiter takes over: the candidates race for an OFD lock on the arbiter byte of
+the liveness file; the winner re-reads the lock's state under it, writes its own holder
+record if nothing moved, and owns the semaphore unit the dead process took. The lock then
+calls the pool's repair (``BlockPool._repair_locked``) before anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+
+from shmkv import layout as L
+from shmkv.liveness import AliveLocks
+from shmkv.lock import decode_holder, lock_name
+
+DEFAULT_STUCK_AFTER_S = 2.0
+
+
+class TakeOver:
+    """One process's take-over logic for one pool.
+
+    Args:
+        shm_name: the pool's segment name.
+        hdr64: flat int64 view of the header; procs: numpy view of the process table.
+        alive: this process's liveness-file handle.
+        my_holder_word: callable() -> this process's ``holder`` word.
+        stuck_after_s: how long the lock must stand still with no holder before a dead
+            ACQUIRING/RELEASING process is taken to have its semaphore unit.
+    """
+
+    def __init__(self, shm_name: str, hdr64, procs: np.ndarray, alive: AliveLocks,
+                 my_holder_word, stuck_after_s: float = DEFAULT_STUCK_AFTER_S) -> None:
+        self._sem = posix_ipc.Semaphore(lock_name(shm_name))
+        self._hdr = hdr64
+        self._procs = procs
+        self._alive = alive
+        self._my_word = my_holder_word
+        self.stuck_after_s = stuck_after_s
+        self._threads = threading.Lock()  # threads of one process share the OFD arbiter
+        self._stuck_seq: int | None = None
+        self._stuck_since = 0.0
+        self.victim: str = ""  # who the last take-over was from, for the repair's report
+
+    def close(self) -> None:
+        self._sem.close()
+
+    def _holder_dead(self, word: int) -> bool:
+        slot, pid = decode_holder(word)
+        if 0 <= slot < len(self._procs):
+            return not self._alive.is_alive(slot)
+        try:  # a holder without a slot: only its pid to go on
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def _dead_in_transition(self) -> list[int]:
+        """Slots whose process is dead and whose lock_phase is not IDLE."""
+        phases = self._procs["lock_phase"]
+        return [
+            slot for slot in np.flatnonzero(phases != L.PHASE_IDLE).tolist()
+            if not self._alive.is_alive(slot)
+        ]
+
+    def _stuck_without_holder(self) -> bool:
+        seq = self._hdr[L.H_LOCK_SEQ]
+        if self._sem.value != 0:
+            self._stuck_seq = None
+            return False
+        now = time.monotonic()
+        if self._stuck_seq != seq:
+            self._stuck_seq, self._stuck_since = seq, now
+            return False
+        return now - self._stuck_since >= self.stuck_after_s
+
+    def on_stall(self) -> bool:
+        """Called by a waiter after an empty wait slice. Returns True when this process has
+        taken the lock over (its holder record is written; it owns the semaphore unit)."""
+        hdr = self._hdr
+        word = hdr[L.H_HOLDER]
+        if word:
+            self._stuck_seq = None
+            if not self._holder_dead(word):
+                return False
+            victim = "holder slot %d (pid %d) died holding the lock" % decode_holder(word)
+        else:
+            if not self._stuck_without_holder():
+                return False
+            dead = self._dead_in_transition()
+            if not dead:
+                return False
+            seq = hdr[L.H_LOCK_SEQ]
+            victim = (
+                f"the lock stood taken with no holder for {self.stuck_after_s} s; dead "
+                f"process(es) in slot(s) {dead} were taking or giving it back"
+            )
+        if not self._threads.acquire(blocking=False):
+            return False
+        try:
+            if not self._alive.try_arbiter():
+                return False
+            try:
+                # Re-read under the arbiter: another waiter may have taken over (and even
+                # released) since.
+                if hdr[L.H_HOLDER] != word:
+                    return False
+                if not word and (hdr[L.H_LOCK_SEQ] != seq or self._sem.value != 0):
+                    return False
+                hdr[L.H_HOLDER] = self._my_word()
+                self.victim = victim
+                self._stuck_seq = None
+                return True
+            finally:
+                self._alive.release_arbiter()
+        finally:
+            self._threads.release()
