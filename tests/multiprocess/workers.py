@@ -145,8 +145,10 @@ def create_and_wait(name: str, ready, stop) -> None:
 
 
 def hold_lock_forever(name: str, held) -> None:
-    """Attach, take the pool lock, and never give it back (the parent kills us)."""
+    """Attach, take four blocks and the pool lock, and never give the lock back (the parent
+    kills us)."""
     pool = BlockPool.attach(name, label="holder")
+    pool.get_new_blocks(4)
     pool.lock().acquire()
     held.set()
     time.sleep(120)
