@@ -719,7 +719,20 @@ class BlockPool:
                 )
         if reaped:
             self._hdr_w[L.H_NUM_REAPED] += reaped
+        self._clear_dead_phases_locked()
         return reaped
+
+    def _clear_dead_phases_locked(self) -> None:
+        """Sets ``lock_phase`` back to IDLE in free rows whose process died taking or giving
+        back the lock (one that died attaching, or closing): nobody else would, and a stale
+        mark would make a later stuck lock look like its doing."""
+        phases = self._procs["lock_phase"]
+        stale = np.flatnonzero((phases != L.PHASE_IDLE) & (self._procs["state"] == L.SLOT_FREE))
+        base = self._layout.offsets["proc_table"] + 8 * L.P_LOCK_PHASE
+        for slot in stale.tolist():
+            if slot != self.slot and not self._alive.is_alive(slot):
+                self._journal.save(base + slot * L.PROC_DTYPE.itemsize, 8)
+                phases[slot] = L.PHASE_IDLE
 
     def _repair_locked(self, took_over: bool) -> None:
         """Repairs the pool at the start of a hold that took the lock over from a dead
