@@ -10,9 +10,10 @@ log_write_pos)`` always holds whole, intact records with consecutive sequence nu
 starting at ``log_oldest_seq``.
 
 Writers append under the pool lock, journaling (``shmkv/journal.py``) the ring bytes and
-header words they overwrite, so a writer killed half way is rolled back whole. Readers keep a private cursor ``(seq, pos)`` and copy
-records out under the lock; a reader that fell more than a ring behind is told how many
-events it lost and continues from the oldest record still there.
+header words they overwrite, so a writer killed half way is rolled back whole. Readers keep
+a private cursor ``(seq, pos)`` and copy records out under the lock; a reader that fell
+more than a ring behind is told how many events it lost and continues from the oldest
+record still there.
 """
 
 from __future__ import annotations

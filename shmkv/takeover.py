@@ -107,7 +107,8 @@ class TakeOver:
             self._stuck_seq = None
             if not self._holder_dead(word):
                 return False
-            victim = "holder slot %d (pid %d) died holding the lock" % decode_holder(word)
+            slot, pid = decode_holder(word)
+            victim = f"holder slot {slot} (pid {pid}) died holding the lock"
         else:
             if not self._stuck_without_holder():
                 return False
