@@ -786,6 +786,31 @@ class BlockPool:
             if counting:
                 _fault.end()
 
+    def reclaim_slot(self, slot: int) -> int:
+        """Takes a process-table slot away from its process, dead or alive: releases every
+        reference it holds and frees the slot. For a process that is stuck (stopped, hung)
+        but not dead: it is fenced, gets ``FencedError`` on its next call and never writes
+        into the pool again. Returns the references released.
+
+        Raises:
+            UsageError: ``slot`` is not an active slot, or is this process's own.
+        """
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise UsageError(f"reclaim_slot(): slot must be an int, got {slot!r}")
+        with self._lock:
+            if not 0 <= slot < self.max_processes or (
+                self._procs[slot]["state"] != L.SLOT_ACTIVE
+            ):
+                raise UsageError(f"reclaim_slot(): slot {slot} is not an active slot")
+            if slot == self.slot:
+                raise UsageError("reclaim_slot(): that is this process's own slot; close() it")
+            pid = int(self._procs[slot]["pid"])
+            released = self._release_slot_locked(slot)
+            logger.warning("pool %s: reclaimed slot %d (pid %d, %s): %d block references "
+                           "released", self.pool_name, slot, pid,
+                           "alive" if self._alive.is_alive(slot) else "dead", released)
+            return released
+
     def lock(self):
         """The pool lock, as a context manager: ``with pool.lock(): ...`` makes a sequence of
         calls (lookups, touches, allocations) atomic with respect to other processes. It is

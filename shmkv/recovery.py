@@ -21,6 +21,10 @@ Catalogue (error messages and tests quote the ids):
   ledger column over the active process slots; ledger entries are ``>= 0``; a free slot's row
   and the null block's column are all zero.
 - **INV-PROC**: an active slot has a pid and a non-zero incarnation; a free slot has neither.
+- **INV-JOURNAL**: ``journal_len`` is in ``[0, journal_entries]`` or ``JOURNAL_OVERFLOWED``;
+  each counted entry names an aligned 4- or 8-byte word inside the segment, past the
+  header's immutable part; every process row's ``lock_phase`` is IDLE, ACQUIRING or RELEASING.
+  (Outside any hold ``journal_len`` is 0; checks run inside one, where it may not be.)
 - **INV-LOG**: the event ring's pointers are ordered (``oldest_pos <= write_pos <= oldest_pos
   + capacity``, ``oldest_seq <= next_seq``) and the records between them carry consecutive
   sequence numbers, ``next_seq - oldest_seq`` of them.
@@ -287,6 +291,32 @@ def _check_event_log(pool: BlockPool, out: list[str]) -> None:
         )
 
 
+def _check_journal(pool: BlockPool, out: list[str]) -> None:
+    lay = pool._layout
+    cap = lay.config.journal_entries
+    length = int(pool._hdr64[L.H_JOURNAL_LEN])
+    if length == L.JOURNAL_OVERFLOWED:
+        pass
+    elif not 0 <= length <= cap:
+        out.append(f"INV-JOURNAL: journal_len is {length}, outside [0, {cap}] and not -1")
+        return
+    else:
+        where = lay.view(pool._segment.buf, "journal")["where"][:length]
+        offsets, widths = where >> 4, where & 15
+        first_mutable = L.HEADER_DTYPE.fields["epoch"][1]
+        bad = ((widths != 4) & (widths != 8)) | (offsets % widths != 0) | (
+            offsets < first_mutable) | (offsets + widths > lay.total_bytes)
+        if bad.any():
+            i = int(np.argmax(bad))
+            out.append(f"INV-JOURNAL: entry {i} names {int(widths[i])} byte(s) at offset "
+                       f"{int(offsets[i])}: not an aligned word of the segment's mutable part")
+    phases = pool._procs["lock_phase"]
+    odd = np.flatnonzero((phases < L.PHASE_IDLE) | (phases > L.PHASE_RELEASING))
+    if len(odd):
+        slot = int(odd[0])
+        out.append(f"INV-JOURNAL: slot {slot} has lock_phase {int(phases[slot])}")
+
+
 def collect_violations(pool: BlockPool) -> list[str]:
     """Every broken invariant of ``pool``, each message starting with its id."""
     out: list[str] = []
@@ -296,6 +326,7 @@ def collect_violations(pool: BlockPool) -> list[str]:
     _check_index(pool, out)
     _check_ledger_and_procs(pool, out)
     _check_event_log(pool, out)
+    _check_journal(pool, out)
     return out
 
 

@@ -124,6 +124,23 @@ def diff(got: dict, want: dict) -> str:
 @pytest.mark.parametrize("op", S.OPS)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kill_at_every_store(kernel, op, forker):
+    kill_at_every_store(kernel, op, forker)
+
+
+@pytest.mark.xfail(strict=True, reason="without the journal's rollback a killed call's "
+                   "half-done writes stay: the harness must see it")
+def test_kill_at_every_store_without_rollback_is_detected(forker, monkeypatch):
+    import shmkv.block_pool
+
+    def forget(buf, layout, hdr64) -> int:  # empties the journal, restores nothing
+        hdr64[L.H_JOURNAL_LEN] = 0
+        return 1
+
+    monkeypatch.setattr(shmkv.block_pool, "undo", forget)
+    kill_at_every_store("python", "allocate", forker)
+
+
+def kill_at_every_store(kernel: str, op: str, forker) -> None:
     never = reference(kernel, op, "never", forker)
     done = reference(kernel, op, "done", forker)
     # A reap's work is the same whoever does it: the zombie's and the victim's references

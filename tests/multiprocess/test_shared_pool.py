@@ -249,3 +249,45 @@ def test_waiting_on_a_live_holder_times_out_naming_it_alive(spawn_ctx, kernel):
         assert holder.exitcode == -9
         pool.close()
         BlockPool.unlink(name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_reclaimed_process_is_fenced_and_writes_nothing(spawn_ctx, kernel):
+    """A stopped (not dead) process whose slot is reclaimed gets its references released
+    at once; resumed, its next call raises FencedError and neither that call nor its close()
+    writes a byte into the pool."""
+    import signal
+
+    from tests.helpers import segment_image
+
+    name = unique_pool_name("fenced")
+    pool = BlockPool.create(name, 16, kernel=kernel)
+    ready, go, result = spawn_ctx.Event(), spawn_ctx.Event(), spawn_ctx.Queue()
+    child = spawn_ctx.Process(target=workers.attach_hold_then_call,
+                              args=(name, kernel, ready, go, result))
+    child.start()
+    try:
+        assert ready.wait(60)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert [p["pid"] for p in pool.processes() if not p["self"]] == [child.pid]
+        assert pool.reclaim_slot(1) == 3
+        assert pool.get_num_free_blocks() == 15
+        pool.check_invariants()
+        image = segment_image(pool)
+        os.kill(child.pid, signal.SIGCONT)
+        go.set()
+        assert "FencedError" in result.get(timeout=60)
+        child.join(60)
+        assert child.exitcode == 0
+        assert segment_image(pool) == image  # the fenced process wrote nothing
+        with pytest.raises(ValueError, match="not an active slot"):
+            pool.reclaim_slot(1)
+        with pytest.raises(ValueError, match="own slot"):
+            pool.reclaim_slot(pool.slot)
+        pool.check_invariants()
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        pool.close()
+        BlockPool.unlink(name)

@@ -152,3 +152,22 @@ def hold_lock_forever(name: str, held) -> None:
     pool.lock().acquire()
     held.set()
     time.sleep(120)
+
+
+def attach_hold_then_call(name: str, kernel: str, ready, go, result) -> None:
+    """Attach and take three blocks; once told, make one more call and report what it
+    raised (the parent reclaims this process's slot while it is stopped)."""
+    from shmkv import FencedError
+
+    pool = BlockPool.attach(name, kernel=kernel, label="frozen")
+    pool.get_new_blocks(3)
+    ready.set()
+    if not go.wait(60):
+        raise SystemExit(2)
+    try:
+        pool.get_new_blocks(1)
+    except FencedError as exc:
+        result.put(f"FencedError: {exc}")
+    else:
+        result.put("no error")
+    pool.close()

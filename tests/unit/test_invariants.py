@@ -21,7 +21,7 @@ from shmkv.errors import LayoutMismatchError
 from tests.helpers import make_request, segment_image
 
 ALL_IDS = {"INV-HDR", "INV-FREE", "INV-QKEY", "INV-REF", "INV-CONSERVE", "INV-HASH",
-           "INV-LEDGER", "INV-PROC", "INV-LOG"}
+           "INV-LEDGER", "INV-PROC", "INV-LOG", "INV-JOURNAL"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -138,7 +138,7 @@ def unchain(scene: Scene, block_id: int) -> int:
 
 
 def test_catalogue_ids_are_the_ones_tested():
-    """The ids in recovery.py's catalogue are exactly the six this module tests."""
+    """The ids in recovery.py's catalogue are exactly the ones this module tests."""
     assert set(re.findall(r"\*\*(INV-[A-Z]+)\*\*", shmkv.recovery.__doc__)) == ALL_IDS
 
 
@@ -524,3 +524,62 @@ def test_violation_poisons_segment_and_attach_refuses(scene):
     # Repairing the block does not clear the poison: the checker still reports the state.
     scene.blocks["ref_cnt"][scene.held_unhashed[0]] = 1
     assert_reports(pool, exactly={"INV-HDR"}, message="state is POISONED")
+
+
+# ----------------------------------------------------------------------------- INV-JOURNAL
+# A non-empty journal at the start of a hold means a dead hold, which the lock repairs
+# before anything else; so these corrupt it, and check, inside one hold.
+
+
+def test_journal_length_out_of_range(scene):
+    pool = scene.pool
+    with pool.lock():
+        pool._hdr64[L.H_JOURNAL_LEN] = pool.layout.config.journal_entries + 1
+        assert_reports(pool, exactly={"INV-JOURNAL"}, message="outside [0,")
+        pool._hdr64[L.H_JOURNAL_LEN] = 0
+
+
+def test_journal_entry_outside_the_segment(scene):
+    pool = scene.pool
+    entries = pool.layout.view(pool._segment.buf, "journal")
+    with pool.lock():
+        entries[0] = ((pool.layout.total_bytes << 4) | 8, 0)
+        pool._hdr64[L.H_JOURNAL_LEN] = 1
+        assert_reports(pool, exactly={"INV-JOURNAL"}, message="entry 0 names 8 byte(s)")
+        pool._hdr64[L.H_JOURNAL_LEN] = 0
+
+
+def test_journal_entry_in_the_immutable_header(scene):
+    pool = scene.pool
+    entries = pool.layout.view(pool._segment.buf, "journal")
+    with pool.lock():
+        entries[0] = ((8 << 4) | 4, 0)  # layout_version
+        pool._hdr64[L.H_JOURNAL_LEN] = 1
+        assert_reports(pool, exactly={"INV-JOURNAL"}, message="mutable part")
+        pool._hdr64[L.H_JOURNAL_LEN] = 0
+
+
+def test_journal_bad_lock_phase(scene):
+    scene.pool._procs["lock_phase"][3] = 7  # a free slot's row
+    assert_reports(scene.pool, exactly={"INV-JOURNAL"}, message="slot 3 has lock_phase 7")
+
+
+def test_a_hold_that_finds_the_journal_non_empty_rolls_it_back(scene):
+    """What the crash tests rely on, in one process: journal entries a hold left without
+    committing are undone by the next acquire, which restores every word they name."""
+    pool = scene.pool
+    queue = pool.get_free_block_ids()
+    refs = pool._blocks["ref_cnt"].copy()
+    ledger = pool._ledger.copy()
+    with pool.lock():
+        pool.get_new_blocks(2)
+        pool.free_blocks(pool.get_new_blocks(1))
+        left = int(pool._hdr64[L.H_JOURNAL_LEN])
+        assert left > 0
+    # The release committed (journal_len = 0); a hold killed before its commit leaves this:
+    pool._hdr64[L.H_JOURNAL_LEN] = left
+    assert pool.get_free_block_ids() == queue  # this call's acquire rolled the hold back
+    assert (pool._blocks["ref_cnt"] == refs).all() and (pool._ledger == ledger).all()
+    assert pool.last_repair.journal_entries_undone == left
+    assert not pool.last_repair.took_over
+    pool.check_invariants()
