@@ -469,6 +469,7 @@ class BlockPool:
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         _lock_enabled: bool = True,
+        _recovering: bool = False,
     ) -> BlockPool:
         """Attaches this process to an existing pool, taking a process-table slot. Any
         config value given must match the segment's.
@@ -492,7 +493,7 @@ class BlockPool:
             "enable_kv_cache_events": enable_kv_cache_events,
         }
         try:
-            layout = read_config(segment, expected)
+            layout = read_config(segment, expected, allow_poisoned=_recovering)
             return cls(segment, layout, owner=False, kernel=kernel, label=label,
                        lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s,
                        _lock_enabled=_lock_enabled)
@@ -785,6 +786,41 @@ class BlockPool:
         finally:
             if counting:
                 _fault.end()
+
+    def repair(self) -> dict:
+        """What ``shmkv recover`` does once attached (attaching already took the lock over
+        from a dead holder and rolled its hold back, see ``last_repair``): reaps the dead,
+        checks every invariant and, if any is broken, rebuilds the derived structures from
+        the authoritative ones (``shmkv.recovery.rebuild``) and checks again. A POISONED
+        pool that passes is READY again.
+
+        Returns:
+            a report: processes reaped, references released, violations found and left,
+            whether it rebuilt, the epoch.
+        """
+        from shmkv.recovery import collect_violations, rebuild
+
+        with self._lock:
+            self._last_reaped_refs = 0
+            reaped = self._reap_dead_locked()
+            found = collect_violations(self)
+            rebuilt = None
+            if found:
+                # A repairer killed during the rebuild leaves the same work to the next.
+                self._hdr64[L.H_JOURNAL_LEN] = L.JOURNAL_OVERFLOWED
+                rebuilt = rebuild(self)
+                self._hdr64[L.H_JOURNAL_LEN] = 0
+                if self._header["state"][0] == L.STATE_POISONED:
+                    self._header["state"] = L.STATE_READY
+            left = collect_violations(self) if found else []
+            return {
+                "processes_reaped": reaped,
+                "references_released": self._last_reaped_refs,
+                "violations_found": found,
+                "rebuilt": rebuilt,
+                "violations_left": left,
+                "epoch": int(self._hdr64[L.H_EPOCH]),
+            }
 
     def reclaim_slot(self, slot: int) -> int:
         """Takes a process-table slot away from its process, dead or alive: releases every

@@ -2,6 +2,7 @@
 
     shmkv demo [--processes N] [--requests R]   several schedulers share one pool
     shmkv inspect NAME                          a live pool: header, usage, processes, invariants
+    shmkv recover NAME [--reclaim PID]          take over from the dead, repair, report
     shmkv unlink NAME                           remove a pool's segment, lock and lock file
     shmkv cleanup [--dry-run]                   remove pools no live process is attached to
 
@@ -179,6 +180,57 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         pool.close()
 
 
+# ---------------------------------------------------------------------------- recover
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    pool = BlockPool.attach(args.name, label="shmkv-recover", lock_timeout_s=args.timeout,
+                            stuck_after_s=args.stuck_after, _recovering=True)
+    try:
+        print(f"pool {args.name}: attached as slot {pool.slot} (pid {pool.pid})")
+        taken = pool.last_repair
+        if taken is None:
+            print("  lock: free or held by a live process; no dead hold to roll back")
+        else:
+            print(f"  lock: taken over: {taken.cause}")
+            if taken.rebuilt:
+                print("  its hold had overflowed the journal: derived structures rebuilt")
+            else:
+                print(f"  its hold rolled back: {taken.journal_entries_undone} journaled "
+                      "word(s) restored")
+            print(f"  reaped with it: {taken.processes_reaped} process(es), "
+                  f"{taken.references_released} block reference(s) released")
+        for pid in args.reclaim:
+            slots = [p["slot"] for p in pool.processes() if p["pid"] == pid and not p["self"]]
+            if not slots:
+                print(f"  reclaim: no process with pid {pid} is attached", file=sys.stderr)
+                return EXIT_ERROR
+            released = pool.reclaim_slot(slots[0])
+            print(f"  reclaimed slot {slots[0]} (pid {pid}): {released} reference(s) "
+                  "released; the process is fenced")
+        report = pool.repair()
+        print(f"  dead processes reaped: {report['processes_reaped']} "
+              f"({report['references_released']} block reference(s) released)")
+        found = report["violations_found"]
+        print(f"  invariants: {'OK' if not found else f'{len(found)} broken'}")
+        for v in found:
+            print(f"    {v}")
+        if report["rebuilt"] is not None:
+            r = report["rebuilt"]
+            print(f"  rebuilt: {r.num_free_blocks} free blocks, {r.num_cached_blocks} cached, "
+                  f"{r.ref_cnt_fixed} ref counts fixed, {r.hashes_dropped} hashes dropped")
+            left = report["violations_left"]
+            print(f"  after the rebuild: {'OK' if not left else f'{len(left)} still broken'}")
+            for v in left:
+                print(f"    {v}")
+        free = pool.get_num_free_blocks()
+        print(f"  blocks: {free} free of {pool.num_gpu_blocks - 1}; epoch "
+              f"{report['epoch']}; {time.perf_counter() - t0:.3f} s")
+        return EXIT_OK if not report["violations_left"] else EXIT_PROBLEM
+    finally:
+        pool.close()
+
+
 # ---------------------------------------------------------------------------- unlink
 
 def cmd_unlink(args: argparse.Namespace) -> int:
@@ -270,6 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
                              "status of a live pool. Exit 1 if an invariant is broken.")
     inspect.add_argument("name", help="pool name")
     inspect.set_defaults(func=cmd_inspect)
+
+    recover = sub.add_parser(
+        "recover", help="take over from dead processes, repair, report",
+        description="Attaches to a pool (taking the lock over from a holder that died in "
+        "it and rolling its hold back), reaps dead processes, checks every invariant and "
+        "rebuilds the derived structures if one is broken; a POISONED pool that passes is "
+        "READY again. Exit 1 if the pool is still broken.")
+    recover.add_argument("name", help="pool name")
+    recover.add_argument("--reclaim", type=int, action="append", default=[], metavar="PID",
+                         help="also take the slot of this live (stuck) process; it is fenced")
+    recover.add_argument("--timeout", type=float, default=30.0,
+                         help="seconds to wait for the lock (30)")
+    recover.add_argument("--stuck-after", type=float, default=2.0,
+                         help="seconds a lock may stand taken with no holder before a dead "
+                         "taker is blamed (2)")
+    recover.set_defaults(func=cmd_recover)
 
     unlink = sub.add_parser("unlink", help="remove a pool",
                             description="Removes a pool's segment, lock and lock file. "

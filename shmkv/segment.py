@@ -128,7 +128,8 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     del hdr
 
 
-def read_config(seg: Segment, expected: dict[str, object] | None = None) -> L.Layout:
+def read_config(seg: Segment, expected: dict[str, object] | None = None,
+                allow_poisoned: bool = False) -> L.Layout:
     """Validates a segment's header and returns its layout.
 
     Checks, in order: size >= header, magic, layout version, format flags, header size,
@@ -212,7 +213,7 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None) -> L.La
                 f"segment {name} has another config: " + "; ".join(wrong)
             )
     state = int(hdr["state"])
-    if state != L.STATE_READY:
+    if state != L.STATE_READY and not (allow_poisoned and state == L.STATE_POISONED):
         label = L.STATE_NAMES.get(state, f"unknown ({state})")
         raise SegmentError(
             f"segment {name} is in state {label}, not READY"

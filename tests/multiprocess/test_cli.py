@@ -87,3 +87,53 @@ def test_cleanup_removes_only_pools_nobody_lives_in(spawn_ctx, make_pool):
             creator.kill()
             creator.join(10)
         BlockPool.unlink(dead_name)
+
+
+@pytest.mark.crash
+def test_recover_takes_over_from_a_holder_killed_mid_allocation(spawn_ctx, make_pool,
+                                                                monkeypatch):
+    """shmkv recover: a process killed by SHMKV_FAULT half way through an allocation,
+    inside the lock; recover takes the lock over, rolls the hold back, reaps the process,
+    and reports it. The pool is then exactly as before the allocation."""
+    from tests.multiprocess import workers
+
+    pool = make_pool(32)
+    pool.get_new_blocks(3)
+    queue = pool.get_free_block_ids()
+    monkeypatch.setenv("SHMKV_FAULT", "allocate:25")
+    child = spawn_ctx.Process(target=workers.attach_and_allocate, args=(pool.pool_name, 4))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -9
+    assert pool.holder() is not None and pool.holder()[1] == child.pid
+    out = shmkv("recover", pool.pool_name, "--stuck-after", "0.2")
+    assert out.returncode == 0, out.stderr
+    assert "died holding the lock" in out.stdout and f"pid {child.pid}" in out.stdout
+    assert "its hold rolled back:" in out.stdout
+    assert "reaped with it: 1 process(es)" in out.stdout
+    assert "invariants: OK" in out.stdout
+    assert pool.get_free_block_ids() == queue
+    pool.check_invariants()
+
+
+def test_recover_rebuilds_a_corrupted_pool_and_clears_the_poison(make_pool):
+    """A broken invariant (a ref count off by one) poisons the pool; recover rebuilds the
+    derived structures from the authoritative ones, says what it found, and the pool is
+    READY and valid again."""
+    from shmkv import InvariantViolation
+    from shmkv import layout as L
+
+    pool = make_pool(32)
+    blocks = pool.get_new_blocks(3)
+    pool._blocks["ref_cnt"][blocks[0].block_id] += 1
+    with pytest.raises(InvariantViolation):
+        pool.check_invariants()
+    assert pool._header["state"][0] == L.STATE_POISONED
+    out = shmkv("recover", pool.pool_name)
+    assert out.returncode == 0, out.stderr
+    assert "invariants: " in out.stdout and "broken" in out.stdout
+    assert "INV-LEDGER" in out.stdout
+    assert "1 ref counts fixed" in out.stdout and "after the rebuild: OK" in out.stdout
+    assert pool._header["state"][0] == L.STATE_READY
+    pool.check_invariants()
+    assert shmkv("recover", "no-such-pool").returncode == 2

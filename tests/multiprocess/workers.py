@@ -171,3 +171,10 @@ def attach_hold_then_call(name: str, kernel: str, ready, go, result) -> None:
     else:
         result.put("no error")
     pool.close()
+
+
+def attach_and_allocate(name: str, num_blocks: int) -> None:
+    """Attach and allocate (a fault armed through SHMKV_FAULT may kill us inside)."""
+    pool = BlockPool.attach(name, label="doomed")
+    pool.get_new_blocks(num_blocks)
+    pool.close()
