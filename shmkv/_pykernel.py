@@ -26,7 +26,7 @@ from collections import Counter
 import numpy as np
 
 from shmkv import layout as L
-from shmkv.errors import OutOfBlocksError, UsageError
+from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
 from shmkv.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
 from shmkv.journal import Journal, JournaledColumn, JournaledView
 from shmkv.prefix_index import BlockHashToBlockMap
@@ -71,6 +71,7 @@ class PyKernel:
         self._ref_col = JournaledColumn(blocks["ref_cnt"], journal, meta_offset)
         self._htok_col = blocks["hash_num_tokens"]
         self._num_blocks = num_blocks
+        self._chain_steps = range(num_blocks + 1)
         self._ref_view = i32[_REF::_R]
         self._ref = JournaledView(self._ref_view, journal, meta_offset + 4 * _REF, _ROW_BYTES)
         self._htok = i32[_HTOK::_R]
@@ -183,18 +184,22 @@ class PyKernel:
                 cur = self._buckets[(word ^ ((group_id * _GROUP_MIX) & _MASK64)) & self._mask]
             else:
                 cur = self._buckets[word & self._mask]
-            if cur != _NO_BLOCK:
-                group_of, inext, mem, hash0 = self._igroup, self._inext, self._mem, self._hash0
-                while cur != _NO_BLOCK:
-                    if group_of[cur] == group_id:
-                        off = hash0 + cur * _ROW_BYTES
-                        if mem[off:off + _HASH_BYTES] == block_hash:
-                            break
-                    cur = inext[cur]
-                else:
+            if cur == _NO_BLOCK:
+                return None
+            group_of, inext, mem, hash0 = self._igroup, self._inext, self._mem, self._hash0
+            for _ in self._chain_steps:  # bounded: a corrupt chain may loop
+                if group_of[cur] == group_id:
+                    off = hash0 + cur * _ROW_BYTES
+                    if mem[off:off + _HASH_BYTES] == block_hash:
+                        break
+                cur = inext[cur]
+                if cur == _NO_BLOCK:
                     return None
             else:
-                return None
+                raise InvariantViolation([
+                    "INV-FREE/INV-HASH: corrupt shared state: prefix-index chain leaves the "
+                    f"blocks or loops (row {cur})"
+                ])
             found.append(handles[cur] or make_handle(cur))
         return found
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from shmkv import layout as L
+from shmkv.errors import InvariantViolation
 from shmkv.journal import Journal, JournaledColumn, JournaledView
 
 _R = L.ROW_I32
@@ -110,6 +111,23 @@ class BlockHashToBlockMap:
         self._columns["hash_num_tokens"][hashed] = _NO_HASH_TOKENS
         self._columns["group_id"][hashed] = 0
 
+    def _chain_tail(self, cur: int) -> int:
+        """The last block of the chain through ``cur`` (a corrupt, looping chain raises
+        InvariantViolation rather than spinning, as the C kernel does)."""
+        inext = self.inext_raw
+        limit = len(inext)
+        nxt = inext[cur]
+        while nxt != _NO_BLOCK:
+            cur = nxt
+            nxt = inext[cur]
+            limit -= 1
+            if limit < 0:
+                raise InvariantViolation([
+                    "INV-FREE/INV-HASH: corrupt shared state: prefix-index chain leaves the "
+                    f"blocks or loops (row {cur})"
+                ])
+        return cur
+
     def _write_hash(self, off: int, block_hash: bytes) -> None:
         save = self._journal.save
         for word in range(off, off + _HASH_BYTES, 8):
@@ -138,13 +156,18 @@ class BlockHashToBlockMap:
         if cur == _NO_BLOCK:
             return _NO_BLOCK
         group_of, inext, mem, hash0 = self.group_raw, self.inext_raw, self._mem, self._hash0
-        while cur != _NO_BLOCK:
+        for _ in range(len(inext)):  # bounded: a corrupt chain may loop
             if group_of[cur] == group_id:
                 off = hash0 + cur * _ROW_BYTES
                 if mem[off:off + _HASH_BYTES] == block_hash:
                     return cur
             cur = inext[cur]
-        return _NO_BLOCK
+            if cur == _NO_BLOCK:
+                return _NO_BLOCK
+        raise InvariantViolation([
+            "INV-FREE/INV-HASH: corrupt shared state: prefix-index chain leaves the blocks "
+            f"or loops (row {cur})"
+        ])
 
     def contain(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
         """Whether ``block_id`` holds the key (it is then in the key's chain)."""
@@ -166,11 +189,7 @@ class BlockHashToBlockMap:
         if cur == _NO_BLOCK:
             buckets[bucket] = block_id
             return
-        nxt = inext[cur]
-        while nxt != _NO_BLOCK:
-            cur = nxt
-            nxt = inext[cur]
-        inext[cur] = block_id
+        inext[self._chain_tail(cur)] = block_id
 
     def insert_n(self, entries, group_id: int) -> None:
         """``insert(block_hash, group_id, block_id, num_tokens)`` for each
@@ -189,11 +208,7 @@ class BlockHashToBlockMap:
             if cur == _NO_BLOCK:
                 buckets[bucket] = block_id
                 continue
-            nxt = inext[cur]
-            while nxt != _NO_BLOCK:
-                cur = nxt
-                nxt = inext[cur]
-            inext[cur] = block_id
+            inext[self._chain_tail(cur)] = block_id
 
     def pop(self, block_id: int) -> tuple[bytes, int] | None:
         """Removes a block's key from the map and the block; returns (hash, group) or None."""
@@ -215,12 +230,19 @@ class BlockHashToBlockMap:
         if cur == block_id:
             buckets[bucket] = nxt
         else:
+            limit = len(self.inext_raw)
             while True:
                 after = inext[cur]
                 if after == block_id:
                     inext[cur] = nxt
                     break
                 cur = after
+                limit -= 1
+                if cur == _NO_BLOCK or limit < 0:
+                    raise InvariantViolation([
+                        f"INV-HASH: corrupt shared state: block {block_id} is not in the "
+                        f"chain of its bucket {bucket}"
+                    ])
         inext[block_id] = _NO_BLOCK
         htok[block_id] = _NO_HASH_TOKENS
         group_of[block_id] = 0

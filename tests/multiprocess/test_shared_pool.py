@@ -67,7 +67,7 @@ def test_churn_without_the_lock_is_detected(spawn_ctx, pool_factory):
     print(f"seed={seed}")
     pool = pool_factory(96, max_processes=8)
     args = [(pool.pool_name, seed + i, 3.0, "python", False) for i in range(4)]
-    codes = run_processes(spawn_ctx, workers.hammer, args)
+    codes = run_processes(spawn_ctx, workers.hammer, args, timeout_s=30)
     assert codes == [0] * 4, f"worker exit codes {codes}"
     _fresh_check(spawn_ctx, pool.pool_name, expect_all_free=True)
 
