@@ -50,21 +50,32 @@ class Journal:
 
     def save(self, offset: int, width: int) -> None:
         """Records the ``width``-byte word (4 or 8) at byte ``offset`` before a write."""
+        if _fault.armed:
+            return self._save_counted(offset, width)
         hdr = self._hdr
         n = hdr[_H_LEN]
-        if _fault.armed:
-            _fault.tick()
         if 0 <= n < self.capacity:
             ent = self._ent
             ent[2 * n] = offset << 4 | width
             ent[2 * n + 1] = self._seg32[offset >> 2] if width == 4 else self._seg64[offset >> 3]
-            if _fault.armed:
-                _fault.tick()
             hdr[_H_LEN] = n + 1
         elif n >= 0:
             hdr[_H_LEN] = _OVERFLOWED
-        if _fault.armed:
-            _fault.tick()  # the write the caller makes next
+
+    def _save_counted(self, offset: int, width: int) -> None:
+        """``save`` with a fault point before each of its stores and before the caller's."""
+        hdr = self._hdr
+        n = hdr[_H_LEN]
+        _fault.tick()
+        if 0 <= n < self.capacity:
+            ent = self._ent
+            ent[2 * n] = offset << 4 | width
+            ent[2 * n + 1] = self._seg32[offset >> 2] if width == 4 else self._seg64[offset >> 3]
+            _fault.tick()
+            hdr[_H_LEN] = n + 1
+        elif n >= 0:
+            hdr[_H_LEN] = _OVERFLOWED
+        _fault.tick()  # the write the caller makes next
 
     def save_many(self, offsets: np.ndarray, width: int) -> None:
         """Records the words at byte ``offsets`` (an int64 array) before a bulk write."""
@@ -106,11 +117,14 @@ class JournaledView:
         stride: bytes between items.
     """
 
-    __slots__ = ("_view", "_save", "_base", "_stride", "_width")
+    __slots__ = ("_view", "_journal", "_hdr", "_ent", "_cap", "_base", "_stride", "_width")
 
     def __init__(self, view, journal: Journal, base: int, stride: int) -> None:
         self._view = view
-        self._save = journal.save
+        self._journal = journal
+        self._hdr = journal._hdr
+        self._ent = journal._ent
+        self._cap = journal.capacity
         self._base = base
         self._stride = stride
         self._width = view.itemsize
@@ -119,7 +133,17 @@ class JournaledView:
         return self._view[i]
 
     def __setitem__(self, i: int, value: int) -> None:
-        self._save(self._base + i * self._stride, self._width)
+        # Journal.save, inlined (the Python kernel's every write comes here); the old value
+        # is read from this view, which names the same word.
+        hdr = self._hdr
+        n = hdr[_H_LEN]
+        if _fault.armed or not 0 <= n < self._cap:
+            self._journal.save(self._base + i * self._stride, self._width)
+        else:
+            ent = self._ent
+            ent[2 * n] = (self._base + i * self._stride) << 4 | self._width
+            ent[2 * n + 1] = self._view[i]
+            hdr[_H_LEN] = n + 1
         self._view[i] = value
 
     def __len__(self) -> int:
