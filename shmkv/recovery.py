@@ -34,6 +34,7 @@ hash fields, ``queue_key``): the fallback repair of the crash-safety plan
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -394,21 +395,27 @@ def _read_fields(pool: BlockPool, start: int, nbytes: int, out: np.ndarray) -> n
     row by row, field by field (two to four times slower). 16 bytes is the widest item that
     stays on the fast loop.
     """
-    fields = L.BLOCK_DTYPE.fields
-    names = [f for f, (dt, off) in fields.items()
-             if start <= off and off + dt.itemsize <= start + nbytes]
-    compact = np.dtype({
-        "names": names,
-        "formats": [fields[f][0] for f in names],
-        "offsets": [fields[f][1] - start for f in names],
-        "itemsize": nbytes,
-    })
     rows = np.ndarray(
         (pool._layout.config.num_blocks + 2,), dtype=f"V{nbytes}", buffer=pool._segment.buf,
         offset=pool._layout.offsets["block_meta"] + start, strides=(L.BLOCK_DTYPE.itemsize,),
     )
     np.copyto(out, rows)
-    return out.view(compact)
+    return out.view(_compact_dtype(start, nbytes))
+
+
+@functools.cache
+def _compact_dtype(start: int, nbytes: int) -> np.dtype:
+    """The ``BLOCK_DTYPE`` fields in bytes ``[start, start + nbytes)`` of a row, as a dtype of
+    ``nbytes``-byte items."""
+    fields = L.BLOCK_DTYPE.fields
+    names = [f for f, (dt, off) in fields.items()
+             if start <= off and off + dt.itemsize <= start + nbytes]
+    return np.dtype({
+        "names": names,
+        "formats": [fields[f][0] for f in names],
+        "offsets": [fields[f][1] - start for f in names],
+        "itemsize": nbytes,
+    })
 
 
 def _store_changed(column: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
