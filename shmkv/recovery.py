@@ -360,7 +360,7 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     groups = attrs["group_id"][hashed]
 
     # The derived side, compared with what the rows hold.
-    links = _read_fields(pool, 0, 16, row_bytes)  # attrs is gone  # ref_cnt, prev, next, index_next
+    links = _read_fields(pool, 0, 16, row_bytes)  # ref_cnt, prev, next, index_next; attrs gone
     ref_fixed = _store_changed(blocks["ref_cnt"][:n], links["ref_cnt"][:n], ref)
 
     # Free queue: every block but the null one with no reference, in queue_key order, the
@@ -454,9 +454,9 @@ def _sort_by_key(ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, bool]:
 
     Three ways to the same order, cheapest first: placing each id at its key's slot when
     the keys span a range not much wider than their number (a pool fresh from ``rebuild``
-    or creation); one integer sort of ``(key - min key) << id_bits | id`` when the span
-    fits the high bits (any pool not damaged: keys move by one per append or prepend);
-    a stable argsort otherwise.
+    or creation, or lightly used since); one integer sort of ``(key - min key) << id_bits
+    | id`` when the span fits the high bits (any pool not damaged: keys move by one per
+    append or prepend); a stable argsort otherwise.
     """
     if not len(ids):
         return ids, True
@@ -521,8 +521,9 @@ def _clean_hash_fields(pool: BlockPool, attrs: np.ndarray) -> tuple[np.ndarray, 
     hashed[L.NULL_BLOCK_ID] = False
     ids = np.flatnonzero(hashed)
     # A block without a key has group_id and hash_num_tokens both 0: the 8 bytes of the two
-    # fields, read as one word, are 0. When every nonzero word belongs to a block with a key
-    # there is nothing to clear, and one count tells it.
+    # fields (the row's bytes 16..24, the first word of attrs), read as one word, are 0.
+    # When every nonzero word belongs to a block with a key there is nothing to clear, and
+    # one count tells it.
     group_and_htok = attrs.view(np.int64)[0::2][:n]
     if np.count_nonzero(group_and_htok) == len(ids):
         return ids, 0
