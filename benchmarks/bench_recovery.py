@@ -4,7 +4,9 @@ queue keys, the index chains from the hash fields) against the number of blocks.
 
 Each pool is first brought to a realistic state: half of the blocks held (in requests of
 16), a quarter of all blocks cached, then the held blocks of every other request freed.
-Output: one JSON line per size, then a table.
+The first rebuild of a pool renumbers every free block's queue key; the repeats find a
+rebuilt pool, with nothing to write back, and cost less: ``first`` is the former, the
+median and min are over all repeats. Output: one JSON line per size, then a table.
 
     python benchmarks/bench_recovery.py [--sizes 1000,10000,100000,1000000] [--repeats 3]
 """
@@ -57,6 +59,7 @@ def run(num_blocks: int, repeats: int) -> dict:
         "cached_blocks": num_cached,
         "rebuild_ms_median": round(statistics.median(times) * 1e3, 2),
         "rebuild_ms_min": round(min(times) * 1e3, 2),
+        "rebuild_ms_first": round(times[0] * 1e3, 2),
         "repeats": repeats,
     }
 
@@ -73,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run(n, args.repeats))
         print(json.dumps(rows[-1]), flush=True)
     print()
-    print(f"{'blocks':>10} {'cached':>10} {'rebuild ms (median)':>20} {'min':>8}")
+    print(f"{'blocks':>10} {'cached':>10} {'rebuild ms (median)':>20} {'min':>8} {'first':>8}")
     for r in rows:
         print(f"{r['num_blocks']:>10,} {r['cached_blocks']:>10,} "
-              f"{r['rebuild_ms_median']:>20.2f} {r['rebuild_ms_min']:>8.2f}")
+              f"{r['rebuild_ms_median']:>20.2f} {r['rebuild_ms_min']:>8.2f} "
+              f"{r['rebuild_ms_first']:>8.2f}")
     return 0
 
 

@@ -38,6 +38,7 @@ hash fields, ``queue_key``): the fallback repair of the crash-safety plan
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -360,72 +361,51 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     Authoritative: the ledger rows of active slots (references), each block's hash fields
     and each free block's ``queue_key`` (LRU order). Derived, and rewritten: ``ref_cnt``,
     the free queue's links and counters, and the prefix index's chains. Blocks holding the
-    same key are chained in block-id order (the original insertion order is not recorded).
+    same key are chained in block-id order (the original insertion order is not recorded);
+    free blocks with equal queue keys, which only a damaged pool has, queue in block-id order.
     Bumps ``epoch``.
+
+    Cost: a 64-byte row is one cache line, so touching one field of every row costs as much
+    as touching the whole region. The rows are read in two passes into one private buffer
+    (``_read_fields``): the authoritative fields first, then the derived ones, and only the
+    derived values that changed are written back (``_store_changed``): a sane pool gets
+    almost no writes. Fresh memory is the other cost (a page fault per page, often more
+    than the work on it), hence the reused buffers.
     """
     t0 = time.perf_counter()
     lay = pool._layout
     n = lay.config.num_blocks
     blocks = pool._blocks
     hdr = pool._hdr64
-    procs = pool._procs
-    active = procs["state"] == L.SLOT_ACTIVE
+    row_bytes = np.empty(n + 2, dtype="V16")  # bytes 16..32 of each row, then bytes 0..16
+    column = np.empty(n + 2, dtype=np.int32)  # ref, then each rebuilt int32 column in turn
 
-    # References: the ledger is the truth.
-    ref = pool._ledger[active].sum(axis=0, dtype=np.int32)
-    ref[L.NULL_BLOCK_ID] = 0
-    ref_fixed = int(np.count_nonzero(blocks["ref_cnt"][:n] != ref))
-    blocks["ref_cnt"][:n] = ref
+    # The authoritative side: references (the ledger), queue keys and hash fields.
+    ref = _ledger_refs(pool, out=column[:n])
+    is_free = ref == 0
+    is_free[L.NULL_BLOCK_ID] = False
+    free = np.flatnonzero(is_free)
+    attrs = _read_fields(pool, 16, 16, row_bytes)  # group_id, hash_num_tokens, queue_key
+    keys = np.compress(is_free, attrs["queue_key"][:n])
+    hashed, dropped = _clean_hash_fields(pool, attrs)
+    groups = attrs["group_id"][hashed]
 
-    # Free queue: every block but the null one with no reference, in queue_key order.
-    # (Each field is built in a private array and written to the segment once.)
-    free = np.flatnonzero(ref == 0)
-    free = free[free != L.NULL_BLOCK_ID]
-    keys = blocks["queue_key"]
-    order = free[np.argsort(keys[free])]  # keys are distinct in a sane queue
-    chain = np.concatenate(([lay.free_head], order, [lay.free_tail]))
-    links = np.full(n + 2, L.NO_BLOCK, dtype=np.int32)
-    links[chain[:-1]] = chain[1:]
-    blocks["next"] = links
-    links[:] = L.NO_BLOCK
-    links[chain[1:]] = chain[:-1]
-    blocks["prev"] = links
-    keys[order] = np.arange(len(order), dtype=np.int64)
+    # The derived side, compared with what the rows hold.
+    links = _read_fields(pool, 0, 16, row_bytes)  # ref_cnt, prev, next, index_next; attrs gone
+    ref_fixed = _store_changed(blocks["ref_cnt"][:n], links["ref_cnt"][:n], ref)
+
+    # Free queue: every block but the null one with no reference, in queue_key order, the
+    # keys renumbered 0..k-1 in that order.
+    order, numbered = _sort_by_key(free, keys)
+    _relink_free_queue(pool, links, order, column)
+    if not numbered:
+        blocks["queue_key"][order] = np.arange(len(order), dtype=np.int64)
     hdr[L.H_NUM_FREE] = len(order)
     hdr[L.H_QUEUE_HEAD_KEY] = 0
     hdr[L.H_QUEUE_TAIL_KEY] = len(order) - 1
 
     # Prefix index: chain every block that holds a key into the bucket its key hashes to.
-    htok = blocks["hash_num_tokens"][:n].copy()
-    invalid = htok < 0
-    invalid[L.NULL_BLOCK_ID] |= htok[L.NULL_BLOCK_ID] != L.NO_HASH_TOKENS
-    dropped = int(np.count_nonzero(invalid))
-    if dropped:
-        htok[invalid] = L.NO_HASH_TOKENS
-        blocks["hash_num_tokens"][:n] = htok
-    hashed = np.flatnonzero(htok != L.NO_HASH_TOKENS)
-    groups_all = blocks["group_id"][:n].copy()
-    groups_all[htok == L.NO_HASH_TOKENS] = 0
-    blocks["group_id"][:n] = groups_all
-    chain_next = np.full(n + 2, L.NO_BLOCK, dtype=np.int32)
-    buckets = lay.view(pool._segment.buf, "index_buckets")
-    buckets[:] = L.NO_BLOCK
-    if len(hashed):
-        first_word = np.ndarray(
-            (n,), dtype="<u8", buffer=pool._segment.buf,
-            offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET,
-            strides=(L.BLOCK_DTYPE.itemsize,),
-        )[hashed]
-        with np.errstate(over="ignore"):
-            words = first_word ^ (groups_all[hashed].astype(np.uint64) * np.uint64(L.GROUP_MIX))
-        bucket = (words & np.uint64(lay.config.num_index_buckets - 1)).astype(np.int64)
-        by_bucket = np.argsort(bucket * n + hashed)  # by bucket, then block id
-        ids, bucket = hashed[by_bucket], bucket[by_bucket]
-        same = bucket[1:] == bucket[:-1]
-        chain_next[ids[:-1][same]] = ids[1:][same]
-        heads = np.concatenate(([True], ~same))
-        buckets[bucket[heads]] = ids[heads]
-    blocks["index_next"] = chain_next
+    _rechain_index(pool, links, hashed, groups, column)
     hdr[L.H_EPOCH] += 1
     return RebuildReport(
         ref_cnt_fixed=ref_fixed,
@@ -434,3 +414,197 @@ def rebuild(pool: BlockPool) -> RebuildReport:
         hashes_dropped=dropped,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _read_fields(pool: BlockPool, start: int, nbytes: int, out: np.ndarray) -> np.ndarray:
+    """The ``block_meta`` fields in bytes ``[start, start + nbytes)`` of every row (sentinel
+    rows included), copied into ``out`` (``V{nbytes}`` items), returned as a structured
+    array with those fields.
+
+    The copy goes through a 1-D array of ``V{nbytes}`` items: numpy copies that in one tight
+    loop, about as fast as a single field, while a 2-D slice or a structured dtype is copied
+    row by row, field by field (two to four times slower). 16 bytes is the widest item that
+    stays on the fast loop.
+    """
+    rows = np.ndarray(
+        (pool._layout.config.num_blocks + 2,), dtype=f"V{nbytes}", buffer=pool._segment.buf,
+        offset=pool._layout.offsets["block_meta"] + start, strides=(L.BLOCK_DTYPE.itemsize,),
+    )
+    np.copyto(out, rows)
+    return out.view(_compact_dtype(start, nbytes))
+
+
+@functools.cache
+def _compact_dtype(start: int, nbytes: int) -> np.dtype:
+    """The ``BLOCK_DTYPE`` fields in bytes ``[start, start + nbytes)`` of a row, as a dtype of
+    ``nbytes``-byte items."""
+    fields = L.BLOCK_DTYPE.fields
+    names = [f for f, (dt, off) in fields.items()
+             if start <= off and off + dt.itemsize <= start + nbytes]
+    return np.dtype({
+        "names": names,
+        "formats": [fields[f][0] for f in names],
+        "offsets": [fields[f][1] - start for f in names],
+        "itemsize": nbytes,
+    })
+
+
+def _store_changed(column: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """Sets ``column`` to ``new``, writing only the entries where ``old``, its current
+    values, differ; returns how many.
+
+    Why: a write to one field of a row costs its whole cache line, read and written back,
+    and after a kill most of the pool is still right.
+    """
+    changed = np.flatnonzero(old != new)
+    if len(changed):
+        column[changed] = new[changed]
+    return len(changed)
+
+
+def _ledger_refs(pool: BlockPool, out: np.ndarray) -> np.ndarray:
+    """Each block's references, into ``out``: the sum of its ledger column over the active
+    slots (the null block's count is 0). Adds the rows one at a time: indexing the active
+    rows first would copy them all."""
+    slots = np.flatnonzero(pool._procs["state"] == L.SLOT_ACTIVE).tolist()
+    if slots:
+        np.copyto(out, pool._ledger[slots[0]])
+    else:
+        out.fill(0)
+    for slot in slots[1:]:
+        out += pool._ledger[slot]
+    out[L.NULL_BLOCK_ID] = 0
+    return out
+
+
+def _sort_by_key(ids: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, bool]:
+    """``ids`` (ascending block ids, not the null block) sorted by their ``keys``; equal
+    keys, found only in a damaged pool, in block-id order. Also says whether the keys
+    already are ``0..len(ids) - 1`` (a pool rebuilt before and not used since), when the
+    renumbering has nothing to write. Consumes ``keys``.
+
+    Three ways to the same order, cheapest first: placing each id at its key's slot when
+    the keys span a range not much wider than their number (a pool fresh from ``rebuild``
+    or creation, or lightly used since); one integer sort of ``(key - min key) << id_bits
+    | id`` when the span fits the high bits (any pool not damaged: keys move by one per
+    append or prepend); a stable argsort otherwise.
+    """
+    if not len(ids):
+        return ids, True
+    lo, hi = int(keys.min()), int(keys.max())
+    if hi - lo < 2 * len(ids):
+        order = _place_by_key(ids, keys, lo, hi - lo + 1)
+        if order is not None:
+            return order, lo == 0 and hi == len(ids) - 1
+    id_bits = int(ids[-1]).bit_length()
+    if (hi - lo) >> (63 - id_bits) == 0:
+        return _packed_sort(ids, keys, lo, id_bits), False
+    return ids[np.argsort(keys, kind="stable")], False
+
+
+def _place_by_key(ids: np.ndarray, keys: np.ndarray, lo: int, span: int) -> np.ndarray | None:
+    """Sorts by placing: id ``i`` goes to slot ``keys[i] - lo`` of a table of ``span`` slots,
+    and the filled slots, read in order, are the ids sorted by key. O(span), no sort. None
+    when two ids claim one slot (equal keys); ``keys`` is then as given."""
+    slots = np.full(span, L.NO_BLOCK, dtype=np.int32)
+    keys -= lo
+    slots[keys] = ids
+    keys += lo
+    if span == len(ids):  # keys dense: every slot filled unless two keys collided
+        return slots if slots.min() != L.NO_BLOCK else None
+    order = np.compress(slots != L.NO_BLOCK, slots)
+    return order if len(order) == len(ids) else None
+
+
+def _packed_sort(ids: np.ndarray, keys: np.ndarray, lo: int, id_bits: int) -> np.ndarray:
+    """Sorts by one in-place sort of ``(key - lo) << id_bits | id``: numpy sorts plain integers
+    with SIMD, several times faster than an argsort, and the id in the low bits breaks ties
+    by block id. The caller checked that the packed values fit 63 bits."""
+    packed = keys
+    packed -= lo
+    packed <<= id_bits
+    packed |= ids
+    packed.sort()
+    packed &= (1 << id_bits) - 1
+    return packed
+
+
+def _relink_free_queue(pool: BlockPool, links: np.ndarray, order: np.ndarray,
+                       column: np.ndarray) -> None:
+    """Links ``order`` between the sentinels; every other row gets ``NO_BLOCK`` links.
+    ``links`` holds the rows' current ``prev`` and ``next``; ``column`` is scratch space."""
+    lay = pool._layout
+    chain = np.empty(len(order) + 2, dtype=np.intp)
+    chain[0], chain[1:-1], chain[-1] = lay.free_head, order, lay.free_tail
+    for field, src, dst in (("next", chain[:-1], chain[1:]), ("prev", chain[1:], chain[:-1])):
+        column.fill(L.NO_BLOCK)
+        column[src] = dst
+        _store_changed(pool._blocks[field], links[field], column)
+
+
+def _clean_hash_fields(pool: BlockPool, attrs: np.ndarray) -> tuple[np.ndarray, int]:
+    """Clears invalid hash fields (``hash_num_tokens < 0``, or any key on the null block) and
+    the ``group_id`` of blocks without a key. Returns the ids of the blocks holding a key and
+    the number of hash fields cleared. ``attrs`` holds the rows' current fields."""
+    n = pool._layout.config.num_blocks
+    htok = attrs["hash_num_tokens"][:n]
+    hashed = htok > 0
+    hashed[L.NULL_BLOCK_ID] = False
+    ids = np.flatnonzero(hashed)
+    # A block without a key has group_id and hash_num_tokens both 0: the 8 bytes of the two
+    # fields (the row's bytes 16..24, the first word of attrs), read as one word, are 0.
+    # When every nonzero word belongs to a block with a key there is nothing to clear, and
+    # one count tells it.
+    group_and_htok = attrs.view(np.int64)[0::2][:n]
+    if np.count_nonzero(group_and_htok) == len(ids):
+        return ids, 0
+    blocks = pool._blocks
+    invalid = np.flatnonzero(~hashed & (htok != L.NO_HASH_TOKENS))
+    blocks["hash_num_tokens"][invalid] = L.NO_HASH_TOKENS
+    stray_group = np.flatnonzero(~hashed & (attrs["group_id"][:n] != 0))
+    blocks["group_id"][stray_group] = 0
+    return ids, len(invalid)
+
+
+def _rechain_index(pool: BlockPool, links: np.ndarray, hashed: np.ndarray, groups: np.ndarray,
+                   column: np.ndarray) -> None:
+    """Rewrites the bucket array and ``index_next``: the blocks ``hashed`` (with their
+    ``groups``) chained per bucket in block-id order. ``links`` holds the rows' current
+    ``index_next``; ``column`` is scratch space."""
+    lay = pool._layout
+    chain_next = column
+    chain_next.fill(L.NO_BLOCK)
+    buckets = lay.view(pool._segment.buf, "index_buckets")
+    buckets.fill(L.NO_BLOCK)
+    if len(hashed):
+        ids, bucket = _by_bucket(pool, hashed, groups)
+        same = bucket[1:] == bucket[:-1]
+        chain_next[np.compress(same, ids[:-1])] = np.compress(same, ids[1:])
+        heads = np.concatenate(([True], ~same))
+        buckets[np.compress(heads, bucket)] = np.compress(heads, ids)
+    _store_changed(pool._blocks["index_next"], links["index_next"], chain_next)
+
+
+def _by_bucket(pool: BlockPool, hashed: np.ndarray,
+               groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks ``hashed`` (ascending) sorted by bucket, then block id, and their buckets.
+
+    One in-place integer sort, as in ``_packed_sort``: the bucket (below 2**32) over the
+    block id (below 2**31).
+    """
+    lay = pool._layout
+    word = np.ndarray(  # the first 8 bytes of each block_hash
+        (lay.config.num_blocks,), dtype="<u8", buffer=pool._segment.buf,
+        offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET, strides=(L.BLOCK_DTYPE.itemsize,),
+    )[hashed]
+    if groups.any():  # a single-group model has only group 0
+        with np.errstate(over="ignore"):
+            word ^= groups.astype(np.uint64) * np.uint64(L.GROUP_MIX)
+    id_bits = int(hashed[-1]).bit_length()
+    word &= np.uint64(lay.config.num_index_buckets - 1)
+    word <<= np.uint64(id_bits)
+    word |= hashed.astype(np.uint64)
+    word.sort()
+    ids = (word & np.uint64((1 << id_bits) - 1)).astype(np.intp)
+    word >>= np.uint64(id_bits)
+    return ids, word.view(np.int64)
