@@ -753,8 +753,7 @@ class BlockPool:
             if pending > 0:
                 undone = undo(self._segment.buf, self._layout, hdr)
             elif pending < 0:
-                rebuild(self)
-                hdr[L.H_JOURNAL_LEN] = 0
+                rebuild(self)  # empties the journal when it is done
                 rebuilt = True
             if took_over:
                 self._hdr_w[L.H_NUM_TAKEOVERS] += 1
@@ -806,10 +805,7 @@ class BlockPool:
             found = collect_violations(self)
             rebuilt = None
             if found:
-                # A repairer killed during the rebuild leaves the same work to the next.
-                self._hdr64[L.H_JOURNAL_LEN] = L.JOURNAL_OVERFLOWED
-                rebuilt = rebuild(self)
-                self._hdr64[L.H_JOURNAL_LEN] = 0
+                rebuilt = rebuild(self)  # a repairer killed in it leaves it to the next
                 if self._header["state"][0] == L.STATE_POISONED:
                     self._header["state"] = L.STATE_READY
             left = collect_violations(self) if found else []

@@ -363,7 +363,10 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     the free queue's links and counters, and the prefix index's chains. Blocks holding the
     same key are chained in block-id order (the original insertion order is not recorded);
     free blocks with equal queue keys, which only a damaged pool has, queue in block-id order.
-    Bumps ``epoch``.
+    Bumps ``epoch``. Its writes are not journaled: it marks the undo journal overflowed
+    first, so that a rebuild cut short by a kill is done again by whoever takes the lock
+    over, and empties the journal when it is done (what the caller's hold wrote before it
+    can no longer be undone: the rebuilt pool is the new starting point).
 
     Cost: a 64-byte row is one cache line, so touching one field of every row costs as much
     as touching the whole region. The rows are read in two passes into one private buffer
@@ -377,6 +380,7 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     n = lay.config.num_blocks
     blocks = pool._blocks
     hdr = pool._hdr64
+    hdr[L.H_JOURNAL_LEN] = L.JOURNAL_OVERFLOWED
     row_bytes = np.empty(n + 2, dtype="V16")  # bytes 16..32 of each row, then bytes 0..16
     column = np.empty(n + 2, dtype=np.int32)  # ref, then each rebuilt int32 column in turn
 
@@ -407,6 +411,7 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     # Prefix index: chain every block that holds a key into the bucket its key hashes to.
     _rechain_index(pool, links, hashed, groups, column)
     hdr[L.H_EPOCH] += 1
+    hdr[L.H_JOURNAL_LEN] = 0
     return RebuildReport(
         ref_cnt_fixed=ref_fixed,
         num_free_blocks=len(order),

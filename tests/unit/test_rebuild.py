@@ -264,3 +264,25 @@ def test_sort_by_key_paths(keys, numbered):
     order, got_numbered = _sort_by_key(ids, keys.astype(np.int64))
     assert order.tolist() == want.tolist()
     assert got_numbered == numbered
+
+
+def test_a_rebuild_cut_short_is_done_again_by_the_next_hold(make_pool):
+    """rebuild marks the journal overflowed while it works, so a process killed in the
+    middle of it leaves the whole rebuild to the next hold (the lock's repair); when it
+    finishes, the journal is empty."""
+    from shmkv import layout as L
+    from shmkv.recovery import rebuild
+
+    pool = make_pool(64)
+    held = pool.get_new_blocks(5)
+    with pool.lock():
+        rebuild(pool)
+        assert pool._hdr64[L.H_JOURNAL_LEN] == 0
+    # A rebuild killed half way: the overflow mark stays, and a ref count is wrong.
+    pool._hdr64[L.H_JOURNAL_LEN] = L.JOURNAL_OVERFLOWED
+    pool._blocks["ref_cnt"][held[0].block_id] = 7
+    assert pool.get_num_free_blocks() == 58  # a plain read: no hold, no repair
+    pool.free_blocks(held[1:])  # this hold's acquire rebuilds first
+    assert pool.last_repair.rebuilt and not pool.last_repair.took_over
+    assert held[0].ref_cnt == 1
+    pool.check_invariants()
