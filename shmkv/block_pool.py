@@ -678,6 +678,8 @@ class BlockPool:
         row = self._ledger[slot]
         held = np.flatnonzero(row)
         released = int(row[held].sum())
+        # Per block: ref_cnt, the ledger entry, and up to prev, next and queue_key.
+        self._journal.reserve(5 * len(held) + 2 * L.PROC_I64 + 8)
         if len(held):
             refs = self._ref_col[held] - row[held]
             self._ref_col_w[held] = refs

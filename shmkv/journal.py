@@ -77,14 +77,27 @@ class Journal:
             hdr[_H_LEN] = _OVERFLOWED
         _fault.tick()  # the write the caller makes next
 
+    def reserve(self, entries: int) -> None:
+        """Declares that the hold is about to journal ``entries`` more words; if they will
+        not fit, marks the journal overflowed now rather than fill it on the way (a bulk
+        write then skips gathering old values it could not keep)."""
+        hdr = self._hdr
+        n = hdr[_H_LEN]
+        if n >= 0 and n + entries > self.capacity:
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_LEN] = _OVERFLOWED
+
     def save_many(self, offsets: np.ndarray, width: int) -> None:
         """Records the words at byte ``offsets`` (an int64 array) before a bulk write."""
         hdr = self._hdr
         n = hdr[_H_LEN]
+        if n < 0:  # overflowed: nothing more is kept, nothing to gather
+            return
         k = len(offsets)
         if _fault.armed:
             _fault.tick()
-        if n >= 0 and n + k <= self.capacity:
+        if n + k <= self.capacity:
             entries = self._entries
             entries["where"][n:n + k] = offsets << 4 | width
             if width == 4:
@@ -94,7 +107,7 @@ class Journal:
             if _fault.armed:
                 _fault.tick()
             hdr[_H_LEN] = n + k
-        elif n >= 0:
+        else:
             hdr[_H_LEN] = _OVERFLOWED
         if _fault.armed:
             _fault.tick()
@@ -170,8 +183,10 @@ class JournaledColumn:
         return self._col[idx]
 
     def __setitem__(self, idx, value) -> None:
-        idx = np.asarray(idx, dtype=np.int64)
-        self._journal.save_many(self._base + idx * self._stride, self._width)
+        journal = self._journal
+        if journal._hdr[_H_LEN] >= 0:
+            idx = np.asarray(idx, dtype=np.int64)
+            journal.save_many(self._base + idx * self._stride, self._width)
         self._col[idx] = value
 
 
