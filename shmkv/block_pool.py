@@ -659,6 +659,11 @@ class BlockPool:
             for h, g in keys
         ])
 
+    def _log_dropped_keys(self, keys: list[tuple[bytes, int]]) -> None:
+        """A rebuild dropped these keys: event subscribers must forget them too."""
+        if keys and self.enable_kv_cache_events:
+            self._record_removed(keys)
+
     def _describe_holder(self, slot: int, pid: int) -> str:
         if not 0 <= slot < self.max_processes:
             return "not a process-table slot"
@@ -755,7 +760,8 @@ class BlockPool:
             if pending > 0:
                 undone = undo(self._segment.buf, self._layout, hdr)
             elif pending < 0:
-                rebuild(self)  # empties the journal when it is done
+                report = rebuild(self)  # empties the journal when it is done
+                self._log_dropped_keys(report.dropped_keys)
                 rebuilt = True
             if took_over:
                 self._hdr_w[L.H_NUM_TAKEOVERS] += 1
@@ -808,6 +814,7 @@ class BlockPool:
             rebuilt = None
             if found:
                 rebuilt = rebuild(self)  # a repairer killed in it leaves it to the next
+                self._log_dropped_keys(rebuilt.dropped_keys)
                 if self._header["state"][0] == L.STATE_POISONED:
                     self._header["state"] = L.STATE_READY
             left = collect_violations(self) if found else []

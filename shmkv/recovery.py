@@ -38,6 +38,7 @@ hash fields, ``queue_key``): the fallback repair of the crash-safety plan
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -352,6 +353,8 @@ class RebuildReport:
     num_cached_blocks: int
     hashes_dropped: int  # blocks whose hash fields were invalid (cleared)
     seconds: float
+    # (hash, group) of each cleared key, for the BlockRemoved events the repair logs
+    dropped_keys: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)
 
 
 def rebuild(pool: BlockPool) -> RebuildReport:
@@ -416,8 +419,9 @@ def rebuild(pool: BlockPool) -> RebuildReport:
         ref_cnt_fixed=ref_fixed,
         num_free_blocks=len(order),
         num_cached_blocks=len(hashed),
-        hashes_dropped=dropped,
+        hashes_dropped=len(dropped),
         seconds=time.perf_counter() - t0,
+        dropped_keys=dropped,
     )
 
 
@@ -547,10 +551,11 @@ def _relink_free_queue(pool: BlockPool, links: np.ndarray, order: np.ndarray,
         _store_changed(pool._blocks[field], links[field], column)
 
 
-def _clean_hash_fields(pool: BlockPool, attrs: np.ndarray) -> tuple[np.ndarray, int]:
+def _clean_hash_fields(pool: BlockPool,
+                       attrs: np.ndarray) -> tuple[np.ndarray, list[tuple[bytes, int]]]:
     """Clears invalid hash fields (``hash_num_tokens < 0``, or any key on the null block) and
     the ``group_id`` of blocks without a key. Returns the ids of the blocks holding a key and
-    the number of hash fields cleared. ``attrs`` holds the rows' current fields."""
+    the (hash, group) of each key cleared. ``attrs`` holds the rows' current fields."""
     n = pool._layout.config.num_blocks
     htok = attrs["hash_num_tokens"][:n]
     hashed = htok > 0
@@ -562,13 +567,15 @@ def _clean_hash_fields(pool: BlockPool, attrs: np.ndarray) -> tuple[np.ndarray, 
     # one count tells it.
     group_and_htok = attrs.view(np.int64)[0::2][:n]
     if np.count_nonzero(group_and_htok) == len(ids):
-        return ids, 0
+        return ids, []
     blocks = pool._blocks
     invalid = np.flatnonzero(~hashed & (htok != L.NO_HASH_TOKENS))
+    dropped = [(bytes(blocks["block_hash"][b]), int(blocks["group_id"][b]))
+               for b in invalid.tolist()]
     blocks["hash_num_tokens"][invalid] = L.NO_HASH_TOKENS
     stray_group = np.flatnonzero(~hashed & (attrs["group_id"][:n] != 0))
     blocks["group_id"][stray_group] = 0
-    return ids, len(invalid)
+    return ids, dropped
 
 
 def _rechain_index(pool: BlockPool, links: np.ndarray, hashed: np.ndarray, groups: np.ndarray,

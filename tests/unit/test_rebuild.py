@@ -121,6 +121,8 @@ def _reference_rebuild(pool) -> RebuildReport:
     htok = blocks["hash_num_tokens"][:n].copy()
     invalid = htok < 0
     invalid[L.NULL_BLOCK_ID] |= htok[L.NULL_BLOCK_ID] != L.NO_HASH_TOKENS
+    dropped = [(bytes(blocks["block_hash"][b]), int(blocks["group_id"][b]))
+               for b in np.flatnonzero(invalid).tolist()]
     htok[invalid] = L.NO_HASH_TOKENS
     blocks["hash_num_tokens"][:n] = htok
     blocks["group_id"][:n][htok == L.NO_HASH_TOKENS] = 0
@@ -139,7 +141,7 @@ def _reference_rebuild(pool) -> RebuildReport:
     blocks["index_next"] = chain_next
     hdr[L.H_EPOCH] += 1
     return RebuildReport(ref_fixed, len(order), int(np.count_nonzero(htok)),
-                         int(np.count_nonzero(invalid)), 0.0)
+                         int(np.count_nonzero(invalid)), 0.0, dropped)
 
 
 def _damage(pool, kind: str, rng: np.random.Generator) -> None:
@@ -285,4 +287,30 @@ def test_a_rebuild_cut_short_is_done_again_by_the_next_hold(make_pool):
     pool.free_blocks(held[1:])  # this hold's acquire rebuilds first
     assert pool.last_repair.rebuilt and not pool.last_repair.took_over
     assert held[0].ref_cnt == 1
+    pool.check_invariants()
+
+
+def test_repair_logs_the_keys_a_rebuild_drops_and_bumps_the_epoch(make_pool):
+    """repair() on a pool with an invalid hash field rebuilds; the dropped key appears in
+    the event log as a BlockRemoved (subscribers must forget it too) and the epoch moves."""
+    from shmkv import layout as L
+    from shmkv.events import BlockRemoved, external_block_hash, use_int_block_hashes
+    from tests.helpers import make_request
+
+    pool = make_pool(32, enable_kv_cache_events=True)
+    req = make_request(32)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+    pool.take_events()
+    cursor = pool.event_cursor(from_start=False)
+    epoch = int(pool._hdr64[L.H_EPOCH])
+    pool._blocks["hash_num_tokens"][blocks[1].block_id] = -5  # damaged
+    report = pool.repair()
+    assert report["rebuilt"].hashes_dropped == 1
+    assert [v.split(":")[0] for v in report["violations_found"]].count("INV-HASH") >= 1
+    assert report["violations_left"] == [] and report["epoch"] > epoch
+    logged = [e.event for e in pool.read_events(cursor)[0]]
+    want = external_block_hash(req.block_hashes[1], use_int_block_hashes())
+    assert logged == [BlockRemoved(block_hashes=[want], medium="GPU", group_idx=0)]
+    assert blocks[1].block_hash is None and blocks[0].block_hash is not None
     pool.check_invariants()
