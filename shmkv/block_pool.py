@@ -659,6 +659,23 @@ class BlockPool:
             for h, g in keys
         ])
 
+    def _undo_since(self, mark: int, num_events: int) -> None:
+        """A call failed half way (an exception out of the kernel, KeyboardInterrupt...):
+        puts back every word it wrote since the journal stood at ``mark``, and drops the
+        events it queued, so it changes nothing, as a rejected call. Calls made earlier in
+        the same hold stand. If the journal overflowed meanwhile, rebuilds instead (valid,
+        not exact)."""
+        from shmkv.recovery import rebuild
+
+        del self._event_queue[num_events:]
+        hdr = self._hdr64
+        if hdr[L.H_JOURNAL_LEN] == mark:
+            return
+        if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
+            undo(self._segment.buf, self._layout, hdr, start=mark)
+        else:
+            rebuild(self)
+
     def _log_dropped_keys(self, keys: list[tuple[bytes, int]]) -> None:
         """A rebuild dropped these keys: event subscribers must forget them too."""
         if keys and self.enable_kv_cache_events:
@@ -1036,6 +1053,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("cache")
         lock = self._lock
         lock.acquire()
+        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
         try:
             cached = self._kernel.cache(
                 new_full, fine_hashes, num_cached_blocks, ratio, block_size,
@@ -1050,6 +1068,9 @@ class BlockPool:
                         kv_cache_group_id, fine_hashes, ratio,
                     )
                 ])
+        except BaseException:
+            self._undo_since(*mark)
+            raise
         finally:
             lock.release()
             if counting:
@@ -1113,6 +1134,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("allocate")
         lock = self._lock
         lock.acquire()
+        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
         try:
             if num_blocks > self._hdr64[_H_NUM_FREE]:
                 self._reap_dead_locked()  # a dead process's blocks may be the missing ones
@@ -1122,6 +1144,9 @@ class BlockPool:
             if evicted:
                 self._record_removed(evicted)
             return blocks
+        except BaseException:
+            self._undo_since(*mark)
+            raise
         finally:
             lock.release()
             if counting:
@@ -1137,8 +1162,12 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("touch")
         lock = self._lock
         lock.acquire()
+        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
         try:
             self._kernel.touch(blocks)
+        except BaseException:
+            self._undo_since(*mark)
+            raise
         finally:
             lock.release()
             if counting:
@@ -1157,8 +1186,12 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("free")
         lock = self._lock
         lock.acquire()
+        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
         try:
             self._kernel.free(ordered_blocks, self.enable_caching)
+        except BaseException:
+            self._undo_since(*mark)
+            raise
         finally:
             lock.release()
             if counting:
@@ -1182,8 +1215,13 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("evict")
         try:
             with self._lock:
-                for block_id in ids:
-                    self._evict_cached(int(block_id))
+                mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+                try:
+                    for block_id in ids:
+                        self._evict_cached(int(block_id))
+                except BaseException:
+                    self._undo_since(*mark)
+                    raise
         finally:
             if counting:
                 _fault.end()
@@ -1204,9 +1242,14 @@ class BlockPool:
                         "yet", num_used - 1,
                     )
                     return False
-                self._index.clear()
-                if self.enable_kv_cache_events:
-                    self._log_events([AllBlocksCleared()])
+                mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+                try:
+                    self._index.clear()
+                    if self.enable_kv_cache_events:
+                        self._log_events([AllBlocksCleared()])
+                except BaseException:
+                    self._undo_since(*mark)
+                    raise
                 return True
         finally:
             if counting:

@@ -190,13 +190,14 @@ class JournaledColumn:
         self._col[idx] = value
 
 
-def undo(buf, layout: L.Layout, hdr64) -> int:
-    """Restores every word the journal records and empties it; returns the entries undone.
-    Idempotent until ``journal_len`` is zeroed, which it does last, so a repairer that dies
-    half way leaves the same work to the next one. The caller holds the lock and has seen
-    ``0 < journal_len``."""
+def undo(buf, layout: L.Layout, hdr64, start: int = 0) -> int:
+    """Restores every word the journal records from entry ``start`` on (0: the whole hold)
+    and truncates it to ``start``; returns the entries undone. Idempotent until
+    ``journal_len`` is set, which it does last, so a repairer that dies half way leaves the
+    same work to the next one. The caller holds the lock and has seen
+    ``start < journal_len``."""
     n = hdr64[_H_LEN]
-    entries = layout.view(buf, "journal")[:n]
+    entries = layout.view(buf, "journal")[start:n]
     where = entries["where"]
     # Earliest entry of each word: its value before the hold.
     _, first = np.unique(where, return_index=True)
@@ -208,5 +209,5 @@ def undo(buf, layout: L.Layout, hdr64) -> int:
     seg32[offsets[four] >> 2] = old[four].astype(np.int32)
     eight = widths == 8
     seg64[offsets[eight] >> 3] = old[eight]
-    hdr64[_H_LEN] = 0
-    return int(n)
+    hdr64[_H_LEN] = start
+    return int(n - start)

@@ -76,9 +76,13 @@ def ids(blocks) -> list[int]:
 
 
 def segment_image(pool: BlockPool) -> bytes:
-    """The segment's bytes, for "this call changed nothing" checks: every hold bumps the
-    header's ``lock_seq`` (lock bookkeeping, not pool state), so it is masked out."""
+    """The segment's bytes, for "this call changed nothing" checks. Masked out: the
+    header's ``lock_seq``, which every hold bumps (lock bookkeeping, not pool state), and
+    the undo journal's entries, scratch space past ``journal_len`` (which is kept)."""
     image = bytearray(pool._segment.buf)
     offset = pool.layout.view(pool._segment.buf, "header").dtype.fields["lock_seq"][1]
     image[offset:offset + 8] = bytes(8)
+    start = pool.layout.offsets["journal"]
+    size = 16 * pool.layout.config.journal_entries
+    image[start:start + size] = bytes(size)
     return bytes(image)

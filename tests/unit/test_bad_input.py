@@ -633,3 +633,36 @@ def test_closed_pool_leaves_segment_usable_for_others(make_pool):
         assert {b.block_id: b.block_hash for b in other.blocks if b.block_hash} == cached
     finally:
         other.close()
+
+
+def test_a_call_that_fails_half_way_is_undone(make_pool, monkeypatch, kernel):
+    """An exception out of the middle of a mutation (KeyboardInterrupt, MemoryError, a bug)
+    does not leave it half done: the words it wrote are put back from the undo journal, as
+    if the call had been rejected; calls made before it in the same hold stand."""
+    from shmkv.free_queue import FreeKVCacheBlockQueue
+
+    pool = populate(make_pool(16, enable_kv_cache_events=True))
+    pool.take_events()
+    with pool.lock():
+        kept = pool.get_new_blocks(1)  # made in the same hold as the failing calls
+        image = segment_image(pool)
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        # Python kernel: free() writes ref_cnt and the ledger, then queues the block.
+        monkeypatch.setattr(FreeKVCacheBlockQueue, "prepend", interrupted)
+        monkeypatch.setattr(FreeKVCacheBlockQueue, "prepend_n", interrupted)
+        # Both kernels: allocation evicts a key (events on), then records its BlockRemoved.
+        monkeypatch.setattr(pool, "_record_removed", interrupted)
+        if kernel == "python":
+            with pytest.raises(KeyboardInterrupt):
+                pool.free_blocks(kept)
+        with pytest.raises(KeyboardInterrupt):
+            pool.get_new_blocks(pool.get_num_free_blocks())  # reaches the cached blocks
+        assert segment_image(pool) == image
+        assert pool.take_events() == []
+    monkeypatch.undo()
+    assert kept[0].ref_cnt == 1
+    pool.free_blocks(kept)
+    pool.check_invariants()
