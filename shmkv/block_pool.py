@@ -541,8 +541,13 @@ class BlockPool:
                 _fault.end()
 
     def _claim_free_slot(self) -> int | None:
-        """A FREE slot whose liveness byte this process could take, or None."""
-        for slot in np.flatnonzero(self._procs["state"] == L.SLOT_FREE).tolist():
+        """A FREE slot whose liveness byte this process could take, or None. A free row
+        still marked ACQUIRING or RELEASING is skipped: its process died taking or giving
+        back the lock (maybe holding the semaphore), and the mark is how a waiter finds out;
+        the repair clears it."""
+        procs = self._procs
+        usable = (procs["state"] == L.SLOT_FREE) & (procs["lock_phase"] == L.PHASE_IDLE)
+        for slot in np.flatnonzero(usable).tolist():
             if self._alive.claim(slot):
                 if self._procs[slot]["state"] == L.SLOT_FREE:
                     return slot

@@ -291,3 +291,27 @@ def test_a_reclaimed_process_is_fenced_and_writes_nothing(spawn_ctx, kernel):
             child.join(10)
         pool.close()
         BlockPool.unlink(name)
+
+
+def test_an_attacher_killed_holding_the_semaphore_unrecorded_does_not_wedge_the_next(
+        spawn_ctx):
+    """A process killed right after taking the semaphore in its attach, before recording
+    itself as holder, leaves the lock taken with no holder and its free row marked
+    ACQUIRING. The next process to attach must not reuse that row (the mark is the only
+    trace of who has the semaphore): it takes another, finds the lock stuck, takes it over
+    and attaches."""
+    name = unique_pool_name("wedge")
+    pool = BlockPool.create(name, 16, max_processes=4)
+    try:
+        codes = run_processes(spawn_ctx, workers.attach_with_fault, [(name, "attach:2", 0.2)])
+        assert codes == [-9]
+        assert pool.holder() is None and pool._procs["lock_phase"][1] == L.PHASE_ACQUIRING
+        codes = run_processes(spawn_ctx, workers.attach_with_fault, [(name, "", 0.2)],
+                              timeout_s=60)
+        assert codes == [0]
+        assert pool._hdr64[L.H_NUM_TAKEOVERS] == 1
+        assert pool._procs["lock_phase"][1] == L.PHASE_IDLE  # the repair cleared the mark
+        pool.check_invariants()
+    finally:
+        pool.close()
+        BlockPool.unlink(name)

@@ -178,3 +178,16 @@ def attach_and_allocate(name: str, num_blocks: int) -> None:
     pool = BlockPool.attach(name, label="doomed")
     pool.get_new_blocks(num_blocks)
     pool.close()
+
+
+def attach_with_fault(name: str, fault: str, stuck_after_s: float) -> None:
+    """Attach with SHMKV_FAULT-style ``fault`` armed (the parent expects SIGKILL), or, with
+    no fault, attach and close: exit 0."""
+    from shmkv import fault as shmkv_fault
+
+    if fault:
+        op, n = fault.split(":")
+        shmkv_fault.arm(op, int(n))
+    pool = BlockPool.attach(name, label="attacher", stuck_after_s=stuck_after_s,
+                            lock_timeout_s=30)
+    pool.close()
