@@ -36,6 +36,7 @@ before ``attach``). All times are ``time.monotonic()``, which is system-wide on 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -105,6 +106,8 @@ def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> N
     rng = random.Random(seed)
     base = index * NF
     hb[base + F_PID] = os.getpid()
+    if w["quiet"]:  # no warning per reap and repair: hundreds in a run
+        logging.getLogger("shmkv").setLevel(logging.ERROR)
     last = time.monotonic()
     try:
         pool = _attach(name, kernel, f"chaos-{index}", w, hb, base)
@@ -267,6 +270,7 @@ class ChaosConfig:
     # attaching or closing is let go (SIGCONT) and counted as spared.
     kill_in_attach_close: bool = False
     lock_enabled: bool = True  # False only to prove the checks catch corruption
+    quiet: bool = True  # silence shmkv's warnings (each reap and repair logs one)
     seed: int | None = None
     start_timeout_s: float = 120.0  # a spawned worker's imports and attach, on a busy box
 
@@ -351,9 +355,8 @@ def _freeze(pid: int, timeout_s: float = 5.0) -> bool:
 
 
 class _Driver:
-    def __init__(self, cfg: ChaosConfig, log) -> None:
+    def __init__(self, cfg: ChaosConfig) -> None:
         self.cfg = cfg
-        self.log = log
         self.seed = cfg.seed if cfg.seed is not None else random.randrange(1 << 30)
         self.rng = random.Random(self.seed)
         self.ctx = mp.get_context("spawn")
@@ -369,6 +372,7 @@ class _Driver:
             "lock_enabled": cfg.lock_enabled, "admit_p": cfg.admit_p,
             "max_running": cfg.max_running, "evict_p": cfg.evict_p,
             "reattach_p": cfg.reattach_p, "step_sleep_s": cfg.step_sleep_s,
+            "quiet": cfg.quiet,
         }
         self.totals = Counter()
         self.max_gap = 0.0
@@ -620,8 +624,15 @@ class _Driver:
         report.max_repair_s = self.max_repair
 
 
-def run_chaos(cfg: ChaosConfig | None = None, log=None, **kwargs) -> ChaosReport:
+def run_chaos(cfg: ChaosConfig | None = None, **kwargs) -> ChaosReport:
     """Runs one chaos session (see the module docstring) and returns its report."""
     cfg = cfg or ChaosConfig(**kwargs)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # spawned workers inherit it
-    return _Driver(cfg, log or (lambda *a: None)).run()
+    logger = logging.getLogger("shmkv")
+    level = logger.level
+    if cfg.quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        return _Driver(cfg).run()
+    finally:
+        logger.setLevel(level)
