@@ -273,6 +273,7 @@ class ChaosConfig:
     quiet: bool = True  # silence shmkv's warnings (each reap and repair logs one)
     seed: int | None = None
     start_timeout_s: float = 120.0  # a spawned worker's imports and attach, on a busy box
+    stop_timeout_s: float | None = None  # for the workers to stop (lock_timeout_s + 30)
 
 
 @dataclass
@@ -585,7 +586,8 @@ class _Driver:
 
     def stop(self, report: ChaosReport) -> None:
         self.ctl[C_STOP] = 1
-        deadline = time.monotonic() + self.cfg.lock_timeout_s + 60
+        deadline = time.monotonic() + (self.cfg.stop_timeout_s
+                                       or self.cfg.lock_timeout_s + 30)
         for i, p in enumerate(self.procs):
             if p is None:
                 continue
