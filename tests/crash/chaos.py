@@ -29,8 +29,9 @@ driver from the command line):
 Progress is reported through a lock-free shared array (``RawArray``: a worker can be killed
 at any instant, and a ``multiprocessing`` lock held by a dead process would hang everyone
 else): per worker its pid, whether it attached, its steps, the time of its last step and the
-longest gap between two of its consecutive steps (its longest stall; the first gap starts
-before ``attach``). All times are ``time.monotonic()``, which is system-wide on Linux.
+longest gap between two of its consecutive steps (its longest stall: waits for the lock,
+take-overs and repairs included; the time ``attach()`` itself takes, tens of milliseconds
+of mapping and views, left out). All times are ``time.monotonic()``, system-wide on Linux.
 """
 
 from __future__ import annotations
@@ -108,10 +109,10 @@ def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> N
     hb[base + F_PID] = os.getpid()
     if w["quiet"]:  # no warning per reap and repair: hundreds in a run
         logging.getLogger("shmkv").setLevel(logging.ERROR)
-    last = time.monotonic()
     try:
         pool = _attach(name, kernel, f"chaos-{index}", w, hb, base)
         hb[base + F_ATTACHED] = 1
+        last = time.monotonic()  # gaps are timed between steps, attach() left out
         running: list[tuple[FakeRequest, list]] = []
         seen_repair = None
         steps = 0
@@ -154,6 +155,7 @@ def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> N
                 seen_repair = None
                 pool = _attach(name, kernel, f"chaos-{index}", w, hb, base)
                 hb[base + F_REATTACHES] += 1
+                last = time.monotonic()
             repair = pool.last_repair
             if repair is not None and repair is not seen_repair:
                 seen_repair = repair
@@ -293,7 +295,7 @@ class ChaosReport:
     repairs: int = 0  # header epoch: holds that began with a take-over or a dirty journal
     reaped: int = 0  # header num_reaped
     longest_stall_s: float = 0.0  # largest gap between two consecutive steps of a worker
-    longest_recovery_s: float = 0.0  # kill -> every survivor has completed a step
+    longest_recovery_s: float = 0.0  # kill -> every survivor took the lock and stepped
     max_repair_s: float = 0.0
     leaked_blocks: int = -1
     invariant_violations: int = -1
@@ -451,7 +453,7 @@ class _Driver:
 
     def wait_progress(self, since: dict[int, float], deadline_s: float,
                       report: ChaosReport) -> float | None:
-        """Waits until each worker in ``since`` (index -> steps then) has stepped again;
+        """Waits until each worker in ``since`` (index -> a step count) has more steps;
         returns how long it took, or None (a stall past the deadline, or a failure)."""
         t0 = time.monotonic()
         while True:
@@ -499,7 +501,7 @@ class _Driver:
                 ok = self.kill(victim, report, recovery_s)
             if ok and not report.errors:  # every worker, replacements too, steps after that
                 self.wait_attached(cfg.start_timeout_s, report)
-                since = {i: self.row(i, F_STEPS) for i in self.attached()}
+                since = {i: self.row(i, F_STEPS) + 1 for i in self.attached()}
                 self.wait_progress(since, recovery_s, report)
             self.stop(report)
             self.finish(report, epoch0)
@@ -527,7 +529,6 @@ class _Driver:
 
     def kill(self, i: int, report: ChaosReport, recovery_s: float) -> bool:
         p = self.procs[i]
-        survivors = {j: self.row(j, F_STEPS) for j in self.attached() if j != i}
         if not _freeze(p.pid):
             report.errors.append(f"worker {i} (pid {p.pid}) did not stop")
         if not self.cfg.kill_in_attach_close and self.row(i, F_BUSY):
@@ -538,6 +539,9 @@ class _Driver:
         t_kill = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
+        # Each survivor must complete two steps from now: the second one took the lock
+        # after the kill (every step does).
+        survivors = {j: self.row(j, F_STEPS) + 1 for j in self.attached() if j != i}
         report.kills += 1
         if p.exitcode != -signal.SIGKILL:
             report.worker_failures.append((i, p.pid, p.exitcode))
@@ -578,11 +582,14 @@ class _Driver:
                  int(procs["lock_phase"][slot]), pool._alive.is_alive(slot))
                 for slot in range(pool.max_processes)
                 if procs["pid"][slot] or procs["lock_phase"][slot]]
-        workers = [(i, p.pid, _proc_state(p.pid), int(self.row(i, F_BUSY)))
+        now = time.monotonic()
+        workers = [(i, p.pid, _proc_state(p.pid), int(self.row(i, F_BUSY)),
+                    round(now - self.row(i, F_LAST), 3) if self.row(i, F_LAST) else None)
                    for i, p in enumerate(self.procs) if p is not None]
         return (f"holder {pool.holder()}, journal_len {int(pool._hdr64[L.H_JOURNAL_LEN])}, "
                 f"lock_seq {int(pool._hdr64[L.H_LOCK_SEQ])}; process rows (slot, pid, state, "
-                f"lock_phase, alive) {rows}; workers (index, pid, state, busy) {workers}")
+                f"lock_phase, alive) {rows}; workers (index, pid, state, busy, seconds since its "
+                f"last step) {workers}")
 
     def stop(self, report: ChaosReport) -> None:
         self.ctl[C_STOP] = 1
