@@ -22,9 +22,10 @@ driver from the command line):
   checks it died of SIGKILL, starts a replacement and waits until every survivor has
   completed a step since the kill; then ``check_invariants``. At the end it stops the
   workers (exit code 0 each), reaps, checks the invariants and counts the blocks.
-  A victim caught inside ``attach()`` or ``close()`` is let go (SIGCONT) unless
-  ``kill_in_attach_close``: killing it there can wedge the lock, a shmkv bug that
-  ``test_chaos.py::test_dead_holders_slot_reclaimed_by_a_newcomer`` reproduces.
+  Victims caught inside ``attach()`` or ``close()`` are killed too (those are the holds
+  that leave a FREE process row behind; ``test_chaos.py::
+  test_a_newcomer_does_not_take_the_row_of_a_process_dead_in_the_lock`` has the cases);
+  with ``kill_in_attach_close=False`` they are let go (SIGCONT) and counted as spared.
 
 Progress is reported through a lock-free shared array (``RawArray``: a worker can be killed
 at any instant, and a ``multiprocessing`` lock held by a dead process would hang everyone
@@ -265,12 +266,11 @@ class ChaosConfig:
     evict_p: float = 0.02
     reattach_p: float = 0.003
     check_every: int = 1  # check_invariants in the driver after every n-th kill
-    # Kill workers inside attach() and close() too. Off by default: a process killed there
-    # holding the lock (or its semaphore) leaves a FREE process row, whose slot a newcomer
-    # can claim; waiters then take the dead holder for alive (a shmkv bug, see
-    # test_chaos.py::test_dead_holders_slot_reclaimed_by_a_newcomer). A victim found
-    # attaching or closing is let go (SIGCONT) and counted as spared.
-    kill_in_attach_close: bool = False
+    # Kill workers inside attach() and close() too: a process killed there holding the lock
+    # (or its semaphore) leaves a FREE process row that a newcomer must not claim (see
+    # test_chaos.py::test_a_newcomer_does_not_take_the_row_of_a_process_dead_in_the_lock).
+    # False: a victim found attaching or closing is let go (SIGCONT), counted as spared.
+    kill_in_attach_close: bool = True
     lock_enabled: bool = True  # False only to prove the checks catch corruption
     quiet: bool = True  # silence shmkv's warnings (each reap and repair logs one)
     seed: int | None = None
@@ -291,6 +291,7 @@ class ChaosReport:
     kills_outside_lock: int = 0
     kills_unregistered: int = 0  # no active process row (attaching, or closing), lock free
     spared: int = 0  # victims found attaching or closing and let go (kill_in_attach_close)
+    kills_in_attach_close: int = 0  # victims killed inside attach() or close()
     takeovers: int = 0  # header num_takeovers
     repairs: int = 0  # header epoch: holds that began with a take-over or a dirty journal
     reaped: int = 0  # header num_reaped
@@ -317,7 +318,8 @@ class ChaosReport:
              f"{self.kills_holding_lock} ({self.kills_mid_write})"),
             ("  taking / giving it back", self.kills_in_lock_transition),
             ("  outside it", self.kills_outside_lock),
-            ("  attaching or closing", self.kills_unregistered),
+            ("  with no active row (attaching or closing)", self.kills_unregistered),
+            ("  inside attach() or close()", self.kills_in_attach_close),
             ("victims spared (attaching or closing)", self.spared),
             ("take-overs", self.takeovers),
             ("repairs", self.repairs),
@@ -531,10 +533,12 @@ class _Driver:
         p = self.procs[i]
         if not _freeze(p.pid):
             report.errors.append(f"worker {i} (pid {p.pid}) did not stop")
-        if not self.cfg.kill_in_attach_close and self.row(i, F_BUSY):
-            os.kill(p.pid, signal.SIGCONT)
-            report.spared += 1
-            return True
+        if self.row(i, F_BUSY):
+            if not self.cfg.kill_in_attach_close:
+                os.kill(p.pid, signal.SIGCONT)
+                report.spared += 1
+                return True
+            report.kills_in_attach_close += 1
         self.classify(p.pid, report)
         t_kill = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)

@@ -52,9 +52,11 @@ def assert_survived(report: chaos.ChaosReport, kills: int) -> None:
     assert report.takeovers <= report.kills_holding_lock + report.kills_in_lock_transition, (
         detail)
     assert report.takeovers >= 1, f"no kill landed inside the lock: {detail}"
-    # Every victim had attached (none is killed inside attach or close): all are reaped.
-    assert report.kills_unregistered == 0, detail
-    assert report.reaped == report.kills, detail
+    # Every victim is reaped, but one killed inside attach() (before its commit) or close()
+    # (after it), whose row is then FREE: it was never, or no longer, attached.
+    assert report.kills_unregistered <= report.kills_in_attach_close, detail
+    assert report.kills - report.kills_in_attach_close <= report.reaped <= report.kills, (
+        detail)
     assert report.steps > 0
 
 
@@ -203,13 +205,6 @@ def test_a_process_killed_outside_the_lock_is_reaped_and_its_blocks_return(kerne
 # ------------------------------------------------- a dead holder's slot, claimed again
 
 KILLED = f"signal:{int(signal.SIGKILL)}"
-BUG_RECLAIMED_SLOT = (
-    "BUG (shmkv/takeover.py, BlockPool._claim_free_slot): a process killed inside attach() "
-    "or close() while it holds the lock leaves its process row FREE; a newcomer claims that "
-    "slot's liveness byte, so the dead holder (or dead ACQUIRING/RELEASING process) looks "
-    "alive and nobody takes over: the lock is stuck for lock_timeout_s, and for good when no "
-    "holder was recorded"
-)
 
 
 @pytest.fixture(scope="module")
@@ -281,19 +276,18 @@ def _dead_in_window(kernel: str, op: str, window: str, forker) -> BlockPool:
     pytest.fail(f"{op}: no store leaves the window {window!r}")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=BUG_RECLAIMED_SLOT)
 @pytest.mark.parametrize("window", ["holder recorded", "no holder recorded"])
 @pytest.mark.parametrize("op", ["attach", "close"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_dead_holders_slot_reclaimed_by_a_newcomer(kernel, op, window, forker):
+def test_a_newcomer_does_not_take_the_row_of_a_process_dead_in_the_lock(kernel, op, window,
+                                                                        forker):
     """A process dies inside attach() or close() with the lock's semaphore taken and its
-    process row FREE. A newcomer attaches: it claims the FREE slot (its liveness byte is
-    free), then waits for the lock. Expected: it takes the lock over (the holder, or the
-    process taking or giving the lock back, is dead), repairs and attaches; and the
-    survivor can use the pool afterwards. What happens: the dead process's slot byte is
-    now the newcomer's, so everyone takes the dead one for alive; the newcomer times out
-    (and chaos runs see a stall of lock_timeout_s); with no holder recorded, the newcomer
-    overwrote the dead process's lock_phase, and the lock stays stuck for good."""
+    process row FREE. A newcomer attaches: it must not claim that row (its liveness byte is
+    free, but its lock_phase mark is the only trace of who has the semaphore), so it takes
+    another, takes the lock over (the holder, or the process taking or giving the lock
+    back, is dead), repairs and attaches; and the survivor can use the pool afterwards.
+    (Before the fix, the newcomer took the row: the dead one then looked alive, the lock
+    was stuck for lock_timeout_s, and for good when no holder was recorded.)"""
     pool = _dead_in_window(kernel, op, window, forker)
     try:
         ended = forker(chaos.newcomer, pool.pool_name, kernel, 0.5)
