@@ -666,3 +666,72 @@ def test_a_call_that_fails_half_way_is_undone(make_pool, monkeypatch, kernel):
     assert kept[0].ref_cnt == 1
     pool.free_blocks(kept)
     pool.check_invariants()
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"journal_entries": 10}, "journal_entries must be an int in"),
+    ({"journal_entries": 0}, "journal_entries must be a positive int"),
+    ({"journal_entries": True}, "journal_entries must be a positive int"),
+    ({"journal_entries": "64"}, "journal_entries must be an int"),
+    ({"stuck_after_s": 0}, "stuck_after_s must be a positive number"),
+    ({"stuck_after_s": "2"}, "stuck_after_s must be a positive number"),
+    ({"lock_timeout_s": -1}, "lock_timeout_s must be a positive number"),
+    ({"label": "x" * (L.MAX_LABEL_BYTES + 1)}, "at most 24 bytes"),
+])
+def test_create_rejects_bad_crash_safety_settings(pool_name, kwargs, match):
+    """create() with a bad journal size, stuck bound, lock timeout or label raises
+    UsageError naming it, and leaves nothing in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(UsageError, match=match):
+        BlockPool.create(pool_name, 8, **kwargs)
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_attach_rejects_a_bad_stuck_bound(make_pool):
+    pool = make_pool(8)
+    before = segment_image(pool)
+    with pytest.raises(UsageError, match="stuck_after_s"):
+        BlockPool.attach(pool.pool_name, stuck_after_s=-0.5)
+    assert segment_image(pool) == before
+    assert [p["slot"] for p in pool.processes()] == [pool.slot]
+
+
+@pytest.mark.parametrize("slot, match", [
+    (5, "slot 5 is not an active slot"),
+    (-1, "slot -1 is not an active slot"),
+    (99, "slot 99 is not an active slot"),
+    ("1", "slot must be an int"),
+    (True, "slot must be an int"),
+])
+def test_reclaim_slot_rejects_what_is_not_another_active_slot(make_pool, slot, match):
+    pool = populate(make_pool(16))
+    with rejected(pool, match=match):
+        pool.reclaim_slot(slot)
+    with rejected(pool, match="own slot"):
+        pool.reclaim_slot(pool.slot)
+
+
+@pytest.mark.parametrize("op, n, match", [
+    ("alocate", 3, "unknown operation 'alocate'"),
+    ("allocate", 0, "must be an int >= 1"),
+    ("allocate", True, "must be an int >= 1"),
+])
+def test_fault_arm_rejects_bad_plans(op, n, match):
+    from shmkv import fault
+
+    with pytest.raises(ValueError, match=match):
+        fault.arm(op, n)
+    assert fault.planned is None
+
+
+@pytest.mark.parametrize("spec", ["allocate", "allocate:x", "allocate:-2"])
+def test_fault_env_rejects_bad_specs(monkeypatch, spec):
+    from shmkv import fault
+
+    monkeypatch.setenv(fault.ENV_VAR, spec)
+    with pytest.raises(ValueError, match="SHMKV_FAULT"):
+        fault.arm_from_env()
+    assert fault.planned is None
