@@ -4,7 +4,7 @@ scheduler process on a node. Follows vLLM v1's KV-cache layer name for name.
 ``import shmkv`` never imports torch.
 """
 
-from shmkv.block_pool import BlockPool, KVCacheBlock
+from shmkv.block_pool import BlockPool, KVCacheBlock, RepairReport
 from shmkv.errors import (
     FencedError,
     InvariantViolation,
@@ -65,6 +65,7 @@ __all__ = [
     "PoolClosedError",
     "PoolFullError",
     "ProtocolError",
+    "RepairReport",
     "Request",
     "RequestBlockHasher",
     "SegmentError",
