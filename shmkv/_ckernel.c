@@ -49,6 +49,7 @@
 #define PHASE_IDLE 0
 #define PHASE_ACQUIRING 1
 #define PHASE_RELEASING 2
+#define PHASE_HOLDING 3
 #define NO_BLOCK (-1)
 #define NO_HASH_TOKENS 0
 #define NULL_BLOCK_ID 0
@@ -1126,9 +1127,11 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
             return NULL;
         }
     }
+    set_phase(l, PHASE_HOLDING); /* first thing with the unit: see shmkv/takeover.py */
     int64_t now = now_ns();
-    if (fenced(l)) { /* reclaimed while it waited: the slot (and its phase) is not ours */
+    if (fenced(l)) { /* reclaimed while it waited: give the unit back, touch nothing more */
         if (l->enabled) sem_post(l->sem);
+        set_phase(l, PHASE_IDLE);
         return NULL;
     }
     FAULT_TICK();

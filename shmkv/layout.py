@@ -99,7 +99,7 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
 | `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
-| `lock_phase`  | i64  | ``PHASE_IDLE``, ``PHASE_ACQUIRING`` (from before its semaphore wait to its hold's end) or ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded. Written by the slot's owner, outside the journal. |
+| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/takeover.py``). Written by the slot's owner, outside the journal. |
 
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
@@ -300,6 +300,7 @@ SLOT_ACTIVE = 1
 PHASE_IDLE = 0
 PHASE_ACQUIRING = 1
 PHASE_RELEASING = 2
+PHASE_HOLDING = 3
 # int64 words of a process row, for the locks' flat-view access.
 P_INCARNATION = PROC_DTYPE.fields["incarnation"][1] // 8
 P_LOCK_PHASE = PROC_DTYPE.fields["lock_phase"][1] // 8

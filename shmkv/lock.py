@@ -16,9 +16,10 @@ Protocol of one hold, every store in this order (the fault points of ``shmkv/fau
 
 1. acquire: fence check (a reclaimed slot raises ``FencedError`` and writes nothing); own
    ``lock_phase = ACQUIRING``; the semaphore, waited for in slices of ``WAIT_SLICE_S``, with
-   ``on_stall()`` after each (the take-over of a dead holder, ``shmkv/takeover.py``); the
-   holder record; ``lock_seq += 1``; then, if the lock was taken over or the undo journal is
-   not empty, ``on_dirty(took_over)``: the repair, before the caller's critical section.
+   ``on_stall()`` after each (the take-over of a dead holder, ``shmkv/takeover.py``);
+   ``lock_phase = HOLDING`` at once; the holder record; ``lock_seq += 1``; then, if the lock
+   was taken over or the undo journal is not empty, ``on_dirty(took_over)``: the repair,
+   before the caller's critical section.
 2. release: ``lock_phase = RELEASING``; ``journal_len = 0`` (the commit); the holder record
    cleared; the semaphore posted; ``lock_phase = IDLE``.
 
@@ -243,9 +244,11 @@ class PoolLock:
                     raise
                 self._waited = _monotonic_ns() - start
                 self.wait_ns_total += self._waited
-        if self._fenced():  # reclaimed while it waited: the slot (and its phase) is not ours
+        self._set_phase(L.PHASE_HOLDING)  # first thing with the unit: see shmkv/takeover.py
+        if self._fenced():  # reclaimed while it waited: give the unit back, touch nothing more
             if self._enabled:
                 self._sem.release()
+            self._set_phase(L.PHASE_IDLE)
             raise FencedError(_FENCED)
         return took_over
 

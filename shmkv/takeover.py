@@ -9,13 +9,21 @@ situations:
    full table), a pid that no longer exists. Unambiguous: the holder writes ``holder`` after
    taking the semaphore and clears it before posting, so the unit died with it.
 2. **Stuck with no holder.** ``holder == 0``, the semaphore at 0 and ``lock_seq`` unchanged
-   for ``stuck_after_s``, and some slot whose process is dead shows ``lock_phase``
-   ACQUIRING or RELEASING: it died between taking the semaphore and writing ``holder``, or
-   between clearing ``holder`` and posting. (A live process takes nanoseconds over either
-   window; a dead one marked ACQUIRING may also have died while still waiting, which is why
-   the semaphore must have stood still for a long time. A live process stopped, SIGSTOP,
-   inside that window for longer than ``stuck_after_s`` while such a dead waiter exists
-   would be taken for dead: the one case this cannot tell apart.)
+   for ``stuck_after_s``. Each process marks its row's ``lock_phase``: ACQUIRING before it
+   waits, HOLDING as the very first store once it has the semaphore (before ``holder``),
+   RELEASING before it clears ``holder`` (until after its post). So:
+
+   - a *live* process marked HOLDING or RELEASING has the unit, or is about to post it: it
+     is slow (preempted, stopped), not dead. Never take over then;
+   - else a *dead* process marked HOLDING died with the unit (between the semaphore and
+     ``holder``), and one marked RELEASING died before or just after its post: take over;
+   - else a *dead* process marked ACQUIRING died waiting, or in the one store between
+     taking the semaphore and marking HOLDING: with no process HOLDING or RELEASING, the
+     unit can only be there. Take over.
+
+   The one case this cannot tell apart: a live process stopped (SIGSTOP, or starved) for
+   ``stuck_after_s`` in the single instruction between taking the semaphore and its HOLDING
+   store, while a dead process's mark is around.
 
 Exactly one waiter takes over: the candidates race for an OFD lock on the arbiter byte of
 the liveness file; the winner re-reads the lock's state under it, writes its own holder
@@ -79,13 +87,21 @@ class TakeOver:
             return False
         return False
 
-    def _dead_in_transition(self) -> list[int]:
-        """Slots whose process is dead and whose lock_phase is not IDLE."""
+    def _suspects(self) -> list[int]:
+        """Slots of dead processes that may have died with the semaphore (rule 2 of the
+        module docstring); [] when a live process may have it."""
         phases = self._procs["lock_phase"]
-        return [
-            slot for slot in np.flatnonzero(phases != L.PHASE_IDLE).tolist()
-            if not self._alive.is_alive(slot)
-        ]
+        dead_with_unit, dead_waiting = [], []
+        for slot in np.flatnonzero(phases != L.PHASE_IDLE).tolist():
+            phase = int(phases[slot])
+            alive = self._alive.is_alive(slot)
+            if phase in (L.PHASE_HOLDING, L.PHASE_RELEASING):
+                if alive:
+                    return []  # it has the unit, or posts it: slow, not dead
+                dead_with_unit.append(slot)
+            elif phase == L.PHASE_ACQUIRING and not alive:
+                dead_waiting.append(slot)
+        return dead_with_unit or dead_waiting
 
     def _stuck_without_holder(self) -> bool:
         seq = self._hdr[L.H_LOCK_SEQ]
@@ -112,7 +128,7 @@ class TakeOver:
         else:
             if not self._stuck_without_holder():
                 return False
-            dead = self._dead_in_transition()
+            dead = self._suspects()
             if not dead:
                 return False
             seq = hdr[L.H_LOCK_SEQ]
