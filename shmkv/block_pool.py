@@ -506,7 +506,10 @@ class BlockPool:
 
         The slot's liveness byte is taken first, without the lock (the kernel arbitrates
         it), so that the lock's ``lock_phase`` marks already sit in a row this process owns
-        during the hold that fills the row in.
+        during the hold that fills the row in. That first look at the table is a dirty
+        read: the row may have been freed by a hold that has not committed, and whose holder
+        then dies; the repair at the start of this process's hold puts the dead process's
+        row back. So the choice is checked again under the lock.
         """
         slot = self._claim_free_slot()
         if slot is not None:
@@ -514,7 +517,13 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("attach")
         try:
             with self._lock:
-                if slot is None:  # every slot taken: reap the dead, under the lock
+                if slot is not None and not self._slot_is_free_locked(slot):
+                    # Not ours after all: leave the row as the repair restored it (its
+                    # process is dead; the reap below, or a later one, gives it back).
+                    self._procs["lock_phase"][slot] = L.PHASE_IDLE  # our marks, not its
+                    self._alive.release(slot)
+                    slot = None
+                if slot is None:  # no usable slot yet: reap the dead, under the lock
                     self._reap_dead_locked()
                     slot = self._claim_free_slot()
                     if slot is None:
@@ -539,6 +548,10 @@ class BlockPool:
         finally:
             if counting:
                 _fault.end()
+
+    def _slot_is_free_locked(self, slot: int) -> bool:
+        return (self._procs["state"][slot] == L.SLOT_FREE
+                and not self._ledger[slot].any())
 
     def _claim_free_slot(self) -> int | None:
         """A FREE slot whose liveness byte this process could take, or None. A free row

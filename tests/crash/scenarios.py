@@ -129,3 +129,22 @@ def victim(name: str, kernel: str, op: str, role: str, fault_at: int) -> None:
     if role == "victim":
         fault.arm(op, fault_at)
     victim_last_call(pool, op, held)
+
+
+def reaper(name: str, kernel: str, fault_at: int) -> None:
+    """Attaches and reaps the dead, killed before its ``fault_at``-th store."""
+    from shmkv import fault
+
+    pool = BlockPool.attach(name, kernel=kernel, label="reaper", stuck_after_s=STUCK_AFTER_S)
+    fault.arm("reap", fault_at)
+    pool.reap_dead()
+
+
+def newcomer(name: str, kernel: str) -> None:
+    """Attaches; its fresh slot must hold no reference; closes."""
+    pool = BlockPool.attach(name, kernel=kernel, label="newcomer",
+                            stuck_after_s=STUCK_AFTER_S)
+    held = int(pool._ledger[pool.slot].sum())
+    if held:
+        raise AssertionError(f"a newcomer's slot {pool.slot} holds {held} reference(s)")
+    pool.close()

@@ -204,3 +204,33 @@ def test_snapshot_sees_a_difference():
     assert states[0] != states[1]
     assert np.any(np.frombuffer(states[0]["ledger"], np.uint8)
                   != np.frombuffer(states[1]["ledger"], np.uint8))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_newcomer_never_inherits_a_row_a_dead_hold_had_freed(kernel, forker):
+    """A reaper frees a dead process's row and is killed before its hold commits. Seen
+    from outside the lock that row is FREE, so a newcomer claims it; but its acquire takes
+    the lock over and the rollback puts the dead process's row back (ACTIVE, its references
+    in the ledger). The newcomer must then move to another slot, not fill that row in and
+    inherit the dead process's references; and the dead process is reaped exactly."""
+    found = 0
+    for n in range(1, MAX_POINTS):
+        pool, held = make_scene(kernel, "reap", forker)  # slot 1: a dead zombie with blocks
+        try:
+            ended = forker(S.reaper, pool.pool_name, kernel, n)
+            if ended == "exit:0":
+                break
+            assert ended == KILLED
+            zombie_row_freed = pool._procs["state"][1] == L.SLOT_FREE
+            if pool.holder() is None or not zombie_row_freed:
+                continue  # not the window this test is about
+            found += 1
+            assert forker(S.newcomer, pool.pool_name, kernel) == "exit:0", (
+                f"store {n}: the newcomer inherited the dead process's references")
+            assert pool.reap_dead() == 0  # the repair and the newcomer's reap did it all
+            pool.check_invariants()
+            assert all(b.ref_cnt == 1 for b in held)
+            assert pool.get_num_free_blocks() == S.NUM_BLOCKS - 1 - len(held)
+        finally:
+            finish(pool)
+    assert found, "no kill left the zombie's row freed and uncommitted"
