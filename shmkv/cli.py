@@ -138,7 +138,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pool = BlockPool.attach(args.name, label="shmkv-inspect")
     try:
         with pool.lock():
-            hdr = pool.layout.view(pool._segment.buf, "header")[0]
+            hdr = pool.layout.view(pool._segment.buf, "header")[0].copy()  # as of this hold
             holder = decode_holder(int(hdr["holder"]))
             violations = collect_violations(pool)
         print(f"pool {args.name}  segment {pool._segment.shm_name}  "
