@@ -110,6 +110,7 @@ _HASH_BYTES = L.BLOCK_HASH_BYTES
 _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _H_NUM_FREE = L.H_NUM_FREE
+_H_JOURNAL_LEN = L.H_JOURNAL_LEN
 
 
 class _Closed:
@@ -1071,7 +1072,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("cache")
         lock = self._lock
         lock.acquire()
-        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
         try:
             cached = self._kernel.cache(
                 new_full, fine_hashes, num_cached_blocks, ratio, block_size,
@@ -1152,10 +1153,11 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("allocate")
         lock = self._lock
         lock.acquire()
-        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
         try:
             if num_blocks > self._hdr64[_H_NUM_FREE]:
                 self._reap_dead_locked()  # a dead process's blocks may be the missing ones
+                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)  # the reap stands
             blocks = self._kernel.allocate(
                 num_blocks, self.enable_caching, self._handles, self._handle, evicted
             )
@@ -1180,7 +1182,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("touch")
         lock = self._lock
         lock.acquire()
-        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
         try:
             self._kernel.touch(blocks)
         except BaseException:
@@ -1204,7 +1206,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("free")
         lock = self._lock
         lock.acquire()
-        mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
         try:
             self._kernel.free(ordered_blocks, self.enable_caching)
         except BaseException:
@@ -1233,7 +1235,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("evict")
         try:
             with self._lock:
-                mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
                 try:
                     for block_id in ids:
                         self._evict_cached(int(block_id))
@@ -1260,7 +1262,7 @@ class BlockPool:
                         "yet", num_used - 1,
                     )
                     return False
-                mark = self._hdr64[L.H_JOURNAL_LEN], len(self._event_queue)
+                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
                 try:
                     self._index.clear()
                     if self.enable_kv_cache_events:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shmkv import BlockPool, InvariantViolation
+from shmkv import BlockPool, InvariantViolation, OutOfBlocksError
 from shmkv import layout as L
 from shmkv.errors import FencedError, LockTimeoutError, PoolFullError, SegmentError
 from shmkv.events import BlockRemoved, BlockStored
@@ -263,3 +263,19 @@ def test_lock_serialises_threads_of_one_process(make_pool):
     for t in threads:
         t.join(60)
     assert overlap == [] and pool.holder() is None
+
+
+def test_a_shortfall_reaps_the_dead_and_the_reap_stands_even_if_it_is_not_enough(make_pool):
+    """An allocation that finds too few free blocks reaps the dead first; if that is still
+    not enough it raises OutOfBlocksError, but the reap is not undone with it."""
+    pool = make_pool(16)
+    other = _attach(pool)
+    other.get_new_blocks(4)
+    other._alive.close()  # dies without close()
+    with pytest.raises(OutOfBlocksError):
+        pool.get_new_blocks(16)
+    assert pool.get_num_free_blocks() == 15  # the dead process's four came back
+    assert int(pool._hdr64[L.H_NUM_REAPED]) == 1
+    assert [p["slot"] for p in pool.processes()] == [pool.slot]
+    pool.check_invariants()
+    other.close()
