@@ -55,8 +55,9 @@ class TakeOver:
         hdr64: flat int64 view of the header; procs: numpy view of the process table.
         alive: this process's liveness-file handle.
         my_holder_word: callable() -> this process's ``holder`` word.
-        stuck_after_s: how long the lock must stand still with no holder before a dead
-            ACQUIRING/RELEASING process is taken to have its semaphore unit.
+        stuck_after_s: how long the lock must stand still with no holder recorded before
+            a dead process's ``lock_phase`` mark is taken to mean it died with the semaphore
+            (rule 2 above).
     """
 
     def __init__(self, shm_name: str, hdr64, procs: np.ndarray, alive: AliveLocks,
