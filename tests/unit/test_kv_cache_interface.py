@@ -118,6 +118,6 @@ def test_import_does_not_load_torch():
     import subprocess
     import sys
 
-    code = ("import sys, shmkv, shmkv.kv_cache_interface; "
+    code = ("import sys, shmkv, shmkv.kv_cache_interface, shmkv.single_type_kv_cache_manager; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,271 @@
+"""Differential tests: shmkv's single-type managers against vLLM 0.33.0's own managers (over
+vLLM's own BlockPool), call for call.
+
+A seeded workload drives one KV-cache group the way vLLM's ``KVCacheManager.allocate_slots``
+does: a new request looks up its prefix-cache hit (``find_longest_cache_hit``), frees what the
+window no longer needs (``remove_skipped_blocks``), asks for its demand
+(``get_num_blocks_to_allocate``), takes the hit (``add_local_computed_blocks``), gets fresh
+blocks (``allocate_new_blocks``) and caches its full blocks (``cache_blocks``); running
+requests prefill in chunks and decode token by token (some with speculative lookahead);
+requests are finished or preempted by ``free``. Prompts share a few "system prompt" prefixes,
+so hits, shared blocks and evictions are common, and the pool is small, so some admissions do
+not fit (both sides must then refuse).
+
+After every call both sides must agree on the return value (hit block ids and length, demand,
+new block ids), on every request's block ids and cached-block count, and on the pool's
+free-queue order; shmkv's ``check_invariants`` runs after each step. The same request objects
+(shmkv ``Request``, sha256 hashes at the group's block size) are handed to both sides.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from shmkv import BlockPool, Request
+from shmkv import kv_cache_interface as shm_specs
+from shmkv import single_type_kv_cache_manager as shm_managers
+from tests.conftest import unique_pool_name
+
+torch = pytest.importorskip("torch")
+vllm_specs = pytest.importorskip("vllm.v1.kv_cache_interface")
+vllm_managers = pytest.importorskip("vllm.v1.core.single_type_kv_cache_manager")
+vllm_block_pool = pytest.importorskip("vllm.v1.core.block_pool")
+
+pytestmark = pytest.mark.differential
+
+BLOCK_SIZE = 4
+VOCAB = 50
+
+
+def _attention(kind: str, **extra):
+    common = {"block_size": BLOCK_SIZE, "num_kv_heads": 1, "head_size": 8}
+    ours = getattr(shm_specs, kind)(**common, dtype="float16", **extra)
+    theirs = getattr(vllm_specs, kind)(**common, dtype=torch.float16, **extra)
+    return ours, theirs
+
+
+def _mamba(mode: str, num_speculative_blocks: int):
+    kw = {"mamba_cache_mode": mode, "num_speculative_blocks": num_speculative_blocks}
+    ours = shm_specs.MambaSpec(BLOCK_SIZE, ((2, 4),), ("float32",), **kw)
+    theirs = vllm_specs.MambaSpec(BLOCK_SIZE, ((2, 4),), (torch.float32,), **kw)
+    return ours, theirs
+
+
+@dataclass
+class Setup:
+    """One group's spec on both sides, which manager class runs it, and the workload shape."""
+
+    name: str
+    specs: tuple
+    manager: str
+    enable_caching: bool = True
+    max_spec_tokens: int = 0  # speculative lookahead tokens per decode step
+    chunk_multiple: int = 1  # prefill chunks are multiples of this many blocks
+    pass_prompt_len: bool = False  # remove_skipped_blocks gets num_prompt_tokens (R-SWA)
+    num_steps: int = 120
+
+
+SETUPS = [
+    Setup("full", _attention("FullAttentionSpec"), "FullAttentionManager"),
+    Setup("full-nocache", _attention("FullAttentionSpec"), "FullAttentionManager",
+          enable_caching=False),
+    Setup("full-lookahead", _attention("FullAttentionSpec"), "FullAttentionManager",
+          max_spec_tokens=3),
+    Setup("mla", _attention("MLAAttentionSpec"), "FullAttentionManager"),
+    Setup("swa-4", _attention("SlidingWindowSpec", sliding_window=4), "SlidingWindowManager"),
+    Setup("swa-9", _attention("SlidingWindowSpec", sliding_window=9), "SlidingWindowManager",
+          max_spec_tokens=2),
+    Setup("swa-extra", _attention("SlidingWindowSpec", sliding_window=6,
+                                  extra_retained_tokens=3), "SlidingWindowManager"),
+    Setup("chunked-8", _attention("ChunkedLocalAttentionSpec", attention_chunk_size=8),
+          "ChunkedLocalAttentionManager"),
+    Setup("chunked-12", _attention("ChunkedLocalAttentionSpec", attention_chunk_size=12),
+          "ChunkedLocalAttentionManager"),
+    Setup("rswa", _attention("RSWASpec", rswa_window=3), "RSWAManager", pass_prompt_len=True,
+          num_steps=400),
+    Setup("mamba-none", _mamba("none", 0), "MambaManager", enable_caching=False),
+    Setup("mamba-none-spec", _mamba("none", 2), "MambaManager", enable_caching=False,
+          max_spec_tokens=2),
+    Setup("mamba-all", _mamba("all", 0), "MambaManager", enable_caching=False),
+    Setup("mamba-align", _mamba("align", 0), "MambaManager", chunk_multiple=1),
+    Setup("mamba-align-spec", _mamba("align", 1), "MambaManager", max_spec_tokens=1),
+]
+
+
+class Side:
+    """One library's pool and manager, with the calls the driver makes."""
+
+    def __init__(self, manager, pool, free_ids):
+        self.manager = manager
+        self.pool = pool
+        self._free_ids = free_ids
+
+    def state(self):
+        m = self.manager
+        tables = {r: [b.block_id for b in blocks] for r, blocks in m.req_to_blocks.items()}
+        return tables, dict(m.num_cached_block), self._free_ids()
+
+
+def _ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def _make_sides(setup: Setup, num_blocks: int, make_pool):
+    ours_spec, theirs_spec = setup.specs
+    shm_pool = make_pool(num_blocks, enable_caching=setup.enable_caching,
+                         hash_block_size=BLOCK_SIZE)
+    vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching, BLOCK_SIZE)
+    kwargs = {"enable_caching": setup.enable_caching, "kv_cache_group_id": 0,
+              "scheduler_block_size": BLOCK_SIZE}
+    ours = getattr(shm_managers, setup.manager)(ours_spec, block_pool=shm_pool, **kwargs)
+    theirs = getattr(vllm_managers, setup.manager)(theirs_spec, block_pool=vllm_pool, **kwargs)
+    return (
+        Side(ours, shm_pool, shm_pool.get_free_block_ids),
+        Side(theirs, vllm_pool,
+             lambda: _ids(vllm_pool.free_block_queue.get_all_free_blocks())),
+    )
+
+
+def _both(label, ours, theirs, call):
+    """Runs ``call`` on both sides; both raise the same error type or return equal values."""
+    results = []
+    for side in (ours, theirs):
+        try:
+            results.append(("ok", call(side)))
+        except (ValueError, AssertionError) as exc:
+            results.append(("err", type(exc).__name__))
+    assert results[0] == results[1], f"{label}: shmkv {results[0]} != vLLM {results[1]}"
+    return results[0][1]
+
+
+@dataclass
+class Live:
+    request: Request
+    num_computed: int = 0
+
+
+def _run(setup: Setup, seed: int, make_pool):
+    rng = random.Random(seed)
+    num_blocks = rng.choice([24, 40, 64])
+    ours, theirs = _make_sides(setup, num_blocks, make_pool)
+    hasher = ours.pool.make_block_hasher()
+    spec = setup.specs[0]
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 26))] for _ in range(3)]
+    live: dict[str, Live] = {}
+    next_id = 0
+
+    def allocate(label, live_req: Live, num_new_tokens: int, hit, hit_len: int,
+                 num_lookahead: int) -> bool:
+        req = live_req.request
+        rid = req.request_id
+        total = live_req.num_computed + hit_len
+        main = total + num_new_tokens
+        need_slot = main + num_lookahead
+        skip_kwargs = {"num_prompt_tokens": req.num_prompt_tokens} if setup.pass_prompt_len else {}
+        if rid in ours.manager.req_to_blocks or rid in theirs.manager.req_to_blocks:
+            _both(f"{label} remove_skipped_blocks", ours, theirs,
+                  lambda s: s.manager.remove_skipped_blocks(rid, total, **skip_kwargs))
+        hits = {"ours": hit[0], "theirs": hit[1]}
+
+        def demand(s):
+            blocks = hits["ours"] if s is ours else hits["theirs"]
+            return s.manager.get_num_blocks_to_allocate(
+                rid, need_slot, blocks, total, hit_len, main)
+
+        num_needed = _both(f"{label} get_num_blocks_to_allocate", ours, theirs, demand)
+        if num_needed > ours.pool.get_num_free_blocks():
+            return False
+        if rid not in ours.manager.num_cached_block:  # a new request (the coordinator's rule)
+            _both(f"{label} add_local_computed_blocks", ours, theirs,
+                  lambda s: s.manager.add_local_computed_blocks(
+                      rid, hits["ours"] if s is ours else hits["theirs"], hit_len, 0))
+        new = _both(f"{label} allocate_new_blocks", ours, theirs,
+                    lambda s: _ids(s.manager.allocate_new_blocks(rid, need_slot, main)))
+        del new
+        live_req.num_computed = main
+        if setup.enable_caching:
+            _both(f"{label} cache_blocks", ours, theirs,
+                  lambda s: s.manager.cache_blocks(
+                      req, min(main, req.num_tokens), replay_boundaries=[]))
+        return True
+
+    for step in range(setup.num_steps):
+        label = f"seed {seed} step {step}"
+        for side in (ours, theirs):
+            side.manager.new_step_starts()
+        action = rng.random()
+        if action < 0.3 or not live:
+            # A new request: shared prefix + random tail, admitted with its first chunk.
+            prompt = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
+            prompt += [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
+            rid = f"r{next_id}"
+            next_id += 1
+            req = Request(rid, prompt, block_hasher=hasher)
+            hit_len = 0
+            hit = ([], [])
+            if setup.enable_caching:
+                def lookup(s, req=req):
+                    blocks, length = s.manager.find_longest_cache_hit(
+                        req.block_hashes, req.num_tokens - 1, [0], s.pool, s.manager.kv_cache_spec,
+                        False, BLOCK_SIZE)
+                    return blocks[0], length
+
+                results = [lookup(ours), lookup(theirs)]
+                assert (_ids(results[0][0]), results[0][1]) == (
+                    _ids(results[1][0]), results[1][1]), f"{label} find_longest_cache_hit"
+                hit = (results[0][0], results[1][0])
+                hit_len = results[0][1]
+            live_req = Live(req)
+            remaining = req.num_tokens - hit_len
+            chunk = remaining
+            if rng.random() < 0.4:
+                unit = BLOCK_SIZE * setup.chunk_multiple
+                chunk = min(remaining, unit * rng.randrange(1, 4))
+            if allocate(label, live_req, chunk, hit, hit_len, 0):
+                live_req.num_computed = hit_len + chunk
+                live[rid] = live_req
+            else:
+                for side in (ours, theirs):
+                    side.manager.free(rid)  # nothing held yet: a no-op on both
+        elif action < 0.8:
+            rid = rng.choice(sorted(live))
+            live_req = live[rid]
+            req = live_req.request
+            if live_req.num_computed < req.num_tokens:
+                # Next prefill chunk.
+                remaining = req.num_tokens - live_req.num_computed
+                unit = BLOCK_SIZE * setup.chunk_multiple
+                chunk = remaining if rng.random() < 0.5 else min(
+                    remaining, unit * rng.randrange(1, 3))
+                if not allocate(label, live_req, chunk, ([], []), 0, 0):
+                    continue
+            else:
+                # Decode: one new token, with speculative lookahead slots.
+                req.append_output_token_ids(rng.randrange(VOCAB))
+                lookahead = rng.randrange(setup.max_spec_tokens + 1)
+                if not allocate(label, live_req, 1, ([], []), 0, lookahead):
+                    continue
+        else:
+            # Finish (or preempt) one request, sometimes several.
+            for rid in rng.sample(sorted(live), k=min(len(live), rng.choice([1, 1, 2]))):
+                _both(f"{label} free", ours, theirs, lambda s, rid=rid: s.manager.free(rid))
+                del live[rid]
+        assert ours.state() == theirs.state(), f"{label}: state differs"
+        ours.pool.check_invariants()
+    del spec
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=[s.name for s in SETUPS])
+@pytest.mark.parametrize("seed", range(6))
+def test_managers_match_vllm(setup, seed, make_pool):
+    """The same call sequence gives the same hits, demands, block ids and free queue."""
+    _run(setup, seed, make_pool)
+
+
+def test_pool_name_helper_is_unique():
+    """The pools made by the test factory never collide."""
+    assert unique_pool_name() != unique_pool_name()
+    assert BlockPool is not None
