@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from shmkv import BlockPool, Request
+from shmkv import Request
 from shmkv import kv_cache_interface as shm_specs
 from shmkv import single_type_kv_cache_manager as shm_managers
-from tests.conftest import unique_pool_name
 
 torch = pytest.importorskip("torch")
 vllm_specs = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -66,6 +65,9 @@ class Setup:
     chunk_multiple: int = 1  # prefill chunks are multiples of this many blocks
     pass_prompt_len: bool = False  # remove_skipped_blocks gets num_prompt_tokens (R-SWA)
     num_steps: int = 120
+    scheduler_block_size: int = BLOCK_SIZE  # the hit alignment and the cache-mask alignment
+    retention_interval: int | None = None  # sparse caching (sliding window, Mamba)
+    eagle: bool = False  # use_eagle on the manager, drop_eagle_block in lookups
 
 
 SETUPS = [
@@ -92,6 +94,29 @@ SETUPS = [
     Setup("mamba-all", _mamba("all", 0), "MambaManager", enable_caching=False),
     Setup("mamba-align", _mamba("align", 0), "MambaManager", chunk_multiple=1),
     Setup("mamba-align-spec", _mamba("align", 1), "MambaManager", max_spec_tokens=1),
+    # Alignment bigger than the block: aligned hits, sparse sliding-window caching.
+    Setup("full-align-8", _attention("FullAttentionSpec"), "FullAttentionManager",
+          scheduler_block_size=8, chunk_multiple=2),
+    Setup("full-eagle", _attention("FullAttentionSpec"), "FullAttentionManager", eagle=True),
+    Setup("swa-align-16", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=16, chunk_multiple=4),
+    Setup("swa-align-8-eagle", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2, eagle=True),
+    Setup("swa-retain-0", _attention("SlidingWindowSpec", sliding_window=5),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2,
+          retention_interval=0),
+    Setup("swa-retain-16", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2,
+          retention_interval=16),
+    Setup("swa-retain-16-eagle", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2,
+          retention_interval=16, eagle=True),
+    Setup("mamba-align-8", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
+          chunk_multiple=2),
+    Setup("mamba-retain-0", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
+          chunk_multiple=2, retention_interval=0),
+    Setup("mamba-retain-16", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
+          chunk_multiple=2, retention_interval=16),
 ]
 
 
@@ -119,9 +144,10 @@ def _make_sides(setup: Setup, num_blocks: int, make_pool):
                          hash_block_size=BLOCK_SIZE)
     vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching, BLOCK_SIZE)
     kwargs = {"enable_caching": setup.enable_caching, "kv_cache_group_id": 0,
-              "scheduler_block_size": BLOCK_SIZE}
+              "scheduler_block_size": setup.scheduler_block_size}
     ours = getattr(shm_managers, setup.manager)(ours_spec, block_pool=shm_pool, **kwargs)
     theirs = getattr(vllm_managers, setup.manager)(theirs_spec, block_pool=vllm_pool, **kwargs)
+    ours.use_eagle = theirs.use_eagle = setup.eagle
     return (
         Side(ours, shm_pool, shm_pool.get_free_block_ids),
         Side(theirs, vllm_pool,
@@ -152,7 +178,6 @@ def _run(setup: Setup, seed: int, make_pool):
     num_blocks = rng.choice([24, 40, 64])
     ours, theirs = _make_sides(setup, num_blocks, make_pool)
     hasher = ours.pool.make_block_hasher()
-    spec = setup.specs[0]
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 26))] for _ in range(3)]
     live: dict[str, Live] = {}
     next_id = 0
@@ -182,14 +207,16 @@ def _run(setup: Setup, seed: int, make_pool):
             _both(f"{label} add_local_computed_blocks", ours, theirs,
                   lambda s: s.manager.add_local_computed_blocks(
                       rid, hits["ours"] if s is ours else hits["theirs"], hit_len, 0))
-        new = _both(f"{label} allocate_new_blocks", ours, theirs,
-                    lambda s: _ids(s.manager.allocate_new_blocks(rid, need_slot, main)))
-        del new
+        _both(f"{label} allocate_new_blocks", ours, theirs,
+              lambda s: _ids(s.manager.allocate_new_blocks(rid, need_slot, main)))
         live_req.num_computed = main
         if setup.enable_caching:
+            # The replay boundary: where a resend of this prompt would stop its hit.
+            boundaries = [req.num_prompt_tokens - 1] if setup.retention_interval is not None else []
             _both(f"{label} cache_blocks", ours, theirs,
                   lambda s: s.manager.cache_blocks(
-                      req, min(main, req.num_tokens), replay_boundaries=[]))
+                      req, min(main, req.num_tokens), setup.retention_interval,
+                      replay_boundaries=boundaries))
         return True
 
     for step in range(setup.num_steps):
@@ -210,7 +237,7 @@ def _run(setup: Setup, seed: int, make_pool):
                 def lookup(s, req=req):
                     blocks, length = s.manager.find_longest_cache_hit(
                         req.block_hashes, req.num_tokens - 1, [0], s.pool, s.manager.kv_cache_spec,
-                        False, BLOCK_SIZE)
+                        setup.eagle, setup.scheduler_block_size)
                     return blocks[0], length
 
                 results = [lookup(ours), lookup(theirs)]
@@ -255,7 +282,6 @@ def _run(setup: Setup, seed: int, make_pool):
                 del live[rid]
         assert ours.state() == theirs.state(), f"{label}: state differs"
         ours.pool.check_invariants()
-    del spec
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=[s.name for s in SETUPS])
@@ -263,9 +289,3 @@ def _run(setup: Setup, seed: int, make_pool):
 def test_managers_match_vllm(setup, seed, make_pool):
     """The same call sequence gives the same hits, demands, block ids and free queue."""
     _run(setup, seed, make_pool)
-
-
-def test_pool_name_helper_is_unique():
-    """The pools made by the test factory never collide."""
-    assert unique_pool_name() != unique_pool_name()
-    assert BlockPool is not None
