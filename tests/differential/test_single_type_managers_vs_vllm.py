@@ -68,6 +68,9 @@ class Setup:
     scheduler_block_size: int = BLOCK_SIZE  # the hit alignment and the cache-mask alignment
     retention_interval: int | None = None  # sparse caching (sliding window, Mamba)
     eagle: bool = False  # use_eagle on the manager, drop_eagle_block in lookups
+    num_groups: int = 1  # groups of this spec on the one pool; a hit must hit in all
+    external: bool = False  # some admissions also get KV-connector (external) tokens
+    zeroing: bool = False  # needs_kv_cache_zeroing: new block ids are recorded
 
 
 SETUPS = [
@@ -117,21 +120,35 @@ SETUPS = [
           chunk_multiple=2, retention_interval=0),
     Setup("mamba-retain-16", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
           chunk_multiple=2, retention_interval=16),
+    # Two groups of one spec (what a Unitary/Hybrid coordinator drives), KV-connector tokens,
+    # worker zeroing.
+    Setup("full-2groups", _attention("FullAttentionSpec"), "FullAttentionManager",
+          num_groups=2, zeroing=True),
+    Setup("swa-2groups", _attention("SlidingWindowSpec", sliding_window=6),
+          "SlidingWindowManager", num_groups=2, external=True),
+    Setup("chunked-2groups", _attention("ChunkedLocalAttentionSpec", attention_chunk_size=8),
+          "ChunkedLocalAttentionManager", num_groups=2, external=True, zeroing=True),
+    Setup("full-external", _attention("FullAttentionSpec"), "FullAttentionManager",
+          external=True, zeroing=True),
+    Setup("mamba-align-2groups", _mamba("align", 0), "MambaManager", num_groups=2),
 ]
 
 
 class Side:
-    """One library's pool and manager, with the calls the driver makes."""
+    """One library's pool and its managers (one per group, in group order)."""
 
-    def __init__(self, manager, pool, free_ids):
-        self.manager = manager
+    def __init__(self, managers, pool, free_ids):
+        self.managers = managers
         self.pool = pool
         self._free_ids = free_ids
 
     def state(self):
-        m = self.manager
-        tables = {r: [b.block_id for b in blocks] for r, blocks in m.req_to_blocks.items()}
-        return tables, dict(m.num_cached_block), self._free_ids()
+        per_group = [
+            ({r: _ids(blocks) for r, blocks in m.req_to_blocks.items()},
+             dict(m.num_cached_block), m.take_new_block_ids())
+            for m in self.managers
+        ]
+        return per_group, self._free_ids()
 
 
 def _ids(blocks):
@@ -143,11 +160,16 @@ def _make_sides(setup: Setup, num_blocks: int, make_pool):
     shm_pool = make_pool(num_blocks, enable_caching=setup.enable_caching,
                          hash_block_size=BLOCK_SIZE)
     vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching, BLOCK_SIZE)
-    kwargs = {"enable_caching": setup.enable_caching, "kv_cache_group_id": 0,
-              "scheduler_block_size": setup.scheduler_block_size}
-    ours = getattr(shm_managers, setup.manager)(ours_spec, block_pool=shm_pool, **kwargs)
-    theirs = getattr(vllm_managers, setup.manager)(theirs_spec, block_pool=vllm_pool, **kwargs)
-    ours.use_eagle = theirs.use_eagle = setup.eagle
+    ours, theirs = [], []
+    for group_id in range(setup.num_groups):
+        kwargs = {"enable_caching": setup.enable_caching, "kv_cache_group_id": group_id,
+                  "scheduler_block_size": setup.scheduler_block_size,
+                  "needs_kv_cache_zeroing": setup.zeroing}
+        ours.append(getattr(shm_managers, setup.manager)(ours_spec, block_pool=shm_pool,
+                                                         **kwargs))
+        theirs.append(getattr(vllm_managers, setup.manager)(theirs_spec, block_pool=vllm_pool,
+                                                            **kwargs))
+        ours[-1].use_eagle = theirs[-1].use_eagle = setup.eagle
     return (
         Side(ours, shm_pool, shm_pool.get_free_block_ids),
         Side(theirs, vllm_pool,
@@ -156,15 +178,20 @@ def _make_sides(setup: Setup, num_blocks: int, make_pool):
 
 
 def _both(label, ours, theirs, call):
-    """Runs ``call`` on both sides; both raise the same error type or return equal values."""
+    """Runs ``call(side, group)`` for each group on both sides; both raise the same error
+    type or return equal values. Returns the per-group results."""
     results = []
     for side in (ours, theirs):
-        try:
-            results.append(("ok", call(side)))
-        except (ValueError, AssertionError) as exc:
-            results.append(("err", type(exc).__name__))
+        out = []
+        for group in range(len(side.managers)):
+            try:
+                out.append(("ok", call(side, group)))
+            except (ValueError, AssertionError) as exc:
+                out.append(("err", type(exc).__name__))
+                break
+        results.append(out)
     assert results[0] == results[1], f"{label}: shmkv {results[0]} != vLLM {results[1]}"
-    return results[0][1]
+    return [value for _, value in results[0]]
 
 
 @dataclass
@@ -175,46 +202,53 @@ class Live:
 
 def _run(setup: Setup, seed: int, make_pool):
     rng = random.Random(seed)
-    num_blocks = rng.choice([24, 40, 64])
+    num_blocks = rng.choice([24, 40, 64]) * setup.num_groups
     ours, theirs = _make_sides(setup, num_blocks, make_pool)
     hasher = ours.pool.make_block_hasher()
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 26))] for _ in range(3)]
+    group_ids = list(range(setup.num_groups))
     live: dict[str, Live] = {}
     next_id = 0
 
-    def allocate(label, live_req: Live, num_new_tokens: int, hit, hit_len: int,
-                 num_lookahead: int) -> bool:
+    def allocate(label, live_req: Live, num_new_tokens: int, hits=None, hit_len: int = 0,
+                 num_external: int = 0, num_lookahead: int = 0) -> bool:
+        """vLLM's allocate_slots for these groups; False when the pool cannot fit it."""
         req = live_req.request
         rid = req.request_id
-        total = live_req.num_computed + hit_len
+        is_new = rid not in ours.managers[0].num_cached_block
+        total = live_req.num_computed + hit_len + num_external
         main = total + num_new_tokens
         need_slot = main + num_lookahead
         skip_kwargs = {"num_prompt_tokens": req.num_prompt_tokens} if setup.pass_prompt_len else {}
-        if rid in ours.manager.req_to_blocks or rid in theirs.manager.req_to_blocks:
-            _both(f"{label} remove_skipped_blocks", ours, theirs,
-                  lambda s: s.manager.remove_skipped_blocks(rid, total, **skip_kwargs))
-        hits = {"ours": hit[0], "theirs": hit[1]}
+        _both(f"{label} remove_skipped_blocks", ours, theirs,
+              lambda s, g: s.managers[g].remove_skipped_blocks(rid, total, **skip_kwargs))
 
-        def demand(s):
-            blocks = hits["ours"] if s is ours else hits["theirs"]
-            return s.manager.get_num_blocks_to_allocate(
-                rid, need_slot, blocks, total, hit_len, main)
+        def hit_of(s, g):
+            if hits is None:
+                return []
+            return hits[0 if s is ours else 1][g]
 
-        num_needed = _both(f"{label} get_num_blocks_to_allocate", ours, theirs, demand)
-        if num_needed > ours.pool.get_num_free_blocks():
+        demands = _both(f"{label} get_num_blocks_to_allocate", ours, theirs,
+                        lambda s, g: s.managers[g].get_num_blocks_to_allocate(
+                            rid, need_slot, hit_of(s, g), total, hit_len, main))
+        if sum(demands) > ours.pool.get_num_free_blocks():
             return False
-        if rid not in ours.manager.num_cached_block:  # a new request (the coordinator's rule)
+        if is_new:  # the coordinator's allocate_new_computed_blocks: touch all, then external
             _both(f"{label} add_local_computed_blocks", ours, theirs,
-                  lambda s: s.manager.add_local_computed_blocks(
-                      rid, hits["ours"] if s is ours else hits["theirs"], hit_len, 0))
+                  lambda s, g: s.managers[g].add_local_computed_blocks(
+                      rid, hit_of(s, g), hit_len, num_external))
+            if num_external:
+                _both(f"{label} allocate_external_computed_blocks", ours, theirs,
+                      lambda s, g: s.managers[g].allocate_external_computed_blocks(
+                          rid, hit_len, num_external))
         _both(f"{label} allocate_new_blocks", ours, theirs,
-              lambda s: _ids(s.manager.allocate_new_blocks(rid, need_slot, main)))
+              lambda s, g: _ids(s.managers[g].allocate_new_blocks(rid, need_slot, main)))
         live_req.num_computed = main
         if setup.enable_caching:
             # The replay boundary: where a resend of this prompt would stop its hit.
             boundaries = [req.num_prompt_tokens - 1] if setup.retention_interval is not None else []
             _both(f"{label} cache_blocks", ours, theirs,
-                  lambda s: s.manager.cache_blocks(
+                  lambda s, g: s.managers[g].cache_blocks(
                       req, min(main, req.num_tokens), setup.retention_interval,
                       replay_boundaries=boundaries))
         return True
@@ -222,7 +256,8 @@ def _run(setup: Setup, seed: int, make_pool):
     for step in range(setup.num_steps):
         label = f"seed {seed} step {step}"
         for side in (ours, theirs):
-            side.manager.new_step_starts()
+            for manager in side.managers:
+                manager.new_step_starts()
         action = rng.random()
         if action < 0.3 or not live:
             # A new request: shared prefix + random tail, admitted with its first chunk.
@@ -232,31 +267,36 @@ def _run(setup: Setup, seed: int, make_pool):
             next_id += 1
             req = Request(rid, prompt, block_hasher=hasher)
             hit_len = 0
-            hit = ([], [])
+            hits = None
             if setup.enable_caching:
                 def lookup(s, req=req):
-                    blocks, length = s.manager.find_longest_cache_hit(
-                        req.block_hashes, req.num_tokens - 1, [0], s.pool, s.manager.kv_cache_spec,
-                        setup.eagle, setup.scheduler_block_size)
-                    return blocks[0], length
+                    blocks, length = type(s.managers[0]).find_longest_cache_hit(
+                        req.block_hashes, req.num_tokens - 1, group_ids, s.pool,
+                        s.managers[0].kv_cache_spec, setup.eagle, setup.scheduler_block_size)
+                    return blocks, length
 
                 results = [lookup(ours), lookup(theirs)]
-                assert (_ids(results[0][0]), results[0][1]) == (
-                    _ids(results[1][0]), results[1][1]), f"{label} find_longest_cache_hit"
-                hit = (results[0][0], results[1][0])
+                assert ([_ids(b) for b in results[0][0]], results[0][1]) == (
+                    [_ids(b) for b in results[1][0]], results[1][1]), (
+                    f"{label} find_longest_cache_hit")
+                hits = (results[0][0], results[1][0])
                 hit_len = results[0][1]
+            # External tokens end on a block boundary, before the last prompt token.
+            num_external = 0
+            if setup.external and rng.random() < 0.4:
+                room = (req.num_tokens - 1 - hit_len) // BLOCK_SIZE
+                num_external = BLOCK_SIZE * rng.randrange(room + 1) if room > 0 else 0
             live_req = Live(req)
-            remaining = req.num_tokens - hit_len
+            remaining = req.num_tokens - hit_len - num_external
             chunk = remaining
             if rng.random() < 0.4:
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = min(remaining, unit * rng.randrange(1, 4))
-            if allocate(label, live_req, chunk, hit, hit_len, 0):
-                live_req.num_computed = hit_len + chunk
+            if allocate(label, live_req, chunk, hits, hit_len, num_external):
                 live[rid] = live_req
             else:
-                for side in (ours, theirs):
-                    side.manager.free(rid)  # nothing held yet: a no-op on both
+                _both(f"{label} free (refused)", ours, theirs,
+                      lambda s, g, rid=rid: s.managers[g].free(rid))
         elif action < 0.8:
             rid = rng.choice(sorted(live))
             live_req = live[rid]
@@ -267,18 +307,17 @@ def _run(setup: Setup, seed: int, make_pool):
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = remaining if rng.random() < 0.5 else min(
                     remaining, unit * rng.randrange(1, 3))
-                if not allocate(label, live_req, chunk, ([], []), 0, 0):
-                    continue
+                allocate(label, live_req, chunk)
             else:
                 # Decode: one new token, with speculative lookahead slots.
                 req.append_output_token_ids(rng.randrange(VOCAB))
                 lookahead = rng.randrange(setup.max_spec_tokens + 1)
-                if not allocate(label, live_req, 1, ([], []), 0, lookahead):
-                    continue
+                allocate(label, live_req, 1, num_lookahead=lookahead)  # refused: retried later
         else:
             # Finish (or preempt) one request, sometimes several.
             for rid in rng.sample(sorted(live), k=min(len(live), rng.choice([1, 1, 2]))):
-                _both(f"{label} free", ours, theirs, lambda s, rid=rid: s.manager.free(rid))
+                _both(f"{label} free", ours, theirs,
+                      lambda s, g, rid=rid: s.managers[g].free(rid))
                 del live[rid]
         assert ours.state() == theirs.state(), f"{label}: state differs"
         ours.pool.check_invariants()
