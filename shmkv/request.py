@@ -205,6 +205,9 @@ class Request:
         self.output_token_ids = ConstantList(self._output_token_ids)
         self.all_token_ids = ConstantList(self._all_token_ids)
         self.num_computed_tokens = 0
+        # Token position where this prompt was seen to diverge from another one that shares
+        # its prefix (0: none); the managers keep the cache tail ending there.
+        self.shared_prefix_boundary = 0
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

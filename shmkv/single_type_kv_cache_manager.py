@@ -1,0 +1,1301 @@
+"""Single-type KV-cache managers: one per KV-cache group, with vLLM 0.33.0's names, arguments
+and behaviour (``vllm/v1/core/single_type_kv_cache_manager.py``), over a shmkv ``BlockPool``.
+
+A manager keeps the block list of each request of its group (``req_to_blocks``) and how many of
+them are already in the prefix cache (``num_cached_block``). Each attention type differs in
+which blocks a request still needs (``get_num_skipped_tokens``), how a prefix-cache hit is
+searched (``find_longest_cache_hit``), and which blocks are worth caching
+(``reachable_block_mask``)::
+
+    FullAttentionManager          (full, MLA)  hit = longest cached run from block 0
+    RSWAManager                   full, but frees the decode gap between prompt and window
+    SinkFullAttentionManager      full, with attention-sink tokens
+    SlidingWindowManager          hit = W-1 tokens of cached blocks ending at the hit,
+                                  searched from the right; older blocks become the null block
+    ChunkedLocalAttentionManager  hit = null blocks up to the current chunk, then a run
+    MambaManager                  one state block per request ("none"/"all") or the states at
+                                  block boundaries ("align", prefix caching)
+    CrossAttentionManager         encoder KV, allocated once, never cached
+
+NOTE: the pool is shared by several processes. A manager changes the pool only through the
+``BlockPool`` API (``get_new_blocks``, ``touch``, ``free_blocks``, ``cache_full_blocks``) and
+never writes a block's fields: where vLLM bumps ``ref_cnt`` by hand (the copy-on-write of a
+partial hit), shmkv calls ``touch``. Its own state is private to the process. Lookups and the
+touches that follow them are made atomic across processes by the caller (the coordinator), which
+holds ``pool.lock()`` over a scheduler step; the lock is re-entrant.
+
+Not ported (shmkv's pool has no partial-block keys yet): registering a prompt's partial tail
+block (vLLM's ``cache_partial_block``, called by full attention and Mamba "align" when a
+group's block is bigger than ``hash_block_size``) and the Mamba "align" prefill checkpoints
+(``num_prefill_checkpoint_blocks > 0``, refused at construction). So when
+``block_size == hash_block_size`` the managers behave as vLLM's; with bigger blocks a prompt's
+last partial block is not offered as a hit, where vLLM would offer it. Without partial keys a
+hit always ends on a block boundary, so the copy-on-write paths are kept but never taken. The
+HiSparse and circular-buffer managers are left out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from shmkv.hashing import BlockHashListWithBlockSize
+from shmkv.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+__all__ = [
+    "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
+    "FullAttentionManager",
+    "MambaManager",
+    "RSWAManager",
+    "SingleTypeKVCacheManager",
+    "SinkFullAttentionManager",
+    "SlidingWindowManager",
+    "get_manager_for_kv_cache_spec",
+    "resolve_block_hashes",
+    "spec_manager_map",
+    "trim_null_head",
+]
+
+# A block handle (shmkv.KVCacheBlock, or vLLM's when a vLLM pool is passed): duck typed.
+Block = Any
+
+
+def trim_null_head(blocks: list) -> list:
+    """``blocks`` without its leading null blocks (a sliding window's skipped prefix)."""
+    n = 0
+    while n < len(blocks) and blocks[n].is_null:
+        n += 1
+    return blocks[n:] if n else blocks
+
+
+def resolve_block_hashes(
+    block_hashes: Sequence[bytes],
+    hash_block_size: int,
+    block_size: int,
+    *,
+    supports_fine_grained_hash_lookup: bool = False,
+    alignment_tokens: int | None = None,
+) -> Sequence[bytes]:
+    """The request's hashes viewed at ``block_size``: the list itself when the sizes agree
+    or when a fine-grained lookup wants the raw hashes, else a coarse view."""
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        assert block_hashes.scale_factor == block_size // hash_block_size
+        return block_hashes
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
+        return block_hashes
+    assert block_size % hash_block_size == 0
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
+
+
+class SingleTypeKVCacheManager(ABC):
+    """The block lists of one KV-cache group's requests, over a shared ``BlockPool``.
+
+    Ownership: ``req_to_blocks[req]`` is append-only except that blocks a request no longer
+    needs are replaced, in place, by the pool's null block (so a position keeps its index);
+    a request holds one reference on each non-null block in its list, taken by
+    ``get_new_blocks`` or ``touch`` and dropped by ``free_blocks``. ``num_cached_block``
+    tracks running requests only; its presence means "already allocated once".
+    """
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    retains_longer_hit: bool = False
+
+    @property
+    def has_positionally_stable_blocks(self) -> bool:
+        """Whether a block's index in a request's list always names the same tokens."""
+        return True
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: Any,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        needs_kv_cache_zeroing: bool = False,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        """
+        Args:
+            kv_cache_spec: the group's spec.
+            block_pool: the (attached) shared pool.
+            enable_caching: whether prefix caching is on.
+            kv_cache_group_id: the group's id (part of every cache key).
+            scheduler_block_size: the scheduling granularity, a multiple of ``block_size``;
+                the default hit alignment.
+            dcp_world_size: decode context parallelism (scales ``block_size`` of sharded specs).
+            pcp_world_size: prefill context parallelism.
+            needs_kv_cache_zeroing: record new block ids for the worker to zero
+                (``take_new_block_ids``).
+            max_admission_blocks_per_request: a per-request cap on the blocks reserved by
+                ``get_num_blocks_to_allocate(apply_admission_cap=True)`` (sliding window and
+                chunked local); None: no cap.
+        """
+        self.scheduler_block_size = scheduler_block_size
+        self.cache_hit_alignment_tokens = scheduler_block_size
+        self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
+        self.pcp_world_size = pcp_world_size if kv_cache_spec.dcp_sharded else 1
+        self.block_size = kv_cache_spec.block_size * self.dcp_world_size
+        self.kv_cache_spec = kv_cache_spec
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
+        self._record_new_block_ids = needs_kv_cache_zeroing and isinstance(
+            kv_cache_spec, AttentionSpec
+        )
+        self.new_block_ids: list[int] = []
+        self.req_to_blocks: defaultdict[str, list[Block]] = defaultdict(list)
+        self.num_cached_block: dict[str, int] = {}
+        self.kv_cache_group_id = kv_cache_group_id
+        self._null_block = block_pool.null_block
+        # Set by the coordinator: whether this group's hits drop the EAGLE lookahead block.
+        self.use_eagle = False
+        self.shared_prefix_checkpoint = False
+        # Copy-on-write of a hit that ends inside a block (never taken without partial keys).
+        self._partial_hit_reqs: dict[str, tuple[int, Block]] = {}
+        self._pending_cow_copies: list[tuple[Block, Block]] = []
+        self._pending_boundary_state_offloads: list[tuple[str, int, Block, int]] = []
+
+    # ------------------------------------------------------------------ allocation
+
+    @classmethod
+    def _get_num_evictable_blocks(cls, blocks: Sequence[Block]) -> int:
+        """Hit blocks that sit in the free queue (touching them takes them out of it)."""
+        return sum(b.ref_cnt == 0 and not b.is_null for b in blocks)
+
+    def _has_partial_local_hit(
+        self, new_computed_blocks: Sequence[Block], num_local_computed_tokens: int
+    ) -> bool:
+        return len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Block],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """How many blocks the pool must give for the request to hold ``num_tokens`` slots:
+        new blocks, plus hit blocks that ``touch`` will take out of the free queue.
+
+        Args:
+            request_id: the request.
+            num_tokens: slots needed in all (already allocated ones included).
+            new_computed_blocks: this step's prefix-cache hit (only for a new request).
+            total_computed_tokens: local + external computed tokens.
+            num_local_computed_tokens: tokens of the local prefix-cache hit.
+            num_tokens_main_model: ``num_tokens`` without speculative lookahead.
+            apply_admission_cap: clamp to ``max_admission_blocks_per_request``.
+            prefill_end: where the prompt's prefill ends (Mamba checkpoints).
+
+        Returns:
+            the number of blocks.
+        """
+        num_required_blocks = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
+            num_required_blocks = min(num_required_blocks, self.max_admission_blocks_per_request)
+        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            # A running request: no new hits; rejected drafts may leave it over-allocated.
+            assert len(new_computed_blocks) == 0
+            return max(num_required_blocks - num_req_blocks, 0)
+
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local_blocks = len(new_computed_blocks) + num_req_blocks
+        num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_blocks), 0)
+        # Hit blocks inside the skipped prefix are not touched, so they cost nothing.
+        first_kept = max(0, num_skipped_blocks - num_req_blocks)
+        num_evictable = self._get_num_evictable_blocks(new_computed_blocks[first_kept:])
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
+            num_new_blocks += 1  # the private copy of the shared tail block
+        return num_new_blocks + num_evictable
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Block],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Gives a new request its prefix-cache hit: blocks inside the skipped prefix become
+        null blocks (and are not touched), the rest are touched and appended.
+
+        Args:
+            request_id: a request with no blocks yet.
+            new_computed_blocks: the hit, one block per position (nulls allowed).
+            num_local_computed_tokens: tokens of the hit.
+            num_external_computed_tokens: tokens a KV connector will load after the hit.
+        """
+        req_blocks = self.req_to_blocks[request_id]
+        assert len(req_blocks) == 0
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_blocks = self.get_num_skipped_tokens(num_total) // self.block_size
+        if num_skipped_blocks > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_blocks)
+        else:
+            assert not any(new_computed_blocks), (
+                "Computed blocks should be empty when prefix caching is disabled"
+            )
+        req_blocks.extend([self._null_block] * num_skipped_blocks)
+        req_blocks.extend(new_computed_blocks)
+        # Hit blocks (and the nulls before them) are cached already.
+        self.num_cached_block[request_id] = len(req_blocks)
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
+            block_idx = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (block_idx, new_computed_blocks[-1])
+            self.num_cached_block[request_id] = block_idx
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        """Fresh blocks for tokens a KV connector loads, clipped to what the window keeps.
+        Call it after every group's ``add_local_computed_blocks``, so that these allocations
+        cannot evict another group's hit."""
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total)
+        if num_skipped_tokens > 0:
+            num_external_computed_tokens = min(
+                num_total - num_skipped_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = max(0, cdiv(num_total, self.block_size) - len(req_blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[Block]:
+        """Appends fresh blocks until the request has ``cdiv(num_tokens, block_size)``.
+
+        Returns:
+            the new blocks (a copy-on-write block first, if any).
+
+        Raises:
+            ValueError: the pool cannot give them (vLLM's message); nothing changes then.
+        """
+        cow_blocks: list[Block] = []
+        if request_id in self._partial_hit_reqs:
+            block_idx, source = self._partial_hit_reqs.pop(request_id)
+            cow_block = self.block_pool.get_new_blocks(1)[0]
+            self._apply_cow(request_id, block_idx, source, cow_block)
+            self.new_block_ids.append(cow_block.block_id)
+            cow_blocks.append(cow_block)
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return cow_blocks
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
+        return cow_blocks + new_blocks
+
+    def _apply_cow(self, request_id: str, block_idx: int, source: Block, cow_block: Block) -> None:
+        """Puts a private copy in place of a shared tail block. Both stay referenced until the
+        worker has copied: the source keeps the hit's reference, the copy gets a second one
+        (through ``touch``) that the consumer of ``take_pending_cow_copies`` drops."""
+        req_blocks = self.req_to_blocks[request_id]
+        assert req_blocks[block_idx] is source
+        assert not source.is_null and source.ref_cnt > 0
+        req_blocks[block_idx] = cow_block
+        self._pending_cow_copies.append((source, cow_block))
+        self.block_pool.touch([cow_block])
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether new block ids are recorded for the worker to zero."""
+        return self._record_new_block_ids
+
+    def take_new_block_ids(self) -> list[int]:
+        """The ids of blocks allocated since the last call; clears them."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
+
+    def take_pending_cow_copies(self) -> list[tuple[Block, Block]]:
+        """The (source, copy) pairs to copy on the worker since the last call; clears them."""
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        return pending
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, Block, int]]:
+        """(request, group, block, boundary tokens) of committed Mamba "align" states."""
+        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
+        return pending
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, Block, int] | None:
+        return None
+
+    # ------------------------------------------------------------------ caching
+
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Puts the request's newly full blocks (up to ``num_tokens`` tokens) in the prefix
+        cache, those of them ``reachable_block_mask`` keeps.
+
+        Args:
+            request: anything with ``request_id`` and ``block_hashes`` (``shmkv.Request`` or
+                vLLM's); ``shared_prefix_boundary`` is read if present.
+            num_tokens: tokens computed so far (cached ones included).
+            retention_interval: sparse retention (sliding window, Mamba): None dense, 0 only
+                the boundaries, > 0 one tail per interval.
+            replay_boundaries: token positions a replay of this prompt can resume at.
+        """
+        if not self.kv_cache_spec.prefix_cacheable:
+            return
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
+        if num_cached_blocks >= num_full_blocks:
+            return
+        boundaries = list(replay_boundaries)
+        shared_prefix_boundary = getattr(request, "shared_prefix_boundary", 0)
+        if shared_prefix_boundary:
+            boundaries.append(shared_prefix_boundary)
+            if self.use_eagle:
+                boundaries.append(shared_prefix_boundary - self.block_size)
+        block_mask = self.reachable_block_mask(
+            start_block=num_cached_blocks,
+            end_block=num_full_blocks,
+            alignment_tokens=self.cache_hit_alignment_tokens,
+            kv_cache_spec=self.kv_cache_spec,
+            use_eagle=self.use_eagle,
+            retention_interval=retention_interval,
+            reachable_boundaries=boundaries,
+            dcp_world_size=self.dcp_world_size,
+        )
+        self.block_pool.cache_full_blocks(
+            request=request,
+            blocks=self.req_to_blocks[request_id],
+            num_cached_blocks=num_cached_blocks,
+            num_full_blocks=num_full_blocks,
+            block_size=self.block_size,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_mask=block_mask,
+        )
+        self.num_cached_block[request_id] = num_full_blocks
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        """Which of blocks ``[start_block, end_block)`` can ever serve a hit (one bool each),
+        or None for all of them: the dense default."""
+        return None
+
+    # ------------------------------------------------------------------ freeing
+
+    def pop_blocks_for_free(self, request_id: str) -> list[Block]:
+        """Forgets the request and returns its blocks, leading nulls dropped, without freeing
+        them; the caller frees them tail first. Unknown requests give []."""
+        req_blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        self._partial_hit_reqs.pop(request_id, None)
+        return trim_null_head(req_blocks)
+
+    def free(self, request_id: str) -> None:
+        """Frees the request's blocks, last first, so a chain's tail is evicted before its
+        head (the head is the likelier shared prefix)."""
+        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
+
+    def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
+        """Frees the blocks at ``[first_block, last_block)`` and puts null blocks in their
+        place, walking backwards and stopping at the first null block (those before it were
+        removed by an earlier call)."""
+        if request_id not in self.req_to_blocks or first_block >= last_block:
+            return
+        blocks = self.req_to_blocks[request_id]
+        last_block = min(last_block, len(blocks))
+        freed = []
+        for i in range(last_block - 1, first_block - 1, -1):
+            if blocks[i] == self._null_block:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Frees the whole blocks that attention will never read again (see
+        ``get_num_skipped_tokens``) and replaces them with the null block.
+
+        Args:
+            request_id: the request.
+            processed_computed_tokens: tokens computed and committed (safe to drop).
+            num_prompt_tokens: the prompt length, for managers that free a gap after it.
+        """
+        num_skipped_tokens = self.get_num_skipped_tokens(processed_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
+        self._remove_blocks_in_range(request_id, 0, num_skipped_blocks)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens, from the start, that the next token's attention does not read (0 here)."""
+        return 0
+
+    def new_step_starts(self) -> None:
+        """Called at the start of each scheduler step."""
+        return None
+
+    # ------------------------------------------------------------------ hit search
+
+    @classmethod
+    @abstractmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        """The longest prefix-cache hit of at most ``max_length`` tokens common to every group
+        of ``kv_cache_group_ids``.
+
+        Args:
+            block_hashes: the request's hashes at the pool's ``hash_block_size``.
+            max_length: the longest hit wanted, in tokens.
+            kv_cache_group_ids: groups that must all hit.
+            block_pool: the pool.
+            kv_cache_spec: the groups' spec.
+            drop_eagle_block: drop the last hit block (EAGLE recomputes it).
+            alignment_tokens: the hit length is a multiple of this.
+            dcp_world_size: decode context parallelism.
+            pcp_world_size: prefill context parallelism.
+
+        Returns:
+            one block list per group (null blocks at skipped positions, e.g.
+            ``[null, null, b7, b8]`` for window 8, block size 4), and the hit in tokens.
+        """
+        raise NotImplementedError
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention (and MLA): keeps every block; a hit is the longest cached run from the
+    first block, since a chained hash that misses makes every later one miss."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        assert isinstance(kv_cache_spec, FullAttentionSpec | ChunkedLocalAttentionSpec), (
+            "FullAttentionManager can only be used for full attention and chunked local "
+            "attention groups"
+        )
+        block_size = kv_cache_spec.block_size
+        if dcp_world_size > 1:
+            block_size *= dcp_world_size
+        hashes = resolve_block_hashes(
+            block_hashes, block_pool.hash_block_size, block_size,
+            supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+            alignment_tokens=alignment_tokens,
+        )
+        # Fine-grained: hits may end inside a block, on a hash boundary.
+        fine_grained = alignment_tokens < block_size and block_size % alignment_tokens == 0
+        full_hashes = (
+            BlockHashListWithBlockSize(hashes, alignment_tokens, block_size)
+            if fine_grained else hashes
+        )
+        computed: tuple[list[Block], ...] = tuple([] for _ in kv_cache_group_ids)
+        max_blocks = max_length // block_size
+        get_prefix = getattr(block_pool, "get_cached_prefix", None)
+        if get_prefix is not None and len(kv_cache_group_ids) == 1:
+            # shmkv: the same left-to-right scan in one call and one hold of the lock.
+            computed[0].extend(get_prefix(list(full_hashes[:max_blocks]), kv_cache_group_ids[0]))
+        else:
+            for block_hash in itertools.islice(full_hashes, max_blocks):
+                hit = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+                if not hit:
+                    break
+                for blocks, block in zip(computed, hit, strict=True):
+                    blocks.append(block)
+        hit_length = len(computed[0]) * block_size
+
+        if fine_grained:
+            # Probe the next block's interior hash boundaries, the longest first.
+            scale = block_size // alignment_tokens
+            first = len(computed[0]) * scale
+            last = min(first + scale - 1, max_length // alignment_tokens, len(hashes))
+            for fine_idx in range(last - 1, first - 1, -1):
+                hit = block_pool.get_cached_block(hashes[fine_idx], kv_cache_group_ids)
+                if hit:
+                    for blocks, block in zip(computed, hit, strict=True):
+                        blocks.append(block)
+                    hit_length = (fine_idx + 1) * alignment_tokens
+                    break
+
+        if drop_eagle_block and hit_length > 0:
+            hit_length -= min(alignment_tokens, block_size)
+        hit_length -= hit_length % alignment_tokens
+        num_blocks = cdiv(hit_length, block_size)
+        for blocks in computed:
+            del blocks[num_blocks:]
+        return computed, hit_length
+
+
+class RSWAManager(FullAttentionManager):
+    """Reference sliding window: the prompt stays visible, and of the generated tokens only
+    the last ``rswa_window``; given ``num_prompt_tokens``, ``remove_skipped_blocks`` frees the
+    whole blocks between the prompt and the window."""
+
+    def __init__(self, kv_cache_spec: RSWASpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.rswa_window: int = kv_cache_spec.rswa_window
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Frees the gap blocks wholly inside ``[P, max(P, processed - rswa_window))``,
+        P = ``num_prompt_tokens``; without P, as full attention (nothing)."""
+        if num_prompt_tokens is None:
+            super().remove_skipped_blocks(request_id, processed_computed_tokens)
+            return
+        first_gap_block = cdiv(num_prompt_tokens, self.block_size)
+        window_start = max(num_prompt_tokens, processed_computed_tokens - self.rswa_window)
+        self._remove_blocks_in_range(request_id, first_gap_block, window_start // self.block_size)
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding window of W tokens: the next token reads the last W - 1 computed ones.
+
+    Skipped blocks (all of whose tokens are older than the window) become null blocks. A hit
+    of length L needs the ``cdiv(W - 1, block_size)`` blocks before L cached (one more with
+    EAGLE, then dropped); the search runs from the right and stops at the first such run.
+    """
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sliding_window = kv_cache_spec.sliding_window
+        self.extra_retained_tokens = kv_cache_spec.extra_retained_tokens
+
+    @classmethod
+    def _contiguous_blocks_for_hit(cls, window_size: int, block_size: int, use_eagle: bool) -> int:
+        return cdiv(window_size - 1, block_size) + int(use_eagle)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        assert isinstance(kv_cache_spec, SlidingWindowSpec), (
+            "SlidingWindowManager can only be used for sliding window groups"
+        )
+        assert dcp_world_size == 1, "DCP not support sliding window attn now."
+        assert pcp_world_size == 1, "PCP not support sliding window attn now."
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(
+            block_hashes, block_pool.hash_block_size, block_size,
+            supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+            alignment_tokens=alignment_tokens,
+        )
+        need = cls._contiguous_blocks_for_hit(
+            kv_cache_spec.sliding_window, block_size, drop_eagle_block
+        )
+        max_blocks = max_length // block_size
+        null = block_pool.null_block
+        computed: tuple[list[Block], ...] = tuple([null] * max_blocks for _ in kv_cache_group_ids)
+        run = 0
+        found = False
+        for i in range(max_blocks - 1, -1, -1):
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if not hit:
+                run = 0
+                continue
+            if run == 0 and block_size != alignment_tokens:
+                # A run must end where the (post-EAGLE) hit length is aligned.
+                end_blocks = i if drop_eagle_block else i + 1
+                if end_blocks * block_size % alignment_tokens:
+                    continue
+            for blocks, block in zip(computed, hit, strict=True):
+                blocks[i] = block
+            run += 1
+            if run >= need:
+                for blocks in computed:
+                    del blocks[i + run:]
+                found = True
+                break
+        if not found:
+            # A run that reaches block 0 is a hit however short: early tokens need less.
+            for blocks in computed:
+                del blocks[run:]
+            cls._trim_to_alignment(computed, block_size, alignment_tokens)
+        if drop_eagle_block and computed[0]:
+            for blocks in computed:
+                blocks.pop()
+            cls._trim_to_alignment(computed, block_size, alignment_tokens)
+        return computed, len(computed[0]) * block_size
+
+    @staticmethod
+    def _trim_to_alignment(computed: tuple[list[Block], ...], block_size: int,
+                           alignment_tokens: int) -> None:
+        while block_size != alignment_tokens and len(computed[0]) * block_size % alignment_tokens:
+            for blocks in computed:
+                blocks.pop()
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        """Only the ``need`` blocks before an aligned boundary can serve a hit: keeps those
+        of every segment (``alignment_tokens`` long, or ``retention_interval`` when set; none
+        when it is 0), of the final segment, and before each reachable boundary."""
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        if alignment_tokens is None:
+            return None
+        block_size = kv_cache_spec.block_size * dcp_world_size
+        if alignment_tokens % block_size:
+            return None  # not representable per block: keep everything
+        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
+        # With EAGLE the run ends one block past the boundary (the dropped peek block).
+        shift = int(use_eagle)
+        mask = [False] * (end_block - start_block)
+        if retention_interval is None:
+            segment_tokens: int | None = alignment_tokens
+        else:
+            segment_tokens = retention_interval or None
+        if segment_tokens is not None:
+            per_segment = segment_tokens // block_size
+            if need >= per_segment:
+                return None
+            for i in range(start_block, end_block):
+                if i >= shift and (i - shift) % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+            if final_segment_end_block is not None and not use_eagle:
+                tail = final_segment_end_block % per_segment
+                if tail:
+                    lo = max(final_segment_end_block - tail, final_segment_end_block - need)
+                    hi = min(end_block, final_segment_end_block)
+                    for i in range(max(start_block, lo), hi):
+                        mask[i - start_block] = True
+        if retention_interval is not None:
+            for boundary in reachable_boundaries:
+                end = boundary // alignment_tokens * alignment_tokens // block_size + shift
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the window of the next token (and the extra retained ones).
+
+        Window 4, 7 computed: the next token (7) reads 4..6 and itself, so 0..3 are skipped::
+
+            tokens   0 1 2 3 | 4 5 6 | 7
+                     skipped  window   next
+        """
+        return max(
+            0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens
+        )
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: a token reads only the tokens of its own chunk, so the
+    blocks of earlier chunks are skipped (null) and a hit is null blocks up to the current
+    chunk's start followed by a cached run from there."""
+
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        """Chunk 8, block 4: for max length 15 the window of token 15 starts at 8, so the hit
+        is [null, null] plus block 2 if cached; for max length 16 it is four null blocks."""
+        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec), (
+            "ChunkedLocalAttentionManager can only be used for chunked local attention groups"
+        )
+        assert drop_eagle_block is False, (
+            "Hybrid KV cache is not supported for eagle + chunked local attention."
+        )
+        assert dcp_world_size == 1, "DCP not support chunked local attn now."
+        assert pcp_world_size == 1, "PCP not support chunked local attn now."
+        block_size = kv_cache_spec.block_size
+        assert block_size == alignment_tokens, (
+            "KV cache groups with different block sizes are not compatible with chunked "
+            "local attention now"
+        )
+        hashes = resolve_block_hashes(
+            block_hashes, block_pool.hash_block_size, block_size,
+            supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+            alignment_tokens=alignment_tokens,
+        )
+        chunk = kv_cache_spec.attention_chunk_size
+        window_start_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
+        null = block_pool.null_block
+        computed: tuple[list[Block], ...] = tuple(
+            [null] * window_start_block for _ in kv_cache_group_ids
+        )
+        for i in range(window_start_block, max_length // block_size):
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if not hit:
+                break
+            for blocks, block in zip(computed, hit, strict=True):
+                blocks.append(block)
+        return computed, len(computed[0]) * block_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """The tokens of the chunks before the next token's chunk.
+
+        Chunk 8: 13 computed -> 8 (token 13 reads 8..13); 8 -> 8; 7 -> 0.
+        """
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba state blocks. A request needs only its last state (``n - 1`` tokens skipped).
+
+    Modes (``MambaSpec.mamba_cache_mode``): ``"none"`` and ``"all"`` hold one running block
+    plus ``num_speculative_blocks`` and do no prefix caching; ``"align"`` keeps a state per
+    block boundary for prefix caching: the first allocation gives one running block plus the
+    speculative ones, later steps at most one new block, the speculative blocks moving to the
+    new end; the block from two steps ago is freed once the computed tokens pass it. A hit is
+    the rightmost cached state, padded on the left with null blocks. A state cached in the
+    current step may not be written yet, so a request hitting one is deferred (its demand is
+    ``num_gpu_blocks + 1``) until ``new_step_starts``.
+
+    NOTE: ``cached_blocks_this_step`` is private to the process, as in vLLM, so it defers only
+    hits on states this process cached. A state another process cached in its own current
+    step is not deferred here; whether its data is written yet is for the layer above (the
+    KVCacheManager / block-table handshake) to guarantee.
+    """
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
+    @property
+    def has_positionally_stable_blocks(self) -> bool:
+        return self.mamba_cache_mode != "align"
+
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: Any, **kwargs: Any) -> None:
+        """
+        Raises:
+            AssertionError: prefix caching without ``mamba_cache_mode="align"``.
+            NotImplementedError: prefill checkpoint blocks (not ported).
+        """
+        super().__init__(kv_cache_spec, block_pool, **kwargs)
+        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
+        assert self.mamba_cache_mode == "align" or not self.enable_caching, (
+            "Mamba prefix caching requires mamba_cache_mode='align'"
+        )
+        self.num_speculative_blocks: int = kv_cache_spec.num_speculative_blocks
+        if self.mamba_cache_mode == "align" and kv_cache_spec.num_prefill_checkpoint_blocks > 0:
+            raise NotImplementedError(
+                "shmkv's MambaManager does not port prefill checkpoint blocks "
+                f"(num_prefill_checkpoint_blocks={kv_cache_spec.num_prefill_checkpoint_blocks})"
+            )
+        self.has_prefill_checkpoint_blocks = False
+        self.drop_eagle_checkpoint_block = False
+        self.cached_blocks_this_step: set[Any] = set()
+        if self.mamba_cache_mode == "align":
+            # Index of the state block allocated in the previous step, per request.
+            self.last_state_block_idx: dict[str, int] = {}
+            self._num_retired_blocks: dict[str, int] = {}
+            self._allocated_block_reqs: set[str] = set()
+            self._checkpoints: dict[str, tuple[int, int]] = {}
+            self._producer_partial_tail_reqs: dict[str, tuple[Block, int]] = {}
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        assert isinstance(kv_cache_spec, MambaSpec), (
+            "MambaManager can only be used for mamba groups"
+        )
+        assert dcp_world_size == 1, "DCP not support mamba now."
+        assert pcp_world_size == 1, "PCP not support mamba now."
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(
+            block_hashes, block_pool.hash_block_size, block_size,
+            supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+            alignment_tokens=alignment_tokens,
+        )
+        computed: tuple[list[Block], ...] = tuple([] for _ in kv_cache_group_ids)
+        null = block_pool.null_block
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            # Fine-grained: the rightmost cached hash unit, wherever it falls in its block.
+            scale = block_size // alignment_tokens
+            for fine_idx in range(min(max_length // alignment_tokens, len(hashes)) - 1, -1, -1):
+                hit = block_pool.get_cached_block(hashes[fine_idx], kv_cache_group_ids)
+                if hit:
+                    for blocks, block in zip(computed, hit, strict=True):
+                        blocks.extend([null] * (fine_idx // scale))
+                        blocks.append(block)
+                    return computed, (fine_idx + 1) * alignment_tokens
+            return computed, 0
+        for i in range(max_length // block_size - 1, -1, -1):
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if not hit:
+                continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
+            for blocks, block in zip(computed, hit, strict=True):
+                blocks.extend([null] * i)
+                blocks.append(block)
+            return computed, (i + 1) * block_size
+        return computed, 0
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        """A Mamba hit needs just the state block ending on the boundary: keeps one per
+        ``retention_interval`` (all when it is at most a block; none when 0) and the block
+        ending on each reachable boundary. None (dense) when no interval is set."""
+        if retention_interval is None or alignment_tokens is None:
+            return None
+        assert isinstance(kv_cache_spec, MambaSpec)
+        block_size = kv_cache_spec.block_size
+        mask = [False] * (end_block - start_block)
+        if retention_interval:
+            per_segment = retention_interval // block_size
+            if per_segment <= 1:
+                return None
+            first = (start_block + per_segment) // per_segment * per_segment - 1
+            for i in range(first - start_block, len(mask), per_segment):
+                mask[i] = True
+        for boundary in reachable_boundaries:
+            block = boundary // alignment_tokens * alignment_tokens // block_size - 1
+            if start_block <= block < end_block:
+                mask[block - start_block] = True
+        return mask
+
+    def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
+        if self.mamba_cache_mode != "align":
+            super()._remove_blocks_in_range(request_id, first_block, last_block)
+            return
+        blocks = self.req_to_blocks.get(request_id, [])
+        first_block = max(first_block, self._num_retired_blocks.get(request_id, 0))
+        last_block = min(last_block, len(blocks))
+        if first_block >= last_block:
+            return
+        freed = []
+        # Align-mode prefill leaves null gaps between states: skip them, do not stop.
+        for i in range(last_block - 1, first_block - 1, -1):
+            if blocks[i].is_null:
+                continue
+            freed.append(blocks[i])
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+        self._num_retired_blocks[request_id] = last_block
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        if self.mamba_cache_mode != "align":
+            return
+        # The previous step's state was copied into this step's block; the one before it is
+        # not needed once the computed tokens are past it.
+        idx = self.last_state_block_idx.get(request_id)
+        if idx is not None and idx < cdiv(processed_computed_tokens, self.block_size) - 1:
+            blocks = self.req_to_blocks[request_id]
+            if blocks[idx] != self._null_block:
+                self.block_pool.free_blocks([blocks[idx]])
+                blocks[idx] = self._null_block
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Block],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        if new_computed_blocks and new_computed_blocks[-1].block_hash in (
+            self.cached_blocks_this_step
+        ):
+            # More than the pool holds: the request waits for the next step.
+            return self.block_pool.num_gpu_blocks + 1
+        if self.mamba_cache_mode != "align":
+            num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                num_local_computed_tokens, num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap, prefill_end=prefill_end,
+            )
+        # Align: lookahead tokens get no blocks (draft models have no Mamba layers).
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        num_new = num_required - len(new_computed_blocks) - len(self.req_to_blocks[request_id])
+        has_partial_hit = (
+            self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
+            or request_id in self._partial_hit_reqs
+        )
+        if has_partial_hit:
+            num_new = max(num_new, 0) + 1
+        if not apply_admission_cap:
+            self._checkpoints.pop(request_id, None)  # no prefill checkpoints (not ported)
+        if num_new > 0:
+            cap = 1 + int(has_partial_hit)
+            if request_id not in self._allocated_block_reqs:
+                cap += self.num_speculative_blocks
+            num_new = min(num_new, cap)
+        return num_new + self._get_num_evictable_blocks(new_computed_blocks)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[Block]:
+        if self.mamba_cache_mode != "align":
+            num_tokens += self.block_size * self.num_speculative_blocks
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        req_blocks = self.req_to_blocks[request_id]
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        partial_hit = self._partial_hit_reqs.get(request_id)
+        has_partial_hit = partial_hit is not None
+        if num_required <= len(req_blocks) and not has_partial_hit:
+            self._allocated_block_reqs.add(request_id)
+            return []
+        prev_len = len(req_blocks)
+        allocated_before = request_id in self._allocated_block_reqs
+        if allocated_before:
+            # The running state lives in the last (1 + num_speculative_blocks) blocks.
+            self.last_state_block_idx[request_id] = prev_len - 1 - self.num_speculative_blocks
+        elif prev_len > 0:
+            self.last_state_block_idx[request_id] = prev_len - 1  # the hit's state
+        num_skipped = num_required - self.num_speculative_blocks - 1
+        if prev_len < num_skipped:
+            req_blocks.extend([self._null_block] * (num_skipped - prev_len))
+        if allocated_before:
+            # Speculative blocks left behind by this step move to the new end.
+            for idx in range(prev_len - self.num_speculative_blocks, prev_len):
+                if idx >= num_skipped:
+                    break
+                self._relocate_speculative_block(req_blocks, idx)
+        num_new = max(num_required - len(req_blocks), 0) + int(has_partial_hit)
+        assert num_new <= 1 + int(has_partial_hit) + (
+            0 if allocated_before else self.num_speculative_blocks
+        )
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        returned = req_blocks[prev_len:]
+        if partial_hit is not None:
+            block_idx, source = partial_hit
+            cow_block, new_blocks = new_blocks[0], new_blocks[1:]
+            if allocated_before:
+                raise NotImplementedError(
+                    "moving a running request's partial-tail key needs "
+                    "BlockPool.move_block_hashes, which shmkv's pool lacks"
+                )
+            self._apply_cow(request_id, block_idx, source, cow_block)
+            returned = [cow_block, *returned]
+        req_blocks.extend(new_blocks)
+        self._allocated_block_reqs.add(request_id)
+        self._partial_hit_reqs.pop(request_id, None)
+        returned.extend(new_blocks)
+        return returned
+
+    def _relocate_speculative_block(self, req_blocks: list[Block], block_idx: int) -> None:
+        block = req_blocks[block_idx]
+        assert block.ref_cnt == 1 and block.block_hash is None, (
+            "Speculative Mamba blocks must be exclusively owned and unhashed before relocation"
+        )
+        req_blocks.append(block)
+        req_blocks[block_idx] = self._null_block
+
+    def pop_blocks_for_free(self, request_id: str) -> list[Block]:
+        if self.mamba_cache_mode == "align":
+            self._allocated_block_reqs.discard(request_id)
+            self.last_state_block_idx.pop(request_id, None)
+            self._num_retired_blocks.pop(request_id, None)
+            self._checkpoints.pop(request_id, None)
+            self._producer_partial_tail_reqs.pop(request_id, None)
+            self._pending_boundary_state_offloads = [
+                e for e in self._pending_boundary_state_offloads if e[0] != request_id
+            ]
+        return super().pop_blocks_for_free(request_id)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Only the state after the last computed token is needed."""
+        return num_computed_tokens - 1
+
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        request_id = request.request_id
+        before = self.num_cached_block.get(request_id, 0)
+        super().cache_blocks(request, num_tokens, retention_interval,
+                             replay_boundaries=replay_boundaries)
+        after = self.num_cached_block.get(request_id, 0)
+        # vLLM also registers the prompt's last hash boundary as a partial-tail key here;
+        # shmkv's pool has no partial keys (see the module docstring), so none is made.
+        blocks = self.req_to_blocks[request_id]
+        for idx in range(before, after):
+            block = blocks[idx]
+            if block.is_null:
+                continue
+            block_hash = block.block_hash
+            if block_hash is None:  # left out by the retention mask
+                continue
+            self.cached_blocks_this_step.add(block_hash)
+            if self.mamba_cache_mode == "align":
+                self._pending_boundary_state_offloads.append(
+                    (request_id, self.kv_cache_group_id, block, block.block_hash_num_tokens)
+                )
+
+    def new_step_starts(self) -> None:
+        self.cached_blocks_this_step.clear()
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross attention of an encoder-decoder model: the encoder's KV is allocated once per
+    request and never shared, so there are no hits and nothing is cached."""
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Block],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        assert len(new_computed_blocks) == 0
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        return
+
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Raises:
+            ValueError: always (cross-attention blocks are never cached)."""
+        raise ValueError("Should not be called as prefix caching is disabled.")
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        """Raises:
+            NotImplementedError: always."""
+        assert isinstance(kv_cache_spec, CrossAttentionSpec), (
+            "CrossAttentionManager can only be used for cross-attention groups"
+        )
+        raise NotImplementedError("CrossAttentionManager does not support caching")
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """Full attention with attention-sink tokens; ``sink_len`` must be a positive multiple
+    of the block size."""
+
+    def __init__(
+        self,
+        kv_cache_spec: SinkFullAttentionSpec,
+        block_pool: Any,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> None:
+        super().__init__(
+            kv_cache_spec=kv_cache_spec, block_pool=block_pool, enable_caching=enable_caching,
+            kv_cache_group_id=kv_cache_group_id, scheduler_block_size=scheduler_block_size,
+            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size,
+        )
+        sink_len = kv_cache_spec.sink_len
+        assert sink_len is not None and sink_len > 0 and sink_len % self.block_size == 0
+
+
+# Spec type -> manager type. A spec's manager is that of the first type in its MRO found
+# here, as vLLM's registry resolves it.
+spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    MLAAttentionSpec: FullAttentionManager,
+    RSWASpec: RSWAManager,
+    SinkFullAttentionSpec: SinkFullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    max_in_flight_tokens: int,
+    max_model_len: int,
+    role: str | None = None,
+    **kwargs: Any,
+) -> SingleTypeKVCacheManager:
+    """The manager for ``kv_cache_spec``; sliding-window and chunked-local managers get the
+    spec's admission cap (``max_admission_blocks_per_request``).
+
+    Args:
+        kv_cache_spec: the group's spec.
+        max_in_flight_tokens: tokens scheduled but not yet settled (all concurrent batches).
+        max_model_len: the longest context.
+        role: the group's role; only the default role is supported.
+        **kwargs: the manager's constructor arguments (``block_pool``, ``enable_caching``,
+            ``kv_cache_group_id``, ``scheduler_block_size``, ...).
+
+    Raises:
+        AssertionError: no manager for the spec type (as vLLM).
+        NotImplementedError: a non-default role (HiSparse is not ported).
+    """
+    if role not in (None, "default"):
+        raise NotImplementedError(f"KV cache group role {role!r} is not supported by shmkv")
+    manager_class = next(
+        (spec_manager_map[t] for t in type(kv_cache_spec).__mro__ if t in spec_manager_map), None
+    )
+    assert manager_class is not None, (
+        f"No manager registered for KVCacheSpec {type(kv_cache_spec)}"
+    )
+    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+        kwargs["max_admission_blocks_per_request"] = (
+            kv_cache_spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+            )
+        )
+    return manager_class(kv_cache_spec, **kwargs)
