@@ -36,12 +36,28 @@ from shmkv.hashing import (
     sha256_cbor,
     to_event_extra_keys,
 )
+from shmkv.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from shmkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from shmkv.layout import LAYOUT_VERSION, NULL_BLOCK_ID
 from shmkv.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PrefixCacheStats",
+    "KVCacheManager",
+    "KVCacheBlocks",
+    "get_kv_cache_coordinator",
+    "UnitaryKVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheCoordinator",
+    "HybridKVCacheCoordinator",
     "AllBlocksCleared",
     "BlockHashListWithBlockSize",
     "BlockPool",
