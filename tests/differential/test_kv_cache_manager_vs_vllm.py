@@ -266,3 +266,33 @@ def test_kv_cache_manager_matches_vllm(setup, seed, make_pool):
     if setup.enable_caching and setup.retention is None:
         assert counts["hits"] > 0  # sparse retention may leave a short run without hits
     assert counts["event_bytes"] > 0 or not setup.enable_caching
+
+
+@pytest.mark.parametrize("groups", ["full", "full+swa"])
+def test_accepts_vllm_request_objects(groups, make_pool):
+    """vLLM's own Request objects drive shmkv's manager (duck typed) as they drive vLLM's."""
+    sampling = pytest.importorskip("vllm.sampling_params")
+    setup = Setup(groups, groups)
+    ours, theirs, pool = _make_managers(setup, 40, make_pool)
+    hasher = pool.make_block_hasher()
+
+    def vreq(rid, tokens):
+        return vllm_request.Request(rid, list(tokens), sampling.SamplingParams(max_tokens=8),
+                                    None, block_hasher=hasher)
+
+    results = {}
+    for side, m in (("ours", ours), ("theirs", theirs)):
+        out = []
+        for i, extra in enumerate(([1, 2, 3], [4, 5, 6, 7, 8])):
+            r = vreq(f"r{i}", list(range(24)) + extra)
+            hit, n, _ = m.get_computed_blocks(r)
+            new = m.allocate_slots(r, r.num_tokens - n, n, hit)
+            r.num_computed_tokens = r.num_tokens
+            r.append_output_token_ids(9)
+            grow = m.allocate_slots(r, 1)
+            out.append((hit.get_block_ids(), n, new.get_block_ids(), grow.get_block_ids(),
+                        m.get_block_ids(r.request_id)))
+        results[side] = out
+    assert results["ours"] == results["theirs"]
+    assert results["ours"][1][1] == 24
+    pool.check_invariants()
