@@ -4,7 +4,9 @@ KVCacheManager, driven by the same request stream, call for call.
 A small scheduler loop admits requests whose prompts share a few "system prompts" (some with a
 ``cache_salt``), prefills them in chunks, decodes them token by token (some steps with
 speculative lookahead), finishes or aborts some, and preempts a running request (``free``) when
-its decode step does not fit, re-admitting it later with a fresh lookup. The pool is small,
+its decode step does not fit, re-admitting it later with a fresh lookup. Some setups adopt
+KV-connector tokens at admission (``num_external_computed_tokens``, half of them with
+``delay_cache_blocks``) or give encoder tokens to a cross-attention group. The pool is small,
 so evictions and refusals are common. Both managers get twin request objects with the same
 tokens and block hashes (shmkv's hasher at the pool's hash block size).
 
@@ -80,6 +82,7 @@ GROUPS = {
     "full+chunked": lambda m: [_attn(m, "FullAttentionSpec"),
                                _attn(m, "ChunkedLocalAttentionSpec", attention_chunk_size=8)],
     "full+mamba": lambda m: [_attn(m, "FullAttentionSpec"), _mamba(m)],
+    "full+cross": lambda m: [_attn(m, "FullAttentionSpec"), _attn(m, "CrossAttentionSpec")],
 }
 
 
@@ -90,6 +93,8 @@ class Setup:
     enable_caching: bool = True
     retention: int | None = None
     max_lookahead: int = 0
+    external: bool = False  # some admissions adopt KV-connector tokens
+    encoder_tokens: int = 0  # cross-attention tokens given at admission
     num_steps: int = 150
 
 
@@ -104,6 +109,9 @@ SETUPS = [
     Setup("full+chunked", "full+chunked"),
     Setup("full+mamba", "full+mamba"),
     Setup("full+mamba-retention0", "full+mamba", retention=0),
+    Setup("full-external", "full", external=True),
+    Setup("full+swa-external", "full+swa", external=True),
+    Setup("full+cross-nocache", "full+cross", enable_caching=False, encoder_tokens=10),
 ]
 
 
@@ -179,9 +187,16 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         theirs.record_prefix_cache_stats(t, tn)
         counts["hits"] += on > 0
         remaining = o.num_tokens - on
-        chunk = min(remaining, rng.choice([BS, 2 * BS, 3 * BS + 1, 64]))
-        res_o = ours.allocate_slots(o, chunk, on, ob)
-        res_t = theirs.allocate_slots(t, chunk, tn, tb)
+        ext = 0
+        kwargs = {"num_encoder_tokens": setup.encoder_tokens}
+        if setup.external and remaining > 2 * BS and rng.random() < 0.4:
+            ext = BS * rng.randint(1, (remaining - 1) // BS)  # tokens a connector will load
+            kwargs.update(num_external_computed_tokens=ext,
+                          delay_cache_blocks=rng.random() < 0.5)
+            counts["external"] = counts.get("external", 0) + 1
+        chunk = min(remaining - ext, rng.choice([BS, 2 * BS, 3 * BS + 1, 64]))
+        res_o = ours.allocate_slots(o, chunk, on, ob, **kwargs)
+        res_t = theirs.allocate_slots(t, chunk, tn, tb, **kwargs)
         compare(f"{label} allocate (admit)", _ids(res_o), _ids(res_t))
         if res_o is None:
             counts["refused"] += 1
@@ -189,7 +204,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         waiting.remove(twin)
         running.append(twin)
         for r in twin.both():
-            r.num_computed_tokens = on + chunk
+            r.num_computed_tokens = on + ext + chunk
             r.status = vllm_request.RequestStatus.RUNNING
 
     def preempt(twin: Twin, label: str) -> None:
