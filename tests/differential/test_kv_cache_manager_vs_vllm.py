@@ -95,6 +95,7 @@ class Setup:
     max_lookahead: int = 0
     external: bool = False  # some admissions adopt KV-connector tokens
     encoder_tokens: int = 0  # cross-attention tokens given at admission
+    use_eagle: bool = False
     num_steps: int = 150
 
 
@@ -112,6 +113,9 @@ SETUPS = [
     Setup("full-external", "full", external=True),
     Setup("full+swa-external", "full+swa", external=True),
     Setup("full+cross-nocache", "full+cross", enable_caching=False, encoder_tokens=10),
+    Setup("full-eagle", "full", use_eagle=True, max_lookahead=2),
+    Setup("full+swa-eagle", "full+swa", use_eagle=True, max_lookahead=2),
+    Setup("full+mamba-eagle", "full+mamba", use_eagle=True),
 ]
 
 
@@ -127,7 +131,7 @@ def _make_managers(setup: Setup, num_blocks: int, make_pool):
                      enable_kv_cache_events=True)
     common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": BS,
               "enable_caching": setup.enable_caching, "log_stats": True,
-              "enable_kv_cache_events": True}
+              "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
     ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
     theirs = vllm_manager.KVCacheManager(_config(vllm_specs, setup, num_blocks), **common)
     return ours, theirs, pool
