@@ -859,6 +859,11 @@ class MambaManager(SingleTypeKVCacheManager):
     the rightmost cached state, padded on the left with null blocks. A state cached in the
     current step may not be written yet, so a request hitting one is deferred (its demand is
     ``num_gpu_blocks + 1``) until ``new_step_starts``.
+
+    NOTE: ``cached_blocks_this_step`` is private to the process, as in vLLM, so it defers only
+    hits on states this process cached. A state another process cached in its own current
+    step is not deferred here; whether its data is written yet is for the layer above (the
+    KVCacheManager / block-table handshake) to guarantee.
     """
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True

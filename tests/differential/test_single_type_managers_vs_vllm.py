@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from shmkv import BlockPool, Request
+from shmkv import Request
 from shmkv import kv_cache_interface as shm_specs
 from shmkv import single_type_kv_cache_manager as shm_managers
-from tests.conftest import unique_pool_name
 
 torch = pytest.importorskip("torch")
 vllm_specs = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -66,6 +65,13 @@ class Setup:
     chunk_multiple: int = 1  # prefill chunks are multiples of this many blocks
     pass_prompt_len: bool = False  # remove_skipped_blocks gets num_prompt_tokens (R-SWA)
     num_steps: int = 120
+    scheduler_block_size: int = BLOCK_SIZE  # the hit alignment and the cache-mask alignment
+    retention_interval: int | None = None  # sparse caching (sliding window, Mamba)
+    eagle: bool = False  # use_eagle on the manager, drop_eagle_block in lookups
+    num_groups: int = 1  # groups of this spec on the one pool; a hit must hit in all
+    external: bool = False  # some admissions also get KV-connector (external) tokens
+    zeroing: bool = False  # needs_kv_cache_zeroing: new block ids are recorded
+    hash_block_size: int = BLOCK_SIZE  # request hashes are this fine; blocks may be coarser
 
 
 SETUPS = [
@@ -92,21 +98,77 @@ SETUPS = [
     Setup("mamba-all", _mamba("all", 0), "MambaManager", enable_caching=False),
     Setup("mamba-align", _mamba("align", 0), "MambaManager", chunk_multiple=1),
     Setup("mamba-align-spec", _mamba("align", 1), "MambaManager", max_spec_tokens=1),
+    # Alignment bigger than the block: aligned hits, sparse sliding-window caching.
+    Setup("full-align-8", _attention("FullAttentionSpec"), "FullAttentionManager",
+          scheduler_block_size=8, chunk_multiple=2),
+    Setup("full-eagle", _attention("FullAttentionSpec"), "FullAttentionManager", eagle=True),
+    Setup("swa-align-16", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=16, chunk_multiple=4),
+    Setup("swa-align-8-eagle", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2, eagle=True),
+    Setup("swa-retain-0", _attention("SlidingWindowSpec", sliding_window=5),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2,
+          retention_interval=0),
+    Setup("swa-retain-16", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2,
+          retention_interval=16),
+    Setup("swa-retain-16-eagle", _attention("SlidingWindowSpec", sliding_window=4),
+          "SlidingWindowManager", scheduler_block_size=8, chunk_multiple=2,
+          retention_interval=16, eagle=True),
+    Setup("mamba-align-8", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
+          chunk_multiple=2),
+    Setup("mamba-retain-0", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
+          chunk_multiple=2, retention_interval=0),
+    Setup("mamba-retain-16", _mamba("align", 0), "MambaManager", scheduler_block_size=8,
+          chunk_multiple=2, retention_interval=16),
+    # Two groups of one spec (what a Unitary/Hybrid coordinator drives), KV-connector tokens,
+    # worker zeroing.
+    Setup("full-2groups", _attention("FullAttentionSpec"), "FullAttentionManager",
+          num_groups=2, zeroing=True),
+    Setup("swa-2groups", _attention("SlidingWindowSpec", sliding_window=6),
+          "SlidingWindowManager", num_groups=2, external=True),
+    Setup("chunked-2groups", _attention("ChunkedLocalAttentionSpec", attention_chunk_size=8),
+          "ChunkedLocalAttentionManager", num_groups=2, external=True, zeroing=True),
+    Setup("full-external", _attention("FullAttentionSpec"), "FullAttentionManager",
+          external=True, zeroing=True),
+    Setup("mamba-align-2groups", _mamba("align", 0), "MambaManager", num_groups=2),
+    # Hashes finer than the blocks (the pool's hash_block_size 2, blocks of 4): coarse views.
+    Setup("swa-coarse", _attention("SlidingWindowSpec", sliding_window=6),
+          "SlidingWindowManager", hash_block_size=2),
+    Setup("chunked-coarse", _attention("ChunkedLocalAttentionSpec", attention_chunk_size=8),
+          "ChunkedLocalAttentionManager", hash_block_size=2),
+    Setup("mamba-none-coarse", _mamba("none", 1), "MambaManager", enable_caching=False,
+          hash_block_size=2),
+    # Block-aligned chunks never end on the prompt's last hash boundary inside a block, so
+    # vLLM keys no partial tail here (see GAP_SETUPS).
+    Setup("mamba-align-coarse", _mamba("align", 0), "MambaManager", hash_block_size=2),
+]
+
+# Known gap: with blocks coarser than the hashes, vLLM's full-attention manager (and Mamba
+# "align" when a chunk ends on the prompt's last hash boundary inside a block) also keys the
+# prompt's partial tail block (BlockPool.cache_partial_block), which shmkv's pool cannot do
+# yet; this setup is expected to differ.
+GAP_SETUPS = [
+    Setup("full-coarse", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2),
 ]
 
 
 class Side:
-    """One library's pool and manager, with the calls the driver makes."""
+    """One library's pool and its managers (one per group, in group order)."""
 
-    def __init__(self, manager, pool, free_ids):
-        self.manager = manager
+    def __init__(self, managers, pool, free_ids):
+        self.managers = managers
         self.pool = pool
         self._free_ids = free_ids
 
     def state(self):
-        m = self.manager
-        tables = {r: [b.block_id for b in blocks] for r, blocks in m.req_to_blocks.items()}
-        return tables, dict(m.num_cached_block), self._free_ids()
+        per_group = [
+            ({r: _ids(blocks) for r, blocks in m.req_to_blocks.items()},
+             dict(m.num_cached_block), m.take_new_block_ids())
+            for m in self.managers
+        ]
+        return per_group, self._free_ids()
 
 
 def _ids(blocks):
@@ -116,12 +178,19 @@ def _ids(blocks):
 def _make_sides(setup: Setup, num_blocks: int, make_pool):
     ours_spec, theirs_spec = setup.specs
     shm_pool = make_pool(num_blocks, enable_caching=setup.enable_caching,
-                         hash_block_size=BLOCK_SIZE)
-    vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching, BLOCK_SIZE)
-    kwargs = {"enable_caching": setup.enable_caching, "kv_cache_group_id": 0,
-              "scheduler_block_size": BLOCK_SIZE}
-    ours = getattr(shm_managers, setup.manager)(ours_spec, block_pool=shm_pool, **kwargs)
-    theirs = getattr(vllm_managers, setup.manager)(theirs_spec, block_pool=vllm_pool, **kwargs)
+                         hash_block_size=setup.hash_block_size)
+    vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching,
+                                          setup.hash_block_size)
+    ours, theirs = [], []
+    for group_id in range(setup.num_groups):
+        kwargs = {"enable_caching": setup.enable_caching, "kv_cache_group_id": group_id,
+                  "scheduler_block_size": setup.scheduler_block_size,
+                  "needs_kv_cache_zeroing": setup.zeroing}
+        ours.append(getattr(shm_managers, setup.manager)(ours_spec, block_pool=shm_pool,
+                                                         **kwargs))
+        theirs.append(getattr(vllm_managers, setup.manager)(theirs_spec, block_pool=vllm_pool,
+                                                            **kwargs))
+        ours[-1].use_eagle = theirs[-1].use_eagle = setup.eagle
     return (
         Side(ours, shm_pool, shm_pool.get_free_block_ids),
         Side(theirs, vllm_pool,
@@ -130,15 +199,20 @@ def _make_sides(setup: Setup, num_blocks: int, make_pool):
 
 
 def _both(label, ours, theirs, call):
-    """Runs ``call`` on both sides; both raise the same error type or return equal values."""
+    """Runs ``call(side, group)`` for each group on both sides; both raise the same error
+    type or return equal values. Returns the per-group results."""
     results = []
     for side in (ours, theirs):
-        try:
-            results.append(("ok", call(side)))
-        except (ValueError, AssertionError) as exc:
-            results.append(("err", type(exc).__name__))
+        out = []
+        for group in range(len(side.managers)):
+            try:
+                out.append(("ok", call(side, group)))
+            except (ValueError, AssertionError) as exc:
+                out.append(("err", type(exc).__name__))
+                break
+        results.append(out)
     assert results[0] == results[1], f"{label}: shmkv {results[0]} != vLLM {results[1]}"
-    return results[0][1]
+    return [value for _, value in results[0]]
 
 
 @dataclass
@@ -149,53 +223,62 @@ class Live:
 
 def _run(setup: Setup, seed: int, make_pool):
     rng = random.Random(seed)
-    num_blocks = rng.choice([24, 40, 64])
+    num_blocks = rng.choice([24, 40, 64]) * setup.num_groups
     ours, theirs = _make_sides(setup, num_blocks, make_pool)
     hasher = ours.pool.make_block_hasher()
-    spec = setup.specs[0]
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 26))] for _ in range(3)]
+    group_ids = list(range(setup.num_groups))
     live: dict[str, Live] = {}
     next_id = 0
 
-    def allocate(label, live_req: Live, num_new_tokens: int, hit, hit_len: int,
-                 num_lookahead: int) -> bool:
+    def allocate(label, live_req: Live, num_new_tokens: int, hits=None, hit_len: int = 0,
+                 num_external: int = 0, num_lookahead: int = 0) -> bool:
+        """vLLM's allocate_slots for these groups; False when the pool cannot fit it."""
         req = live_req.request
         rid = req.request_id
-        total = live_req.num_computed + hit_len
+        is_new = rid not in ours.managers[0].num_cached_block
+        total = live_req.num_computed + hit_len + num_external
         main = total + num_new_tokens
         need_slot = main + num_lookahead
         skip_kwargs = {"num_prompt_tokens": req.num_prompt_tokens} if setup.pass_prompt_len else {}
-        if rid in ours.manager.req_to_blocks or rid in theirs.manager.req_to_blocks:
-            _both(f"{label} remove_skipped_blocks", ours, theirs,
-                  lambda s: s.manager.remove_skipped_blocks(rid, total, **skip_kwargs))
-        hits = {"ours": hit[0], "theirs": hit[1]}
+        _both(f"{label} remove_skipped_blocks", ours, theirs,
+              lambda s, g: s.managers[g].remove_skipped_blocks(rid, total, **skip_kwargs))
 
-        def demand(s):
-            blocks = hits["ours"] if s is ours else hits["theirs"]
-            return s.manager.get_num_blocks_to_allocate(
-                rid, need_slot, blocks, total, hit_len, main)
+        def hit_of(s, g):
+            if hits is None:
+                return []
+            return hits[0 if s is ours else 1][g]
 
-        num_needed = _both(f"{label} get_num_blocks_to_allocate", ours, theirs, demand)
-        if num_needed > ours.pool.get_num_free_blocks():
+        demands = _both(f"{label} get_num_blocks_to_allocate", ours, theirs,
+                        lambda s, g: s.managers[g].get_num_blocks_to_allocate(
+                            rid, need_slot, hit_of(s, g), total, hit_len, main))
+        if sum(demands) > ours.pool.get_num_free_blocks():
             return False
-        if rid not in ours.manager.num_cached_block:  # a new request (the coordinator's rule)
+        if is_new:  # the coordinator's allocate_new_computed_blocks: touch all, then external
             _both(f"{label} add_local_computed_blocks", ours, theirs,
-                  lambda s: s.manager.add_local_computed_blocks(
-                      rid, hits["ours"] if s is ours else hits["theirs"], hit_len, 0))
-        new = _both(f"{label} allocate_new_blocks", ours, theirs,
-                    lambda s: _ids(s.manager.allocate_new_blocks(rid, need_slot, main)))
-        del new
+                  lambda s, g: s.managers[g].add_local_computed_blocks(
+                      rid, hit_of(s, g), hit_len, num_external))
+            if num_external:
+                _both(f"{label} allocate_external_computed_blocks", ours, theirs,
+                      lambda s, g: s.managers[g].allocate_external_computed_blocks(
+                          rid, hit_len, num_external))
+        _both(f"{label} allocate_new_blocks", ours, theirs,
+              lambda s, g: _ids(s.managers[g].allocate_new_blocks(rid, need_slot, main)))
         live_req.num_computed = main
         if setup.enable_caching:
+            # The replay boundary: where a resend of this prompt would stop its hit.
+            boundaries = [req.num_prompt_tokens - 1] if setup.retention_interval is not None else []
             _both(f"{label} cache_blocks", ours, theirs,
-                  lambda s: s.manager.cache_blocks(
-                      req, min(main, req.num_tokens), replay_boundaries=[]))
+                  lambda s, g: s.managers[g].cache_blocks(
+                      req, min(main, req.num_tokens), setup.retention_interval,
+                      replay_boundaries=boundaries))
         return True
 
     for step in range(setup.num_steps):
         label = f"seed {seed} step {step}"
         for side in (ours, theirs):
-            side.manager.new_step_starts()
+            for manager in side.managers:
+                manager.new_step_starts()
         action = rng.random()
         if action < 0.3 or not live:
             # A new request: shared prefix + random tail, admitted with its first chunk.
@@ -205,31 +288,36 @@ def _run(setup: Setup, seed: int, make_pool):
             next_id += 1
             req = Request(rid, prompt, block_hasher=hasher)
             hit_len = 0
-            hit = ([], [])
+            hits = None
             if setup.enable_caching:
                 def lookup(s, req=req):
-                    blocks, length = s.manager.find_longest_cache_hit(
-                        req.block_hashes, req.num_tokens - 1, [0], s.pool, s.manager.kv_cache_spec,
-                        False, BLOCK_SIZE)
-                    return blocks[0], length
+                    blocks, length = type(s.managers[0]).find_longest_cache_hit(
+                        req.block_hashes, req.num_tokens - 1, group_ids, s.pool,
+                        s.managers[0].kv_cache_spec, setup.eagle, setup.scheduler_block_size)
+                    return blocks, length
 
                 results = [lookup(ours), lookup(theirs)]
-                assert (_ids(results[0][0]), results[0][1]) == (
-                    _ids(results[1][0]), results[1][1]), f"{label} find_longest_cache_hit"
-                hit = (results[0][0], results[1][0])
+                assert ([_ids(b) for b in results[0][0]], results[0][1]) == (
+                    [_ids(b) for b in results[1][0]], results[1][1]), (
+                    f"{label} find_longest_cache_hit")
+                hits = (results[0][0], results[1][0])
                 hit_len = results[0][1]
+            # External tokens end on a block boundary, before the last prompt token.
+            num_external = 0
+            if setup.external and rng.random() < 0.4:
+                room = (req.num_tokens - 1 - hit_len) // BLOCK_SIZE
+                num_external = BLOCK_SIZE * rng.randrange(room + 1) if room > 0 else 0
             live_req = Live(req)
-            remaining = req.num_tokens - hit_len
+            remaining = req.num_tokens - hit_len - num_external
             chunk = remaining
             if rng.random() < 0.4:
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = min(remaining, unit * rng.randrange(1, 4))
-            if allocate(label, live_req, chunk, hit, hit_len, 0):
-                live_req.num_computed = hit_len + chunk
+            if allocate(label, live_req, chunk, hits, hit_len, num_external):
                 live[rid] = live_req
             else:
-                for side in (ours, theirs):
-                    side.manager.free(rid)  # nothing held yet: a no-op on both
+                _both(f"{label} free (refused)", ours, theirs,
+                      lambda s, g, rid=rid: s.managers[g].free(rid))
         elif action < 0.8:
             rid = rng.choice(sorted(live))
             live_req = live[rid]
@@ -240,22 +328,20 @@ def _run(setup: Setup, seed: int, make_pool):
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = remaining if rng.random() < 0.5 else min(
                     remaining, unit * rng.randrange(1, 3))
-                if not allocate(label, live_req, chunk, ([], []), 0, 0):
-                    continue
+                allocate(label, live_req, chunk)
             else:
                 # Decode: one new token, with speculative lookahead slots.
                 req.append_output_token_ids(rng.randrange(VOCAB))
                 lookahead = rng.randrange(setup.max_spec_tokens + 1)
-                if not allocate(label, live_req, 1, ([], []), 0, lookahead):
-                    continue
+                allocate(label, live_req, 1, num_lookahead=lookahead)  # refused: retried later
         else:
             # Finish (or preempt) one request, sometimes several.
             for rid in rng.sample(sorted(live), k=min(len(live), rng.choice([1, 1, 2]))):
-                _both(f"{label} free", ours, theirs, lambda s, rid=rid: s.manager.free(rid))
+                _both(f"{label} free", ours, theirs,
+                      lambda s, g, rid=rid: s.managers[g].free(rid))
                 del live[rid]
         assert ours.state() == theirs.state(), f"{label}: state differs"
         ours.pool.check_invariants()
-    del spec
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=[s.name for s in SETUPS])
@@ -265,7 +351,9 @@ def test_managers_match_vllm(setup, seed, make_pool):
     _run(setup, seed, make_pool)
 
 
-def test_pool_name_helper_is_unique():
-    """The pools made by the test factory never collide."""
-    assert unique_pool_name() != unique_pool_name()
-    assert BlockPool is not None
+@pytest.mark.xfail(strict=True, reason="partial-tail keys (cache_partial_block) are not ported")
+@pytest.mark.parametrize("setup", GAP_SETUPS, ids=[s.name for s in GAP_SETUPS])
+def test_partial_tail_gap_is_visible(setup, make_pool):
+    """Where shmkv lacks vLLM's partial-tail keys the harness sees the difference."""
+    for seed in range(6):
+        _run(setup, seed, make_pool)

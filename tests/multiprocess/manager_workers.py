@@ -1,82 +1,51 @@
-"""Worker processes that each run their own KVCacheManager on one shared pool (module level, so
-spawn can import them). Exit code 0 is success; failures print why to stderr."""
+"""Worker functions for tests/multiprocess/test_managers_shared.py (importable under spawn)."""
 
 from __future__ import annotations
 
-import random
-import sys
-import time
-import traceback
-
-from shmkv import BlockPool, KVCacheManager, Request
-from shmkv.kv_cache_interface import (
+from shmkv import (
+    BlockPool,
+    FullAttentionManager,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
+    Request,
+    SlidingWindowManager,
     SlidingWindowSpec,
 )
 
-BS = 4
-SYSTEM_PROMPT = list(range(1000, 1064))  # 64 tokens: 16 blocks
+BLOCK_SIZE = 4
+SPECS = (
+    FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype="float16"),
+    SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype="float16",
+                      sliding_window=8),
+)
 
 
-def make_manager(pool: BlockPool, hybrid: bool) -> KVCacheManager:
-    specs = [FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float16")]
-    if hybrid:
-        specs.append(SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8,
-                                       dtype="float16", sliding_window=8))
-    groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
-    config = KVCacheConfig(pool.num_gpu_blocks, [], groups)
-    return KVCacheManager(config, 4096, scheduler_block_size=BS, hash_block_size=BS,
-                          block_pool=pool)
+def make_managers(pool: BlockPool):
+    """A full-attention group 0 and a sliding-window group 1, as a hybrid model has."""
+    kw = {"enable_caching": True, "scheduler_block_size": BLOCK_SIZE}
+    return (FullAttentionManager(SPECS[0], block_pool=pool, kv_cache_group_id=0, **kw),
+            SlidingWindowManager(SPECS[1], block_pool=pool, kv_cache_group_id=1, **kw))
 
 
-def serve(name: str, kernel: str, hybrid: bool, seed: int, num_requests: int,
-          min_hit: int, duration_s: float) -> None:
-    """Serves requests that start with SYSTEM_PROMPT (prefill in chunks, a few decode steps,
-    finish or preempt), with its own KVCacheManager. Fails unless every admission hits at
-    least ``min_hit`` tokens; checks that held blocks stay held."""
-    rng = random.Random(seed)
-    try:
-        pool = BlockPool.attach(name, kernel=kernel, label=f"manager-{seed}")
-        m = make_manager(pool, hybrid)
-        hasher = pool.make_block_hasher()
-        running: list[Request] = []
-        hits: list[int] = []
-        served = 0
-        deadline = time.monotonic() + duration_s
-        while served < num_requests or running:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out with {served} served, {len(running)} running")
-            m.new_step_starts()
-            if served < num_requests and (len(running) < 4 or rng.random() < 0.3):
-                tokens = SYSTEM_PROMPT + [rng.randrange(50_000) for _ in range(rng.randint(1, 30))]
-                r = Request(f"{seed}-{served}", tokens, block_hasher=hasher)
-                hit, n, _ = m.get_computed_blocks(r)
-                new = m.allocate_slots(r, r.num_tokens - n, n, hit)
-                if new is None:
-                    continue  # the pool is full for now: retry later (a fresh lookup)
-                hits.append(n)
-                r.num_computed_tokens = r.num_tokens
-                running.append(r)
-                served += 1
-            else:
-                r = running[rng.randrange(len(running))]
-                r.append_output_token_ids(rng.randrange(50_000))
-                if m.allocate_slots(r, 1) is None or rng.random() < 0.2:
-                    m.free(r)  # preempted or finished
-                    running.remove(r)
-                    continue
-                r.num_computed_tokens += 1
-            for r in running:  # a request's blocks stay referenced while it runs
-                for group in m.get_blocks(r.request_id).blocks:
-                    for b in group:
-                        if not b.is_null and b.ref_cnt < 1:
-                            raise AssertionError(f"held block {b.block_id} was freed")
-        if min_hit and (not hits or min(hits) < min_hit):
-            raise AssertionError(f"hits {hits} below {min_hit}")
+def serve_one(name: str, request_id: str, prompt: list[int], results) -> None:
+    """Attaches, looks up the hit of ``prompt`` in both groups (full attention first, the
+    sliding window bounded by its length), admits the request under one hold of the pool
+    lock, caches its blocks, finishes it, and reports (hit tokens, block ids per group)."""
+    with BlockPool.attach(name) as pool:
+        managers = make_managers(pool)
+        req = Request(request_id, prompt, block_hasher=pool.make_block_hasher())
+        with pool.lock():  # the hit cannot be evicted by another process before the touch
+            (full_hit,), length = FullAttentionManager.find_longest_cache_hit(
+                req.block_hashes, req.num_tokens - 1, [0], pool, SPECS[0], False, BLOCK_SIZE)
+            (swa_hit,), swa_length = SlidingWindowManager.find_longest_cache_hit(
+                req.block_hashes, length, [1], pool, SPECS[1], False, BLOCK_SIZE)
+            del full_hit[swa_length // BLOCK_SIZE:]
+            hits = (full_hit, swa_hit)
+            for manager, hit in zip(managers, hits, strict=True):
+                manager.add_local_computed_blocks(request_id, hit, swa_length, 0)
+                manager.allocate_new_blocks(request_id, req.num_tokens, req.num_tokens)
+                manager.cache_blocks(req, req.num_tokens, replay_boundaries=[])
+        tables = [[b.block_id for b in m.req_to_blocks[request_id]] for m in managers]
+        for manager in managers:
+            manager.free(request_id)
         pool.check_invariants()
-        pool.close()
-    except BaseException:  # noqa: BLE001  (report anything, then fail)
-        traceback.print_exc()
-        sys.exit(1)
+        results.put((swa_length, tables))
