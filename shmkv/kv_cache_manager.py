@@ -19,10 +19,12 @@ another process's allocation in between could evict and reuse them. Therefore:
    ``OutOfBlocksError``), and so do ``free`` and ``get_computed_blocks``.
 2. ``get_computed_blocks`` that finds a hit keeps the lock held after it returns (a "lookup
    hold"); it is released when ``allocate_slots`` returns, or at the next ``free``,
-   ``new_step_starts``, ``take_events``, ``reset_prefix_cache``, ``make_prefix_cache_stats``
-   or ``release_lookup_hold()`` (so a scheduler that drops a looked-up request without
-   allocating does not keep other processes waiting beyond the step). The lock is re-entrant,
-   so the pool calls in between take it at no cost.
+   ``new_step_starts``, ``take_events``, ``reset_prefix_cache``, ``make_prefix_cache_stats``,
+   ``take_boundary_state_offloads``, ``take_kv_cache_block_copies``, ``take_new_block_ids``
+   or ``release_lookup_hold()``. vLLM's scheduler drains the ``take_*`` calls right after its
+   waiting loop every step, so a request it looked up and then skipped (token budget, encoder
+   or connector waits) does not keep other processes waiting through the forward pass. The
+   lock is re-entrant, so the pool calls in between take it at no cost.
 3. If a lookup hold ends before the looked-up request is allocated, the keys of its hit
    blocks are recorded then (while still held); ``allocate_slots`` re-checks them and, if any
    hit block has since been evicted or re-keyed, returns None ("does not fit": vLLM's
@@ -569,6 +571,7 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
+        self.release_lookup_hold()
         ids: list[int] = []
         for manager in self.coordinator.single_type_managers:
             ids.extend(manager.take_new_block_ids())
@@ -583,6 +586,7 @@ class KVCacheManager:
                     b.block_id for b in blocks[start_token // manager.block_size:])
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[Block]]:
+        self.release_lookup_hold()
         pending = []
         for manager in self.coordinator.single_type_managers:
             pending.extend(manager.take_pending_cow_copies())
@@ -590,6 +594,10 @@ class KVCacheManager:
         return copies, [b for pair in pending for b in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba "align" boundary states to hand to a KV connector; vLLM's scheduler drains
+        this after its waiting loop every step, so a lookup hold left by a request it dropped
+        ends here, before the forward pass."""
+        self.release_lookup_hold()
         out: dict[str, list[tuple[int, int, int]]] = {}
         for manager in self.coordinator.single_type_managers:
             for rid, gid, block, boundary in manager.take_pending_boundary_state_offloads():

@@ -360,3 +360,18 @@ def test_take_events_annotates_spec_kind(make_pool):
     stored = [e for e in m.take_events() if type(e).__name__ == "BlockStored"]
     assert {(e.group_idx, e.kv_cache_spec_sliding_window) for e in stored} == {(0, None), (1, 8)}
     assert all(e.kv_cache_spec_kind for e in stored)
+
+
+@pytest.mark.parametrize("drain", ["take_boundary_state_offloads", "take_kv_cache_block_copies",
+                                   "take_new_block_ids", "take_events", "free"])
+def test_end_of_schedule_drain_ends_a_dropped_lookup_hold(make_pool, drain):
+    pool = make_pool(11, hash_block_size=BS)
+    m = manager(pool)
+    a = req(pool, "a", range(40))
+    admit(m, a)
+    b = req(pool, "b", range(40))
+    m.get_computed_blocks(b)  # looked up, then skipped by the scheduler
+    assert pool.holder() is not None
+    getattr(m, drain)(a) if drain == "free" else getattr(m, drain)()
+    assert pool.holder() is None
+    pool.check_invariants()
