@@ -37,6 +37,7 @@ model with no sliding-window or Mamba group accepts only 0.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -147,7 +148,7 @@ def _eagle_margin(block_size: int, hash_block_size: int, fine_grained: bool) -> 
     return hash_block_size if fine_grained and block_size > hash_block_size else block_size
 
 
-class KVCacheCoordinator:
+class KVCacheCoordinator(ABC):
     """Drives one single-type manager per KV-cache group over a shared, attached pool."""
 
     enable_partial_hash_hits = False
@@ -388,6 +389,7 @@ class KVCacheCoordinator:
         """The request's block list in every group (empty lists for an unknown request)."""
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
+    @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[Block], ...], int, int]:
