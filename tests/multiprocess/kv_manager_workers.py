@@ -13,6 +13,7 @@ from shmkv.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -20,26 +21,30 @@ BS = 4
 SYSTEM_PROMPT = list(range(1000, 1064))  # 64 tokens: 16 blocks
 
 
-def make_manager(pool: BlockPool, hybrid: bool) -> KVCacheManager:
+def make_manager(pool: BlockPool, kind: str) -> KVCacheManager:
+    """kind: "full", "full+swa" or "full+mamba" (Mamba "align": states at block ends)."""
     specs = [FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float16")]
-    if hybrid:
+    if kind == "full+swa":
         specs.append(SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8,
                                        dtype="float16", sliding_window=8))
+    elif kind == "full+mamba":
+        specs.append(MambaSpec(BS, ((2, 4),), ("float32",), mamba_cache_mode="align"))
     groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
     config = KVCacheConfig(pool.num_gpu_blocks, [], groups)
     return KVCacheManager(config, 4096, scheduler_block_size=BS, hash_block_size=BS,
                           block_pool=pool)
 
 
-def serve(name: str, kernel: str, hybrid: bool, seed: int, num_requests: int,
+def serve(name: str, kernel: str, kind: str, seed: int, num_requests: int,
           min_hit: int, duration_s: float) -> None:
     """Serves requests that start with SYSTEM_PROMPT (prefill in chunks, a few decode steps,
     finish or preempt), with its own KVCacheManager. Fails unless every admission hits at
-    least ``min_hit`` tokens; checks that held blocks stay held."""
+    least ``min_hit`` tokens; checks that held blocks stay held. The prefill stops once at the
+    end of the system prompt, so a Mamba state is kept there (a hit needs one)."""
     rng = random.Random(seed)
     try:
         pool = BlockPool.attach(name, kernel=kernel, label=f"manager-{seed}")
-        m = make_manager(pool, hybrid)
+        m = make_manager(pool, kind)
         hasher = pool.make_block_hasher()
         running: list[Request] = []
         hits: list[int] = []
@@ -53,9 +58,13 @@ def serve(name: str, kernel: str, hybrid: bool, seed: int, num_requests: int,
                 tokens = SYSTEM_PROMPT + [rng.randrange(50_000) for _ in range(rng.randint(1, 30))]
                 r = Request(f"{seed}-{served}", tokens, block_hasher=hasher)
                 hit, n, _ = m.get_computed_blocks(r)
-                new = m.allocate_slots(r, r.num_tokens - n, n, hit)
-                if new is None:
+                first = len(SYSTEM_PROMPT) if n < len(SYSTEM_PROMPT) else r.num_tokens
+                if m.allocate_slots(r, first - n, n, hit) is None:
                     continue  # the pool is full for now: retry later (a fresh lookup)
+                r.num_computed_tokens = first
+                if first < r.num_tokens and m.allocate_slots(r, r.num_tokens - first) is None:
+                    m.free(r)
+                    continue
                 hits.append(n)
                 r.num_computed_tokens = r.num_tokens
                 running.append(r)
