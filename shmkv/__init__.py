@@ -36,6 +36,13 @@ from shmkv.hashing import (
     sha256_cbor,
     to_event_extra_keys,
 )
+from shmkv.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
 from shmkv.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -51,6 +58,7 @@ from shmkv.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+from shmkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from shmkv.layout import LAYOUT_VERSION, NULL_BLOCK_ID
 from shmkv.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 from shmkv.single_type_kv_cache_manager import (
@@ -68,6 +76,14 @@ from shmkv.single_type_kv_cache_manager import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "PrefixCacheStats",
+    "KVCacheManager",
+    "KVCacheBlocks",
+    "get_kv_cache_coordinator",
+    "UnitaryKVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheCoordinator",
+    "HybridKVCacheCoordinator",
     "AllBlocksCleared",
     "AttentionSpec",
     "BlockHashListWithBlockSize",

@@ -1,0 +1,176 @@
+"""Continuous batching through a KVCacheManager: shmkv's (over a shared pool) and vLLM
+0.33.0's, in the same run, on the same request stream.
+
+Workload (issue 5): 1,000 requests of 512 prompt tokens that share a 256-token system prompt,
+32 decode tokens each, at most 64 running. Each step admits waiting requests while fewer than
+64 run (``get_computed_blocks`` + ``allocate_slots`` of the whole prompt), then gives every
+running request one decode token (``allocate_slots(req, 1)``, timed on its own); a request
+that has decoded 32 tokens is freed. Requests are built (and their prompts hashed) before the
+clock starts; decode tokens are appended, and hashed, inside the timed loop on both sides.
+
+Prints one JSON line per implementation (requests/s, ns per decode ``allocate_slots``, hit
+rate) and a table with the vLLM/shmkv ratios.
+
+    python benchmarks/bench_kv_cache_manager.py [--requests 1000] [--no-vllm] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shmkv import BlockPool, KVCacheManager, Request  # noqa: E402
+from shmkv import kv_cache_interface as shm_specs  # noqa: E402
+
+BS = 16
+
+
+class BenchRequest(Request):
+    """shmkv's Request plus the scheduler fields vLLM's manager reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.status = None
+        self.num_preemptions = 0
+        self.num_in_flight_tokens = 0
+        self.skip_reading_prefix_cache = False
+
+
+def make_requests(args, hasher, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    system = [rng.randrange(32_000) for _ in range(args.system_tokens)]
+    reqs = []
+    for i in range(args.requests):
+        tail = [rng.randrange(32_000) for _ in range(args.prompt_tokens - args.system_tokens)]
+        reqs.append(BenchRequest(f"r{i}", system + tail, block_hasher=hasher))
+    return reqs
+
+
+def run(manager, reqs, args, running_status) -> dict:
+    waiting = list(reversed(reqs))
+    running: list[BenchRequest] = []
+    decoded: dict[str, int] = {}
+    decode_ns = 0
+    decode_calls = 0
+    hit_tokens = prompt_tokens = 0
+    perf = time.perf_counter_ns
+    t0 = perf()
+    token = 7
+    while waiting or running:
+        manager.new_step_starts()
+        while waiting and len(running) < args.max_running:
+            r = waiting[-1]
+            hit, n, _ = manager.get_computed_blocks(r)
+            if manager.allocate_slots(r, r.num_tokens - n, n, hit) is None:
+                break
+            waiting.pop()
+            hit_tokens += n
+            prompt_tokens += r.num_tokens
+            r.num_computed_tokens = r.num_tokens
+            r.status = running_status
+            running.append(r)
+            decoded[r.request_id] = 0
+        still = []
+        for r in running:
+            r.append_output_token_ids(token)
+            t = perf()
+            new = manager.allocate_slots(r, 1)
+            decode_ns += perf() - t
+            decode_calls += 1
+            if new is None:
+                raise RuntimeError("decode did not fit: raise --num-blocks")
+            r.num_computed_tokens += 1
+            decoded[r.request_id] += 1
+            if decoded[r.request_id] >= args.decode_tokens:
+                manager.free(r)
+            else:
+                still.append(r)
+        running = still
+    elapsed_s = (perf() - t0) / 1e9
+    return {
+        "requests": len(reqs),
+        "seconds": round(elapsed_s, 4),
+        "requests_per_s": round(len(reqs) / elapsed_s, 1),
+        "ns_per_decode_allocate_slots": round(decode_ns / max(decode_calls, 1), 1),
+        "decode_calls": decode_calls,
+        "hit_rate": round(hit_tokens / max(prompt_tokens, 1), 4),
+    }
+
+
+def config(mod, num_blocks, dtype):
+    spec = mod.FullAttentionSpec(block_size=BS, num_kv_heads=8, head_size=128, dtype=dtype)
+    return mod.KVCacheConfig(num_blocks, [], [mod.KVCacheGroupSpec(["layer0"], spec)])
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--system-tokens", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--kernel", default=None, help="shmkv kernel: c or python")
+    p.add_argument("--no-vllm", action="store_true", help="benchmark shmkv only")
+    p.add_argument("--json", metavar="PATH", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    name = f"bench-kvm-{uuid.uuid4().hex[:10]}"
+    pool = BlockPool.create(name, args.num_blocks, hash_block_size=BS, kernel=args.kernel,
+                            label="bench")
+    rows = []
+    try:
+        hasher = pool.make_block_hasher()
+        common = {"max_model_len": 4096, "scheduler_block_size": BS, "hash_block_size": BS}
+        ours = KVCacheManager(config(shm_specs, args.num_blocks, "float16"), block_pool=pool,
+                              **common)
+        row = {"impl": f"shmkv[{pool.kernel}]",
+               **run(ours, make_requests(args, hasher, 0), args, "RUNNING")}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if not args.no_vllm:
+            try:
+                import torch
+                from vllm.v1 import kv_cache_interface as vllm_specs
+                from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+                from vllm.v1.request import RequestStatus
+            except Exception as exc:  # noqa: BLE001
+                print(f"vLLM not importable ({exc}); shmkv only", file=sys.stderr)
+            else:
+                theirs = VllmManager(config(vllm_specs, args.num_blocks, torch.float16),
+                                     **common)
+                row = {"impl": "vllm",
+                       **run(theirs, make_requests(args, hasher, 0), args,
+                             RequestStatus.RUNNING)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
+    if args.json:
+        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print()
+    print(f"{'impl':<12} {'req/s':>10} {'ns/decode alloc':>16} {'hit rate':>9}")
+    for r in rows:
+        print(f"{r['impl']:<12} {r['requests_per_s']:>10.1f} "
+              f"{r['ns_per_decode_allocate_slots']:>16.1f} {r['hit_rate']:>9.3f}")
+    if len(rows) == 2:
+        ours_row, vllm_row = rows
+        rps = ours_row["requests_per_s"] / vllm_row["requests_per_s"]
+        ns = vllm_row["ns_per_decode_allocate_slots"] / ours_row["ns_per_decode_allocate_slots"]
+        print(f"{'shmkv speedup':<12} {rps:>9.2f}x {ns:>15.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

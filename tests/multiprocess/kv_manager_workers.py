@@ -1,0 +1,91 @@
+"""Worker processes that each run their own KVCacheManager on one shared pool (module level, so
+spawn can import them). Exit code 0 is success; failures print why to stderr."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+import traceback
+
+from shmkv import BlockPool, KVCacheManager, Request
+from shmkv.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+BS = 4
+SYSTEM_PROMPT = list(range(1000, 1064))  # 64 tokens: 16 blocks
+
+
+def make_manager(pool: BlockPool, kind: str) -> KVCacheManager:
+    """kind: "full", "full+swa" or "full+mamba" (Mamba "align": states at block ends)."""
+    specs = [FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float16")]
+    if kind == "full+swa":
+        specs.append(SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8,
+                                       dtype="float16", sliding_window=8))
+    elif kind == "full+mamba":
+        specs.append(MambaSpec(BS, ((2, 4),), ("float32",), mamba_cache_mode="align"))
+    groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
+    config = KVCacheConfig(pool.num_gpu_blocks, [], groups)
+    return KVCacheManager(config, 4096, scheduler_block_size=BS, hash_block_size=BS,
+                          block_pool=pool)
+
+
+def serve(name: str, kernel: str, kind: str, seed: int, num_requests: int,
+          min_hit: int, duration_s: float) -> None:
+    """Serves requests that start with SYSTEM_PROMPT (prefill in chunks, a few decode steps,
+    finish or preempt), with its own KVCacheManager. Fails unless every admission hits at
+    least ``min_hit`` tokens; checks that held blocks stay held. The prefill stops once at the
+    end of the system prompt, so a Mamba state is kept there (a hit needs one)."""
+    rng = random.Random(seed)
+    try:
+        pool = BlockPool.attach(name, kernel=kernel, label=f"manager-{seed}")
+        m = make_manager(pool, kind)
+        hasher = pool.make_block_hasher()
+        running: list[Request] = []
+        hits: list[int] = []
+        served = 0
+        deadline = time.monotonic() + duration_s
+        while served < num_requests or running:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out with {served} served, {len(running)} running")
+            m.new_step_starts()
+            if served < num_requests and (len(running) < 4 or rng.random() < 0.3):
+                tokens = SYSTEM_PROMPT + [rng.randrange(50_000) for _ in range(rng.randint(1, 30))]
+                r = Request(f"{seed}-{served}", tokens, block_hasher=hasher)
+                hit, n, _ = m.get_computed_blocks(r)
+                first = len(SYSTEM_PROMPT) if n < len(SYSTEM_PROMPT) else r.num_tokens
+                if m.allocate_slots(r, first - n, n, hit) is None:
+                    continue  # the pool is full for now: retry later (a fresh lookup)
+                r.num_computed_tokens = first
+                if first < r.num_tokens and m.allocate_slots(r, r.num_tokens - first) is None:
+                    m.free(r)
+                    continue
+                hits.append(n)
+                r.num_computed_tokens = r.num_tokens
+                running.append(r)
+                served += 1
+            else:
+                r = running[rng.randrange(len(running))]
+                r.append_output_token_ids(rng.randrange(50_000))
+                if m.allocate_slots(r, 1) is None or rng.random() < 0.2:
+                    m.free(r)  # preempted or finished
+                    running.remove(r)
+                    continue
+                r.num_computed_tokens += 1
+            for r in running:  # a request's blocks stay referenced while it runs
+                for group in m.get_blocks(r.request_id).blocks:
+                    for b in group:
+                        if not b.is_null and b.ref_cnt < 1:
+                            raise AssertionError(f"held block {b.block_id} was freed")
+        if min_hit and (not hits or min(hits) < min_hit):
+            raise AssertionError(f"hits {hits} below {min_hit}")
+        pool.check_invariants()
+        pool.close()
+    except BaseException:  # noqa: BLE001  (report anything, then fail)
+        traceback.print_exc()
+        sys.exit(1)
