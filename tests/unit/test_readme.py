@@ -20,3 +20,22 @@ def test_readme_example_runs():
         exec(compile(code.replace('"node0"', repr(name)), "README.md", "exec"), {})
     finally:
         BlockPool.unlink(name)
+
+
+def test_readme_kv_cache_manager_example_runs():
+    """The KVCacheManager example runs against a pool created for it, and allocates."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    code = next(b for b in blocks if "KVCacheManager(" in b)
+    assert '"node-kv"' in code
+    name = unique_pool_name("readme-kvm")
+    pool = BlockPool.create(name, 256)
+    scope = {"prompt_token_ids": list(range(40))}
+    try:
+        exec(compile(code.replace('"node-kv"', repr(name)), "README.md", "exec"), scope)
+        assert scope["num_hit"] == 0 and scope["new"] is not None
+        scope["kvm"].free(scope["req"])
+        scope["pool"].check_invariants()
+        scope["pool"].close()
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
