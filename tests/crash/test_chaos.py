@@ -20,6 +20,7 @@ from shmkv import BlockPool
 from shmkv import layout as L
 from tests.conftest import KERNELS, unique_pool_name
 from tests.crash import chaos
+from tests.crash.conftest import KILLED
 from tests.helpers import FakeRequest
 
 pytestmark = [pytest.mark.crash, pytest.mark.multiprocess]
@@ -203,33 +204,6 @@ def test_a_process_killed_outside_the_lock_is_reaped_and_its_blocks_return(kerne
 
 # ------------------------------------------------- a dead holder's slot, claimed again
 
-KILLED = f"signal:{int(signal.SIGKILL)}"
-
-
-@pytest.fixture(scope="module")
-def forker():
-    """The crash tests' zygote (``tests/crash/zygote.py``): forks one child per call."""
-    from tests.crash import zygote
-
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=zygote.serve, args=(child,), daemon=True)
-    proc.start()
-    child.close()
-
-    def run(target, *args) -> str:
-        parent.send((target, args))
-        assert parent.poll(zygote.CHILD_DEADLINE_S + 30), "the zygote stopped answering"
-        return parent.recv()
-
-    yield run
-    parent.send(None)
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(10)
-    assert proc.exitcode == 0
 
 
 def _semaphore_taken(pool: BlockPool) -> bool:

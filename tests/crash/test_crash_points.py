@@ -13,9 +13,7 @@ compared with the two references.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import signal
 import uuid
 
 import numpy as np
@@ -25,36 +23,11 @@ from shmkv import BlockPool
 from shmkv import layout as L
 from tests.conftest import KERNELS
 from tests.crash import scenarios as S
-from tests.crash import zygote
+from tests.crash.conftest import KILLED
 
 pytestmark = [pytest.mark.crash, pytest.mark.multiprocess]
 
 MAX_POINTS = 3000  # a call with more stores than this is a bug in the harness
-KILLED = f"signal:{int(signal.SIGKILL)}"
-
-
-@pytest.fixture(scope="module")
-def forker():
-    """The zygote: spawned once, forks a child per scenario run."""
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no idle BLAS threads to fork
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=zygote.serve, args=(child,), daemon=True)
-    proc.start()
-    child.close()
-
-    def run(target, *args) -> str:
-        parent.send((target, args))
-        assert parent.poll(zygote.CHILD_DEADLINE_S + 30), "the zygote stopped answering"
-        return parent.recv()
-
-    yield run
-    parent.send(None)
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(10)
-    assert proc.exitcode == 0
 
 
 def snapshot(pool: BlockPool, held: list) -> dict:
