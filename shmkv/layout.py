@@ -517,3 +517,12 @@ def validate_pool_name(name: object) -> str:
 def segment_name(pool_name: str) -> str:
     """The POSIX shared-memory name of a pool: ``/shmkv-<pool name>-v<LAYOUT_VERSION>``."""
     return f"/shmkv-{validate_pool_name(pool_name)}-v{LAYOUT_VERSION}"
+
+
+def sibling_segment_name(pool_name: str, kind: str, version: int) -> str:
+    """The POSIX shared-memory name of a segment that is not a pool but belongs to one
+    (block tables, KV store): ``/shmkv-<name>+<kind>-v<version>``. The ``+``, which pool
+    names never contain, keeps ``shmkv cleanup`` from taking it for a pool."""
+    if not kind.isalnum():
+        raise UsageError(f"segment kind {kind!r} must be letters and digits")
+    return f"/shmkv-{validate_pool_name(pool_name)}+{kind}-v{int(version)}"
