@@ -1,0 +1,807 @@
+"""Shared block tables, slot mapping and the KV store: what the GPU ranks read.
+
+The only module of ``shmkv`` that imports torch (``import shmkv`` does not import it).
+
+Block tables (``SharedBlockTables``)
+------------------------------------
+
+One segment per scheduler, ``/shmkv-<name>+bt-v<BT_LAYOUT_VERSION>``, mode 0600. Its
+scheduler is the only writer; its rank processes map it read-only in spirit and see the
+tables as torch tensors over the segment (``torch.frombuffer``: no copy, no serialisation).
+
+| # | region            | dtype       | shape                                   | written by | read by |
+|---|-------------------|-------------|-----------------------------------------|------------|---------|
+| 0 | `header`          | BT_HEADER   | `[1]` (256 B)                           | creator; `seq`, `step`: the writer | ranks |
+| 1 | `num_blocks_per_row` | int32    | `[num_groups, max_num_reqs]`            | the writer | ranks |
+| 2 | `block_table_<g>` | int32       | `[max_num_reqs, max_num_blocks_per_req[g]]`, one per KV-cache group | the writer | ranks |
+
+Header fields (little-endian): `magic` (u64, ``BT_MAGIC``), `layout_version` (u32),
+`header_bytes` (u32), `total_bytes` (u64), `num_groups` (u32), `max_num_reqs` (u32),
+`max_model_len` (u32), `creator_pid` (u32), `seq` (u64: the seqlock word), `step` (i64: the
+last published step, -1 before the first), `block_sizes` (u32[8]), `max_num_blocks_per_req`
+(u32[8]).
+
+Ordering (the seqlock). The writer makes `seq` odd before its first store of a step
+(``add_row``, ``append_row``, ``clear_row``, ``move_row``, ``swap_row``, ``clear``), writes the
+rows, then on ``commit(step)`` stores `step` and makes `seq` even. A reader reads `seq`
+(retrying while odd), copies what it needs, reads `step`, and accepts the copy only if `seq`
+is unchanged (``read``). A zero-copy reader (``reading``) waits for an even `seq` and the
+step it was told about, uses the shared tensors in place, and checks on exit that `seq`
+did not move: the scheduler must not write while its rank computes (the step handshake;
+``TornReadError`` if it did). The stores and loads are ordered as written on x86-64 (TSO);
+a weakly ordered CPU would need fences around `seq`.
+
+KV store (``KVStore``)
+----------------------
+
+One segment per pool, ``/shmkv-<name>+kv-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
+`layout_version`, `header_bytes`, `total_bytes`, `num_layers`, `num_blocks`, `block_size`,
+`num_kv_heads`, `head_size`, `element_bytes`, `dtype` name, `creator_pid`), then one
+page-aligned tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``:
+``key_cache[l]`` is ``kv[l, 0]`` and ``value_cache[l]`` is ``kv[l, 1]``. Block id ``b`` of the
+pool names row ``b`` of every layer (the host tier of DESIGN section 1). Who writes a block:
+the rank whose request holds it (a block is written only while one request holds it alone,
+before it is cached; once cached it is only read).
+
+Crash behaviour: a writer killed mid-step leaves `seq` odd; readers then time out with
+``TornReadError`` and the segment is recreated by the scheduler's replacement. The KV store
+has no protocol of its own: block ownership comes from the pool.
+
+Changelog: bt v1, kv v1: initial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shmkv import layout as L
+from shmkv.errors import LayoutMismatchError, TornReadError, UsageError
+from shmkv.segment import Segment
+
+BT_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 1
+BT_MAGIC = 0x1A5E_4B76_7462_6C31  # bytes all different, like the pool's MAGIC
+KV_MAGIC = 0x1A5E_4B76_6B76_7332
+MAX_KV_CACHE_GROUPS = 8
+KV_HEADER_BYTES = 4096  # the data starts page-aligned (cudaHostRegister wants pages)
+MAX_BLOCK_ID = (1 << 31) - 1
+DEFAULT_READ_TIMEOUT_S = 5.0
+PAD_SLOT_ID = -1  # vLLM's PAD_ID for slots of padding tokens
+
+BT_HEADER_DTYPE = np.dtype([
+    ("magic", "<u8"), ("layout_version", "<u4"), ("header_bytes", "<u4"),
+    ("total_bytes", "<u8"), ("num_groups", "<u4"), ("max_num_reqs", "<u4"),
+    ("max_model_len", "<u4"), ("creator_pid", "<u4"), ("seq", "<u8"), ("step", "<i8"),
+    ("block_sizes", "<u4", (MAX_KV_CACHE_GROUPS,)),
+    ("max_num_blocks_per_req", "<u4", (MAX_KV_CACHE_GROUPS,)),
+    ("_pad", "V", 256 - 56 - 8 * MAX_KV_CACHE_GROUPS),
+])
+assert BT_HEADER_DTYPE.itemsize == 256
+_SEQ_WORD = BT_HEADER_DTYPE.fields["seq"][1] // 8
+_STEP_WORD = BT_HEADER_DTYPE.fields["step"][1] // 8
+
+KV_HEADER_DTYPE = np.dtype([
+    ("magic", "<u8"), ("layout_version", "<u4"), ("header_bytes", "<u4"),
+    ("total_bytes", "<u8"), ("num_layers", "<u4"), ("num_blocks", "<u4"),
+    ("block_size", "<u4"), ("num_kv_heads", "<u4"), ("head_size", "<u4"),
+    ("element_bytes", "<u4"), ("creator_pid", "<u4"), ("_pad0", "<u4"),
+    ("dtype", "S16"),
+])
+
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8,
+}
+
+
+def block_tables_segment_name(name: str) -> str:
+    return L.sibling_segment_name(name, "bt", BT_LAYOUT_VERSION)
+
+
+def kv_store_segment_name(name: str) -> str:
+    return L.sibling_segment_name(name, "kv", KV_LAYOUT_VERSION)
+
+
+def _align(n: int, to: int = L.ALIGN_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+def _positive_int(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UsageError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def _dtype_name(dtype: object) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UsageError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return name
+
+
+def _check_header(seg: Segment, hdr: np.void, magic: int, version: int,
+                  header_bytes: int, total_bytes: int | None) -> None:
+    """Magic, version, header size, total size: in this order, naming the field."""
+    name = seg.shm_name
+
+    def mismatch(field: str, want: object, found: object, what: str = "") -> LayoutMismatchError:
+        return LayoutMismatchError(
+            f"segment {name}: header field {field} is {found!r}, expected {want!r}{what}")
+
+    if int(hdr["magic"]) != magic:
+        raise mismatch("magic", hex(magic), hex(int(hdr["magic"])),
+                       ": not a segment of this kind")
+    if int(hdr["layout_version"]) != version:
+        raise mismatch("layout_version", version, int(hdr["layout_version"]),
+                       " (made by another shmkv version)")
+    if int(hdr["header_bytes"]) != header_bytes:
+        raise mismatch("header_bytes", header_bytes, int(hdr["header_bytes"]))
+    if total_bytes is not None and int(hdr["total_bytes"]) != total_bytes:
+        raise mismatch("total_bytes", total_bytes, int(hdr["total_bytes"]))
+    if seg.size_bytes < int(hdr["total_bytes"]):
+        raise LayoutMismatchError(
+            f"segment {name} is {seg.size_bytes} bytes but its header describes "
+            f"{int(hdr['total_bytes'])}")
+
+
+# --------------------------------------------------------------------------- slot mapping
+
+def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
+                         positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of a batch's tokens: ``block_table[req, pos // bs] * bs + pos % bs`` (int64).
+
+    ``block_table`` is int32 ``[num_rows, width]`` (a snapshot's gathered rows, or the shared
+    table itself); token ``t`` belongs to row ``req_indices[t]`` at position
+    ``positions[t]``. Vectorised, no Python loop. Like vLLM, the block number comes from the
+    position, not from the token's index. A padding token (``req_indices[t] < 0``) gets
+    ``PAD_SLOT_ID``.
+
+    Raises:
+        UsageError: a position past the table's width or a row out of range.
+    """
+    width = block_table.shape[1]
+    req_indices = req_indices.to(torch.int64)
+    positions = positions.to(torch.int64)
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= width * block_size:
+            raise UsageError(
+                f"positions must lie in [0, {width * block_size}) for a table {width} blocks "
+                f"wide of block size {block_size}; found {lo}..{hi}")
+        if int(req_indices.max()) >= block_table.shape[0]:
+            raise UsageError(
+                f"row index {int(req_indices.max())} out of range for a table of "
+                f"{block_table.shape[0]} rows")
+    pad = req_indices < 0
+    flat = req_indices.clamp(min=0) * width + torch.div(positions, block_size,
+                                                        rounding_mode="floor")
+    block_numbers = block_table.reshape(-1).index_select(0, flat).to(torch.int64)
+    slots = block_numbers * block_size + positions % block_size
+    return slots.masked_fill_(pad, PAD_SLOT_ID) if bool(pad.any()) else slots
+
+
+def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
+                        start_positions: Sequence[int] | torch.Tensor,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(req_indices, positions)`` of a batch whose request ``i`` schedules
+    ``num_scheduled_tokens[i]`` tokens starting at position ``start_positions[i]``: one
+    entry per token, request-major (vLLM's ``query_start_loc`` order). Works for prefill
+    (many tokens per request) and decode (one) alike."""
+    counts = torch.as_tensor(num_scheduled_tokens, dtype=torch.int64)
+    starts = torch.as_tensor(start_positions, dtype=torch.int64)
+    if counts.shape != starts.shape or counts.dim() != 1:
+        raise UsageError(
+            f"num_scheduled_tokens and start_positions must be 1-d of one length, got "
+            f"{tuple(counts.shape)} and {tuple(starts.shape)}")
+    if counts.numel() and (int(counts.min()) < 0 or int(starts.min()) < 0):
+        raise UsageError("token counts and start positions must be >= 0")
+    req_indices = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    query_start = torch.cumsum(counts, 0) - counts
+    offsets = torch.arange(req_indices.numel()) - query_start.index_select(0, req_indices)
+    return req_indices, starts.index_select(0, req_indices) + offsets
+
+
+# --------------------------------------------------------------------------- block tables
+
+@dataclass
+class BlockTableSnapshot:
+    """A consistent copy of some rows of every group's table, as of ``step``.
+
+    ``block_tables[g]``: int32 ``[len(rows), max_num_blocks_per_req[g]]``;
+    ``num_blocks[g, i]``: blocks in row ``rows[i]`` of group ``g``."""
+
+    step: int
+    rows: torch.Tensor
+    block_tables: list[torch.Tensor]
+    num_blocks: torch.Tensor
+    block_sizes: tuple[int, ...]
+
+    def slot_mappings(self, req_indices: torch.Tensor,
+                      positions: torch.Tensor) -> list[torch.Tensor]:
+        """One slot mapping per group; ``req_indices`` index this snapshot's rows."""
+        return [compute_slot_mapping(t, req_indices, positions, bs)
+                for t, bs in zip(self.block_tables, self.block_sizes, strict=True)]
+
+
+class SharedBlockTables:
+    """A scheduler's block tables in shared memory, one int32 table per KV-cache group.
+
+    The scheduler (one writer) edits rows the way vLLM's ``MultiGroupBlockTable`` does and
+    publishes them with ``commit(step)``; rank processes ``attach`` and read consistent
+    snapshots (``read``) or use the shared tensors in place (``reading``). See the module
+    docstring for the protocol.
+    """
+
+    def __init__(self, segment: Segment, owner: bool) -> None:
+        self._segment = segment
+        self._owner = owner
+        buf = segment.buf
+        self._hdr = np.ndarray((1,), BT_HEADER_DTYPE, buffer=buf)
+        self._words = np.ndarray((BT_HEADER_DTYPE.itemsize // 8,), "<u8", buffer=buf)
+        self._swords = self._words.view("<i8")
+        h = self._hdr[0]
+        self.num_groups = int(h["num_groups"])
+        self.max_num_reqs = int(h["max_num_reqs"])
+        self.max_model_len = int(h["max_model_len"])
+        self.block_sizes = tuple(int(x) for x in h["block_sizes"][: self.num_groups])
+        self.max_num_blocks_per_req = tuple(
+            int(x) for x in h["max_num_blocks_per_req"][: self.num_groups])
+        offsets = self._region_offsets(self.num_groups, self.max_num_reqs,
+                                       self.max_num_blocks_per_req)
+        off, _ = offsets[0]
+        self._num_blocks_np = np.ndarray((self.num_groups, self.max_num_reqs), "<i4",
+                                         buffer=buf, offset=off)
+        self._tables_np = [
+            np.ndarray((self.max_num_reqs, w), "<i4", buffer=buf, offset=o)
+            for (o, _), w in zip(offsets[1:], self.max_num_blocks_per_req, strict=True)
+        ]
+        # The torch views share the numpy views' memory (torch.from_numpy: no copy).
+        self._num_blocks_t = torch.from_numpy(self._num_blocks_np)
+        self._tables_t = [torch.from_numpy(a) for a in self._tables_np]
+        self._writing = False
+        self._seqlock = True  # tests turn it off to show the torn-read check fails
+        self.name = segment.shm_name
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @staticmethod
+    def _region_offsets(num_groups: int, max_num_reqs: int,
+                        widths: Sequence[int]) -> list[tuple[int, int]]:
+        off = _align(BT_HEADER_DTYPE.itemsize)
+        out = [(off, 4 * num_groups * max_num_reqs)]
+        off = _align(off + out[-1][1])
+        for w in widths:
+            out.append((off, 4 * max_num_reqs * w))
+            off = _align(off + out[-1][1])
+        return out
+
+    @classmethod
+    def _total_bytes(cls, num_groups: int, max_num_reqs: int, widths: Sequence[int]) -> int:
+        off, size = cls._region_offsets(num_groups, max_num_reqs, widths)[-1]
+        return _align(off + size)
+
+    @classmethod
+    def create(cls, name: str, *, max_num_reqs: int, max_model_len: int,
+               block_sizes: Sequence[int],
+               max_num_blocks_per_req: Sequence[int] | None = None) -> SharedBlockTables:
+        """A new, zeroed set of tables: group ``g`` is ``cdiv(max_model_len,
+        block_sizes[g])`` blocks wide unless ``max_num_blocks_per_req`` says otherwise.
+
+        Raises:
+            UsageError: a bad name or size (nothing is created).
+            SegmentExistsError: tables of that name exist already.
+        """
+        shm_name = block_tables_segment_name(name)
+        _positive_int("max_num_reqs", max_num_reqs)
+        _positive_int("max_model_len", max_model_len)
+        block_sizes = list(block_sizes)
+        if not 1 <= len(block_sizes) <= MAX_KV_CACHE_GROUPS:
+            raise UsageError(
+                f"block_sizes must name 1..{MAX_KV_CACHE_GROUPS} KV-cache groups, got "
+                f"{len(block_sizes)}")
+        for bs in block_sizes:
+            _positive_int("each block size", bs)
+        if max_num_blocks_per_req is None:
+            widths = [math.ceil(max_model_len / bs) for bs in block_sizes]
+        else:
+            widths = list(max_num_blocks_per_req)
+            if len(widths) != len(block_sizes):
+                raise UsageError(
+                    f"max_num_blocks_per_req has {len(widths)} entries for "
+                    f"{len(block_sizes)} block sizes")
+            for w in widths:
+                _positive_int("each max_num_blocks_per_req", w)
+        total = cls._total_bytes(len(block_sizes), max_num_reqs, widths)
+        seg = Segment.create(shm_name, total)
+        try:
+            h = np.ndarray((1,), BT_HEADER_DTYPE, buffer=seg.buf)
+            h["layout_version"] = BT_LAYOUT_VERSION
+            h["header_bytes"] = BT_HEADER_DTYPE.itemsize
+            h["total_bytes"] = total
+            h["num_groups"] = len(block_sizes)
+            h["max_num_reqs"] = max_num_reqs
+            h["max_model_len"] = max_model_len
+            h["creator_pid"] = os.getpid()
+            h["step"] = -1
+            h[0]["block_sizes"][: len(block_sizes)] = block_sizes
+            h[0]["max_num_blocks_per_req"][: len(widths)] = widths
+            h["magic"] = BT_MAGIC  # last: a half-made segment is never taken for one
+            del h
+            return cls(seg, owner=True)
+        except BaseException:
+            seg.close()
+            Segment.unlink(shm_name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> SharedBlockTables:
+        """Maps existing tables, validating magic, version and sizes (errors name the
+        field).
+
+        Raises:
+            SegmentNotFoundError, LayoutMismatchError.
+        """
+        seg = Segment.open(block_tables_segment_name(name))
+        try:
+            if seg.size_bytes < BT_HEADER_DTYPE.itemsize:
+                raise LayoutMismatchError(
+                    f"segment {seg.shm_name} is {seg.size_bytes} bytes, smaller than a block-"
+                    f"table header ({BT_HEADER_DTYPE.itemsize} bytes)")
+            hdr = np.ndarray((1,), BT_HEADER_DTYPE, buffer=seg.buf)[0].copy()
+            _check_header(seg, hdr, BT_MAGIC, BT_LAYOUT_VERSION, BT_HEADER_DTYPE.itemsize, None)
+            num_groups = int(hdr["num_groups"])
+            if not 1 <= num_groups <= MAX_KV_CACHE_GROUPS:
+                raise LayoutMismatchError(
+                    f"segment {seg.shm_name}: header field num_groups is {num_groups}, "
+                    f"expected 1..{MAX_KV_CACHE_GROUPS}")
+            widths = [int(x) for x in hdr["max_num_blocks_per_req"][:num_groups]]
+            want = cls._total_bytes(num_groups, int(hdr["max_num_reqs"]), widths)
+            _check_header(seg, hdr, BT_MAGIC, BT_LAYOUT_VERSION, BT_HEADER_DTYPE.itemsize, want)
+            return cls(seg, owner=False)
+        except BaseException:
+            seg.close()
+            raise
+
+    def close(self) -> None:
+        """Unmaps the tables (the tensors handed out keep their pages until dropped)."""
+        if self._segment.buf is None:
+            return
+        self._hdr = self._words = self._swords = None  # type: ignore[assignment]
+        self._num_blocks_np = self._num_blocks_t = None  # type: ignore[assignment]
+        self._tables_np, self._tables_t = [], []
+        self._segment.close()
+
+    @staticmethod
+    def unlink(name: str) -> bool:
+        """Removes the tables' name; False if there was none."""
+        return Segment.unlink(block_tables_segment_name(name))
+
+    def __enter__(self) -> SharedBlockTables:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        name = self.name
+        self.close()
+        if self._owner:
+            Segment.unlink(name)
+
+    # ------------------------------------------------------------------ zero-copy views
+
+    def block_table(self, group: int) -> torch.Tensor:
+        """Group ``group``'s whole table: an int32 tensor over the segment (no copy)."""
+        return self._tables_t[group]
+
+    @property
+    def num_blocks_per_row(self) -> torch.Tensor:
+        """int32 ``[num_groups, max_num_reqs]`` over the segment (no copy)."""
+        return self._num_blocks_t
+
+    @property
+    def step(self) -> int:
+        """The last published step (-1 before the first commit)."""
+        return int(self._swords[_STEP_WORD])
+
+    @property
+    def seq(self) -> int:
+        return int(self._words[_SEQ_WORD])
+
+    # ------------------------------------------------------------------ writer side
+
+    def _begin_write(self) -> None:
+        if not self._writing:
+            if self._seqlock:
+                self._words[_SEQ_WORD] += 1  # odd: readers keep off
+            self._writing = True
+
+    def _check_row(self, row: object, what: str = "row") -> int:
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise UsageError(f"{what} must be an int, got {row!r}")
+        if not 0 <= row < self.max_num_reqs:
+            raise UsageError(f"{what} {row} out of range [0, {self.max_num_reqs})")
+        return int(row)
+
+    def _check_ids(self, block_ids_per_group: Sequence[Sequence[int]], row: int,
+                   appending: bool) -> list[np.ndarray]:
+        if len(block_ids_per_group) != self.num_groups:
+            raise UsageError(
+                f"block ids for {len(block_ids_per_group)} KV-cache groups; these tables "
+                f"have {self.num_groups}")
+        out = []
+        for g, ids in enumerate(block_ids_per_group):
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+            start = int(self._num_blocks_np[g, row]) if appending else 0
+            if start + arr.size > self.max_num_blocks_per_req[g]:
+                raise UsageError(
+                    f"group {g}, row {row}: {start} + {arr.size} blocks exceed the table's "
+                    f"width of {self.max_num_blocks_per_req[g]}")
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_BLOCK_ID):
+                raise UsageError(
+                    f"group {g}, row {row}: block ids must lie in [0, {MAX_BLOCK_ID}], found "
+                    f"{int(arr.min())}..{int(arr.max())}")
+            out.append(arr)
+        return out
+
+    def append_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
+        """Appends each group's ids after the row's current blocks (vLLM's append_row).
+
+        Raises:
+            UsageError: wrong number of groups, a row out of range, a row overflowing its
+                width, a negative id; nothing is written then.
+        """
+        row = self._check_row(row)
+        arrays = self._check_ids(block_ids_per_group, row, appending=True)
+        self._begin_write()
+        for g, arr in enumerate(arrays):
+            if arr.size:
+                start = int(self._num_blocks_np[g, row])
+                self._tables_np[g][row, start:start + arr.size] = arr
+                self._num_blocks_np[g, row] = start + arr.size
+
+    def add_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
+        """Replaces the row with each group's ids (vLLM's add_row). Raises as append_row."""
+        row = self._check_row(row)
+        arrays = self._check_ids(block_ids_per_group, row, appending=False)
+        self._begin_write()
+        for g, arr in enumerate(arrays):
+            self._tables_np[g][row, :arr.size] = arr
+            self._num_blocks_np[g, row] = arr.size
+
+    def clear_row(self, row: int) -> None:
+        """Zeroes the row's blocks (the null block) and its lengths."""
+        row = self._check_row(row)
+        self._begin_write()
+        for g in range(self.num_groups):
+            self._tables_np[g][row, : int(self._num_blocks_np[g, row])] = 0
+            self._num_blocks_np[g, row] = 0
+
+    def move_row(self, src: int, tgt: int) -> None:
+        """Copies row ``src`` to ``tgt`` and clears ``src`` (vLLM's move_row)."""
+        src, tgt = self._check_row(src, "src"), self._check_row(tgt, "tgt")
+        self._begin_write()
+        for g in range(self.num_groups):
+            n = int(self._num_blocks_np[g, src])
+            self._tables_np[g][tgt, :n] = self._tables_np[g][src, :n]
+            self._num_blocks_np[g, tgt] = n
+            if src != tgt:
+                self._tables_np[g][src, :n] = 0
+                self._num_blocks_np[g, src] = 0
+
+    def swap_row(self, src: int, tgt: int) -> None:
+        """Swaps two rows in every group."""
+        src, tgt = self._check_row(src, "src"), self._check_row(tgt, "tgt")
+        self._begin_write()
+        for g in range(self.num_groups):
+            self._tables_np[g][[src, tgt]] = self._tables_np[g][[tgt, src]]
+            self._num_blocks_np[g, [src, tgt]] = self._num_blocks_np[g, [tgt, src]]
+
+    def clear(self) -> None:
+        """Zeroes every table and length."""
+        self._begin_write()
+        for t in self._tables_np:
+            t[:] = 0
+        self._num_blocks_np[:] = 0
+
+    def commit(self, step: int) -> None:
+        """Publishes every row written since the last commit as ``step``.
+
+        Raises:
+            UsageError: ``step`` not greater than the last published one (nothing changes;
+                the rows stay unpublished).
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise UsageError(f"step must be an int, got {step!r}")
+        if step <= self.step:
+            raise UsageError(f"step {step} is not after the last published step {self.step}")
+        self._begin_write()
+        self._swords[_STEP_WORD] = step
+        if self._seqlock:
+            self._words[_SEQ_WORD] += 1  # even: published
+        self._writing = False
+
+    # ------------------------------------------------------------------ reader side
+
+    def _wait_even(self, deadline: float, min_step: int | None) -> int:
+        spins = 0
+        while True:
+            seq = int(self._words[_SEQ_WORD])
+            if seq % 2 == 0 and (min_step is None or self.step >= min_step):
+                return seq
+            if time.monotonic() > deadline:
+                raise TornReadError(
+                    f"block tables {self.name}: no consistent state in time (seq {seq}, "
+                    f"step {self.step}" + (f", waiting for step {min_step})" if min_step
+                                           is not None else ")"))
+            spins += 1
+            if spins > 64:
+                time.sleep(0)
+
+    def read(self, rows: Sequence[int] | torch.Tensor | None = None, *,
+             min_step: int | None = None,
+             timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> BlockTableSnapshot:
+        """A consistent copy of ``rows`` (all rows if None) of every group, taken under the
+        seqlock: retried until no write overlapped it. ``min_step``: wait until at least
+        that step is published.
+
+        Raises:
+            UsageError: a row out of range.
+            TornReadError: no consistent copy within ``timeout_s``.
+        """
+        if rows is None:
+            idx = torch.arange(self.max_num_reqs)
+        else:
+            idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.max_num_reqs):
+                raise UsageError(
+                    f"rows must lie in [0, {self.max_num_reqs}), got {int(idx.min())}.."
+                    f"{int(idx.max())}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seq = self._wait_even(deadline, min_step) if self._seqlock else 0
+            tables = [t.index_select(0, idx) for t in self._tables_t]
+            num_blocks = self._num_blocks_t.index_select(1, idx)
+            step = int(self._swords[_STEP_WORD])
+            if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
+                return BlockTableSnapshot(step, idx, tables, num_blocks, self.block_sizes)
+
+    @contextlib.contextmanager
+    def reading(self, step: int | None = None, *,
+                timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> Iterator[BlockTableSnapshot]:
+        """Zero-copy access for the step handshake: waits until ``step`` (or any step) is
+        published with no write in progress, yields the shared tensors themselves (all
+        rows), and raises ``TornReadError`` on exit if a write began meanwhile."""
+        seq = self._wait_even(time.monotonic() + timeout_s, step)
+        yield BlockTableSnapshot(self.step, torch.arange(self.max_num_reqs),
+                                 list(self._tables_t), self._num_blocks_t, self.block_sizes)
+        if int(self._words[_SEQ_WORD]) != seq:
+            raise TornReadError(
+                f"block tables {self.name} were written during a zero-copy read (seq {seq} -> "
+                f"{int(self._words[_SEQ_WORD])}): the scheduler broke the step handshake")
+
+    def data_address_range(self) -> tuple[int, int]:
+        """[start, end) addresses of the mapping, to show a tensor lies inside it."""
+        start = self._hdr.ctypes.data
+        return start, start + self._segment.size_bytes
+
+
+# --------------------------------------------------------------------------- KV store
+
+class KVStore:
+    """Per layer K and V, ``[num_blocks, block_size, num_kv_heads, head_size]``, over one
+    POSIX shared-memory segment that every process maps (the host tier)."""
+
+    def __init__(self, segment: Segment, owner: bool) -> None:
+        self._segment = segment
+        self._owner = owner
+        h = np.ndarray((1,), KV_HEADER_DTYPE, buffer=segment.buf)[0]
+        self.num_layers = int(h["num_layers"])
+        self.num_blocks = int(h["num_blocks"])
+        self.block_size = int(h["block_size"])
+        self.num_kv_heads = int(h["num_kv_heads"])
+        self.head_size = int(h["head_size"])
+        self.dtype = _DTYPES[bytes(h["dtype"]).decode()]
+        del h
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                 self.head_size)
+        count = math.prod(shape)
+        self.kv = torch.frombuffer(segment.buf, dtype=self.dtype, count=count,
+                                   offset=KV_HEADER_BYTES).view(shape)
+        self.key_cache = [self.kv[i, 0] for i in range(self.num_layers)]
+        self.value_cache = [self.kv[i, 1] for i in range(self.num_layers)]
+        self.name = segment.shm_name
+        self._pinned = False
+
+    @staticmethod
+    def _total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
+                     element_bytes) -> int:
+        data = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_size * element_bytes
+        return _align(KV_HEADER_BYTES + data, 4096)
+
+    @classmethod
+    def create(cls, name: str, *, num_layers: int, num_blocks: int, block_size: int,
+               num_kv_heads: int, head_size: int, dtype: object = "float32") -> KVStore:
+        """A new, zero-filled store.
+
+        Raises:
+            UsageError: a bad size or dtype (nothing is created).
+            SegmentExistsError: a store of that name exists already.
+        """
+        shm_name = kv_store_segment_name(name)
+        for what, v in [("num_layers", num_layers), ("num_blocks", num_blocks),
+                        ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_size", head_size)]:
+            _positive_int(what, v)
+        if num_blocks > MAX_BLOCK_ID:
+            raise UsageError(f"num_blocks {num_blocks} exceeds {MAX_BLOCK_ID}")
+        dname = _dtype_name(dtype)
+        element_bytes = _DTYPES[dname].itemsize
+        total = cls._total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
+                                 element_bytes)
+        seg = Segment.create(shm_name, total)
+        try:
+            h = np.ndarray((1,), KV_HEADER_DTYPE, buffer=seg.buf)
+            h["layout_version"] = KV_LAYOUT_VERSION
+            h["header_bytes"] = KV_HEADER_BYTES
+            h["total_bytes"] = total
+            h["num_layers"] = num_layers
+            h["num_blocks"] = num_blocks
+            h["block_size"] = block_size
+            h["num_kv_heads"] = num_kv_heads
+            h["head_size"] = head_size
+            h["element_bytes"] = element_bytes
+            h["creator_pid"] = os.getpid()
+            h["dtype"] = dname.encode()
+            h["magic"] = KV_MAGIC
+            del h
+            return cls(seg, owner=True)
+        except BaseException:
+            seg.close()
+            Segment.unlink(shm_name)
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> KVStore:
+        """Maps an existing store, validating magic, version, dtype and sizes.
+
+        Raises:
+            SegmentNotFoundError, LayoutMismatchError.
+        """
+        seg = Segment.open(kv_store_segment_name(name))
+        try:
+            if seg.size_bytes < KV_HEADER_BYTES:
+                raise LayoutMismatchError(
+                    f"segment {seg.shm_name} is {seg.size_bytes} bytes, smaller than a KV-store "
+                    f"header ({KV_HEADER_BYTES} bytes)")
+            hdr = np.ndarray((1,), KV_HEADER_DTYPE, buffer=seg.buf)[0].copy()
+            _check_header(seg, hdr, KV_MAGIC, KV_LAYOUT_VERSION, KV_HEADER_BYTES, None)
+            dname = bytes(hdr["dtype"]).decode(errors="replace")
+            if dname not in _DTYPES:
+                raise LayoutMismatchError(
+                    f"segment {seg.shm_name}: header field dtype is {dname!r}, expected one of "
+                    f"{sorted(_DTYPES)}")
+            if int(hdr["element_bytes"]) != _DTYPES[dname].itemsize:
+                raise LayoutMismatchError(
+                    f"segment {seg.shm_name}: header field element_bytes is "
+                    f"{int(hdr['element_bytes'])}, expected {_DTYPES[dname].itemsize}")
+            want = cls._total_bytes(*(int(hdr[f]) for f in (
+                "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size",
+                "element_bytes")))
+            _check_header(seg, hdr, KV_MAGIC, KV_LAYOUT_VERSION, KV_HEADER_BYTES, want)
+            return cls(seg, owner=False)
+        except BaseException:
+            seg.close()
+            raise
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``."""
+        return self.key_cache[i], self.value_cache[i]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def close(self) -> None:
+        """Unpins (if pinned) and unmaps. Tensors handed out must be dropped first."""
+        if self._segment.buf is None:
+            return
+        if self._pinned:
+            self.unpin()
+        self.kv = None  # type: ignore[assignment]
+        self.key_cache, self.value_cache = [], []
+        self._segment.close()
+
+    @staticmethod
+    def unlink(name: str) -> bool:
+        """Removes the store's name; False if there was none."""
+        return Segment.unlink(kv_store_segment_name(name))
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        name = self.name
+        self.close()
+        if self._owner:
+            Segment.unlink(name)
+
+    # ------------------------------------------------------------------ CUDA (host tier)
+
+    def pin(self) -> None:
+        """Page-locks the store for this process (``cudaHostRegister``), so copies between
+        it and a GPU are DMA. Every process that copies registers its own mapping.
+
+        Raises:
+            UsageError: no CUDA device; RuntimeError: the CUDA call failed.
+        """
+        if not torch.cuda.is_available():
+            raise UsageError("pin() needs a CUDA device; torch.cuda.is_available() is False")
+        if self._pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.kv.data_ptr(), self.num_bytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.num_bytes} bytes failed: {err}")
+        self._pinned = True
+
+    def unpin(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.kv.data_ptr())
+            self._pinned = False
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._pinned
+
+    def allocate_device_cache(self, device: torch.device | str | int,
+                              num_blocks: int | None = None) -> torch.Tensor:
+        """A device tensor shaped like ``kv`` (``num_blocks`` rows per layer and K/V)."""
+        n = self.num_blocks if num_blocks is None else num_blocks
+        return torch.zeros((self.num_layers, 2, n, self.block_size, self.num_kv_heads,
+                            self.head_size), dtype=self.dtype, device=device)
+
+    def load_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+                    device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Copies blocks host -> device for every layer: host row ``block_ids[i]`` to device
+        row ``device_block_ids[i]`` (the same ids by default)."""
+        src = torch.as_tensor(block_ids, dtype=torch.int64)
+        dst = src if device_block_ids is None else torch.as_tensor(device_block_ids,
+                                                                   dtype=torch.int64)
+        staged = self.kv.index_select(2, src)
+        if self._pinned:
+            staged = staged.pin_memory()
+        device_kv.index_copy_(2, dst.to(device_kv.device),
+                              staged.to(device_kv.device, non_blocking=self._pinned))
+
+    def store_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+                     device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Copies blocks device -> host for every layer (the inverse of ``load_blocks``)."""
+        dst = torch.as_tensor(block_ids, dtype=torch.int64)
+        src = dst if device_block_ids is None else torch.as_tensor(device_block_ids,
+                                                                   dtype=torch.int64)
+        rows = device_kv.index_select(2, src.to(device_kv.device)).cpu()
+        self.kv.index_copy_(2, dst, rows)
+
+
+# --------------------------------------------------------------------------- CUDA IPC (device)
+
+def export_device_tensor(tensor: torch.Tensor) -> bytes:
+    """A handle to a CUDA tensor that another process on the node opens with
+    ``open_device_tensor`` (CUDA IPC; the exporter must keep ``tensor`` alive)."""
+    if not tensor.is_cuda:
+        raise UsageError(f"export_device_tensor needs a CUDA tensor, got one on {tensor.device}")
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(tensor))
+
+
+def open_device_tensor(handle: bytes) -> torch.Tensor:
+    """The CUDA tensor behind ``export_device_tensor``'s handle, mapped into this process."""
+    rebuild, args = pickle.loads(handle)
+    return rebuild(*args)
