@@ -1,5 +1,8 @@
 """The ``shmkv`` command.
 
+    shmkv run [--pool shared|private] [--routing R] [--schedulers N] [--trace PATH] ...
+                                                serve a chat workload with N scheduler
+                                                processes (and their model ranks) on one pool
     shmkv demo [--processes N] [--requests R]   several schedulers share one pool
     shmkv inspect NAME                          a live pool: header, usage, processes, invariants
     shmkv recover NAME [--reclaim PID]          take over from the dead, repair, report
@@ -7,8 +10,9 @@
     shmkv cleanup [--dry-run]                   remove pools no live process is attached to
 
 Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, nothing to
-unlink, a demo process failed); 2 bad usage or an error (message on stderr, no traceback
-unless ``--debug``).
+unlink, a demo process failed, a run with unfinished requests or wrong tokens); 2 bad usage
+or an error (message on stderr, no traceback unless ``--debug``); 130 ``run`` interrupted
+(Ctrl-C or SIGTERM: it stops its processes and removes its segments first).
 """
 
 from __future__ import annotations
@@ -130,6 +134,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
         pool.close()
         BlockPool.unlink(name)
     return status
+
+
+# ---------------------------------------------------------------------------- run
+
+EXIT_INTERRUPTED = 130
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from shmkv.serve import report
+    from shmkv.serve.model import TinyModelConfig
+    from shmkv.serve.runner import RunConfig, Runner
+    from shmkv.serve.workload import ChatWorkloadConfig, chat_workload, read_trace, write_trace
+
+    model = TinyModelConfig()
+    if args.trace:
+        workload = read_trace(args.trace, vocab_size=model.vocab_size)
+    else:
+        workload = chat_workload(ChatWorkloadConfig(
+            num_conversations=args.conversations, seed=args.seed,
+            vocab_size=model.vocab_size))
+    if args.write_trace:
+        write_trace(args.write_trace, workload)
+    cfg = RunConfig(num_schedulers=args.schedulers, pool=args.pool, routing=args.routing,
+                    num_blocks=args.blocks, block_size=args.block_size,
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=args.max_model_len, kill_one=args.kill_one,
+                    check_tokens=not args.no_check, timeout_s=args.timeout, model=model)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    result = Runner(cfg, workload, progress=progress).run()
+    f = result.figures
+    print(report.report_text(f))
+    if args.json:
+        report.write_json(f, args.json)
+        print(f"  figures: {args.json}")
+    if args.plot:
+        report.plot_timeline(f, args.plot)
+        print(f"  plot: {args.plot}")
+    if any(p.startswith("interrupted") for p in result.problems):
+        return EXIT_INTERRUPTED
+    expected_death = (lambda p: args.kill_one and "died" in p) if args.kill_one else None
+    unexpected = [p for p in result.problems
+                  if not (expected_death and (expected_death(p) or "sent again" in p))]
+    bad = (unexpected or f["token_mismatches"] or f["requests"] < f["requests_total"]
+           or not f["pool_valid"])
+    return EXIT_PROBLEM if bad else EXIT_OK
 
 
 # ---------------------------------------------------------------------------- inspect
@@ -256,8 +306,6 @@ def orphaned_pools() -> tuple[list[str], list[str]]:
     for entry in sorted(os.listdir("/dev/shm")):
         if not entry.startswith("shmkv-") or entry.endswith(".alive"):
             continue
-        if "+" in entry:
-            continue  # a pool's sibling (block tables, KV store), not a pool
         if not entry.endswith(suffix):
             foreign.append(entry)
             continue
@@ -308,6 +356,49 @@ def build_parser() -> argparse.ArgumentParser:
         "on a node.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run", help="serve a workload with several schedulers on one shared pool",
+        description="Serves a chat workload (or a JSONL trace) with N scheduler processes, "
+        "each with its KVCacheManager and a rank process running a tiny model, all on one "
+        "shared shmkv pool; --pool private gives each scheduler a pool of 1/N the blocks "
+        "instead (what vLLM, SGLang and TensorRT-LLM do per data-parallel rank). Every "
+        "generated token is checked against the model's no-cache reference. Exit 1 if a "
+        "request did not finish, a token differed or the pool is not valid afterwards.")
+    run.add_argument("--pool", choices=["shared", "private"], default="shared",
+                     help="one pool for all schedulers, or one private pool each (shared)")
+    run.add_argument("--routing", choices=["round-robin", "least-loaded", "prefix-aware"],
+                     default="round-robin", help="how the front end picks a scheduler "
+                     "(round-robin)")
+    run.add_argument("--schedulers", type=int, default=4, help="scheduler processes (4)")
+    run.add_argument("--blocks", type=int, default=1024,
+                     help="KV-cache blocks in all, split evenly between private pools (1024)")
+    run.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    run.add_argument("--max-num-seqs", type=int, default=8,
+                     help="requests a scheduler runs at once (8)")
+    run.add_argument("--max-num-batched-tokens", type=int, default=512,
+                     help="tokens a scheduler step computes at most (512)")
+    run.add_argument("--max-model-len", type=int, default=1024,
+                     help="longest prompt plus output, in tokens (1024)")
+    run.add_argument("--trace", metavar="PATH", help="a JSONL workload (see "
+                     "shmkv/serve/workload.py) instead of the built-in chat workload")
+    run.add_argument("--write-trace", metavar="PATH", help="write the workload as JSONL")
+    run.add_argument("--conversations", type=int, default=90,
+                     help="conversations of the built-in workload (90: about 200 requests)")
+    run.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    run.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    run.add_argument("--plot", metavar="PATH", default="shmkv-run.png",
+                     help="PNG of hit rate and pool usage over time (shmkv-run.png; '' for "
+                     "none)")
+    run.add_argument("--kill-one", action="store_true",
+                     help="SIGKILL one scheduler half way; the others carry on")
+    run.add_argument("--no-check", action="store_true",
+                     help="do not check the tokens against the no-cache reference")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bar on stderr (default: when stderr is a terminal)")
+    run.add_argument("--timeout", type=float, default=300.0,
+                     help="seconds before giving up on unfinished requests (300)")
+    run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="several scheduler processes share one pool",
                           description="Starts scheduler processes on one new pool; each "
@@ -362,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo" and (args.processes < 1 or args.requests < 1 or args.blocks < 16):
         print("shmkv demo: --processes and --requests must be >= 1, --blocks >= 16",
               file=sys.stderr)
+        return EXIT_ERROR
+    if args.command == "run" and (args.schedulers < 1 or args.blocks < 16
+                                  or args.conversations < 1 or args.max_num_seqs < 1
+                                  or args.max_num_batched_tokens < 1):
+        print("shmkv run: --schedulers, --conversations, --max-num-seqs and "
+              "--max-num-batched-tokens must be >= 1, --blocks >= 16", file=sys.stderr)
         return EXIT_ERROR
     try:
         return args.func(args)

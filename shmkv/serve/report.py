@@ -1,0 +1,156 @@
+"""The figures of a ``shmkv run``: one dict (the ``--json`` file), a readable report and a
+PNG of hit rate and pool usage over time.
+
+Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
+
+- ``prompt_tokens``: tokens of every finished request's prompt at its first scheduling
+  (a conversation turn's prompt includes the history it resends);
+- ``prefill_tokens_saved``: of those, the tokens its prefix-cache hit covered (the model
+  did not compute them); ``prefix_hit_rate`` = saved / prompt tokens;
+- ``evictions``: prefix-cache keys that allocations evicted; ``lock_wait_s``: time the
+  schedulers spent waiting for their pool's lock;
+- ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
+  no-cache greedy reference, and how many differed (counting from the first wrong token
+  of each request).
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["figures", "report_text", "plot_timeline", "write_json"]
+
+
+def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_checks: list[dict],
+            *, wall_s: float, startup_s: float) -> dict:
+    cfg = runner.cfg
+    n = cfg.num_schedulers
+    finished = [r for r in records.values() if r.result is not None]
+    per = []
+    for i in range(n):
+        mine = [r for r in finished if r.result.scheduler == i]
+        prompt = sum(r.result.num_prompt_tokens for r in mine)
+        hit = sum(r.result.num_cached_tokens for r in mine)
+        st = stats.get(i)
+        per.append({
+            "scheduler": i,
+            "alive_at_end": runner.schedulers[i].exitcode == 0 if runner.schedulers else False,
+            "requests": len(mine),
+            "prompt_tokens": prompt,
+            "prefill_tokens_saved": hit,
+            "prefix_hit_rate": hit / prompt if prompt else 0.0,
+            "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
+            "steps": st.num_steps if st else 0,
+            "preemptions": st.num_preemptions if st else 0,
+            "evictions": st.num_evictions if st else 0,
+            "lock_wait_s": st.lock_wait_s if st else 0.0,
+            "lock_hold_s": st.lock_hold_s if st else 0.0,
+            "lock_acquired": st.num_lock_acquired if st else 0,
+            "model_s": st.model_s if st else 0.0,
+        })
+    prompt = sum(r.result.num_prompt_tokens for r in finished)
+    saved = sum(r.result.num_cached_tokens for r in finished)
+    checked = [r for r in finished if getattr(r, "checked", None) is not None]
+    tokens_checked = sum(r.checked for r in checked)
+    mismatches = sum(r.checked - r.mismatch for r in checked if r.mismatch >= 0)
+    generated = sum(len(r.result.output_token_ids) for r in finished)
+    killed = getattr(runner, "killed_at", None)
+    return {
+        "pool": cfg.pool,
+        "schedulers": n,
+        "routing": cfg.routing,
+        "num_blocks": cfg.num_blocks,
+        "blocks_per_pool": cfg.num_blocks // (n if cfg.pool == "private" else 1),
+        "block_size": cfg.block_size,
+        "requests": len(finished),
+        "requests_total": len(records) if records else len(runner.workload),
+        "prompt_tokens": prompt,
+        "prefill_tokens_saved": saved,
+        "prefix_hit_rate": saved / prompt if prompt else 0.0,
+        "generated_tokens": generated,
+        "tokens_checked": tokens_checked,
+        "token_mismatches": mismatches,
+        "requests_mismatched": sum(1 for r in checked if r.mismatch >= 0),
+        "requests_resent": sum(1 for r in finished if r.num_sends > 1),
+        "wall_s": wall_s,
+        "startup_s": startup_s,
+        "requests_per_s": len(finished) / wall_s if wall_s > 0 else 0.0,
+        "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
+        "evictions": sum(p["evictions"] for p in per),
+        "preemptions": sum(p["preemptions"] for p in per),
+        "lock_wait_s": sum(p["lock_wait_s"] for p in per),
+        "killed_scheduler": None if killed is None else {
+            "scheduler": n - 1, "after_s": killed[0], "after_requests": killed[1]},
+        "pools_after": pool_checks,
+        "pool_valid": all(p["invariants_ok"] and not p["blocks_in_use_after"]
+                          for p in pool_checks),
+        "problems": list(runner.problems),
+        "per_scheduler": per,
+        "timeline": timeline,
+        "model": runner.model_dict if hasattr(runner, "model_dict") else None,
+    }
+
+
+def _int(n: float) -> str:
+    return f"{int(n):,}"
+
+
+def report_text(f: dict) -> str:
+    pool = (f"one shared pool of {_int(f['num_blocks'])} blocks" if f["pool"] == "shared"
+            else f"{f['schedulers']} private pools of {_int(f['blocks_per_pool'])} blocks")
+    lines = [
+        f"shmkv run: {f['schedulers']} schedulers, {pool} ({f['block_size']} tokens each), "
+        f"routing {f['routing']}",
+        f"  requests           {f['requests']} of {f['requests_total']} finished in "
+        f"{f['wall_s']:.1f} s ({f['requests_per_s']:.1f}/s; start-up {f['startup_s']:.1f} s)",
+        f"  prompt tokens      {_int(f['prompt_tokens'])}",
+        f"  prefix hit rate    {f['prefix_hit_rate']:.1%}  ({_int(f['prefill_tokens_saved'])} "
+        "prefill tokens saved)",
+        f"  generated tokens   {_int(f['generated_tokens'])}; checked against the no-cache "
+        f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}",
+        f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
+        f"evictions, {f['preemptions']} preemptions, lock wait "
+        f"{f['lock_wait_s'] * 1e3:.1f} ms in all",
+    ]
+    if f["killed_scheduler"]:
+        k = f["killed_scheduler"]
+        lines.append(f"  --kill-one         scheduler-{k['scheduler']} killed at "
+                     f"{k['after_s']:.1f} s (after {k['after_requests']} requests); "
+                     f"{f['requests_resent']} requests sent again to the others")
+    valid = "valid" if f["pool_valid"] else "NOT valid"
+    lines.append(f"  after the run      pool {valid}: invariants "
+                 + ", ".join("OK" if p["invariants_ok"] else "BROKEN" for p in f["pools_after"])
+                 + f"; blocks in use {sum(p['blocks_in_use_after'] for p in f['pools_after'])}")
+    header = ["scheduler", "requests", "prompt tok", "hit rate", "saved", "steps",
+              "preempt", "evictions", "lock wait"]
+    rows = [[str(p["scheduler"]) + ("" if p["alive_at_end"] else " (died)"),
+             str(p["requests"]), _int(p["prompt_tokens"]), f"{p['prefix_hit_rate']:.1%}",
+             _int(p["prefill_tokens_saved"]), str(p["steps"]), str(p["preemptions"]),
+             _int(p["evictions"]), f"{p['lock_wait_s'] * 1e3:.1f} ms"]
+            for p in f["per_scheduler"]]
+    widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
+    lines.append("")
+    for r in [header, *rows]:
+        lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    if f["problems"]:
+        lines.append("")
+        lines.extend(f"  note: {p}" for p in f["problems"])
+    return "\n".join(lines)
+
+
+def write_json(f: dict, path: str) -> None:
+    with open(path, "w") as out:
+        json.dump(f, out, indent=1)
+        out.write("\n")
+
+
+def plot_timeline(f: dict, path: str) -> None:
+    """Hit rate (cumulative) and pool usage over the run, in percent."""
+    from shmkv.plot import line_chart
+
+    t = [p["t_s"] for p in f["timeline"]] or [0.0]
+    hit = [100 * p["prefix_hit_rate"] for p in f["timeline"]] or [0.0]
+    use = [100 * p["pool_usage"] for p in f["timeline"]] or [0.0]
+    line_chart(path, title=f"shmkv run: {f['pool']} pool, {f['schedulers']} schedulers, "
+               f"{f['routing']}", x_label="seconds", y_label="percent",
+               series={"prefix hit rate (so far)": (t, hit), "pool blocks in use": (t, use)})
