@@ -146,7 +146,9 @@ class SchedulerStopped(Message):
 
 @message
 class MessageRejected(Message):
-    """The receiver could not decode or use a frame; ``reason`` says why."""
+    """The receiver could not decode or use a frame; ``reason`` says why. A refused
+    :class:`GenerateTokens` names its ``request_id`` (it will get no ``TokensGenerated``)."""
 
     sender: str
     reason: str
+    request_id: str = ""

@@ -71,9 +71,11 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "tokens_checked": tokens_checked,
         "token_mismatches": mismatches,
         "requests_mismatched": sum(1 for r in checked if r.mismatch >= 0),
+        "requests_failed": sum(1 for r in records.values() if r.failed),
         "requests_resent": sum(1 for r in finished if r.num_sends > 1),
         "wall_s": wall_s,
         "startup_s": startup_s,
+        "stop_s": getattr(runner, "stop_s", 0.0),
         "requests_per_s": len(finished) / wall_s if wall_s > 0 else 0.0,
         "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
         "evictions": sum(p["evictions"] for p in per),
@@ -102,7 +104,8 @@ def report_text(f: dict) -> str:
         f"shmkv run: {f['schedulers']} schedulers, {pool} ({f['block_size']} tokens each), "
         f"routing {f['routing']}",
         f"  requests           {f['requests']} of {f['requests_total']} finished in "
-        f"{f['wall_s']:.1f} s ({f['requests_per_s']:.1f}/s; start-up {f['startup_s']:.1f} s)",
+        f"{f['wall_s']:.1f} s ({f['requests_per_s']:.1f}/s; start-up {f['startup_s']:.1f} s)"
+        + (f", {f['requests_failed']} not served" if f["requests_failed"] else ""),
         f"  prompt tokens      {_int(f['prompt_tokens'])}",
         f"  prefix hit rate    {f['prefix_hit_rate']:.1%}  ({_int(f['prefill_tokens_saved'])} "
         "prefill tokens saved)",

@@ -59,6 +59,7 @@ from shmkv.serve.workload import TraceRequest
 __all__ = ["RunConfig", "RunResult", "Runner"]
 
 JOIN_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 30.0  # for every process of the run to exit after Shutdown
 CHANNEL_BYTES = 1 << 20
 
 
@@ -107,7 +108,9 @@ class RequestRecord:
     sent_at: float = 0.0
     num_sends: int = 0
     result: TokensGenerated | None = None
+    failed: str = ""  # why it was not served
     mismatch: int = -1  # index of the first wrong token (-1: none / not checked)
+    checked: int | None = None
 
 
 @dataclass
@@ -372,6 +375,20 @@ class Runner:
         next_sample = t_serve
         deadline = t_serve + cfg.timeout_s
         hit_tokens = prompt_tokens = 0
+        failed_conversations: set[str] = set()
+
+        def fail(rec: RequestRecord, reason: str) -> None:
+            nonlocal done
+            rec.failed = reason
+            done += 1
+            if rec.trace.conversation is not None:
+                failed_conversations.add(rec.trace.conversation)
+                busy_conversations.discard(rec.trace.conversation)
+            if len(self.failures) < 5:
+                self.problems.append(f"request {rec.trace.request_id} not served: {reason}")
+            self.failures.append(rec.trace.request_id)
+
+        self.failures: list[str] = []
         while done < len(records) and live and not self.interrupted:
             now = time.monotonic()
             if now > deadline:
@@ -390,9 +407,17 @@ class Runner:
                     ):
                         skipped.append(rid)
                         continue
+                    if conv is not None and conv in failed_conversations:
+                        fail(rec, "an earlier turn of its conversation failed")
+                        continue
                     if not rec.prompt_token_ids:
                         rec.prompt_token_ids = (history.get(conv, []) if conv else []) + list(
                             rec.trace.prompt_token_ids)
+                    too_long = len(rec.prompt_token_ids) + rec.trace.max_tokens
+                    if too_long > cfg.max_model_len:
+                        fail(rec, f"{too_long} prompt + new tokens exceed --max-model-len "
+                             f"{cfg.max_model_len}")
+                        continue
                     if conv is not None:
                         busy_conversations.add(conv)
                     s = router.route(rec.prompt_token_ids, rec.trace.cache_salt, sorted(live),
@@ -425,7 +450,12 @@ class Runner:
                 elif isinstance(msg, SchedulerStats):
                     stats[msg.scheduler] = msg
                 elif isinstance(msg, MessageRejected):
-                    self.problems.append(f"{msg.sender} rejected a message: {msg.reason}")
+                    rec = in_flight.pop(msg.request_id, None) if msg.request_id else None
+                    if rec is not None:
+                        load[rec.scheduler] -= 1
+                        fail(rec, f"{msg.sender}: {msg.reason}")
+                    else:
+                        self.problems.append(f"{msg.sender} rejected a message: {msg.reason}")
                 elif isinstance(msg, SchedulerStopped):
                     stats[msg.scheduler] = msg.stats
                 _, msg = self._recv(0)
@@ -495,11 +525,12 @@ class Runner:
             for i in list(waiting):
                 if not self.schedulers[i].is_alive():
                     waiting.discard(i)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for i in sorted(live):
             for p in (self.schedulers[i], self.ranks[i]):
-                p.join(JOIN_TIMEOUT_S)
+                p.join(max(deadline - time.monotonic(), 0.1))
                 if p.is_alive():
-                    self.problems.append(f"{p.name} did not exit in {JOIN_TIMEOUT_S} s: killed")
+                    self.problems.append(f"{p.name} did not exit in {STOP_TIMEOUT_S} s: killed")
                     p.kill()
                     p.join(JOIN_TIMEOUT_S)
                 elif p.exitcode != 0:
@@ -509,7 +540,9 @@ class Runner:
         from shmkv.serve.report import figures
 
         t_end = t_end or time.monotonic()
+        t_stop = time.monotonic()
         self._stop(live, stats)
+        self.stop_s = time.monotonic() - t_stop
         pool_checks = []
         for pool in self.pools:
             pool.reap_dead()
@@ -556,9 +589,23 @@ class Runner:
         return len(results) == len(targets) and all(results.values())
 
 
+def reference_tokens(model, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[int]:
+    """The no-cache reference's greedy token after each prefix ``prompt + output[:k]``, from
+    one causal ``forward_reference`` over ``prompt + output[:-1]``.
+
+    It is ``reference_generate(prompt, len(output))`` whenever ``output`` is right, and its
+    first difference from ``output`` is at the same index as ``reference_generate``'s
+    otherwise: the logits at a position depend only on the tokens up to it, and up to the
+    first wrong token both runs feed the same tokens. One forward instead of one per token.
+    """
+    seq = list(prompt_token_ids) + list(output_token_ids[:-1])
+    logits = model.forward_reference(seq)[len(prompt_token_ids) - 1:]
+    return logits.argmax(-1).tolist()
+
+
 def _check_tokens(model, rec: RequestRecord) -> None:
     out = list(rec.result.output_token_ids)
-    ref = model.reference_generate(rec.prompt_token_ids, len(out))
+    ref = reference_tokens(model, rec.prompt_token_ids, out)
     rec.mismatch = next((k for k, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b),
                         -1)
     rec.checked = len(out)

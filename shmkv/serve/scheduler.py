@@ -112,6 +112,13 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
                     cache_salt: str | None = None) -> None:
+        """Queues a request.
+
+        Raises:
+            ShmKVError: prompt plus output longer than ``max_model_len``, or no tokens.
+        """
+        if not prompt_token_ids or max_tokens < 1:
+            raise ShmKVError(f"request {request_id}: needs a prompt and max_tokens >= 1")
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
             raise ShmKVError(
                 f"request {request_id}: {len(prompt_token_ids)} prompt + {max_tokens} new "
@@ -320,13 +327,14 @@ class SchedulerProcess:
         s = self.scheduler
         if isinstance(msg, GenerateTokens) and s is not None:
             if self.draining:
-                self.reject(f"request {msg.request_id}: draining, not accepting requests")
+                self.reject(f"request {msg.request_id}: draining, not accepting requests",
+                            msg.request_id)
                 return
             try:
                 s.add_request(msg.request_id, msg.prompt_token_ids, msg.max_tokens,
                               msg.cache_salt)
             except ShmKVError as exc:
-                self.reject(str(exc))
+                self.reject(str(exc), msg.request_id)
         elif isinstance(msg, Shutdown):
             self.stopping = True
         elif isinstance(msg, DrainScheduler):
@@ -337,8 +345,9 @@ class SchedulerProcess:
         else:
             self.reject(f"unexpected message {type(msg).__name__}")
 
-    def reject(self, reason: str) -> None:
-        self.outbox.send(MessageRejected(sender=f"scheduler-{self.index}", reason=reason))
+    def reject(self, reason: str, request_id: str = "") -> None:
+        self.outbox.send(MessageRejected(sender=f"scheduler-{self.index}", reason=reason,
+                                         request_id=request_id))
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
