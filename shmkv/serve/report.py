@@ -82,14 +82,17 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "preemptions": sum(p["preemptions"] for p in per),
         "lock_wait_s": sum(p["lock_wait_s"] for p in per),
         "killed_scheduler": None if killed is None else {
-            "scheduler": n - 1, "after_s": killed[0], "after_requests": killed[1]},
+            "scheduler": min(runner.killed), "after_s": killed[0],
+            "after_requests": killed[1]},
         "pools_after": pool_checks,
         "pool_valid": all(p["invariants_ok"] and not p["blocks_in_use_after"]
                           for p in pool_checks),
         "problems": list(runner.problems),
+        "notes": list(runner.notes),
         "per_scheduler": per,
         "timeline": timeline,
         "model": runner.model_dict if hasattr(runner, "model_dict") else None,
+        "processes": {p.name: p.pid for p in runner.schedulers + runner.ranks},
     }
 
 
@@ -135,9 +138,10 @@ def report_text(f: dict) -> str:
     lines.append("")
     for r in [header, *rows]:
         lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    if f["problems"]:
+    if f["problems"] or f["notes"]:
         lines.append("")
-        lines.extend(f"  note: {p}" for p in f["problems"])
+        lines.extend(f"  note: {p}" for p in f["notes"])
+        lines.extend(f"  problem: {p}" for p in f["problems"])
     return "\n".join(lines)
 
 

@@ -70,16 +70,16 @@ class RunConfig:
     num_schedulers: int = 4
     pool: str = "shared"  # "shared" or "private"
     routing: str = "round-robin"
-    num_blocks: int = 1024  # in all; a private pool gets num_blocks // num_schedulers
+    num_blocks: int = 512  # in all; a private pool gets num_blocks // num_schedulers
     block_size: int = 16
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
-    max_model_len: int = 1024
+    max_model_len: int = 512
     max_in_flight: int | None = None  # requests in flight in all (default 4 per scheduler)
     balance_slack: int = 4
     kill_one: bool = False
     check_tokens: bool = True
-    sample_interval_s: float = 0.25
+    sample_interval_s: float = 0.1
     timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
     model: object = None  # a TinyModelConfig (default: TinyModelConfig())
@@ -166,6 +166,9 @@ class Runner:
         self.max_in_flight = cfg.max_in_flight or 4 * n
         self.progress = _Progress(len(workload), progress)
         self.interrupted: str | None = None
+        self.problems: list[str] = []  # what went wrong (exit code 1)
+        self.notes: list[str] = []  # what happened on purpose (--kill-one)
+        self.killed: set[int] = set()
         # Everything made, for the finally.
         self.pools: list[BlockPool] = []
         self.kv_stores: list = []
@@ -330,7 +333,9 @@ class Runner:
             who.join(1)
             if starting:
                 raise ShmKVError(f"{who.name} exited with code {who.exitcode} while starting")
-            self.problems.append(f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}")
+            where = self.notes if i in self.killed else self.problems
+            where.append(f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}"
+                         + (" (--kill-one)" if i in self.killed else ""))
             for p in (sched, rank):
                 if p.is_alive():
                     p.kill()
@@ -340,7 +345,6 @@ class Runner:
 
     def _serve(self) -> RunResult:
         cfg, n = self.cfg, self.cfg.num_schedulers
-        self.problems: list[str] = []
         live = set(range(n))
         t_start = time.monotonic()
         self._wait_attached(live)
@@ -371,7 +375,6 @@ class Runner:
         to_check: deque[RequestRecord] = deque()
         timeline: list[dict] = []
         done = 0
-        killed = False
         next_sample = t_serve
         deadline = t_serve + cfg.timeout_s
         hit_tokens = prompt_tokens = 0
@@ -463,18 +466,18 @@ class Runner:
             for i in self._check_children(live):
                 lost = [r for r in in_flight.values() if r.scheduler == i]
                 for rec in lost:
-                    del in_flight[rec.request_id]
-                    pending.appendleft(rec.request_id)
+                    del in_flight[rec.trace.request_id]
+                    pending.appendleft(rec.trace.request_id)
                 load[i] = 0
                 if lost:
-                    self.problems.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
-                                         "again to the others")
+                    self.notes.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
+                                      "again to the others")
                 if cfg.pool == "shared":
                     self.pools[0].reap_dead()
-            if cfg.kill_one and not killed and done >= len(records) // 2 and len(live) > 1:
+            if cfg.kill_one and not self.killed and done >= len(records) // 2 and len(live) > 1:
                 victim = max(live)
+                self.killed.add(victim)
                 os.kill(self.schedulers[victim].pid, signal.SIGKILL)
-                killed = True
                 self.killed_at = (time.monotonic() - t_serve, done)
                 self.log(f"--kill-one: killed scheduler-{victim} (pid "
                          f"{self.schedulers[victim].pid}) after {done} requests")

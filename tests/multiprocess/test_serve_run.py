@@ -1,0 +1,269 @@
+"""``shmkv run`` as a user runs it: the real command in a subprocess, with small settings;
+its JSON, its exit codes, a scheduler killed mid-run, Ctrl-C, and nothing left behind (no
+segment in /dev/shm, no process alive). Plus one scheduler process fed bad frames."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--schedulers", "2", "--conversations", "6", "--blocks", "256",
+         "--max-model-len", "512"]
+RUN_TIMEOUT_S = 240
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def _leftovers(pid: int) -> list[str]:
+    """Entries of /dev/shm made by the run of process ``pid`` (every name carries it)."""
+    return sorted(e for e in os.listdir("/dev/shm") if f"run{pid}-" in e)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def run_shmkv(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None, int]:
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *args,
+                             "--json", str(out), "--plot", str(tmp_path / "run.png")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    figures = json.loads(out.read_text()) if out.exists() else None
+    return done, figures, proc.pid
+
+
+def _check_clean(figures: dict, pid: int) -> None:
+    assert _leftovers(pid) == []
+    assert _wait_gone(figures["processes"].values()) == []
+
+
+def test_run_shared_pool_json_report_and_plot(tmp_path):
+    """Two schedulers on one shared pool serve the chat workload: every request finishes,
+    every token equals the no-cache reference, conversations hit their history, and the
+    run leaves nothing behind."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f["pool"] == "shared" and f["schedulers"] == 2 and f["routing"] == "round-robin"
+    assert f["requests"] == f["requests_total"] > 6
+    assert f["prompt_tokens"] > f["prefill_tokens_saved"] > 0
+    assert f["prefix_hit_rate"] == pytest.approx(f["prefill_tokens_saved"] / f["prompt_tokens"])
+    assert f["tokens_checked"] == f["generated_tokens"] > 0 and f["token_mismatches"] == 0
+    assert f["wall_s"] > 0 and f["pool_valid"] and f["problems"] == []
+    assert [p["requests"] > 0 for p in f["per_scheduler"]] == [True, True]
+    assert sum(p["requests"] for p in f["per_scheduler"]) == f["requests"]
+    assert "prefix hit rate" in done.stdout and "mismatches 0" in done.stdout
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f["timeline"] and f["timeline"][-1]["requests_done"] == f["requests"]
+    _check_clean(f, pid)
+
+
+def test_run_private_pools_prefix_aware_on_a_trace(tmp_path):
+    """A JSONL trace (two conversations of two turns, two tenants) on private pools with
+    prefix-aware routing: each second turn goes where its history is cached, so it hits it."""
+    system = list(range(1, 49))  # 3 blocks
+    lines = []
+    for conv, salt in (("x", "tenant-a"), ("y", "tenant-b")):
+        lines.append({"request_id": f"{conv}0", "conversation": conv, "cache_salt": salt,
+                      "prompt_token_ids": system + [50, 51, 52], "max_tokens": 4})
+    for conv in ("x", "y"):
+        lines.append({"request_id": f"{conv}1", "conversation": conv,
+                      "cache_salt": "tenant-a" if conv == "x" else "tenant-b",
+                      "prompt_token_ids": list(range(60, 80)), "max_tokens": 4})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    done, f, pid = run_shmkv(tmp_path, "--trace", str(trace), "--pool", "private",
+                             "--routing", "prefix-aware", "--schedulers", "2",
+                             "--blocks", "256", "--max-model-len", "512")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f["pool"] == "private" and f["requests"] == 4 and f["token_mismatches"] == 0
+    # The first turns share no blocks (different salts); each second turn hits the three
+    # system-prompt blocks of its history at least.
+    assert f["prefill_tokens_saved"] >= 2 * 48
+    _check_clean(f, pid)
+
+
+def test_kill_one_scheduler_the_others_finish(tmp_path):
+    """--kill-one SIGKILLs a scheduler half way: its requests in flight go to the others,
+    every request finishes with the right tokens, and the shared pool is valid afterwards
+    with no block left in use (the dead process's references were reaped)."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL[:1], "3", *SMALL[2:], "--kill-one")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f["killed_scheduler"]["scheduler"] == 2
+    assert f["requests"] == f["requests_total"] and f["token_mismatches"] == 0
+    assert f["pool_valid"] and f["pools_after"][0]["blocks_in_use_after"] == 0
+    dead = f["per_scheduler"][2]
+    assert not dead["alive_at_end"]
+    assert all(p["alive_at_end"] for p in f["per_scheduler"][:2])
+    assert any("scheduler-2" in p and "died" in p for p in f["notes"])
+    assert f["problems"] == []
+    assert "killed" in done.stdout
+    _check_clean(f, pid)
+
+
+def test_ctrl_c_stops_everything_and_cleans_up(tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C does) in the middle of a run: exit
+    130, no traceback, every child gone and /dev/shm as before."""
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", "--schedulers", "2",
+                             "--blocks", "512", "--progress", "--json", str(out),
+                             "--plot", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            cwd=tmp_path, start_new_session=True)
+    seen = threading.Event()
+    chunks: list[bytes] = []
+
+    def read_stderr():
+        while True:
+            b = proc.stderr.read1(4096)
+            if not b:
+                return
+            chunks.append(b)
+            if b"requests" in b"".join(chunks):
+                seen.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(RUN_TIMEOUT_S), b"".join(chunks).decode()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    reader.join(10)
+    stderr = b"".join(chunks).decode()
+    assert proc.returncode == 130, stdout.decode() + stderr
+    assert "Traceback" not in stderr
+    f = json.loads(out.read_text())
+    assert any(p.startswith("interrupted") for p in f["problems"])
+    assert f["requests"] < f["requests_total"]
+    _check_clean(f, proc.pid)
+
+
+def test_bad_arguments_exit_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"request_id": "a", "prompt_token_ids": [1], "tokens": 3}\n')
+    for args, needle in [(["--trace", str(bad)], "bad.jsonl:1"),
+                         (["--schedulers", "0"], "--schedulers"),
+                         (["--pool", "private", "--blocks", "64"], "blocks per pool"),
+                         (["--trace", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
+        out = subprocess.run([sys.executable, "-m", "shmkv.cli", "run", *args],
+                             capture_output=True, text=True, env=_env(), cwd=tmp_path,
+                             timeout=120)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------------------- one scheduler
+
+
+def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
+    """A scheduler process fed an undecodable frame and a message it has no use for
+    answers MessageRejected for each and goes on: it resets its pool's prefix cache when
+    asked and stops with SchedulerStopped on Shutdown, exit code 0."""
+    from shmkv import BlockPool
+    from shmkv.block_table import SharedBlockTables
+    from shmkv.messages import Channel, ModelOutput, Shutdown, create_doorbell, unlink_doorbell
+    from shmkv.serve import engine
+    from shmkv.serve.messages import (
+        AttachScheduler,
+        MessageRejected,
+        PrefixCacheReset,
+        ResetPrefixCache,
+        SchedulerAttached,
+        SchedulerConfig,
+        SchedulerStats,
+        SchedulerStopped,
+    )
+    from shmkv.serve.model import TinyModelConfig
+    from shmkv.serve.scheduler import scheduler_main
+    from tests.conftest import unique_pool_name
+
+    name = unique_pool_name("sch")
+    model = TinyModelConfig()
+    pool = BlockPool.create(name, 128, enable_kv_cache_events=True)
+    tables = engine.create_block_tables(name, model, 4, 256, 16)
+    bell = create_doorbell(name)
+    names = {k: f"{name}-{k}" for k in ("inbox", "outbox", "to_rank", "from_rank")}
+    for k, ch in names.items():
+        Channel.create(ch, 1 << 16, doorbell=bell if k in ("inbox", "from_rank") else None
+                       ).close()
+    inbox, outbox = Channel.open(names["inbox"]), Channel.open(names["outbox"])
+    proc = spawn_ctx.Process(target=scheduler_main, args=(0, names))
+    proc.start()
+
+    def reply(kind):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            msg = outbox.recv(1.0)
+            if msg is not None and not isinstance(msg, SchedulerStats):
+                assert isinstance(msg, kind), msg
+                return msg
+        raise AssertionError(f"no {kind.__name__}")
+
+    try:
+        inbox.send(AttachScheduler(scheduler=0, config=SchedulerConfig(
+            pool_name=name, model=engine.model_config_to_dict(model), max_num_seqs=4,
+            max_num_batched_tokens=64, max_model_len=256, block_tables_name=name)))
+        assert reply(SchedulerAttached).num_gpu_blocks == 128
+        inbox.send_bytes(b"\x93not a frame")
+        assert "not a shmkv message frame" in reply(MessageRejected).reason
+        inbox.send(ModelOutput(step=1, sampled_token_ids=[]))
+        assert "unexpected message ModelOutput" in reply(MessageRejected).reason
+        inbox.send(ResetPrefixCache())
+        assert reply(PrefixCacheReset).success
+        inbox.send(Shutdown(reason="test"))
+        assert reply(SchedulerStopped).stats.num_steps == 0
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        inbox.close()
+        outbox.close()
+        for ch in names.values():
+            Channel.unlink(ch)
+        unlink_doorbell(bell)
+        tables.close()
+        SharedBlockTables.unlink(name)
+        pool.close()
+        BlockPool.unlink(name)
