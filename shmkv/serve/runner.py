@@ -205,7 +205,7 @@ class Runner:
                                                          cfg.block_size))
         self.front_bell = self._doorbell(f"{self.name}-fe")
         self.outboxes, self.inboxes = [], []
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.model_dict = engine.model_config_to_dict(model)
         for i in range(n):
             bell = self._doorbell(f"{self.name}-s{i}")
@@ -289,6 +289,7 @@ class Runner:
         for s in old:
             signal.signal(s, on_signal)
         try:
+            self.t_setup = time.monotonic()
             self._setup()
             return self._serve()
         finally:
@@ -346,7 +347,7 @@ class Runner:
     def _serve(self) -> RunResult:
         cfg, n = self.cfg, self.cfg.num_schedulers
         live = set(range(n))
-        t_start = time.monotonic()
+        t_start = self.t_setup
         self._wait_attached(live)
         t_serve = time.monotonic()
         if self.interrupted:
@@ -612,6 +613,21 @@ def _check_tokens(model, rec: RequestRecord) -> None:
     rec.mismatch = next((k for k, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b),
                         -1)
     rec.checked = len(out)
+
+
+def _context():
+    """Children start from a fork server that imported torch and the serving modules once
+    (a fresh process, not a fork of the front end, so they inherit none of its state, as
+    with spawn); each child then costs a fork rather than a Python start and a torch import.
+    ``SHMKV_RUN_START_METHOD=spawn`` starts them the slow way."""
+    method = os.environ.get("SHMKV_RUN_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise UsageError(f"SHMKV_RUN_START_METHOD must be forkserver or spawn, got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "shmkv.block_table", "shmkv.serve.engine",
+                                    "shmkv.serve.rank", "shmkv.serve.scheduler"])
+    return ctx
 
 
 def _scheduler_entry(index: int, names: dict[str, str]) -> None:
