@@ -160,7 +160,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     num_blocks=args.blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, kill_one=args.kill_one,
+                    max_model_len=args.max_model_len, concurrency=args.concurrency,
+                    kill_one=args.kill_one,
                     check_tokens=not args.no_check, timeout_s=args.timeout, model=model)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     result = Runner(cfg, workload, progress=progress).run()
@@ -377,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens a scheduler step computes at most (512)")
     run.add_argument("--max-model-len", type=int, default=512,
                      help="longest prompt plus output, in tokens (512)")
+    run.add_argument("--concurrency", type=int, default=16,
+                     help="requests in flight at once, in all: the users waiting for an "
+                     "answer (16)")
     run.add_argument("--trace", metavar="PATH", help="a JSONL workload (see "
                      "shmkv/serve/workload.py) instead of the built-in chat workload")
     run.add_argument("--write-trace", metavar="PATH", help="write the workload as JSONL")

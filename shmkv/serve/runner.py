@@ -75,7 +75,9 @@ class RunConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
     max_model_len: int = 512
-    max_in_flight: int | None = None  # requests in flight in all (default 4 per scheduler)
+    # Users waiting for an answer at once: the offered load, a property of the workload,
+    # the same whatever the number of schedulers.
+    concurrency: int = 16
     balance_slack: int = 4
     kill_one: bool = False
     check_tokens: bool = True
@@ -96,6 +98,8 @@ class RunConfig:
                 f"{per} blocks per pool cannot hold one request of max_model_len "
                 f"{self.max_model_len} ({need} blocks with the sliding-window group); "
                 "raise --blocks or lower --max-model-len")
+        if self.concurrency < 1:
+            raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.kill_one and self.num_schedulers < 2:
             raise UsageError("--kill-one needs at least 2 schedulers")
 
@@ -163,7 +167,7 @@ class Runner:
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.name = f"run{os.getpid()}-{uuid.uuid4().hex[:6]}"
         n = cfg.num_schedulers
-        self.max_in_flight = cfg.max_in_flight or 4 * n
+        self.max_in_flight = cfg.concurrency
         self.progress = _Progress(len(workload), progress)
         self.interrupted: str | None = None
         self.problems: list[str] = []  # what went wrong (exit code 1)
