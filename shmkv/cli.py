@@ -142,6 +142,12 @@ EXIT_INTERRUPTED = 130
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401  (the model's ranks and the reference check need it)
+    except ImportError:
+        print("shmkv run: needs torch (pip install 'shmkv[torch]', or any torch 2.4..2.14)",
+              file=sys.stderr)
+        return EXIT_ERROR
     from shmkv.serve import report
     from shmkv.serve.model import TinyModelConfig
     from shmkv.serve.runner import RunConfig, Runner

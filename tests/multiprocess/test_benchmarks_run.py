@@ -80,3 +80,20 @@ def test_bench_transport_smoke():
         ("channel", "decode"), ("channel", "prefill"), ("mqueue", "decode"), ("mqueue", "prefill")}
     assert all(r["us_per_round_trip"] > 0 for r in rows)
     assert "MQ/Channel" in out.stdout
+
+
+def test_bench_serve_smoke(tmp_path):
+    """bench_serve with two tiny rows prints a JSON line per row, the table and a PNG."""
+    pytest.importorskip("torch")
+    png = tmp_path / "serve.png"
+    out = _run("benchmarks/bench_serve.py", "--schedulers", "2", "--conversations", "4",
+               "--blocks", "256", "--rows", "shared:round-robin,private:prefix-aware",
+               "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["pool"], r["routing"]) for r in rows] == [("shared", "round-robin"),
+                                                        ("private", "prefix-aware")]
+    assert all(r["token_mismatches"] == 0 and r["requests"] == r["requests_total"]
+               for r in rows)
+    assert "| shared, round-robin" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
