@@ -490,13 +490,14 @@ class Runner:
             if to_check:
                 _check_tokens(model, to_check.popleft())
             now = time.monotonic()
-            usage = self._pool_usage()
-            if now >= next_sample:
+            if now >= next_sample:  # the pool's lock is the schedulers': look rarely
+                usage = self._pool_usage()
                 timeline.append({"t_s": now - t_serve, "requests_done": done,
                                  "prefix_hit_rate": hit_tokens / max(prompt_tokens, 1),
                                  "pool_usage": usage})
                 next_sample = now + cfg.sample_interval_s
-            self.progress.update(done, hit_tokens / max(prompt_tokens, 1), usage, now - t_serve)
+                self.progress.update(done, hit_tokens / max(prompt_tokens, 1), usage,
+                                     now - t_serve)
         self.progress.update(done, hit_tokens / max(prompt_tokens, 1), self._pool_usage(),
                              time.monotonic() - t_serve, force=True)
         self.progress.finish()

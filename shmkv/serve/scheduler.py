@@ -153,6 +153,10 @@ class Scheduler:
     def schedule(self) -> list[tuple[ServingRequest, int]]:
         """This step's batch: (request, tokens to compute)."""
         kvm = self.kvm
+        with kvm.step():  # one hold of the pool lock for the whole schedule
+            return self._schedule_locked(kvm)
+
+    def _schedule_locked(self, kvm) -> list[tuple[ServingRequest, int]]:
         kvm.new_step_starts()
         budget = self.max_num_batched_tokens
         batch: list[tuple[ServingRequest, int]] = []
@@ -222,23 +226,29 @@ class Scheduler:
         c.model_s += now - t0
         if len(sampled) != len(batch):
             raise ShmKVError(f"rank answered {len(sampled)} tokens for {len(batch)} requests")
+        with self.kvm.step():  # publish what the rank computed, in one hold
+            for sr, n in batch:
+                req = sr.request
+                req.num_computed_tokens += n
+                c.num_computed_tokens += n
+                self.kvm.cache_blocks(req, req.num_computed_tokens)
         finished = []
-        for (sr, n), token in zip(batch, sampled, strict=True):
+        for (sr, _), token in zip(batch, sampled, strict=True):
             req = sr.request
-            req.num_computed_tokens += n
-            c.num_computed_tokens += n
-            self.kvm.cache_blocks(req, req.num_computed_tokens)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a chunk of a longer prefill: no token yet
             if req.num_output_tokens == 0:
                 sr.first_token = now
-            req.append_output_token_ids(int(token))
+            req.append_output_token_ids(int(token))  # hashes a block it completes
             c.num_generated_tokens += 1
             if sr.done:
                 finished.append(sr)
+        if finished:
+            with self.kvm.step():
+                for sr in finished:
+                    self.kvm.free(sr.request)
         for sr in finished:
             self.running.remove(sr)
-            self.kvm.free(sr.request)
             self.free_rows.append(sr.row)
             sr.row = -1
             c.num_requests_finished += 1
