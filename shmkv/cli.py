@@ -18,6 +18,7 @@ or an error (message on stderr, no traceback unless ``--debug``); 130 ``run`` in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import random
@@ -173,16 +174,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = Runner(cfg, workload, progress=progress).run()
     f = result.figures
     print(report.report_text(f))
+    results = [result]
+    if args.compare and not result.interrupted:
+        # The same workload on private pools of 1/N the blocks: with the same routing, and
+        # with prefix-aware routing (the best a router can do for them).
+        others = [("private", args.routing)]
+        if args.routing != "prefix-aware":
+            others.append(("private", "prefix-aware"))
+        if args.pool == "private":
+            others = [("shared", args.routing)]
+        for pool, routing in others:
+            print(f"\nthe same workload, {pool} pool(s), {routing}:", flush=True)
+            other = Runner(dataclasses.replace(cfg, pool=pool, routing=routing, kill_one=False),
+                           workload, progress=progress).run()
+            results.append(other)
+            print(report.report_text(other.figures))
+            if other.interrupted:
+                break
+        print()
+        print(report.comparison_text([r.figures for r in results]))
+        f = dict(f, compare=[{k: v for k, v in r.figures.items() if k != "timeline"}
+                             for r in results[1:]])
     if args.json:
         report.write_json(f, args.json)
         print(f"  figures: {args.json}")
     if args.plot:
-        report.plot_timeline(f, args.plot)
+        report.plot_timeline([r.figures for r in results], args.plot)
         print(f"  plot: {args.plot}")
-    if any(p.startswith("interrupted") for p in result.problems):
+    if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
-    bad = (result.problems or f["token_mismatches"] or f["requests"] < f["requests_total"]
-           or not f["pool_valid"])
+    bad = any(r.problems or r.figures["token_mismatches"]
+              or r.figures["requests"] < r.figures["requests_total"]
+              or not r.figures["pool_valid"] for r in results)
     return EXIT_PROBLEM if bad else EXIT_OK
 
 
@@ -397,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plot", metavar="PATH", default="shmkv-run.png",
                      help="PNG of hit rate and pool usage over time (shmkv-run.png; '' for "
                      "none)")
+    run.add_argument("--compare", action="store_true",
+                     help="then run the same workload on private pools (1/N of the blocks "
+                     "each; with this routing and with prefix-aware routing) and compare")
     run.add_argument("--kill-one", action="store_true",
                      help="SIGKILL one scheduler half way; the others carry on")
     run.add_argument("--no-check", action="store_true",

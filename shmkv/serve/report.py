@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["figures", "report_text", "plot_timeline", "write_json"]
+__all__ = ["comparison_text", "figures", "plot_timeline", "report_text", "write_json"]
 
 
 def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_checks: list[dict],
@@ -151,13 +151,46 @@ def write_json(f: dict, path: str) -> None:
         out.write("\n")
 
 
-def plot_timeline(f: dict, path: str) -> None:
-    """Hit rate (cumulative) and pool usage over the run, in percent."""
+def _label(f: dict) -> str:
+    return f"{f['pool']}, {f['routing']}" + (f", {f['schedulers']} schedulers"
+                                               if f["schedulers"] != 4 else "")
+
+
+def comparison_text(runs: list[dict]) -> str:
+    """One line per run: hit rate, prefill tokens saved, evictions, checks."""
+    header = ["pool, routing", "hit rate", "prefill tokens saved", "evictions",
+              "mismatches", "wall s"]
+    body = [[_label(f), f"{f['prefix_hit_rate']:.1%}",
+             f"{_int(f['prefill_tokens_saved'])} of {_int(f['prompt_tokens'])}",
+             _int(f["evictions"]), str(f["token_mismatches"]), f"{f['wall_s']:.1f}"]
+            for f in runs]
+    widths = [max(len(r[k]) for r in [header, *body]) for k in range(len(header))]
+    lines = [f"same workload, {runs[0]['num_blocks']:,} blocks in all, "
+             f"{runs[0]['schedulers']} schedulers:"]
+    for r in [header, *body]:
+        lines.append("  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
+                                      for k, (c, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def plot_timeline(runs: dict | list[dict], path: str) -> None:
+    """Hit rate (so far) and pool usage over the run, in percent; several runs (``--compare``)
+    share the chart: one hit-rate line each, and the first run's usage."""
     from shmkv.plot import line_chart
 
-    t = [p["t_s"] for p in f["timeline"]] or [0.0]
-    hit = [100 * p["prefix_hit_rate"] for p in f["timeline"]] or [0.0]
-    use = [100 * p["pool_usage"] for p in f["timeline"]] or [0.0]
-    line_chart(path, title=f"shmkv run: {f['pool']} pool, {f['schedulers']} schedulers, "
-               f"{f['routing']}", x_label="seconds", y_label="percent",
-               series={"prefix hit rate (so far)": (t, hit), "pool blocks in use": (t, use)})
+    runs = [runs] if isinstance(runs, dict) else runs
+    series = {}
+    for f in runs:
+        t = [p["t_s"] for p in f["timeline"]] or [0.0]
+        hit = [100 * p["prefix_hit_rate"] for p in f["timeline"]] or [0.0]
+        name = "prefix hit rate (so far)" if len(runs) == 1 else f"hit rate: {_label(f)}"
+        series[name] = (t, hit)
+    first = runs[0]
+    t = [p["t_s"] for p in first["timeline"]] or [0.0]
+    use = [100 * p["pool_usage"] for p in first["timeline"]] or [0.0]
+    series["pool blocks in use" if len(runs) == 1 else f"in use: {_label(first)}"] = (t, use)
+    title = (f"shmkv run: {first['pool']} pool, {first['schedulers']} schedulers, "
+             f"{first['routing']}" if len(runs) == 1 else
+             f"shmkv run --compare: {first['schedulers']} schedulers, "
+             f"{first['num_blocks']:,} blocks in all")
+    line_chart(path, title=title, x_label="seconds", y_label="percent", series=series)

@@ -123,6 +123,10 @@ class RunResult:
     timeline: list[dict]
     problems: list[str]
 
+    @property
+    def interrupted(self) -> bool:
+        return any(p.startswith("interrupted") for p in self.problems)
+
 
 class _Progress:
     """A one-line progress bar on stderr."""

@@ -76,8 +76,9 @@ def _check_clean(figures: dict, pid: int) -> None:
 def test_run_shared_pool_json_report_and_plot(tmp_path):
     """Two schedulers on one shared pool serve the chat workload: every request finishes,
     every token equals the no-cache reference, conversations hit their history, and the
-    run leaves nothing behind."""
-    done, f, pid = run_shmkv(tmp_path, *SMALL)
+    run leaves nothing behind. --compare then runs the same workload on private pools
+    (round robin, then prefix-aware) and prints the three side by side."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL, "--compare")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert f["pool"] == "shared" and f["schedulers"] == 2 and f["routing"] == "round-robin"
@@ -91,6 +92,14 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     assert "prefix hit rate" in done.stdout and "mismatches 0" in done.stdout
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f["timeline"] and f["timeline"][-1]["requests_done"] == f["requests"]
+    assert [(c["pool"], c["routing"]) for c in f["compare"]] == [
+        ("private", "round-robin"), ("private", "prefix-aware")]
+    for c in f["compare"]:
+        assert c["requests"] == f["requests"] and c["token_mismatches"] == 0
+        assert c["prompt_tokens"] == f["prompt_tokens"] and c["blocks_per_pool"] == 128
+        assert c["pool_valid"]
+        _check_clean(c, pid)
+    assert "same workload, 256 blocks in all" in done.stdout
     _check_clean(f, pid)
 
 
