@@ -55,6 +55,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+_SHORT = {"round-robin": "RR", "least-loaded": "LL", "prefix-aware": "PA"}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Bars of the hit rates (RR round robin, LL least loaded, PA prefix-aware)."""
+    from shmkv.plot import bar_chart
+
+    groups = ["single pool" if r["schedulers"] == 1 and r["row"].startswith("single")
+              else f"{r['pool']} {_SHORT.get(r['routing'], r['routing'])}" for r in rows]
+    bar_chart(path, title=f"prefix hit rate: {rows[0]['schedulers']} schedulers, "
+              f"{rows[0]['num_blocks']} blocks in all (RR/LL/PA: round robin, least "
+              "loaded, prefix-aware)", y_label="percent", groups=groups,
+              series={"prefix hit rate": [100 * r["prefix_hit_rate"] for r in rows]})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedulers", type=int, default=4)
@@ -80,12 +95,7 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.plot:
-        from shmkv.plot import bar_chart
-
-        bar_chart(args.plot, title=f"prefix hit rate, {args.blocks} blocks in all",
-                  y_label="percent", groups=[r["row"].replace(", 1 scheduler", "")
-                                             for r in rows],
-                  series={"prefix hit rate": [100 * r["prefix_hit_rate"] for r in rows]})
+        plot(rows, args.plot)
         print(f"plot: {args.plot}")
     return 0 if all(r["token_mismatches"] == 0 and r["requests"] == r["requests_total"]
                     for r in rows) else 1
