@@ -12,6 +12,7 @@ import signal
 import sys
 import traceback
 
+from shmkv.errors import ProtocolError
 from shmkv.kv_cache_manager import KVCacheManager
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, Shutdown
 
@@ -110,11 +111,17 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
     step = -1
     try:
         while True:
-            msg = to_rank.recv(timeout_s=None)
+            try:
+                msg = to_rank.recv(timeout_s=None)
+            except ProtocolError as exc:  # a bad frame is dropped; the rank goes on
+                print(f"rank ({to_rank_name}): frame dropped: {exc}", file=sys.stderr)
+                continue
             if isinstance(msg, Shutdown):
                 return
             if not isinstance(msg, ExecuteModel):
-                continue  # not for a rank; the scheduler is the only sender
+                print(f"rank ({to_rank_name}): {type(msg).__name__} dropped (expected "
+                      "ExecuteModel or Shutdown)", file=sys.stderr)
+                continue
             step = msg.step
             from_rank.send(ModelOutput(step=step, sampled_token_ids=runner.execute(msg)))
     except BaseException as exc:

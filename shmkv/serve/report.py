@@ -84,6 +84,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "killed_scheduler": None if killed is None else {
             "scheduler": min(runner.killed), "after_s": killed[0],
             "after_requests": killed[1]},
+        "prefix_cache_reset": getattr(runner, "prefix_cache_reset", None),
         "pools_after": pool_checks,
         "pool_valid": all(p["invariants_ok"] and not p["blocks_in_use_after"]
                           for p in pool_checks),
@@ -124,9 +125,12 @@ def report_text(f: dict) -> str:
                      f"{k['after_s']:.1f} s (after {k['after_requests']} requests); "
                      f"{f['requests_resent']} requests sent again to the others")
     valid = "valid" if f["pool_valid"] else "NOT valid"
+    reset = {True: "; drained, prefix cache reset", False: "; prefix cache reset FAILED",
+             None: ""}[f["prefix_cache_reset"]]
     lines.append(f"  after the run      pool {valid}: invariants "
                  + ", ".join("OK" if p["invariants_ok"] else "BROKEN" for p in f["pools_after"])
-                 + f"; blocks in use {sum(p['blocks_in_use_after'] for p in f['pools_after'])}")
+                 + f"; blocks in use {sum(p['blocks_in_use_after'] for p in f['pools_after'])}"
+                 + reset)
     header = ["scheduler", "requests", "prompt tok", "hit rate", "saved", "steps",
               "preempt", "evictions", "lock wait"]
     rows = [[str(p["scheduler"]) + ("" if p["alive_at_end"] else " (died)"),

@@ -31,6 +31,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -166,6 +167,13 @@ class Runner:
 
         cfg.model = cfg.model or TinyModelConfig()
         cfg.validate()
+        vocab = cfg.model.vocab_size
+        for t in workload:
+            if any(not 0 <= tok < vocab for tok in t.prompt_token_ids):
+                raise UsageError(f"request {t.request_id}: a token id is outside the model's "
+                                 f"vocabulary [0, {vocab})")
+        if not workload:
+            raise UsageError("the workload has no requests")
         self.cfg = cfg
         self.workload = workload
         self.log = log or (lambda text: print(text, file=sys.stderr))
@@ -213,7 +221,7 @@ class Runner:
                                                          cfg.block_size))
         self.front_bell = self._doorbell(f"{self.name}-fe")
         self.outboxes, self.inboxes = [], []
-        ctx = _context()
+        ctx = self.ctx
         self.model_dict = engine.model_config_to_dict(model)
         for i in range(n):
             bell = self._doorbell(f"{self.name}-s{i}")
@@ -289,13 +297,31 @@ class Runner:
     # ------------------------------------------------------------------ run
 
     def run(self) -> RunResult:
-        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        """Sets up, serves, tears down. SIGINT and SIGTERM are blocked in this thread for the
+        run and taken by a watcher thread (``sigwait``), which only sets ``interrupted``: a
+        signal then never interrupts a wait on a semaphore (which fails with EINTR, as
+        ``posix_ipc.SignalError``) half way through a pool call or a receive."""
+        signals = {signal.SIGINT, signal.SIGTERM}
+        # multiprocessing unblocks both when it starts its helper processes (the resource
+        # tracker, the fork server): start them first, so the mask below stays.
+        self.ctx = _context()
+        _start_helpers(self.ctx)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
-        def on_signal(signum, frame):
+        def on_signal(signum, frame):  # a thread made before the mask (torch's) took it
             self.interrupted = signal.Signals(signum).name
 
-        for s in old:
-            signal.signal(s, on_signal)
+        old_handlers = {s: signal.signal(s, on_signal) for s in signals}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                got = signal.sigtimedwait(signals, 0.1)
+                if got is not None:
+                    self.interrupted = signal.Signals(got.si_signo).name
+
+        watcher = threading.Thread(target=watch, name="shmkv-run-signals", daemon=True)
+        watcher.start()
         try:
             self.t_setup = time.monotonic()
             self._setup()
@@ -304,8 +330,11 @@ class Runner:
             try:
                 self._teardown()
             finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
+                stop.set()
+                watcher.join(5)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                for sig, handler in old_handlers.items():
+                    signal.signal(sig, handler)
 
     def _wait_attached(self, live: set[int]) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -508,6 +537,13 @@ class Runner:
         t_end = time.monotonic()
         while to_check:
             _check_tokens(model, to_check.popleft())
+        if live and not self.interrupted:
+            # Control across all schedulers: drain every one, then reset the prefix cache
+            # (every pool's): the run leaves its pools with nothing held and nothing cached.
+            self.prefix_cache_reset = self.drain_and_reset(live, stats)
+            if not self.prefix_cache_reset:
+                self.problems.append("drain and prefix-cache reset across the schedulers "
+                                     "did not succeed")
         timeline.append({"t_s": t_end - t_serve, "requests_done": done,
                          "prefix_hit_rate": hit_tokens / max(prompt_tokens, 1),
                          "pool_usage": self._pool_usage()})
@@ -567,6 +603,7 @@ class Runner:
                 self.problems.append(f"pool {pool.pool_name}: {exc}")
             in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
             pool_checks.append({"pool": pool.pool_name, "invariants_ok": ok,
+                                "cached_blocks_after": len(pool.cached_block_hash_to_block),
                                 "blocks_in_use_after": in_use})
             if in_use:
                 self.problems.append(f"pool {pool.pool_name}: {in_use} blocks still in use "
@@ -579,7 +616,7 @@ class Runner:
 
     # ------------------------------------------------------------------ control
 
-    def drain_and_reset(self, live: set[int], timeout_s: float = 30.0) -> bool:
+    def drain_and_reset(self, live: set[int], stats: dict, timeout_s: float = 30.0) -> bool:
         """Drains every live scheduler, then resets the prefix cache of every pool (one
         reset per pool: on a shared pool, one scheduler's reset clears it for all).
         True if every reset succeeded."""
@@ -591,6 +628,10 @@ class Runner:
             _, msg = self._recv(0.1)
             if isinstance(msg, SchedulerDrained):
                 drained.add(msg.scheduler)
+            elif isinstance(msg, SchedulerStats):
+                stats[msg.scheduler] = msg
+        if drained != live:
+            return False
         targets = [min(live)] if self.cfg.pool == "shared" else sorted(live)
         for i in targets:
             self.inboxes[i].send(ResetPrefixCache())
@@ -599,6 +640,8 @@ class Runner:
             _, msg = self._recv(0.1)
             if isinstance(msg, PrefixCacheReset):
                 results[msg.scheduler] = msg.success
+            elif isinstance(msg, SchedulerStats):
+                stats[msg.scheduler] = msg
         return len(results) == len(targets) and all(results.values())
 
 
@@ -637,6 +680,15 @@ def _context():
         ctx.set_forkserver_preload(["torch", "shmkv.block_table", "shmkv.serve.engine",
                                     "shmkv.serve.rank", "shmkv.serve.scheduler"])
     return ctx
+
+
+def _start_helpers(ctx) -> None:
+    from multiprocessing import forkserver, resource_tracker
+
+    if ctx.get_start_method() == "forkserver":
+        forkserver.ensure_running()
+    else:
+        resource_tracker.ensure_running()
 
 
 def _scheduler_entry(index: int, names: dict[str, str]) -> None:

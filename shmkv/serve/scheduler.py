@@ -259,7 +259,9 @@ class Scheduler:
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when the front end dies (Linux)."""
+    """Ask the kernel to SIGKILL this process when the front end dies (Linux), and take
+    back the signals the front end blocks while it runs (a child inherits its mask)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         import ctypes
 

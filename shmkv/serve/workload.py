@@ -57,7 +57,7 @@ class ChatWorkloadConfig:
     system_prompt_tokens: tuple[int, int] = (64, 160)
     user_message_tokens: tuple[int, int] = (12, 40)
     max_tokens: tuple[int, int] = (6, 12)
-    vocab_size: int = 256
+    vocab_size: int = 97  # TinyModelConfig's
     seed: int = 0
 
 

@@ -87,6 +87,9 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     assert f["prefix_hit_rate"] == pytest.approx(f["prefill_tokens_saved"] / f["prompt_tokens"])
     assert f["tokens_checked"] == f["generated_tokens"] > 0 and f["token_mismatches"] == 0
     assert f["wall_s"] > 0 and f["pool_valid"] and f["problems"] == []
+    # At the end every scheduler was drained and the prefix cache reset across them all.
+    assert f["prefix_cache_reset"] is True
+    assert f["pools_after"][0]["cached_blocks_after"] == 0
     assert [p["requests"] > 0 for p in f["per_scheduler"]] == [True, True]
     assert sum(p["requests"] for p in f["per_scheduler"]) == f["requests"]
     assert "prefix hit rate" in done.stdout and "mismatches 0" in done.stdout
@@ -97,7 +100,8 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     for c in f["compare"]:
         assert c["requests"] == f["requests"] and c["token_mismatches"] == 0
         assert c["prompt_tokens"] == f["prompt_tokens"] and c["blocks_per_pool"] == 128
-        assert c["pool_valid"]
+        assert c["pool_valid"] and c["prefix_cache_reset"] is True
+        assert [p["cached_blocks_after"] for p in c["pools_after"]] == [0, 0]
         _check_clean(c, pid)
     assert "same workload, 256 blocks in all" in done.stdout
     _check_clean(f, pid)
@@ -137,6 +141,7 @@ def test_kill_one_scheduler_the_others_finish(tmp_path):
     assert f["killed_scheduler"]["scheduler"] == 2
     assert f["requests"] == f["requests_total"] and f["token_mismatches"] == 0
     assert f["pool_valid"] and f["pools_after"][0]["blocks_in_use_after"] == 0
+    assert f["prefix_cache_reset"] is True  # the survivors drained and reset the pool
     dead = f["per_scheduler"][2]
     assert not dead["alive_at_end"]
     assert all(p["alive_at_end"] for p in f["per_scheduler"][:2])
