@@ -211,11 +211,15 @@ class ModelRunner:
 
 
 def rank_main(tables_name: str, kv_store_name: str, channel: str,
-              model_config: TinyModelConfig, recv_timeout_s: float = 60.0) -> None:
+              model_config: TinyModelConfig, recv_timeout_s: float = 60.0,
+              num_threads: int | None = 1) -> None:
     """Process entry point: attach, say ``RankReady``, then execute ``ExecuteStep``s until
-    ``Shutdown``. Exits 0 on shutdown, 1 after reporting ``RankFailed``."""
+    ``Shutdown``. Exits 0 on shutdown, 1 after reporting ``RankFailed``. ``num_threads``:
+    torch's intra-op threads (1 by default: a tiny model on a shared CPU runs fastest so)."""
     step_no = -1
     to_sched = None
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
     try:
         to_rank = Channel.open(channel, "torank")
         to_sched = Channel.open(channel, "fromrank")
