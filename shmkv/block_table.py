@@ -484,16 +484,16 @@ class SharedBlockTables:
             self._num_blocks_np[g, row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
-        """Copies row ``src`` to ``tgt`` and clears ``src`` (vLLM's move_row)."""
+        """Copies row ``src`` to ``tgt`` and clears ``src`` (vLLM's move_row; as there,
+        ``src == tgt`` leaves the row empty)."""
         src, tgt = self._check_row(src, "src"), self._check_row(tgt, "tgt")
         self._begin_write()
         for g in range(self.num_groups):
             n = int(self._num_blocks_np[g, src])
             self._tables_np[g][tgt, :n] = self._tables_np[g][src, :n]
             self._num_blocks_np[g, tgt] = n
-            if src != tgt:
-                self._tables_np[g][src, :n] = 0
-                self._num_blocks_np[g, src] = 0
+            self._tables_np[g][src, :n] = 0
+            self._num_blocks_np[g, src] = 0
 
     def swap_row(self, src: int, tgt: int) -> None:
         """Swaps two rows in every group."""
@@ -623,7 +623,7 @@ class KVStore:
     def _total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
                      element_bytes) -> int:
         data = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_size * element_bytes
-        return _align(KV_HEADER_BYTES + data, 4096)
+        return KV_HEADER_BYTES + data  # exact, so any changed size field shows
 
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_blocks: int, block_size: int,

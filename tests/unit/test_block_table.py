@@ -1,0 +1,348 @@
+"""Shared block tables, slot mapping and the KV store, in one process: vLLM's row semantics,
+the seqlock's refusals, zero-copy views, header validation and bad input."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shmkv.block_table import (  # noqa: E402
+    BT_HEADER_DTYPE,
+    KV_HEADER_DTYPE,
+    PAD_SLOT_ID,
+    KVStore,
+    SharedBlockTables,
+    batch_token_indices,
+    block_tables_segment_name,
+    compute_slot_mapping,
+    kv_store_segment_name,
+)
+from shmkv.errors import (  # noqa: E402
+    LayoutMismatchError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    TornReadError,
+    UsageError,
+)
+from tests.conftest import unique_pool_name  # noqa: E402
+
+
+@pytest.fixture
+def name():
+    n = unique_pool_name("bt")
+    yield n
+    SharedBlockTables.unlink(n)
+    KVStore.unlink(n)
+    assert not os.path.exists(f"/dev/shm{block_tables_segment_name(n)}")
+    assert not os.path.exists(f"/dev/shm{kv_store_segment_name(n)}")
+
+
+@pytest.fixture
+def tables(name):
+    t = SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64, block_sizes=[4, 16])
+    yield t
+    t.close()
+
+
+def _state(t: SharedBlockTables) -> tuple:
+    return (t.seq, t.step, t.num_blocks_per_row.clone(),
+            [t.block_table(g).clone() for g in range(t.num_groups)])
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+            and all(torch.equal(x, y) for x, y in zip(a[3], b[3], strict=True)))
+
+
+def test_import_shmkv_does_not_import_torch():
+    code = ("import sys, shmkv, shmkv.cli, shmkv.layout; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_create_sizes_names_and_mode(name, tables):
+    assert tables.block_sizes == (4, 16)
+    assert tables.max_num_blocks_per_req == (16, 4)  # cdiv(64, bs)
+    assert tables.step == -1 and tables.seq == 0
+    path = f"/dev/shm{block_tables_segment_name(name)}"
+    assert block_tables_segment_name(name) == f"/shmkv-{name}+bt-v1"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert tables.block_table(0).dtype == torch.int32
+    assert tuple(tables.block_table(1).shape) == (8, 4)
+
+
+def test_commit_publishes_and_read_copies(name, tables):
+    tables.add_row(([1, 2, 3], [9]), 2)
+    assert tables.seq % 2 == 1  # a write is in progress
+    tables.commit(0)
+    assert tables.seq == 2 and tables.step == 0
+    reader = SharedBlockTables.attach(name)
+    try:
+        snap = reader.read([2, 0])
+        assert snap.step == 0
+        assert snap.block_tables[0][0, :4].tolist() == [1, 2, 3, 0]
+        assert snap.block_tables[1][0, :2].tolist() == [9, 0]
+        assert snap.num_blocks.tolist() == [[3, 0], [1, 0]]
+        tables.append_row(([4], []), 2)
+        tables.commit(5)
+        assert snap.block_tables[0][0, 3] == 0  # a snapshot is a copy
+        assert reader.read([2], min_step=5).block_tables[0][0, :4].tolist() == [1, 2, 3, 4]
+    finally:
+        reader.close()
+
+
+def test_reader_refuses_a_table_being_written(name, tables):
+    """While a write is in progress, read() times out (TornReadError) rather than return a
+    half-written table, and so does waiting for a step not yet published."""
+    tables.add_row(([1], [2]), 0)
+    reader = SharedBlockTables.attach(name)
+    try:
+        with pytest.raises(TornReadError, match="no consistent state"):
+            reader.read(timeout_s=0.05)
+        tables.commit(1)
+        assert reader.read().step == 1
+        with pytest.raises(TornReadError, match="waiting for step 2"):
+            reader.read(min_step=2, timeout_s=0.05)
+    finally:
+        reader.close()
+
+
+def test_zero_copy_reading_sees_writes_and_flags_a_broken_handshake(name, tables):
+    """reading() yields the shared tensors themselves: a later write shows through them
+    without a copy, and since it overlapped the read, leaving the block raises."""
+    tables.add_row(([5, 6], [7]), 1)
+    tables.commit(0)
+    reader = SharedBlockTables.attach(name)
+    try:
+        start, end = reader.data_address_range()
+        view = reader.block_table(0)
+        assert start <= view.data_ptr() < end  # the tensor lies inside the mapping
+        with reader.reading(step=0) as snap:
+            assert snap.block_tables[0] is view
+            assert view[1, :2].tolist() == [5, 6]
+        with pytest.raises(TornReadError, match="handshake"):
+            with reader.reading(step=0) as snap:
+                tables.append_row(([8], []), 1)
+                assert snap.block_tables[0][1, 2] == 8  # the writer's store, seen in place
+        tables.commit(1)
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t: t.add_row(([1],), 0), "1 KV-cache groups; these tables have 2"),
+    (lambda t: t.add_row(([1], [2]), 8), r"row 8 out of range \[0, 8\)"),
+    (lambda t: t.add_row(([1], [2]), -1), "out of range"),
+    (lambda t: t.add_row(([1], [2]), True), "row must be an int"),
+    (lambda t: t.add_row(([1], [1, 2, 3, 4, 5]), 0), "exceed the table's width of 4"),
+    (lambda t: t.append_row(([1] * 15, [1]), 3), r"group 0, row 3: 2 \+ 15 blocks exceed"),
+    (lambda t: t.add_row(([1, -2], [2]), 0), "block ids must lie in"),
+    (lambda t: t.add_row(([1, 1 << 31], [2]), 0), "block ids must lie in"),
+    (lambda t: t.move_row(0, 9), "tgt 9 out of range"),
+    (lambda t: t.commit(0), "step 0 is not after the last published step 0"),
+    (lambda t: t.commit(1.0), "step must be an int"),
+    (lambda t: t.read([0, 8]), r"rows must lie in \[0, 8\)"),
+])
+def test_bad_input_is_refused_and_changes_nothing(tables, call, match):
+    tables.add_row(([1, 2], [3]), 3)
+    tables.commit(0)
+    before = _state(tables)
+    with pytest.raises(UsageError, match=match):
+        call(tables)
+    assert _same(before, _state(tables))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_num_reqs=0, max_model_len=8, block_sizes=[4]), "max_num_reqs"),
+    (dict(max_num_reqs=2, max_model_len=8, block_sizes=[]), "1..8 KV-cache groups"),
+    (dict(max_num_reqs=2, max_model_len=8, block_sizes=[4, 0]), "block size"),
+    (dict(max_num_reqs=2, max_model_len=8, block_sizes=[4], max_num_blocks_per_req=[1, 2]),
+     "2 entries for 1 block sizes"),
+])
+def test_create_rejects_bad_sizes(name, kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        SharedBlockTables.create(name, **kwargs)
+    assert not os.path.exists(f"/dev/shm{block_tables_segment_name(name)}")
+
+
+def test_attach_validates_the_header_naming_the_field(name, tables):
+    with pytest.raises(SegmentExistsError):
+        SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64, block_sizes=[4])
+    with pytest.raises(SegmentNotFoundError):
+        SharedBlockTables.attach(name + "-nope")
+    hdr = np.ndarray((1,), BT_HEADER_DTYPE, buffer=tables._segment.buf)
+    for field, value, match in [
+        ("magic", 1234, "header field magic is '0x4d2', expected '0x1a5e4b7674626c31'"),
+        ("layout_version", 99, "header field layout_version is 99, expected 1"),
+        ("total_bytes", 64, "header field total_bytes is 64"),
+        ("num_groups", 9, "header field num_groups is 9, expected 1..8"),
+    ]:
+        saved = hdr[field].copy()
+        hdr[field] = value
+        try:
+            with pytest.raises(LayoutMismatchError, match=match):
+                SharedBlockTables.attach(name)
+        finally:
+            hdr[field] = saved
+    del hdr
+    SharedBlockTables.attach(name).close()
+
+
+def _slots_by_loop(table, req_indices, positions, bs):
+    return [int(table[r, p // bs]) * bs + p % bs if r >= 0 else PAD_SLOT_ID
+            for r, p in zip(req_indices.tolist(), positions.tolist(), strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
+def test_slot_mapping_matches_the_formula(kind):
+    """Slots of prefill (many tokens per request), decode (one) and mixed batches equal
+    block_id * block_size + position % block_size, token by token."""
+    rng = random.Random(kind)
+    bs, width, num_reqs = 16, 32, 12
+    table = torch.randint(1, 10_000, (num_reqs, width), dtype=torch.int32)
+    starts, counts = [], []
+    for _ in range(num_reqs):
+        n = {"prefill": rng.randint(1, 200), "decode": 1,
+             "mixed": rng.choice([1, rng.randint(1, 200)])}[kind]
+        start = 0 if kind == "prefill" else rng.randrange(width * bs - n)
+        starts.append(start)
+        counts.append(n)
+    req_indices, positions = batch_token_indices(counts, starts)
+    assert req_indices.numel() == sum(counts)
+    assert positions[: counts[0]].tolist() == list(range(starts[0], starts[0] + counts[0]))
+    slots = compute_slot_mapping(table, req_indices, positions, bs)
+    assert slots.dtype == torch.int64
+    assert slots.tolist() == _slots_by_loop(table, req_indices, positions, bs)
+
+
+def test_slot_mapping_pads_and_refuses_out_of_range_positions():
+    table = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
+    slots = compute_slot_mapping(table, torch.tensor([1, -1, 0]), torch.tensor([5, 0, 0]), 4)
+    assert slots.tolist() == [6 * 4 + 1, PAD_SLOT_ID, 12]
+    with pytest.raises(UsageError, match=r"positions must lie in \[0, 8\)"):
+        compute_slot_mapping(table, torch.tensor([0]), torch.tensor([8]), 4)
+    with pytest.raises(UsageError, match="row index 2 out of range"):
+        compute_slot_mapping(table, torch.tensor([2]), torch.tensor([0]), 4)
+    with pytest.raises(UsageError, match="one length"):
+        batch_token_indices([1, 2], [0])
+
+
+def test_snapshot_slot_mappings_per_group(tables):
+    tables.add_row(([1, 2, 3], [7]), 4)
+    tables.commit(0)
+    snap = tables.read([4])
+    req_indices, positions = batch_token_indices([3], [3])
+    sm = snap.slot_mappings(req_indices, positions)
+    assert sm[0].tolist() == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+    assert sm[1].tolist() == [7 * 16 + 3, 7 * 16 + 4, 7 * 16 + 5]
+
+
+# --------------------------------------------------------------------------- KV store
+
+def test_kv_store_layers_share_one_segment(name):
+    with KVStore.create(name, num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2,
+                        head_size=8, dtype="float16") as kv:
+        other = KVStore.attach(name)
+        try:
+            assert other.dtype == torch.float16 and len(other.key_cache) == 3
+            k, v = other.layer(2)
+            assert tuple(k.shape) == (10, 4, 2, 8) and tuple(v.shape) == (10, 4, 2, 8)
+            kv.value_cache[2][7, 1, 0, 3] = 1.5
+            assert float(v[7, 1, 0, 3]) == 1.5  # the other mapping sees it, no copy
+            assert float(other.key_cache[2][7, 1, 0, 3]) == 0.0
+            assert kv.kv.data_ptr() % 4096 == 0  # page-aligned, as cudaHostRegister wants
+            assert os.stat(f"/dev/shm{kv_store_segment_name(name)}").st_mode & 0o777 == 0o600
+        finally:
+            del k, v
+            other.close()
+    assert not os.path.exists(f"/dev/shm{kv_store_segment_name(name)}")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_layers=0), "num_layers must be a positive int"),
+    (dict(head_size=2.0), "head_size must be a positive int"),
+    (dict(dtype="int7"), "dtype 'int7' is not one of"),
+])
+def test_kv_store_rejects_bad_arguments(name, kwargs, match):
+    args = dict(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1, head_size=8)
+    args.update(kwargs)
+    with pytest.raises(UsageError, match=match):
+        KVStore.create(name, **args)
+    assert not os.path.exists(f"/dev/shm{kv_store_segment_name(name)}")
+
+
+def test_kv_store_attach_validates_the_header(name):
+    kv = KVStore.create(name, num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1,
+                        head_size=8)
+    try:
+        hdr = np.ndarray((1,), KV_HEADER_DTYPE, buffer=kv._segment.buf)
+        for field, value, match in [
+            ("magic", 7, "header field magic is '0x7'"),
+            ("layout_version", 2, "header field layout_version is 2, expected 1"),
+            ("dtype", b"int7", "header field dtype is 'int7'"),
+            ("element_bytes", 2, "header field element_bytes is 2, expected 4"),
+            ("num_blocks", 5, "header field total_bytes"),
+        ]:
+            saved = hdr[field].copy()
+            hdr[field] = value
+            try:
+                with pytest.raises(LayoutMismatchError, match=match):
+                    KVStore.attach(name)
+            finally:
+                hdr[field] = saved
+        del hdr
+        KVStore.attach(name).close()
+        with pytest.raises(SegmentNotFoundError):
+            KVStore.attach(name + "-nope")
+    finally:
+        kv.close()
+
+
+def test_kv_store_load_and_store_blocks_round_trip_on_cpu(name):
+    """load_blocks / store_blocks (the host <-> device copies) work on any device; on CPU
+    they move rows between the store and a private tensor by block id."""
+    with KVStore.create(name, num_layers=2, num_blocks=6, block_size=2, num_kv_heads=1,
+                        head_size=4) as kv:
+        kv.kv.copy_(torch.arange(kv.kv.numel(), dtype=torch.float32).view_as(kv.kv))
+        dev = kv.allocate_device_cache("cpu", num_blocks=3)
+        kv.load_blocks(dev, [4, 1], device_block_ids=[0, 2])
+        assert torch.equal(dev[:, :, 0], kv.kv[:, :, 4]) and torch.equal(dev[:, :, 2], kv.kv[:, :, 1])
+        dev[:, :, 0] += 1000
+        kv.store_blocks(dev, [5], device_block_ids=[0])
+        assert torch.equal(kv.kv[:, :, 5], dev[:, :, 0])
+        with pytest.raises(UsageError, match="CUDA"):
+            if not torch.cuda.is_available():
+                kv.pin()
+            else:
+                raise UsageError("CUDA present: covered by the gpu tests")
+
+
+# --------------------------------------------------------------------------- GPU (skipped here)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_pinned_store_copies_blocks_to_and_from_a_gpu(name):
+    with KVStore.create(name, num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
+                        head_size=8) as kv:
+        kv.pin()
+        assert kv.is_pinned
+        kv.kv.normal_()
+        dev = kv.allocate_device_cache("cuda")
+        kv.load_blocks(dev, [3, 5])
+        torch.cuda.synchronize()
+        assert torch.equal(dev[:, :, 3].cpu(), kv.kv[:, :, 3])
+        dev[:, :, 6] = 2.0
+        kv.store_blocks(dev, [6])
+        assert bool((kv.kv[:, :, 6] == 2.0).all())
+        kv.unpin()
+        assert not kv.is_pinned
