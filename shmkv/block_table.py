@@ -53,6 +53,7 @@ Changelog: bt v1, kv v1: initial.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import pickle
@@ -155,6 +156,14 @@ def _check_header(seg: Segment, hdr: np.void, magic: int, version: int,
 
 # --------------------------------------------------------------------------- slot mapping
 
+def _as_int64(x: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A 1-d int64 tensor; lists go through numpy (several times cheaper than torch's own
+    list conversion)."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).to(torch.int64)
+    return torch.from_numpy(np.asarray(x, dtype=np.int64).reshape(-1))
+
+
 def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
                          positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slots of a batch's tokens: ``block_table[req, pos // bs] * bs + pos % bs`` (int64).
@@ -169,24 +178,26 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
         UsageError: a position past the table's width or a row out of range.
     """
     width = block_table.shape[1]
-    req_indices = req_indices.to(torch.int64)
-    positions = positions.to(torch.int64)
-    if positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= width * block_size:
-            raise UsageError(
-                f"positions must lie in [0, {width * block_size}) for a table {width} blocks "
-                f"wide of block size {block_size}; found {lo}..{hi}")
-        if int(req_indices.max()) >= block_table.shape[0]:
-            raise UsageError(
-                f"row index {int(req_indices.max())} out of range for a table of "
-                f"{block_table.shape[0]} rows")
-    pad = req_indices < 0
-    flat = req_indices.clamp(min=0) * width + torch.div(positions, block_size,
-                                                        rounding_mode="floor")
-    block_numbers = block_table.reshape(-1).index_select(0, flat).to(torch.int64)
-    slots = block_numbers * block_size + positions % block_size
-    return slots.masked_fill_(pad, PAD_SLOT_ID) if bool(pad.any()) else slots
+    req_indices = _as_int64(req_indices)
+    positions = _as_int64(positions)
+    if positions.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    lo, hi = (int(x) for x in torch.aminmax(positions))
+    if lo < 0 or hi >= width * block_size:
+        raise UsageError(
+            f"positions must lie in [0, {width * block_size}) for a table {width} blocks "
+            f"wide of block size {block_size}; found {lo}..{hi}")
+    req_lo, req_hi = (int(x) for x in torch.aminmax(req_indices))
+    if req_hi >= block_table.shape[0]:
+        raise UsageError(
+            f"row index {req_hi} out of range for a table of {block_table.shape[0]} rows")
+    pad = req_indices < 0 if req_lo < 0 else None
+    rows = req_indices.clamp(min=0) if pad is not None else req_indices
+    block_index = positions // block_size
+    flat = rows * width + block_index
+    block_numbers = block_table.reshape(-1).index_select(0, flat)
+    slots = block_numbers.to(torch.int64) * block_size + (positions - block_index * block_size)
+    return slots if pad is None else slots.masked_fill_(pad, PAD_SLOT_ID)
 
 
 def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
@@ -196,18 +207,20 @@ def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
     ``num_scheduled_tokens[i]`` tokens starting at position ``start_positions[i]``: one
     entry per token, request-major (vLLM's ``query_start_loc`` order). Works for prefill
     (many tokens per request) and decode (one) alike."""
-    counts = torch.as_tensor(num_scheduled_tokens, dtype=torch.int64)
-    starts = torch.as_tensor(start_positions, dtype=torch.int64)
-    if counts.shape != starts.shape or counts.dim() != 1:
+    counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    starts = np.asarray(start_positions, dtype=np.int64)
+    if counts.shape != starts.shape or counts.ndim != 1:
         raise UsageError(
             f"num_scheduled_tokens and start_positions must be 1-d of one length, got "
             f"{tuple(counts.shape)} and {tuple(starts.shape)}")
-    if counts.numel() and (int(counts.min()) < 0 or int(starts.min()) < 0):
+    if counts.size and (int(counts.min()) < 0 or int(starts.min()) < 0):
         raise UsageError("token counts and start positions must be >= 0")
-    req_indices = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    query_start = torch.cumsum(counts, 0) - counts
-    offsets = torch.arange(req_indices.numel()) - query_start.index_select(0, req_indices)
-    return req_indices, starts.index_select(0, req_indices) + offsets
+    if counts.size and int(counts.max()) == 1 and int(counts.min()) == 1:  # decode
+        return torch.arange(counts.size), torch.from_numpy(starts)
+    # numpy for the bookkeeping (vLLM's worker does the same): cheaper per call than torch.
+    req_indices = np.repeat(np.arange(counts.size), counts)
+    offsets = np.arange(req_indices.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return torch.from_numpy(req_indices), torch.from_numpy(starts[req_indices] + offsets)
 
 
 # --------------------------------------------------------------------------- block tables
@@ -430,25 +443,38 @@ class SharedBlockTables:
         return int(row)
 
     def _check_ids(self, block_ids_per_group: Sequence[Sequence[int]], row: int,
-                   appending: bool) -> list[np.ndarray]:
+                   appending: bool) -> list[tuple[Sequence[int], int, int]]:
+        """Validates every group's ids before anything is written; returns per group
+        (ids, start, count). Plain Python on purpose: rows are short, numpy's per-call
+        overhead is not."""
         if len(block_ids_per_group) != self.num_groups:
             raise UsageError(
                 f"block ids for {len(block_ids_per_group)} KV-cache groups; these tables "
                 f"have {self.num_groups}")
         out = []
+        lengths = self._num_blocks_list(row) if appending else None
         for g, ids in enumerate(block_ids_per_group):
-            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            start = int(self._num_blocks_np[g, row]) if appending else 0
-            if start + arr.size > self.max_num_blocks_per_req[g]:
+            if isinstance(ids, (np.ndarray, torch.Tensor)):
+                ids = ids.reshape(-1).tolist()
+            n = len(ids)
+            start = lengths[g] if lengths is not None else 0
+            if start + n > self.max_num_blocks_per_req[g]:
                 raise UsageError(
-                    f"group {g}, row {row}: {start} + {arr.size} blocks exceed the table's "
+                    f"group {g}, row {row}: {start} + {n} blocks exceed the table's "
                     f"width of {self.max_num_blocks_per_req[g]}")
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_BLOCK_ID):
-                raise UsageError(
-                    f"group {g}, row {row}: block ids must lie in [0, {MAX_BLOCK_ID}], found "
-                    f"{int(arr.min())}..{int(arr.max())}")
-            out.append(arr)
+            if n:
+                lo, hi = min(ids), max(ids)
+                if not isinstance(lo, (int, np.integer)) or not isinstance(hi, (int, np.integer)):
+                    raise UsageError(f"group {g}, row {row}: block ids must be ints, got {ids!r}")
+                if lo < 0 or hi > MAX_BLOCK_ID:
+                    raise UsageError(
+                        f"group {g}, row {row}: block ids must lie in [0, {MAX_BLOCK_ID}], "
+                        f"found {lo}..{hi}")
+            out.append((ids, start, n))
         return out
+
+    def _num_blocks_list(self, row: int) -> list[int]:
+        return self._num_blocks_np[:, row].tolist()
 
     def append_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
         """Appends each group's ids after the row's current blocks (vLLM's append_row).
@@ -458,22 +484,79 @@ class SharedBlockTables:
                 width, a negative id; nothing is written then.
         """
         row = self._check_row(row)
-        arrays = self._check_ids(block_ids_per_group, row, appending=True)
+        checked = self._check_ids(block_ids_per_group, row, appending=True)
         self._begin_write()
-        for g, arr in enumerate(arrays):
-            if arr.size:
-                start = int(self._num_blocks_np[g, row])
-                self._tables_np[g][row, start:start + arr.size] = arr
-                self._num_blocks_np[g, row] = start + arr.size
+        for g, (ids, start, n) in enumerate(checked):
+            if n:
+                self._tables_np[g][row, start:start + n] = ids
+                self._num_blocks_np[g, row] = start + n
 
     def add_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
         """Replaces the row with each group's ids (vLLM's add_row). Raises as append_row."""
         row = self._check_row(row)
-        arrays = self._check_ids(block_ids_per_group, row, appending=False)
+        checked = self._check_ids(block_ids_per_group, row, appending=False)
         self._begin_write()
-        for g, arr in enumerate(arrays):
-            self._tables_np[g][row, :arr.size] = arr
-            self._num_blocks_np[g, row] = arr.size
+        for g, (ids, _, n) in enumerate(checked):
+            if n:
+                self._tables_np[g][row, :n] = ids
+            self._num_blocks_np[g, row] = n
+
+    def add_rows(self, block_ids_per_row: Sequence[Sequence[Sequence[int]]],
+                 rows: Sequence[int]) -> None:
+        """``add_row`` for many rows at once, vectorised (a step's new requests)."""
+        self._write_rows(block_ids_per_row, rows, appending=False)
+
+    def append_rows(self, block_ids_per_row: Sequence[Sequence[Sequence[int]]],
+                    rows: Sequence[int]) -> None:
+        """``append_row`` for many rows at once, vectorised (a step's new blocks)."""
+        self._write_rows(block_ids_per_row, rows, appending=True)
+
+    def _write_rows(self, block_ids_per_row, rows, appending: bool) -> None:
+        """Validates every row of every group first (UsageError, nothing written), then
+        scatters all ids of a group with one numpy store."""
+        rows_arr = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(block_ids_per_row) != rows_arr.size:
+            raise UsageError(f"{len(block_ids_per_row)} rows of block ids for "
+                             f"{rows_arr.size} row indices")
+        if rows_arr.size == 0:
+            return
+        if int(rows_arr.min()) < 0 or int(rows_arr.max()) >= self.max_num_reqs:
+            raise UsageError(f"rows must lie in [0, {self.max_num_reqs}), got "
+                             f"{int(rows_arr.min())}..{int(rows_arr.max())}")
+        if np.unique(rows_arr).size != rows_arr.size:
+            raise UsageError("a row appears twice in one call")
+        for i, ids in enumerate(block_ids_per_row):
+            if len(ids) != self.num_groups:
+                raise UsageError(
+                    f"row {int(rows_arr[i])}: block ids for {len(ids)} KV-cache groups; "
+                    f"these tables have {self.num_groups}")
+        plans = []
+        for g in range(self.num_groups):
+            lists = [ids[g] for ids in block_ids_per_row]
+            counts = np.fromiter(map(len, lists), np.int64, rows_arr.size)
+            total = int(counts.sum())
+            flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, total)
+            starts = (self._num_blocks_np[g, rows_arr].astype(np.int64) if appending
+                      else np.zeros(rows_arr.size, np.int64))
+            ends = starts + counts
+            over = np.flatnonzero(ends > self.max_num_blocks_per_req[g])
+            if over.size:
+                i = int(over[0])
+                raise UsageError(
+                    f"group {g}, row {int(rows_arr[i])}: {int(starts[i])} + {int(counts[i])} "
+                    f"blocks exceed the table's width of {self.max_num_blocks_per_req[g]}")
+            if total and (int(flat.min()) < 0 or int(flat.max()) > MAX_BLOCK_ID):
+                raise UsageError(
+                    f"group {g}: block ids must lie in [0, {MAX_BLOCK_ID}], found "
+                    f"{int(flat.min())}..{int(flat.max())}")
+            plans.append((counts, total, flat, starts, ends))
+        self._begin_write()
+        for g, (counts, total, flat, starts, ends) in enumerate(plans):
+            if total:
+                first = np.repeat(np.cumsum(counts) - counts - starts, counts)
+                cols = np.arange(total) - first
+                self._tables_np[g][np.repeat(rows_arr, counts), cols] = flat
+            self._num_blocks_np[g, rows_arr] = ends
 
     def clear_row(self, row: int) -> None:
         """Zeroes the row's blocks (the null block) and its lengths."""
@@ -558,7 +641,7 @@ class SharedBlockTables:
         if rows is None:
             idx = torch.arange(self.max_num_reqs)
         else:
-            idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+            idx = _as_int64(rows)
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.max_num_reqs):
                 raise UsageError(
                     f"rows must lie in [0, {self.max_num_reqs}), got {int(idx.min())}.."
@@ -571,6 +654,35 @@ class SharedBlockTables:
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return BlockTableSnapshot(step, idx, tables, num_blocks, self.block_sizes)
+
+    def compute_slot_mappings(self, rows: Sequence[int] | torch.Tensor,
+                              req_indices: torch.Tensor, positions: torch.Tensor, *,
+                              min_step: int | None = None,
+                              timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                              ) -> tuple[int, list[torch.Tensor]]:
+        """``(step, slot mapping per group)`` computed straight from the shared tables
+        (zero-copy: no row is gathered first), under the seqlock. Token ``t`` is in table
+        row ``rows[req_indices[t]]`` at ``positions[t]``.
+
+        Raises:
+            UsageError: a row or position out of range.
+            TornReadError: no consistent state within ``timeout_s``.
+        """
+        rows_t = _as_int64(rows)
+        if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= self.max_num_reqs):
+            raise UsageError(
+                f"rows must lie in [0, {self.max_num_reqs}), got {int(rows_t.min())}.."
+                f"{int(rows_t.max())}")
+        token_rows = rows_t.index_select(0, _as_int64(req_indices))
+        positions = _as_int64(positions)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seq = self._wait_even(deadline, min_step) if self._seqlock else 0
+            slots = [compute_slot_mapping(t, token_rows, positions, bs)
+                     for t, bs in zip(self._tables_t, self.block_sizes, strict=True)]
+            step = int(self._swords[_STEP_WORD])
+            if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
+                return step, slots
 
     @contextlib.contextmanager
     def reading(self, step: int | None = None, *,
