@@ -346,3 +346,75 @@ def test_pinned_store_copies_blocks_to_and_from_a_gpu(name):
         assert bool((kv.kv[:, :, 6] == 2.0).all())
         kv.unpin()
         assert not kv.is_pinned
+
+
+# --------------------------------------------------------------------------- batched rows
+
+def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
+    rng = random.Random(11)
+    with SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64,
+                                  block_sizes=[4, 16]) as batched:
+        single = SharedBlockTables.create(name + "-1", max_num_reqs=8, max_model_len=64,
+                                          block_sizes=[4, 16])
+        try:
+            for step in range(40):
+                rows = rng.sample(range(8), rng.randint(1, 8))
+                appending = rng.random() < 0.5
+                ids = []
+                for r in rows:
+                    lens = ([int(n) for n in single.num_blocks_per_row[:, r]] if appending
+                            else [0, 0])
+                    ids.append(([rng.randrange(1, 99) for _ in range(rng.randint(0, 16 - lens[0]))],
+                                [rng.randrange(1, 99) for _ in range(rng.randint(0, 4 - lens[1]))]))
+                (batched.append_rows if appending else batched.add_rows)(ids, rows)
+                for r, row_ids in zip(rows, ids, strict=True):
+                    (single.append_row if appending else single.add_row)(row_ids, r)
+                batched.commit(step)
+                single.commit(step)
+                for g in range(2):
+                    assert torch.equal(batched.block_table(g), single.block_table(g))
+                assert torch.equal(batched.num_blocks_per_row, single.num_blocks_per_row)
+        finally:
+            single.close()
+            SharedBlockTables.unlink(name + "-1")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t: t.add_rows([([1], [2])], [0, 1]), "1 rows of block ids for 2 row indices"),
+    (lambda t: t.add_rows([([1], [2]), ([1], [2])], [1, 1]), "a row appears twice"),
+    (lambda t: t.add_rows([([1], [2])], [8]), r"rows must lie in \[0, 8\)"),
+    (lambda t: t.add_rows([([1],)], [0]), "row 0: block ids for 1 KV-cache groups"),
+    (lambda t: t.append_rows([([1], [2]), ([1] * 15, [])], [0, 3]),
+     r"group 0, row 3: 2 \+ 15 blocks exceed"),
+    (lambda t: t.add_rows([([1], [-5])], [0]), "group 1: block ids must lie in"),
+])
+def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match):
+    tables.add_row(([1, 2], [3]), 3)
+    tables.commit(0)
+    before = _state(tables)
+    with pytest.raises(UsageError, match=match):
+        call(tables)
+    assert _same(before, _state(tables))
+
+
+def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
+    """Slots straight from the shared tables equal those of a gathered snapshot; rows are
+    table rows, req_indices index the rows list."""
+    tables.add_rows([([1, 2, 3], [7]), ([4, 5], [8])], [6, 2])
+    tables.commit(3)
+    reader = SharedBlockTables.attach(name)
+    try:
+        req_indices, positions = batch_token_indices([5, 1], [2, 7])
+        step, direct = reader.compute_slot_mappings([6, 2], req_indices, positions, min_step=3)
+        snap = reader.read([6, 2])
+        assert step == 3
+        for a, b in zip(direct, snap.slot_mappings(req_indices, positions), strict=True):
+            assert torch.equal(a, b)
+        assert direct[0].tolist() == [1 * 4 + 2, 1 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 5 * 4 + 3]
+        with pytest.raises(UsageError, match="rows must lie"):
+            reader.compute_slot_mappings([9], req_indices[:1], positions[:1])
+        tables.append_row(([9], []), 6)
+        with pytest.raises(TornReadError):
+            reader.compute_slot_mappings([6], req_indices[:1], positions[:1], timeout_s=0.05)
+    finally:
+        reader.close()
