@@ -418,3 +418,44 @@ def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
             reader.compute_slot_mappings([6], req_indices[:1], positions[:1], timeout_s=0.05)
     finally:
         reader.close()
+
+
+def _open_and_fill(handle: bytes, done) -> None:
+    from shmkv.block_table import open_device_tensor
+
+    t = open_device_tensor(handle)
+    t.fill_(3.0)
+    torch.cuda.synchronize()
+    done.set()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_device_tensor_is_shared_through_cuda_ipc():
+    """A KV tensor on the GPU, exported as a CUDA IPC handle: another process maps the same
+    device memory and its write shows in the exporter's tensor."""
+    import multiprocessing as mp
+
+    from shmkv.block_table import export_device_tensor
+
+    ctx = mp.get_context("spawn")
+    t = torch.zeros(4, 16, device="cuda")
+    done = ctx.Event()
+    p = ctx.Process(target=_open_and_fill, args=(export_device_tensor(t), done))
+    p.start()
+    try:
+        assert done.wait(120)
+        p.join(60)
+        assert p.exitcode == 0
+        assert bool((t == 3.0).all())
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+def test_export_device_tensor_refuses_a_cpu_tensor():
+    from shmkv.block_table import export_device_tensor
+
+    with pytest.raises(UsageError, match="needs a CUDA tensor"):
+        export_device_tensor(torch.zeros(2))
