@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from shmkv import layout as L
-from shmkv.errors import LayoutMismatchError, TornReadError, UsageError
+from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
 from shmkv.segment import Segment
 
 BT_LAYOUT_VERSION = 1
@@ -224,6 +224,17 @@ def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
 
 
 # --------------------------------------------------------------------------- block tables
+
+class _Closed:
+    """Stands in for the views of a closed mapping: any use raises PoolClosedError."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _fail(self, *args: object, **kwargs: object):
+        raise PoolClosedError(f"{self._name} was closed; attach again")
+
+    __getitem__ = __setitem__ = __getattr__ = __iter__ = __len__ = _fail
 
 @dataclass
 class BlockTableSnapshot:
@@ -385,12 +396,13 @@ class SharedBlockTables:
             raise
 
     def close(self) -> None:
-        """Unmaps the tables (the tensors handed out keep their pages until dropped)."""
+        """Unmaps the tables (the tensors handed out keep their pages until dropped); any
+        later call raises PoolClosedError."""
         if self._segment.buf is None:
             return
-        self._hdr = self._words = self._swords = None  # type: ignore[assignment]
-        self._num_blocks_np = self._num_blocks_t = None  # type: ignore[assignment]
-        self._tables_np, self._tables_t = [], []
+        self._hdr = self._words = self._swords = _Closed(self.name)  # type: ignore[assignment]
+        self._num_blocks_np = self._num_blocks_t = _Closed(self.name)  # type: ignore[assignment]
+        self._tables_np = self._tables_t = _Closed(self.name)  # type: ignore[assignment]
         self._segment.close()
 
     @staticmethod
@@ -826,8 +838,7 @@ class KVStore:
             return
         if self._pinned:
             self.unpin()
-        self.kv = None  # type: ignore[assignment]
-        self.key_cache, self.value_cache = [], []
+        self.kv = self.key_cache = self.value_cache = _Closed(self.name)  # type: ignore
         self._segment.close()
 
     @staticmethod

@@ -177,6 +177,14 @@ class ModelRunner:
             raise UsageError(
                 f"block tables' block sizes {self.tables.block_sizes} differ from the KV "
                 f"store's {self.kv_store.block_size}")
+        kv = self.kv_store
+        want = (model_config.num_layers, model_config.num_kv_heads, model_config.head_size)
+        found = (kv.num_layers, kv.num_kv_heads, kv.head_size)
+        if want != found or kv.dtype != torch.float32:
+            self.close()
+            raise UsageError(
+                f"the KV store has (layers, kv heads, head size, dtype) = {found + (kv.dtype,)}; "
+                f"the model needs {want + (torch.float32,)}")
 
     def execute(self, step: ExecuteStep) -> list[int]:
         """Greedy next token of every scheduled request (in the step's order).

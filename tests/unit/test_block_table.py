@@ -459,3 +459,20 @@ def test_export_device_tensor_refuses_a_cpu_tensor():
 
     with pytest.raises(UsageError, match="needs a CUDA tensor"):
         export_device_tensor(torch.zeros(2))
+
+
+def test_use_after_close_is_a_clear_error(name):
+    from shmkv.errors import PoolClosedError
+
+    t = SharedBlockTables.create(name, max_num_reqs=2, max_model_len=8, block_sizes=[4])
+    t.close()
+    t.close()  # idempotent
+    for call in (lambda: t.add_row(([1],), 0), lambda: t.commit(0), lambda: t.read(),
+                 lambda: t.block_table(0), lambda: t.step):
+        with pytest.raises(PoolClosedError, match="was closed"):
+            call()
+    kv = KVStore.create(name, num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1,
+                        head_size=4)
+    kv.close()
+    with pytest.raises(PoolClosedError, match="was closed"):
+        kv.layer(0)

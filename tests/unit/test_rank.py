@@ -83,3 +83,5 @@ def test_model_runner_executes_a_step_and_checks_its_number(name):
         kv.close()
     with pytest.raises(UsageError, match="KV-cache groups"):
         ModelRunner(name, name, TinyModelConfig(sliding_window=(None, None, None)))
+    with pytest.raises(UsageError, match=r"the KV store has .* the model needs \(3, 1, 16"):
+        ModelRunner(name, name, TinyModelConfig(num_heads=4, num_kv_heads=1))
