@@ -77,6 +77,7 @@ KV_HEADER_BYTES = 4096  # the data starts page-aligned (cudaHostRegister wants p
 MAX_BLOCK_ID = (1 << 31) - 1
 DEFAULT_READ_TIMEOUT_S = 5.0
 PAD_SLOT_ID = -1  # vLLM's PAD_ID for slots of padding tokens
+_ROW_BY_ROW_MAX = 24  # add_rows / append_rows with at most this many rows go row by row
 
 BT_HEADER_DTYPE = np.dtype([
     ("magic", "<u8"), ("layout_version", "<u4"), ("header_bytes", "<u4"),
@@ -498,20 +499,20 @@ class SharedBlockTables:
         row = self._check_row(row)
         checked = self._check_ids(block_ids_per_group, row, appending=True)
         self._begin_write()
-        for g, (ids, start, n) in enumerate(checked):
-            if n:
-                self._tables_np[g][row, start:start + n] = ids
-                self._num_blocks_np[g, row] = start + n
+        self._write_checked(row, checked)
 
     def add_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
         """Replaces the row with each group's ids (vLLM's add_row). Raises as append_row."""
         row = self._check_row(row)
         checked = self._check_ids(block_ids_per_group, row, appending=False)
         self._begin_write()
-        for g, (ids, _, n) in enumerate(checked):
+        self._write_checked(row, checked)
+
+    def _write_checked(self, row: int, checked: list[tuple[Sequence[int], int, int]]) -> None:
+        for g, (ids, start, n) in enumerate(checked):
             if n:
-                self._tables_np[g][row, :n] = ids
-            self._num_blocks_np[g, row] = n
+                self._tables_np[g][row, start:start + n] = ids
+            self._num_blocks_np[g, row] = start + n
 
     def add_rows(self, block_ids_per_row: Sequence[Sequence[Sequence[int]]],
                  rows: Sequence[int]) -> None:
@@ -526,22 +527,30 @@ class SharedBlockTables:
     def _write_rows(self, block_ids_per_row, rows, appending: bool) -> None:
         """Validates every row of every group first (UsageError, nothing written), then
         scatters all ids of a group with one numpy store."""
-        rows_arr = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if len(block_ids_per_row) != rows_arr.size:
+        rows_list = rows.tolist() if isinstance(rows, (np.ndarray, torch.Tensor)) else list(rows)
+        if len(block_ids_per_row) != len(rows_list):
             raise UsageError(f"{len(block_ids_per_row)} rows of block ids for "
-                             f"{rows_arr.size} row indices")
-        if rows_arr.size == 0:
+                             f"{len(rows_list)} row indices")
+        if not rows_list:
             return
-        if int(rows_arr.min()) < 0 or int(rows_arr.max()) >= self.max_num_reqs:
-            raise UsageError(f"rows must lie in [0, {self.max_num_reqs}), got "
-                             f"{int(rows_arr.min())}..{int(rows_arr.max())}")
-        if np.unique(rows_arr).size != rows_arr.size:
+        lo, hi = min(rows_list), max(rows_list)
+        if lo < 0 or hi >= self.max_num_reqs:
+            raise UsageError(f"rows must lie in [0, {self.max_num_reqs}), got {lo}..{hi}")
+        if len(set(rows_list)) != len(rows_list):
             raise UsageError("a row appears twice in one call")
-        for i, ids in enumerate(block_ids_per_row):
+        for r, ids in zip(rows_list, block_ids_per_row, strict=True):
             if len(ids) != self.num_groups:
                 raise UsageError(
-                    f"row {int(rows_arr[i])}: block ids for {len(ids)} KV-cache groups; "
+                    f"row {r}: block ids for {len(ids)} KV-cache groups; "
                     f"these tables have {self.num_groups}")
+        if len(rows_list) <= _ROW_BY_ROW_MAX:  # few rows: numpy's fixed costs would dominate
+            checked = [self._check_ids(ids, self._check_row(r), appending)
+                       for r, ids in zip(rows_list, block_ids_per_row, strict=True)]
+            self._begin_write()
+            for r, c in zip(rows_list, checked, strict=True):
+                self._write_checked(r, c)
+            return
+        rows_arr = np.asarray(rows_list, dtype=np.int64)
         plans = []
         for g in range(self.num_groups):
             lists = [ids[g] for ids in block_ids_per_row]
@@ -551,9 +560,8 @@ class SharedBlockTables:
             starts = (self._num_blocks_np[g, rows_arr].astype(np.int64) if appending
                       else np.zeros(rows_arr.size, np.int64))
             ends = starts + counts
-            over = np.flatnonzero(ends > self.max_num_blocks_per_req[g])
-            if over.size:
-                i = int(over[0])
+            if int(ends.max()) > self.max_num_blocks_per_req[g]:
+                i = int(np.flatnonzero(ends > self.max_num_blocks_per_req[g])[0])
                 raise UsageError(
                     f"group {g}, row {int(rows_arr[i])}: {int(starts[i])} + {int(counts[i])} "
                     f"blocks exceed the table's width of {self.max_num_blocks_per_req[g]}")

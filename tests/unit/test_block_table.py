@@ -351,14 +351,15 @@ def test_pinned_store_copies_blocks_to_and_from_a_gpu(name):
 # --------------------------------------------------------------------------- batched rows
 
 def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
+    """Both paths: row by row for a few rows, vectorised for many."""
     rng = random.Random(11)
-    with SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64,
+    with SharedBlockTables.create(name, max_num_reqs=64, max_model_len=64,
                                   block_sizes=[4, 16]) as batched:
-        single = SharedBlockTables.create(name + "-1", max_num_reqs=8, max_model_len=64,
+        single = SharedBlockTables.create(name + "-1", max_num_reqs=64, max_model_len=64,
                                           block_sizes=[4, 16])
         try:
             for step in range(40):
-                rows = rng.sample(range(8), rng.randint(1, 8))
+                rows = rng.sample(range(64), rng.choice([rng.randint(1, 8), rng.randint(25, 64)]))
                 appending = rng.random() < 0.5
                 ids = []
                 for r in rows:
@@ -386,9 +387,14 @@ def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
     (lambda t: t.add_rows([([1],)], [0]), "row 0: block ids for 1 KV-cache groups"),
     (lambda t: t.append_rows([([1], [2]), ([1] * 15, [])], [0, 3]),
      r"group 0, row 3: 2 \+ 15 blocks exceed"),
-    (lambda t: t.add_rows([([1], [-5])], [0]), "group 1: block ids must lie in"),
+    (lambda t: t.add_rows([([1], [2]), ([1], [-5])], [0, 1]), "group 1.*block ids must lie in"),
 ])
-def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match):
+@pytest.mark.parametrize("row_by_row_max", [24, 0], ids=["row-by-row", "vectorised"])
+def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, row_by_row_max,
+                                                         monkeypatch):
+    import shmkv.block_table as bt
+
+    monkeypatch.setattr(bt, "_ROW_BY_ROW_MAX", row_by_row_max)
     tables.add_row(([1, 2], [3]), 3)
     tables.commit(0)
     before = _state(tables)
