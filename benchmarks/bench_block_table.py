@@ -3,10 +3,9 @@ shmkv's shared tables against building the same tensors from Python lists as vLL
 does, in the same run, on the same steps.
 
 - shmkv: the scheduler writes the rows into its ``SharedBlockTables`` (``add_rows`` for new
-  requests, ``append_rows`` for new blocks, each one vectorised call per step) and ``commit``s; the rank takes a consistent
-  snapshot of the batch's rows (``read``), builds token indices and positions
-  (``batch_token_indices``) and the slot mapping (``compute_slot_mapping``, torch).
-  Nothing about block ids crosses a process boundary: the rank reads the segment.
+  requests, ``append_rows`` for new blocks: one vectorised call per step) and ``commit``s;
+  the rank builds token indices and positions (``batch_token_indices``) and the slot
+  mappings. Nothing about block ids crosses a process boundary: the rank reads the segment.
   ``shmkv`` computes the slots straight from the shared tables
   (``SharedBlockTables.compute_slot_mappings``); ``shmkv-snapshot`` first copies the batch's
   rows (``read``, what the model runner does, as it also needs the rows for attention).
@@ -46,7 +45,6 @@ import torch  # noqa: E402
 from shmkv.block_table import (  # noqa: E402
     SharedBlockTables,
     batch_token_indices,
-    compute_slot_mapping,
 )
 
 BS = 16
@@ -206,10 +204,10 @@ def main() -> None:
             pub = statistics.median(p for p, _ in times[impl]) / args.steps / 1e3
             rank = statistics.median(r for _, r in times[impl]) / args.steps / 1e3
             tot = statistics.median(p + r for p, r in times[impl]) / args.steps / 1e3
-            row = dict(bench="block_table", scenario=scenario, impl=impl, reqs=args.reqs,
-                       groups=args.groups, block_size=BS,
-                       tokens=sum(steps[0][3]), publish_us=round(pub, 1),
-                       rank_us=round(rank, 1), step_us=round(tot, 1))
+            row = {"bench": "block_table", "scenario": scenario, "impl": impl, "reqs": args.reqs,
+                       "groups": args.groups, "block_size": BS,
+                       "tokens": sum(steps[0][3]), "publish_us": round(pub, 1),
+                       "rank_us": round(rank, 1), "step_us": round(tot, 1)}
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     print()

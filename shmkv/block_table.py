@@ -1,6 +1,7 @@
 """Shared block tables, slot mapping and the KV store: what the GPU ranks read.
 
-The only module of ``shmkv`` that imports torch (``import shmkv`` does not import it).
+The only module of ``shmkv`` that imports torch (``import shmkv`` does not import it), and
+only on first use: a scheduler process that just writes rows (numpy) never loads torch.
 
 Block tables (``SharedBlockTables``)
 ------------------------------------
@@ -62,11 +63,23 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from shmkv import layout as L
 from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
 from shmkv.segment import Segment
+
+
+class _LazyTorch:
+    """torch, imported on first use: a scheduler that only writes rows never loads it."""
+
+    def __getattr__(self, name: str):
+        import torch as real
+
+        globals()["torch"] = real
+        return getattr(real, name)
+
+
+torch = _LazyTorch()
 
 BT_LAYOUT_VERSION = 1
 KV_LAYOUT_VERSION = 1
@@ -99,10 +112,11 @@ KV_HEADER_DTYPE = np.dtype([
     ("dtype", "S16"),
 ])
 
-_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8,
-}
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "uint8")
+
+
+def _torch_dtype(name: str):
+    return getattr(torch, name)
 
 
 def block_tables_segment_name(name: str) -> str:
@@ -125,8 +139,8 @@ def _positive_int(what: str, value: object) -> int:
 
 def _dtype_name(dtype: object) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise UsageError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    if name not in _DTYPE_NAMES:
+        raise UsageError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)}")
     return name
 
 
@@ -289,9 +303,7 @@ class SharedBlockTables:
             np.ndarray((self.max_num_reqs, w), "<i4", buffer=buf, offset=o)
             for (o, _), w in zip(offsets[1:], self.max_num_blocks_per_req, strict=True)
         ]
-        # The torch views share the numpy views' memory (torch.from_numpy: no copy).
-        self._num_blocks_t = torch.from_numpy(self._num_blocks_np)
-        self._tables_t = [torch.from_numpy(a) for a in self._tables_np]
+        self._views: tuple | None = None  # the torch views, made on first use (_t)
         self._writing = False
         self._seqlock = True  # tests turn it off to show the torn-read check fails
         self.name = segment.shm_name
@@ -402,8 +414,8 @@ class SharedBlockTables:
         if self._segment.buf is None:
             return
         self._hdr = self._words = self._swords = _Closed(self.name)  # type: ignore[assignment]
-        self._num_blocks_np = self._num_blocks_t = _Closed(self.name)  # type: ignore[assignment]
-        self._tables_np = self._tables_t = _Closed(self.name)  # type: ignore[assignment]
+        self._num_blocks_np = self._tables_np = _Closed(self.name)  # type: ignore[assignment]
+        self._views = (_Closed(self.name), _Closed(self.name))
         self._segment.close()
 
     @staticmethod
@@ -422,14 +434,22 @@ class SharedBlockTables:
 
     # ------------------------------------------------------------------ zero-copy views
 
+    def _t(self) -> tuple:
+        """(num_blocks_per_row, [table per group]) as torch tensors sharing the numpy
+        views' memory (``torch.from_numpy``: no copy)."""
+        if self._views is None:
+            self._views = (torch.from_numpy(self._num_blocks_np),
+                           [torch.from_numpy(a) for a in self._tables_np])
+        return self._views
+
     def block_table(self, group: int) -> torch.Tensor:
         """Group ``group``'s whole table: an int32 tensor over the segment (no copy)."""
-        return self._tables_t[group]
+        return self._t()[1][group]
 
     @property
     def num_blocks_per_row(self) -> torch.Tensor:
         """int32 ``[num_groups, max_num_reqs]`` over the segment (no copy)."""
-        return self._num_blocks_t
+        return self._t()[0]
 
     @property
     def step(self) -> int:
@@ -467,8 +487,8 @@ class SharedBlockTables:
         out = []
         lengths = self._num_blocks_list(row) if appending else None
         for g, ids in enumerate(block_ids_per_group):
-            if isinstance(ids, (np.ndarray, torch.Tensor)):
-                ids = ids.reshape(-1).tolist()
+            if not isinstance(ids, (list, tuple)) and hasattr(ids, "tolist"):
+                ids = ids.reshape(-1).tolist()  # an array or a tensor
             n = len(ids)
             start = lengths[g] if lengths is not None else 0
             if start + n > self.max_num_blocks_per_req[g]:
@@ -527,7 +547,8 @@ class SharedBlockTables:
     def _write_rows(self, block_ids_per_row, rows, appending: bool) -> None:
         """Validates every row of every group first (UsageError, nothing written), then
         scatters all ids of a group with one numpy store."""
-        rows_list = rows.tolist() if isinstance(rows, (np.ndarray, torch.Tensor)) else list(rows)
+        is_array = not isinstance(rows, (list, tuple)) and hasattr(rows, "tolist")
+        rows_list = rows.tolist() if is_array else list(rows)
         if len(block_ids_per_row) != len(rows_list):
             raise UsageError(f"{len(block_ids_per_row)} rows of block ids for "
                              f"{len(rows_list)} row indices")
@@ -669,8 +690,8 @@ class SharedBlockTables:
         deadline = time.monotonic() + timeout_s
         while True:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
-            tables = [t.index_select(0, idx) for t in self._tables_t]
-            num_blocks = self._num_blocks_t.index_select(1, idx)
+            tables = [t.index_select(0, idx) for t in self._t()[1]]
+            num_blocks = self._t()[0].index_select(1, idx)
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return BlockTableSnapshot(step, idx, tables, num_blocks, self.block_sizes)
@@ -699,7 +720,7 @@ class SharedBlockTables:
         while True:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
             slots = [compute_slot_mapping(t, token_rows, positions, bs)
-                     for t, bs in zip(self._tables_t, self.block_sizes, strict=True)]
+                     for t, bs in zip(self._t()[1], self.block_sizes, strict=True)]
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return step, slots
@@ -712,7 +733,7 @@ class SharedBlockTables:
         rows), and raises ``TornReadError`` on exit if a write began meanwhile."""
         seq = self._wait_even(time.monotonic() + timeout_s, step)
         yield BlockTableSnapshot(self.step, torch.arange(self.max_num_reqs),
-                                 list(self._tables_t), self._num_blocks_t, self.block_sizes)
+                                 list(self._t()[1]), self._t()[0], self.block_sizes)
         if int(self._words[_SEQ_WORD]) != seq:
             raise TornReadError(
                 f"block tables {self.name} were written during a zero-copy read (seq {seq} -> "
@@ -739,7 +760,7 @@ class KVStore:
         self.block_size = int(h["block_size"])
         self.num_kv_heads = int(h["num_kv_heads"])
         self.head_size = int(h["head_size"])
-        self.dtype = _DTYPES[bytes(h["dtype"]).decode()]
+        self.dtype = _torch_dtype(bytes(h["dtype"]).decode())
         del h
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
                  self.head_size)
@@ -774,7 +795,7 @@ class KVStore:
         if num_blocks > MAX_BLOCK_ID:
             raise UsageError(f"num_blocks {num_blocks} exceeds {MAX_BLOCK_ID}")
         dname = _dtype_name(dtype)
-        element_bytes = _DTYPES[dname].itemsize
+        element_bytes = _torch_dtype(dname).itemsize
         total = cls._total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
                                  element_bytes)
         seg = Segment.create(shm_name, total)
@@ -815,14 +836,15 @@ class KVStore:
             hdr = np.ndarray((1,), KV_HEADER_DTYPE, buffer=seg.buf)[0].copy()
             _check_header(seg, hdr, KV_MAGIC, KV_LAYOUT_VERSION, KV_HEADER_BYTES, None)
             dname = bytes(hdr["dtype"]).decode(errors="replace")
-            if dname not in _DTYPES:
+            if dname not in _DTYPE_NAMES:
                 raise LayoutMismatchError(
                     f"segment {seg.shm_name}: header field dtype is {dname!r}, expected one of "
-                    f"{sorted(_DTYPES)}")
-            if int(hdr["element_bytes"]) != _DTYPES[dname].itemsize:
+                    f"{sorted(_DTYPE_NAMES)}")
+            itemsize = _torch_dtype(dname).itemsize
+            if int(hdr["element_bytes"]) != itemsize:
                 raise LayoutMismatchError(
                     f"segment {seg.shm_name}: header field element_bytes is "
-                    f"{int(hdr['element_bytes'])}, expected {_DTYPES[dname].itemsize}")
+                    f"{int(hdr['element_bytes'])}, expected {itemsize}")
             want = cls._total_bytes(*(int(hdr[f]) for f in (
                 "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size",
                 "element_bytes")))

@@ -28,12 +28,14 @@ from typing import Union
 
 import msgspec
 import posix_ipc
-import torch
 
 from shmkv import layout as L
 from shmkv.block_table import KVStore, SharedBlockTables, batch_token_indices
 from shmkv.errors import ProtocolError, SegmentExistsError, SegmentNotFoundError, UsageError
-from shmkv.serve.model import TinyModelConfig, TinyTransformer
+from shmkv.serve.config import TinyModelConfig
+
+# torch and the model are imported by ModelRunner and rank_main only: the scheduler side
+# (messages, Channel, RankClient) runs without torch.
 
 CHANNEL_VERSION = 1
 MAX_MESSAGES = 10
@@ -159,6 +161,10 @@ class ModelRunner:
     """Maps one scheduler's block tables and the KV store, and executes its steps."""
 
     def __init__(self, tables_name: str, kv_store_name: str, model_config: TinyModelConfig):
+        import torch
+
+        from shmkv.serve.model import TinyTransformer
+
         self.tables = SharedBlockTables.attach(tables_name)
         try:
             self.kv_store = KVStore.attach(kv_store_name)
@@ -193,6 +199,8 @@ class ModelRunner:
             ProtocolError: the tables show another step than the message (handshake broken).
             TornReadError: no consistent snapshot in time.
         """
+        import torch
+
         reqs = step.requests
         if not reqs:
             return []
@@ -227,6 +235,8 @@ def rank_main(tables_name: str, kv_store_name: str, channel: str,
     step_no = -1
     to_sched = None
     if num_threads is not None:
+        import torch
+
         torch.set_num_threads(num_threads)
     try:
         to_rank = Channel.open(channel, "torank")

@@ -67,6 +67,29 @@ def test_import_shmkv_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_a_scheduler_writes_tables_without_loading_torch(name):
+    """The writer side (rows, commit), the model config, the KV-cache config and the rank
+    messages never import torch: a scheduler process does not pay for it."""
+    code = f"""
+import sys
+from shmkv.block_table import SharedBlockTables
+from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
+from shmkv.serve.rank import ExecuteStep, RankClient, ScheduledRequest, encode
+t = SharedBlockTables.create({name!r}, max_num_reqs=32, max_model_len=16, block_sizes=[4, 4])
+t.add_row(([1, 2], [3]), 0)
+t.append_rows([([4], [])], [0])
+t.add_rows([([5], [6])] * 30, list(range(2, 32)))  # the vectorised path
+t.clear_row(1)
+t.commit(0)
+make_kv_cache_config(TinyModelConfig(), 10, 4)
+encode(ExecuteStep(0, [ScheduledRequest("r", 0, [1], 0)]))
+t.close()
+SharedBlockTables.unlink({name!r})
+assert 'torch' not in sys.modules, 'torch imported'
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_create_sizes_names_and_mode(name, tables):
     assert tables.block_sizes == (4, 16)
     assert tables.max_num_blocks_per_req == (16, 4)  # cdiv(64, bs)
@@ -160,10 +183,10 @@ def test_bad_input_is_refused_and_changes_nothing(tables, call, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(max_num_reqs=0, max_model_len=8, block_sizes=[4]), "max_num_reqs"),
-    (dict(max_num_reqs=2, max_model_len=8, block_sizes=[]), "1..8 KV-cache groups"),
-    (dict(max_num_reqs=2, max_model_len=8, block_sizes=[4, 0]), "block size"),
-    (dict(max_num_reqs=2, max_model_len=8, block_sizes=[4], max_num_blocks_per_req=[1, 2]),
+    ({"max_num_reqs": 0, "max_model_len": 8, "block_sizes": [4]}, "max_num_reqs"),
+    ({"max_num_reqs": 2, "max_model_len": 8, "block_sizes": []}, "1..8 KV-cache groups"),
+    ({"max_num_reqs": 2, "max_model_len": 8, "block_sizes": [4, 0]}, "block size"),
+    ({"max_num_reqs": 2, "max_model_len": 8, "block_sizes": [4], "max_num_blocks_per_req": [1, 2]},
      "2 entries for 1 block sizes"),
 ])
 def test_create_rejects_bad_sizes(name, kwargs, match):
@@ -266,12 +289,12 @@ def test_kv_store_layers_share_one_segment(name):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_layers=0), "num_layers must be a positive int"),
-    (dict(head_size=2.0), "head_size must be a positive int"),
-    (dict(dtype="int7"), "dtype 'int7' is not one of"),
+    ({"num_layers": 0}, "num_layers must be a positive int"),
+    ({"head_size": 2.0}, "head_size must be a positive int"),
+    ({"dtype": "int7"}, "dtype 'int7' is not one of"),
 ])
 def test_kv_store_rejects_bad_arguments(name, kwargs, match):
-    args = dict(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1, head_size=8)
+    args = {"num_layers": 1, "num_blocks": 4, "block_size": 4, "num_kv_heads": 1, "head_size": 8}
     args.update(kwargs)
     with pytest.raises(UsageError, match=match):
         KVStore.create(name, **args)
@@ -313,7 +336,8 @@ def test_kv_store_load_and_store_blocks_round_trip_on_cpu(name):
         kv.kv.copy_(torch.arange(kv.kv.numel(), dtype=torch.float32).view_as(kv.kv))
         dev = kv.allocate_device_cache("cpu", num_blocks=3)
         kv.load_blocks(dev, [4, 1], device_block_ids=[0, 2])
-        assert torch.equal(dev[:, :, 0], kv.kv[:, :, 4]) and torch.equal(dev[:, :, 2], kv.kv[:, :, 1])
+        assert torch.equal(dev[:, :, 0], kv.kv[:, :, 4])
+        assert torch.equal(dev[:, :, 2], kv.kv[:, :, 1])
         dev[:, :, 0] += 1000
         kv.store_blocks(dev, [5], device_block_ids=[0])
         assert torch.equal(kv.kv[:, :, 5], dev[:, :, 0])
