@@ -45,7 +45,8 @@ the rank whose request holds it (a block is written only while one request holds
 before it is cached; once cached it is only read).
 
 Crash behaviour: a writer killed mid-step leaves `seq` odd; readers then time out with
-``TornReadError`` and the segment is recreated by the scheduler's replacement. The KV store
+``TornReadError`` until a successor (the scheduler's replacement, attached to the same
+tables) rewrites the rows it needs and commits; its first write keeps `seq` odd. The KV store
 has no protocol of its own: block ownership comes from the pool.
 
 Changelog: bt v1, kv v1: initial.
@@ -464,8 +465,10 @@ class SharedBlockTables:
 
     def _begin_write(self) -> None:
         if not self._writing:
-            if self._seqlock:
-                self._words[_SEQ_WORD] += 1  # odd: readers keep off
+            # Odd: readers keep off. Already odd when a writer died mid-step: its successor
+            # keeps it odd until its own commit.
+            if self._seqlock and int(self._words[_SEQ_WORD]) % 2 == 0:
+                self._words[_SEQ_WORD] += 1
             self._writing = True
 
     def _check_row(self, row: object, what: str = "row") -> int:

@@ -506,3 +506,24 @@ def test_use_after_close_is_a_clear_error(name):
     kv.close()
     with pytest.raises(PoolClosedError, match="was closed"):
         kv.layer(0)
+
+
+def test_a_writer_that_died_mid_step_leaves_the_tables_unreadable_until_a_successor_commits(
+        name, tables):
+    tables.add_row(([1], [2]), 0)
+    tables.commit(0)
+    tables.add_row(([9, 9], [9]), 0)  # ... and the writer dies here: seq stays odd
+    successor = SharedBlockTables.attach(name)
+    reader = SharedBlockTables.attach(name)
+    try:
+        with pytest.raises(TornReadError):
+            reader.read(timeout_s=0.05)
+        successor.add_row(([3], [4]), 0)
+        with pytest.raises(TornReadError):  # still odd while the successor writes
+            reader.read(timeout_s=0.05)
+        successor.commit(1)
+        snap = reader.read([0])
+        assert snap.step == 1 and snap.block_tables[0][0, 0] == 3 and snap.num_blocks[0, 0] == 1
+    finally:
+        successor.close()
+        reader.close()
