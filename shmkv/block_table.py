@@ -924,25 +924,56 @@ class KVStore:
 
     def load_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                     device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Copies blocks host -> device for every layer: host row ``block_ids[i]`` to device
-        row ``device_block_ids[i]`` (the same ids by default)."""
-        src = torch.as_tensor(block_ids, dtype=torch.int64)
-        dst = src if device_block_ids is None else torch.as_tensor(device_block_ids,
-                                                                   dtype=torch.int64)
-        staged = self.kv.index_select(2, src)
-        if self._pinned:
-            staged = staged.pin_memory()
-        device_kv.index_copy_(2, dst.to(device_kv.device),
-                              staged.to(device_kv.device, non_blocking=self._pinned))
+        """Copies blocks host -> device for every layer, K and V: host block
+        ``block_ids[i]`` to device block ``device_block_ids[i]`` (the same ids by default).
+
+        ``device_kv`` is shaped like ``kv`` (``allocate_device_cache``). Runs of consecutive
+        ids are copied as one contiguous slice each, straight from the store: once ``pin()``
+        has registered it, each copy is an asynchronous DMA (no staging copy); call
+        ``torch.cuda.synchronize()`` (or sync the stream) before reading the host side.
+        """
+        for src, dst, n in self._runs(block_ids, device_block_ids, device_kv):
+            for layer in range(self.num_layers):
+                for kv in (0, 1):
+                    device_kv[layer, kv, dst:dst + n].copy_(self.kv[layer, kv, src:src + n],
+                                                           non_blocking=self._pinned)
 
     def store_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                      device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Copies blocks device -> host for every layer (the inverse of ``load_blocks``)."""
-        dst = torch.as_tensor(block_ids, dtype=torch.int64)
-        src = dst if device_block_ids is None else torch.as_tensor(device_block_ids,
-                                                                   dtype=torch.int64)
-        rows = device_kv.index_select(2, src.to(device_kv.device)).cpu()
-        self.kv.index_copy_(2, dst, rows)
+        """Copies blocks device -> host (the inverse of ``load_blocks``), then waits for the
+        copies, so the store holds them when it returns."""
+        for dst, src, n in self._runs(block_ids, device_block_ids, device_kv):
+            for layer in range(self.num_layers):
+                for kv in (0, 1):
+                    self.kv[layer, kv, dst:dst + n].copy_(device_kv[layer, kv, src:src + n],
+                                                          non_blocking=self._pinned)
+        if self._pinned and device_kv.is_cuda:
+            torch.cuda.synchronize(device_kv.device)
+
+    def _runs(self, host_ids, device_ids, device_kv) -> list[tuple[int, int, int]]:
+        """(host start, device start, length) of the maximal runs where both id lists go up
+        by one. Raises UsageError on ids out of range."""
+        host = [int(b) for b in (host_ids.tolist() if hasattr(host_ids, "tolist") else host_ids)]
+        dev = host if device_ids is None else [
+            int(b) for b in (device_ids.tolist() if hasattr(device_ids, "tolist") else device_ids)]
+        if len(dev) != len(host):
+            raise UsageError(f"{len(host)} host block ids for {len(dev)} device block ids")
+        if tuple(device_kv.shape[:2]) != (self.num_layers, 2) or (
+                tuple(device_kv.shape[3:]) != tuple(self.kv.shape[3:])):
+            raise UsageError(f"device KV of shape {tuple(device_kv.shape)} does not match the "
+                             f"store's {tuple(self.kv.shape)} (but for the number of blocks)")
+        for what, ids, limit in (("host", host, self.num_blocks),
+                                 ("device", dev, device_kv.shape[2])):
+            if ids and (min(ids) < 0 or max(ids) >= limit):
+                raise UsageError(f"{what} block ids must lie in [0, {limit}), found "
+                                 f"{min(ids)}..{max(ids)}")
+        runs: list[list[int]] = []
+        for h, d in zip(host, dev, strict=True):
+            if runs and h == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([h, d, 1])
+        return [tuple(r) for r in runs]
 
 
 # --------------------------------------------------------------------------- CUDA IPC (device)
