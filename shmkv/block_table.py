@@ -1,6 +1,7 @@
 """Shared block tables, slot mapping and the KV store: what the GPU ranks read.
 
-The only module of ``shmkv`` that imports torch (``import shmkv`` does not import it).
+The only module of ``shmkv`` that imports torch (``import shmkv`` does not import it), and
+only on first use: a scheduler process that just writes rows (numpy) never loads torch.
 
 Block tables (``SharedBlockTables``)
 ------------------------------------
@@ -44,7 +45,8 @@ the rank whose request holds it (a block is written only while one request holds
 before it is cached; once cached it is only read).
 
 Crash behaviour: a writer killed mid-step leaves `seq` odd; readers then time out with
-``TornReadError`` and the segment is recreated by the scheduler's replacement. The KV store
+``TornReadError`` until a successor (the scheduler's replacement, attached to the same
+tables) rewrites the rows it needs and commits; its first write keeps `seq` odd. The KV store
 has no protocol of its own: block ownership comes from the pool.
 
 Changelog: bt v1, kv v1: initial.
@@ -53,6 +55,7 @@ Changelog: bt v1, kv v1: initial.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import pickle
@@ -61,11 +64,23 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from shmkv import layout as L
-from shmkv.errors import LayoutMismatchError, TornReadError, UsageError
+from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
 from shmkv.segment import Segment
+
+
+class _LazyTorch:
+    """torch, imported on first use: a scheduler that only writes rows never loads it."""
+
+    def __getattr__(self, name: str):
+        import torch as real
+
+        globals()["torch"] = real
+        return getattr(real, name)
+
+
+torch = _LazyTorch()
 
 BT_LAYOUT_VERSION = 1
 KV_LAYOUT_VERSION = 1
@@ -76,6 +91,7 @@ KV_HEADER_BYTES = 4096  # the data starts page-aligned (cudaHostRegister wants p
 MAX_BLOCK_ID = (1 << 31) - 1
 DEFAULT_READ_TIMEOUT_S = 5.0
 PAD_SLOT_ID = -1  # vLLM's PAD_ID for slots of padding tokens
+_ROW_BY_ROW_MAX = 24  # add_rows / append_rows with at most this many rows go row by row
 
 BT_HEADER_DTYPE = np.dtype([
     ("magic", "<u8"), ("layout_version", "<u4"), ("header_bytes", "<u4"),
@@ -97,10 +113,11 @@ KV_HEADER_DTYPE = np.dtype([
     ("dtype", "S16"),
 ])
 
-_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8,
-}
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "uint8")
+
+
+def _torch_dtype(name: str):
+    return getattr(torch, name)
 
 
 def block_tables_segment_name(name: str) -> str:
@@ -123,8 +140,8 @@ def _positive_int(what: str, value: object) -> int:
 
 def _dtype_name(dtype: object) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise UsageError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    if name not in _DTYPE_NAMES:
+        raise UsageError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)}")
     return name
 
 
@@ -155,6 +172,14 @@ def _check_header(seg: Segment, hdr: np.void, magic: int, version: int,
 
 # --------------------------------------------------------------------------- slot mapping
 
+def _as_int64(x: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A 1-d int64 tensor; lists go through numpy (several times cheaper than torch's own
+    list conversion)."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).to(torch.int64)
+    return torch.from_numpy(np.asarray(x, dtype=np.int64).reshape(-1))
+
+
 def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
                          positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slots of a batch's tokens: ``block_table[req, pos // bs] * bs + pos % bs`` (int64).
@@ -169,24 +194,26 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
         UsageError: a position past the table's width or a row out of range.
     """
     width = block_table.shape[1]
-    req_indices = req_indices.to(torch.int64)
-    positions = positions.to(torch.int64)
-    if positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= width * block_size:
-            raise UsageError(
-                f"positions must lie in [0, {width * block_size}) for a table {width} blocks "
-                f"wide of block size {block_size}; found {lo}..{hi}")
-        if int(req_indices.max()) >= block_table.shape[0]:
-            raise UsageError(
-                f"row index {int(req_indices.max())} out of range for a table of "
-                f"{block_table.shape[0]} rows")
-    pad = req_indices < 0
-    flat = req_indices.clamp(min=0) * width + torch.div(positions, block_size,
-                                                        rounding_mode="floor")
-    block_numbers = block_table.reshape(-1).index_select(0, flat).to(torch.int64)
-    slots = block_numbers * block_size + positions % block_size
-    return slots.masked_fill_(pad, PAD_SLOT_ID) if bool(pad.any()) else slots
+    req_indices = _as_int64(req_indices)
+    positions = _as_int64(positions)
+    if positions.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    lo, hi = (int(x) for x in torch.aminmax(positions))
+    if lo < 0 or hi >= width * block_size:
+        raise UsageError(
+            f"positions must lie in [0, {width * block_size}) for a table {width} blocks "
+            f"wide of block size {block_size}; found {lo}..{hi}")
+    req_lo, req_hi = (int(x) for x in torch.aminmax(req_indices))
+    if req_hi >= block_table.shape[0]:
+        raise UsageError(
+            f"row index {req_hi} out of range for a table of {block_table.shape[0]} rows")
+    pad = req_indices < 0 if req_lo < 0 else None
+    rows = req_indices.clamp(min=0) if pad is not None else req_indices
+    block_index = positions // block_size
+    flat = rows * width + block_index
+    block_numbers = block_table.reshape(-1).index_select(0, flat)
+    slots = block_numbers.to(torch.int64) * block_size + (positions - block_index * block_size)
+    return slots if pad is None else slots.masked_fill_(pad, PAD_SLOT_ID)
 
 
 def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
@@ -196,21 +223,34 @@ def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
     ``num_scheduled_tokens[i]`` tokens starting at position ``start_positions[i]``: one
     entry per token, request-major (vLLM's ``query_start_loc`` order). Works for prefill
     (many tokens per request) and decode (one) alike."""
-    counts = torch.as_tensor(num_scheduled_tokens, dtype=torch.int64)
-    starts = torch.as_tensor(start_positions, dtype=torch.int64)
-    if counts.shape != starts.shape or counts.dim() != 1:
+    counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    starts = np.asarray(start_positions, dtype=np.int64)
+    if counts.shape != starts.shape or counts.ndim != 1:
         raise UsageError(
             f"num_scheduled_tokens and start_positions must be 1-d of one length, got "
             f"{tuple(counts.shape)} and {tuple(starts.shape)}")
-    if counts.numel() and (int(counts.min()) < 0 or int(starts.min()) < 0):
+    if counts.size and (int(counts.min()) < 0 or int(starts.min()) < 0):
         raise UsageError("token counts and start positions must be >= 0")
-    req_indices = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    query_start = torch.cumsum(counts, 0) - counts
-    offsets = torch.arange(req_indices.numel()) - query_start.index_select(0, req_indices)
-    return req_indices, starts.index_select(0, req_indices) + offsets
+    if counts.size and int(counts.max()) == 1 and int(counts.min()) == 1:  # decode
+        return torch.arange(counts.size), torch.from_numpy(starts)
+    # numpy for the bookkeeping (vLLM's worker does the same): cheaper per call than torch.
+    req_indices = np.repeat(np.arange(counts.size), counts)
+    offsets = np.arange(req_indices.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return torch.from_numpy(req_indices), torch.from_numpy(starts[req_indices] + offsets)
 
 
 # --------------------------------------------------------------------------- block tables
+
+class _Closed:
+    """Stands in for the views of a closed mapping: any use raises PoolClosedError."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _fail(self, *args: object, **kwargs: object):
+        raise PoolClosedError(f"{self._name} was closed; attach again")
+
+    __getitem__ = __setitem__ = __getattr__ = __iter__ = __len__ = _fail
 
 @dataclass
 class BlockTableSnapshot:
@@ -264,9 +304,7 @@ class SharedBlockTables:
             np.ndarray((self.max_num_reqs, w), "<i4", buffer=buf, offset=o)
             for (o, _), w in zip(offsets[1:], self.max_num_blocks_per_req, strict=True)
         ]
-        # The torch views share the numpy views' memory (torch.from_numpy: no copy).
-        self._num_blocks_t = torch.from_numpy(self._num_blocks_np)
-        self._tables_t = [torch.from_numpy(a) for a in self._tables_np]
+        self._views: tuple | None = None  # the torch views, made on first use (_t)
         self._writing = False
         self._seqlock = True  # tests turn it off to show the torn-read check fails
         self.name = segment.shm_name
@@ -372,12 +410,13 @@ class SharedBlockTables:
             raise
 
     def close(self) -> None:
-        """Unmaps the tables (the tensors handed out keep their pages until dropped)."""
+        """Unmaps the tables (the tensors handed out keep their pages until dropped); any
+        later call raises PoolClosedError."""
         if self._segment.buf is None:
             return
-        self._hdr = self._words = self._swords = None  # type: ignore[assignment]
-        self._num_blocks_np = self._num_blocks_t = None  # type: ignore[assignment]
-        self._tables_np, self._tables_t = [], []
+        self._hdr = self._words = self._swords = _Closed(self.name)  # type: ignore[assignment]
+        self._num_blocks_np = self._tables_np = _Closed(self.name)  # type: ignore[assignment]
+        self._views = (_Closed(self.name), _Closed(self.name))
         self._segment.close()
 
     @staticmethod
@@ -396,14 +435,22 @@ class SharedBlockTables:
 
     # ------------------------------------------------------------------ zero-copy views
 
+    def _t(self) -> tuple:
+        """(num_blocks_per_row, [table per group]) as torch tensors sharing the numpy
+        views' memory (``torch.from_numpy``: no copy)."""
+        if self._views is None:
+            self._views = (torch.from_numpy(self._num_blocks_np),
+                           [torch.from_numpy(a) for a in self._tables_np])
+        return self._views
+
     def block_table(self, group: int) -> torch.Tensor:
         """Group ``group``'s whole table: an int32 tensor over the segment (no copy)."""
-        return self._tables_t[group]
+        return self._t()[1][group]
 
     @property
     def num_blocks_per_row(self) -> torch.Tensor:
         """int32 ``[num_groups, max_num_reqs]`` over the segment (no copy)."""
-        return self._num_blocks_t
+        return self._t()[0]
 
     @property
     def step(self) -> int:
@@ -418,8 +465,10 @@ class SharedBlockTables:
 
     def _begin_write(self) -> None:
         if not self._writing:
-            if self._seqlock:
-                self._words[_SEQ_WORD] += 1  # odd: readers keep off
+            # Odd: readers keep off. Already odd when a writer died mid-step: its successor
+            # keeps it odd until its own commit.
+            if self._seqlock and int(self._words[_SEQ_WORD]) % 2 == 0:
+                self._words[_SEQ_WORD] += 1
             self._writing = True
 
     def _check_row(self, row: object, what: str = "row") -> int:
@@ -430,25 +479,38 @@ class SharedBlockTables:
         return int(row)
 
     def _check_ids(self, block_ids_per_group: Sequence[Sequence[int]], row: int,
-                   appending: bool) -> list[np.ndarray]:
+                   appending: bool) -> list[tuple[Sequence[int], int, int]]:
+        """Validates every group's ids before anything is written; returns per group
+        (ids, start, count). Plain Python on purpose: rows are short, numpy's per-call
+        overhead is not."""
         if len(block_ids_per_group) != self.num_groups:
             raise UsageError(
                 f"block ids for {len(block_ids_per_group)} KV-cache groups; these tables "
                 f"have {self.num_groups}")
         out = []
+        lengths = self._num_blocks_list(row) if appending else None
         for g, ids in enumerate(block_ids_per_group):
-            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            start = int(self._num_blocks_np[g, row]) if appending else 0
-            if start + arr.size > self.max_num_blocks_per_req[g]:
+            if not isinstance(ids, (list, tuple)) and hasattr(ids, "tolist"):
+                ids = ids.reshape(-1).tolist()  # an array or a tensor
+            n = len(ids)
+            start = lengths[g] if lengths is not None else 0
+            if start + n > self.max_num_blocks_per_req[g]:
                 raise UsageError(
-                    f"group {g}, row {row}: {start} + {arr.size} blocks exceed the table's "
+                    f"group {g}, row {row}: {start} + {n} blocks exceed the table's "
                     f"width of {self.max_num_blocks_per_req[g]}")
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_BLOCK_ID):
-                raise UsageError(
-                    f"group {g}, row {row}: block ids must lie in [0, {MAX_BLOCK_ID}], found "
-                    f"{int(arr.min())}..{int(arr.max())}")
-            out.append(arr)
+            if n:
+                lo, hi = min(ids), max(ids)
+                if not isinstance(lo, (int, np.integer)) or not isinstance(hi, (int, np.integer)):
+                    raise UsageError(f"group {g}, row {row}: block ids must be ints, got {ids!r}")
+                if lo < 0 or hi > MAX_BLOCK_ID:
+                    raise UsageError(
+                        f"group {g}, row {row}: block ids must lie in [0, {MAX_BLOCK_ID}], "
+                        f"found {lo}..{hi}")
+            out.append((ids, start, n))
         return out
+
+    def _num_blocks_list(self, row: int) -> list[int]:
+        return self._num_blocks_np[:, row].tolist()
 
     def append_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
         """Appends each group's ids after the row's current blocks (vLLM's append_row).
@@ -458,22 +520,87 @@ class SharedBlockTables:
                 width, a negative id; nothing is written then.
         """
         row = self._check_row(row)
-        arrays = self._check_ids(block_ids_per_group, row, appending=True)
+        checked = self._check_ids(block_ids_per_group, row, appending=True)
         self._begin_write()
-        for g, arr in enumerate(arrays):
-            if arr.size:
-                start = int(self._num_blocks_np[g, row])
-                self._tables_np[g][row, start:start + arr.size] = arr
-                self._num_blocks_np[g, row] = start + arr.size
+        self._write_checked(row, checked)
 
     def add_row(self, block_ids_per_group: Sequence[Sequence[int]], row: int) -> None:
         """Replaces the row with each group's ids (vLLM's add_row). Raises as append_row."""
         row = self._check_row(row)
-        arrays = self._check_ids(block_ids_per_group, row, appending=False)
+        checked = self._check_ids(block_ids_per_group, row, appending=False)
         self._begin_write()
-        for g, arr in enumerate(arrays):
-            self._tables_np[g][row, :arr.size] = arr
-            self._num_blocks_np[g, row] = arr.size
+        self._write_checked(row, checked)
+
+    def _write_checked(self, row: int, checked: list[tuple[Sequence[int], int, int]]) -> None:
+        for g, (ids, start, n) in enumerate(checked):
+            if n:
+                self._tables_np[g][row, start:start + n] = ids
+            self._num_blocks_np[g, row] = start + n
+
+    def add_rows(self, block_ids_per_row: Sequence[Sequence[Sequence[int]]],
+                 rows: Sequence[int]) -> None:
+        """``add_row`` for many rows at once, vectorised (a step's new requests)."""
+        self._write_rows(block_ids_per_row, rows, appending=False)
+
+    def append_rows(self, block_ids_per_row: Sequence[Sequence[Sequence[int]]],
+                    rows: Sequence[int]) -> None:
+        """``append_row`` for many rows at once, vectorised (a step's new blocks)."""
+        self._write_rows(block_ids_per_row, rows, appending=True)
+
+    def _write_rows(self, block_ids_per_row, rows, appending: bool) -> None:
+        """Validates every row of every group first (UsageError, nothing written), then
+        scatters all ids of a group with one numpy store."""
+        is_array = not isinstance(rows, (list, tuple)) and hasattr(rows, "tolist")
+        rows_list = rows.tolist() if is_array else list(rows)
+        if len(block_ids_per_row) != len(rows_list):
+            raise UsageError(f"{len(block_ids_per_row)} rows of block ids for "
+                             f"{len(rows_list)} row indices")
+        if not rows_list:
+            return
+        lo, hi = min(rows_list), max(rows_list)
+        if lo < 0 or hi >= self.max_num_reqs:
+            raise UsageError(f"rows must lie in [0, {self.max_num_reqs}), got {lo}..{hi}")
+        if len(set(rows_list)) != len(rows_list):
+            raise UsageError("a row appears twice in one call")
+        for r, ids in zip(rows_list, block_ids_per_row, strict=True):
+            if len(ids) != self.num_groups:
+                raise UsageError(
+                    f"row {r}: block ids for {len(ids)} KV-cache groups; "
+                    f"these tables have {self.num_groups}")
+        if len(rows_list) <= _ROW_BY_ROW_MAX:  # few rows: numpy's fixed costs would dominate
+            checked = [self._check_ids(ids, self._check_row(r), appending)
+                       for r, ids in zip(rows_list, block_ids_per_row, strict=True)]
+            self._begin_write()
+            for r, c in zip(rows_list, checked, strict=True):
+                self._write_checked(r, c)
+            return
+        rows_arr = np.asarray(rows_list, dtype=np.int64)
+        plans = []
+        for g in range(self.num_groups):
+            lists = [ids[g] for ids in block_ids_per_row]
+            counts = np.fromiter(map(len, lists), np.int64, rows_arr.size)
+            total = int(counts.sum())
+            flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, total)
+            starts = (self._num_blocks_np[g, rows_arr].astype(np.int64) if appending
+                      else np.zeros(rows_arr.size, np.int64))
+            ends = starts + counts
+            if int(ends.max()) > self.max_num_blocks_per_req[g]:
+                i = int(np.flatnonzero(ends > self.max_num_blocks_per_req[g])[0])
+                raise UsageError(
+                    f"group {g}, row {int(rows_arr[i])}: {int(starts[i])} + {int(counts[i])} "
+                    f"blocks exceed the table's width of {self.max_num_blocks_per_req[g]}")
+            if total and (int(flat.min()) < 0 or int(flat.max()) > MAX_BLOCK_ID):
+                raise UsageError(
+                    f"group {g}: block ids must lie in [0, {MAX_BLOCK_ID}], found "
+                    f"{int(flat.min())}..{int(flat.max())}")
+            plans.append((counts, total, flat, starts, ends))
+        self._begin_write()
+        for g, (counts, total, flat, starts, ends) in enumerate(plans):
+            if total:
+                first = np.repeat(np.cumsum(counts) - counts - starts, counts)
+                cols = np.arange(total) - first
+                self._tables_np[g][np.repeat(rows_arr, counts), cols] = flat
+            self._num_blocks_np[g, rows_arr] = ends
 
     def clear_row(self, row: int) -> None:
         """Zeroes the row's blocks (the null block) and its lengths."""
@@ -484,16 +611,16 @@ class SharedBlockTables:
             self._num_blocks_np[g, row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
-        """Copies row ``src`` to ``tgt`` and clears ``src`` (vLLM's move_row)."""
+        """Copies row ``src`` to ``tgt`` and clears ``src`` (vLLM's move_row; as there,
+        ``src == tgt`` leaves the row empty)."""
         src, tgt = self._check_row(src, "src"), self._check_row(tgt, "tgt")
         self._begin_write()
         for g in range(self.num_groups):
             n = int(self._num_blocks_np[g, src])
             self._tables_np[g][tgt, :n] = self._tables_np[g][src, :n]
             self._num_blocks_np[g, tgt] = n
-            if src != tgt:
-                self._tables_np[g][src, :n] = 0
-                self._num_blocks_np[g, src] = 0
+            self._tables_np[g][src, :n] = 0
+            self._num_blocks_np[g, src] = 0
 
     def swap_row(self, src: int, tgt: int) -> None:
         """Swaps two rows in every group."""
@@ -558,7 +685,7 @@ class SharedBlockTables:
         if rows is None:
             idx = torch.arange(self.max_num_reqs)
         else:
-            idx = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+            idx = _as_int64(rows)
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.max_num_reqs):
                 raise UsageError(
                     f"rows must lie in [0, {self.max_num_reqs}), got {int(idx.min())}.."
@@ -566,11 +693,40 @@ class SharedBlockTables:
         deadline = time.monotonic() + timeout_s
         while True:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
-            tables = [t.index_select(0, idx) for t in self._tables_t]
-            num_blocks = self._num_blocks_t.index_select(1, idx)
+            tables = [t.index_select(0, idx) for t in self._t()[1]]
+            num_blocks = self._t()[0].index_select(1, idx)
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return BlockTableSnapshot(step, idx, tables, num_blocks, self.block_sizes)
+
+    def compute_slot_mappings(self, rows: Sequence[int] | torch.Tensor,
+                              req_indices: torch.Tensor, positions: torch.Tensor, *,
+                              min_step: int | None = None,
+                              timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                              ) -> tuple[int, list[torch.Tensor]]:
+        """``(step, slot mapping per group)`` computed straight from the shared tables
+        (zero-copy: no row is gathered first), under the seqlock. Token ``t`` is in table
+        row ``rows[req_indices[t]]`` at ``positions[t]``.
+
+        Raises:
+            UsageError: a row or position out of range.
+            TornReadError: no consistent state within ``timeout_s``.
+        """
+        rows_t = _as_int64(rows)
+        if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= self.max_num_reqs):
+            raise UsageError(
+                f"rows must lie in [0, {self.max_num_reqs}), got {int(rows_t.min())}.."
+                f"{int(rows_t.max())}")
+        token_rows = rows_t.index_select(0, _as_int64(req_indices))
+        positions = _as_int64(positions)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seq = self._wait_even(deadline, min_step) if self._seqlock else 0
+            slots = [compute_slot_mapping(t, token_rows, positions, bs)
+                     for t, bs in zip(self._t()[1], self.block_sizes, strict=True)]
+            step = int(self._swords[_STEP_WORD])
+            if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
+                return step, slots
 
     @contextlib.contextmanager
     def reading(self, step: int | None = None, *,
@@ -580,7 +736,7 @@ class SharedBlockTables:
         rows), and raises ``TornReadError`` on exit if a write began meanwhile."""
         seq = self._wait_even(time.monotonic() + timeout_s, step)
         yield BlockTableSnapshot(self.step, torch.arange(self.max_num_reqs),
-                                 list(self._tables_t), self._num_blocks_t, self.block_sizes)
+                                 list(self._t()[1]), self._t()[0], self.block_sizes)
         if int(self._words[_SEQ_WORD]) != seq:
             raise TornReadError(
                 f"block tables {self.name} were written during a zero-copy read (seq {seq} -> "
@@ -607,7 +763,7 @@ class KVStore:
         self.block_size = int(h["block_size"])
         self.num_kv_heads = int(h["num_kv_heads"])
         self.head_size = int(h["head_size"])
-        self.dtype = _DTYPES[bytes(h["dtype"]).decode()]
+        self.dtype = _torch_dtype(bytes(h["dtype"]).decode())
         del h
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
                  self.head_size)
@@ -623,7 +779,7 @@ class KVStore:
     def _total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
                      element_bytes) -> int:
         data = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_size * element_bytes
-        return _align(KV_HEADER_BYTES + data, 4096)
+        return KV_HEADER_BYTES + data  # exact, so any changed size field shows
 
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_blocks: int, block_size: int,
@@ -642,7 +798,7 @@ class KVStore:
         if num_blocks > MAX_BLOCK_ID:
             raise UsageError(f"num_blocks {num_blocks} exceeds {MAX_BLOCK_ID}")
         dname = _dtype_name(dtype)
-        element_bytes = _DTYPES[dname].itemsize
+        element_bytes = _torch_dtype(dname).itemsize
         total = cls._total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
                                  element_bytes)
         seg = Segment.create(shm_name, total)
@@ -683,14 +839,15 @@ class KVStore:
             hdr = np.ndarray((1,), KV_HEADER_DTYPE, buffer=seg.buf)[0].copy()
             _check_header(seg, hdr, KV_MAGIC, KV_LAYOUT_VERSION, KV_HEADER_BYTES, None)
             dname = bytes(hdr["dtype"]).decode(errors="replace")
-            if dname not in _DTYPES:
+            if dname not in _DTYPE_NAMES:
                 raise LayoutMismatchError(
                     f"segment {seg.shm_name}: header field dtype is {dname!r}, expected one of "
-                    f"{sorted(_DTYPES)}")
-            if int(hdr["element_bytes"]) != _DTYPES[dname].itemsize:
+                    f"{sorted(_DTYPE_NAMES)}")
+            itemsize = _torch_dtype(dname).itemsize
+            if int(hdr["element_bytes"]) != itemsize:
                 raise LayoutMismatchError(
                     f"segment {seg.shm_name}: header field element_bytes is "
-                    f"{int(hdr['element_bytes'])}, expected {_DTYPES[dname].itemsize}")
+                    f"{int(hdr['element_bytes'])}, expected {itemsize}")
             want = cls._total_bytes(*(int(hdr[f]) for f in (
                 "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size",
                 "element_bytes")))
@@ -714,8 +871,7 @@ class KVStore:
             return
         if self._pinned:
             self.unpin()
-        self.kv = None  # type: ignore[assignment]
-        self.key_cache, self.value_cache = [], []
+        self.kv = self.key_cache = self.value_cache = _Closed(self.name)  # type: ignore
         self._segment.close()
 
     @staticmethod
@@ -768,25 +924,56 @@ class KVStore:
 
     def load_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                     device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Copies blocks host -> device for every layer: host row ``block_ids[i]`` to device
-        row ``device_block_ids[i]`` (the same ids by default)."""
-        src = torch.as_tensor(block_ids, dtype=torch.int64)
-        dst = src if device_block_ids is None else torch.as_tensor(device_block_ids,
-                                                                   dtype=torch.int64)
-        staged = self.kv.index_select(2, src)
-        if self._pinned:
-            staged = staged.pin_memory()
-        device_kv.index_copy_(2, dst.to(device_kv.device),
-                              staged.to(device_kv.device, non_blocking=self._pinned))
+        """Copies blocks host -> device for every layer, K and V: host block
+        ``block_ids[i]`` to device block ``device_block_ids[i]`` (the same ids by default).
+
+        ``device_kv`` is shaped like ``kv`` (``allocate_device_cache``). Runs of consecutive
+        ids are copied as one contiguous slice each, straight from the store: once ``pin()``
+        has registered it, each copy is an asynchronous DMA (no staging copy); call
+        ``torch.cuda.synchronize()`` (or sync the stream) before reading the host side.
+        """
+        for src, dst, n in self._runs(block_ids, device_block_ids, device_kv):
+            for layer in range(self.num_layers):
+                for kv in (0, 1):
+                    device_kv[layer, kv, dst:dst + n].copy_(self.kv[layer, kv, src:src + n],
+                                                           non_blocking=self._pinned)
 
     def store_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                      device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Copies blocks device -> host for every layer (the inverse of ``load_blocks``)."""
-        dst = torch.as_tensor(block_ids, dtype=torch.int64)
-        src = dst if device_block_ids is None else torch.as_tensor(device_block_ids,
-                                                                   dtype=torch.int64)
-        rows = device_kv.index_select(2, src.to(device_kv.device)).cpu()
-        self.kv.index_copy_(2, dst, rows)
+        """Copies blocks device -> host (the inverse of ``load_blocks``), then waits for the
+        copies, so the store holds them when it returns."""
+        for dst, src, n in self._runs(block_ids, device_block_ids, device_kv):
+            for layer in range(self.num_layers):
+                for kv in (0, 1):
+                    self.kv[layer, kv, dst:dst + n].copy_(device_kv[layer, kv, src:src + n],
+                                                          non_blocking=self._pinned)
+        if self._pinned and device_kv.is_cuda:
+            torch.cuda.synchronize(device_kv.device)
+
+    def _runs(self, host_ids, device_ids, device_kv) -> list[tuple[int, int, int]]:
+        """(host start, device start, length) of the maximal runs where both id lists go up
+        by one. Raises UsageError on ids out of range."""
+        host = [int(b) for b in (host_ids.tolist() if hasattr(host_ids, "tolist") else host_ids)]
+        dev = host if device_ids is None else [
+            int(b) for b in (device_ids.tolist() if hasattr(device_ids, "tolist") else device_ids)]
+        if len(dev) != len(host):
+            raise UsageError(f"{len(host)} host block ids for {len(dev)} device block ids")
+        if tuple(device_kv.shape[:2]) != (self.num_layers, 2) or (
+                tuple(device_kv.shape[3:]) != tuple(self.kv.shape[3:])):
+            raise UsageError(f"device KV of shape {tuple(device_kv.shape)} does not match the "
+                             f"store's {tuple(self.kv.shape)} (but for the number of blocks)")
+        for what, ids, limit in (("host", host, self.num_blocks),
+                                 ("device", dev, device_kv.shape[2])):
+            if ids and (min(ids) < 0 or max(ids) >= limit):
+                raise UsageError(f"{what} block ids must lie in [0, {limit}), found "
+                                 f"{min(ids)}..{max(ids)}")
+        runs: list[list[int]] = []
+        for h, d in zip(host, dev, strict=True):
+            if runs and h == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([h, d, 1])
+        return [tuple(r) for r in runs]
 
 
 # --------------------------------------------------------------------------- CUDA IPC (device)

@@ -28,12 +28,14 @@ from typing import Union
 
 import msgspec
 import posix_ipc
-import torch
 
 from shmkv import layout as L
 from shmkv.block_table import KVStore, SharedBlockTables, batch_token_indices
 from shmkv.errors import ProtocolError, SegmentExistsError, SegmentNotFoundError, UsageError
-from shmkv.serve.model import TinyModelConfig, TinyTransformer
+from shmkv.serve.config import TinyModelConfig
+
+# torch and the model are imported by ModelRunner and rank_main only: the scheduler side
+# (messages, Channel, RankClient) runs without torch.
 
 CHANNEL_VERSION = 1
 MAX_MESSAGES = 10
@@ -159,6 +161,10 @@ class ModelRunner:
     """Maps one scheduler's block tables and the KV store, and executes its steps."""
 
     def __init__(self, tables_name: str, kv_store_name: str, model_config: TinyModelConfig):
+        import torch
+
+        from shmkv.serve.model import TinyTransformer
+
         self.tables = SharedBlockTables.attach(tables_name)
         try:
             self.kv_store = KVStore.attach(kv_store_name)
@@ -177,6 +183,14 @@ class ModelRunner:
             raise UsageError(
                 f"block tables' block sizes {self.tables.block_sizes} differ from the KV "
                 f"store's {self.kv_store.block_size}")
+        kv = self.kv_store
+        want = (model_config.num_layers, model_config.num_kv_heads, model_config.head_size)
+        found = (kv.num_layers, kv.num_kv_heads, kv.head_size)
+        if want != found or kv.dtype != torch.float32:
+            self.close()
+            raise UsageError(
+                f"the KV store has (layers, kv heads, head size, dtype) = {found + (kv.dtype,)}; "
+                f"the model needs {want + (torch.float32,)}")
 
     def execute(self, step: ExecuteStep) -> list[int]:
         """Greedy next token of every scheduled request (in the step's order).
@@ -185,6 +199,8 @@ class ModelRunner:
             ProtocolError: the tables show another step than the message (handshake broken).
             TornReadError: no consistent snapshot in time.
         """
+        import torch
+
         reqs = step.requests
         if not reqs:
             return []
@@ -211,11 +227,17 @@ class ModelRunner:
 
 
 def rank_main(tables_name: str, kv_store_name: str, channel: str,
-              model_config: TinyModelConfig, recv_timeout_s: float = 60.0) -> None:
+              model_config: TinyModelConfig, recv_timeout_s: float = 60.0,
+              num_threads: int | None = 1) -> None:
     """Process entry point: attach, say ``RankReady``, then execute ``ExecuteStep``s until
-    ``Shutdown``. Exits 0 on shutdown, 1 after reporting ``RankFailed``."""
+    ``Shutdown``. Exits 0 on shutdown, 1 after reporting ``RankFailed``. ``num_threads``:
+    torch's intra-op threads (1 by default: a tiny model on a shared CPU runs fastest so)."""
     step_no = -1
     to_sched = None
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
     try:
         to_rank = Channel.open(channel, "torank")
         to_sched = Channel.open(channel, "fromrank")

@@ -15,7 +15,7 @@ import traceback
 
 from shmkv import BlockPool, KVCacheManager, Request
 from shmkv.block_table import SharedBlockTables
-from shmkv.serve.model import TinyModelConfig, make_kv_cache_config
+from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
 from shmkv.serve.rank import RankClient, ScheduledRequest
 
 BLOCK_SIZE = 4

@@ -97,3 +97,17 @@ def test_bench_serve_smoke(tmp_path):
                for r in rows)
     assert "| shared, round-robin" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_block_table_smoke():
+    """bench_block_table prints a JSON line per (scenario, impl) and the table; the
+    implementations' slot mappings are checked equal inside the benchmark."""
+    pytest.importorskip("torch")
+    out = _run("benchmarks/bench_block_table.py", "--reqs", "16", "--steps", "2",
+               "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["scenario"], r["impl"]) for r in rows} >= {("prefill", "shmkv"),
+                                                         ("decode", "shmkv")}
+    assert all(r["step_us"] > 0 for r in rows)
+    assert "vLLM/shmkv" in out.stdout

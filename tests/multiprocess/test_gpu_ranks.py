@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmkv import BlockPool  # noqa: E402
+from shmkv import BlockPool, BlockRemoved  # noqa: E402
 from shmkv.block_table import KVStore, SharedBlockTables  # noqa: E402
 from shmkv.serve.model import TinyModelConfig, TinyTransformer  # noqa: E402
 from shmkv.serve.rank import Channel, rank_main  # noqa: E402
@@ -58,10 +58,12 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
     prompts = [_prompts(rng, systems, 6, config.vocab_size) for _ in range(num_schedulers)]
     model = TinyTransformer(config)
     expected = [[model.reference_generate(p, MAX_NEW_TOKENS) for p in ps] for ps in prompts]
-    num_blocks = 40 * num_groups
+    num_blocks = 22 * num_groups  # 3 running requests of ~10 blocks each do not fit
     sched_names = [f"{name}-s{s}" for s in range(num_schedulers)]
     procs = []
-    pool = BlockPool.create(name, num_blocks, hash_block_size=rank_workers.BLOCK_SIZE)
+    pool = BlockPool.create(name, num_blocks, hash_block_size=rank_workers.BLOCK_SIZE,
+                            enable_kv_cache_events=True)
+    cursor = pool.event_cursor()
     try:
         kv = KVStore.create(name, num_layers=config.num_layers, num_blocks=num_blocks,
                             block_size=rank_workers.BLOCK_SIZE,
@@ -90,9 +92,11 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
         codes = _join_all(scheds[1:] + ranks)
         assert codes == [0] * (len(procs) - 1), f"exit codes {codes}"
         got = {}
+        num_preemptions = 0
         for _ in sched_names:
             tables_name, outputs, hits, allocated, num_preempted, steps = results.get(timeout=10)
             got[tables_name] = (outputs, hits, allocated)
+            num_preemptions += num_preempted
         total_allocated = 0
         for i, s in enumerate(sched_names):
             outputs, hits, allocated = got[s]
@@ -100,7 +104,13 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
             total_allocated += len(allocated)
             if i > 0:  # the first request of every later scheduler hits scheduler 0's blocks
                 assert hits[0] >= 20, (s, hits)
-        assert total_allocated > num_blocks - 1  # so blocks were evicted and reused
+        assert total_allocated > num_blocks - 1  # so blocks were reused ...
+        events, lost = pool.read_events(cursor)
+        assert lost == 0
+        evicted = sum(isinstance(e.event, BlockRemoved) for e in events)
+        assert evicted > 0  # ... and cached blocks evicted
+        print(f"{num_schedulers} schedulers: {total_allocated} allocations of {num_blocks} "
+              f"blocks, {evicted} evictions, {num_preemptions} preemptions")
         pool.check_invariants()
         assert pool.get_num_free_blocks() == num_blocks - 1
     finally:
