@@ -2,17 +2,20 @@
 
 They build on :mod:`shmkv.messages` (the tagged, versioned ``Message`` base, ``encode`` /
 ``decode`` and the ``Channel`` transport) and register themselves there, so any shmkv
-process decodes them. Requests and replies are paired:
+process decodes them. Requests (front end to scheduler) and replies are paired:
 
-| front end -> scheduler | scheduler -> front end | |
-|---|---|---|
-| :class:`AttachScheduler` | :class:`SchedulerAttached` | the run's settings; the scheduler attaches to its pool and says so |
-| :class:`GenerateTokens` | :class:`TokensGenerated` | one request, answered when it finishes |
-| :class:`DrainScheduler` | :class:`SchedulerDrained` | finish what is queued and running, accept nothing new |
-| :class:`ResetPrefixCache` | :class:`PrefixCacheReset` | reset the pool's prefix cache (only when idle) |
-| ``Shutdown`` (of :mod:`shmkv.messages`) | :class:`SchedulerStopped` | stop now, with the last figures |
-| | :class:`SchedulerStats` | unsolicited, a few times a second: the step results |
-| | :class:`MessageRejected` | the reply to a frame the receiver could not decode or use |
+- :class:`AttachScheduler` -> :class:`SchedulerAttached`: the run's settings; the
+  scheduler attaches to its pool and says so.
+- :class:`GenerateTokens` -> :class:`TokensGenerated`: one request, answered when it
+  finishes.
+- :class:`DrainScheduler` -> :class:`SchedulerDrained`: finish what is queued and running,
+  accept nothing new.
+- :class:`ResetPrefixCache` -> :class:`PrefixCacheReset`: reset the pool's prefix cache
+  (only when nothing is in use).
+- ``Shutdown`` (of :mod:`shmkv.messages`) -> :class:`SchedulerStopped`: stop now, with the
+  last figures.
+- :class:`SchedulerStats`, unsolicited, a few times a second: the step results so far.
+- :class:`MessageRejected`: the reply to a frame the receiver could not decode or use.
 
 A receiver that cannot decode a frame (``ProtocolError``) or gets a message it has no use
 for answers :class:`MessageRejected` naming it and goes on: a bad frame never kills it.

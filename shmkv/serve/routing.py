@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from shmkv.events import BlockRemoved, BlockStored
 from shmkv.errors import UsageError
+from shmkv.events import BlockRemoved, BlockStored
 from shmkv.request import Request
 
 __all__ = [

@@ -178,7 +178,6 @@ class Runner:
         self.workload = workload
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.name = f"run{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        n = cfg.num_schedulers
         self.max_in_flight = cfg.concurrency
         self.progress = _Progress(len(workload), progress)
         self.interrupted: str | None = None
@@ -408,7 +407,7 @@ class Runner:
         history: dict[str, list[int]] = {}
         busy_conversations: set[str] = set()
         in_flight: dict[str, RequestRecord] = {}
-        load = {i: 0 for i in range(n)}
+        load = dict.fromkeys(range(n), 0)
         stats: dict[int, SchedulerStats] = {}
         to_check: deque[RequestRecord] = deque()
         timeline: list[dict] = []
