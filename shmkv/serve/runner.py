@@ -474,8 +474,11 @@ class Runner:
             _, msg = self._recv(0.002 if to_check else 0.05)
             while msg is not None:
                 if isinstance(msg, TokensGenerated):
-                    rec = in_flight.pop(msg.request_id, None)
+                    rec = in_flight.get(msg.request_id)
+                    # (An answer a dead scheduler sent before it died is for a request sent
+                    # again since: the new scheduler's answer counts.)
                     if rec is not None and msg.scheduler == rec.scheduler:
+                        del in_flight[msg.request_id]
                         rec.result = msg
                         load[rec.scheduler] -= 1
                         done += 1
@@ -490,8 +493,9 @@ class Runner:
                 elif isinstance(msg, SchedulerStats):
                     stats[msg.scheduler] = msg
                 elif isinstance(msg, MessageRejected):
-                    rec = in_flight.pop(msg.request_id, None) if msg.request_id else None
-                    if rec is not None:
+                    rec = in_flight.get(msg.request_id) if msg.request_id else None
+                    if rec is not None and msg.sender == f"scheduler-{rec.scheduler}":
+                        del in_flight[msg.request_id]
                         load[rec.scheduler] -= 1
                         fail(rec, f"{msg.sender}: {msg.reason}")
                     else:

@@ -52,6 +52,8 @@ from shmkv.serve.messages import (
 
 __all__ = ["Scheduler", "ServingRequest", "scheduler_main"]
 
+IDLE_WAIT_S = 0.005  # a step that could schedule nothing waits this long before the next
+
 # execute(step, batch, block_ids) -> one sampled token per request of the batch, where
 # block_ids[i] is the i-th request's block ids per KV-cache group.
 Execute = Callable[[int, list[ScheduledRequest], list[tuple[list[int], ...]]], list[int]]
@@ -107,6 +109,7 @@ class Scheduler:
         self.running: list[ServingRequest] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.counters = SchedulerCounters()
+        self.last_batch_empty = False
 
     # ------------------------------------------------------------------ requests
 
@@ -209,6 +212,7 @@ class Scheduler:
         """Schedules, runs the batch on the rank, publishes what it computed; returns the
         requests that finished."""
         batch = self.schedule()
+        self.last_batch_empty = not batch
         if not batch:
             return []
         c = self.counters
@@ -430,7 +434,12 @@ class SchedulerProcess:
                     self.handle(got)
                 if self.stopping:
                     break
-                for sr in s.step():
+                finished = s.step()
+                if s.last_batch_empty:
+                    # Nothing fits now (on a shared pool, others hold the blocks): wait for
+                    # a message or a moment instead of spinning on the pool's lock.
+                    self.receive(IDLE_WAIT_S)
+                for sr in finished:
                     req = sr.request
                     self.outbox.send(TokensGenerated(
                         request_id=sr.request_id, scheduler=self.index,
