@@ -9,6 +9,9 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
   did not compute them); ``prefix_hit_rate`` = saved / prompt tokens;
 - ``evictions``: prefix-cache keys that allocations evicted; ``lock_wait_s``: time the
   schedulers spent waiting for their pool's lock;
+- ``peak_blocks_held`` (per scheduler): the most blocks its running requests held at once,
+  as its ``SchedulerStats`` (a few a second) saw it; ``ttft_*`` / ``latency_*``: seconds
+  from a request's arrival at its scheduler to its first token / its last;
 - ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
   no-cache greedy reference, and how many differed (counting from the first wrong token
   of each request).
@@ -40,6 +43,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
             "prefill_tokens_saved": hit,
             "prefix_hit_rate": hit / prompt if prompt else 0.0,
             "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
+            "peak_blocks_held": runner.peak_blocks_held.get(i, 0),
             "steps": st.num_steps if st else 0,
             "preemptions": st.num_preemptions if st else 0,
             "evictions": st.num_evictions if st else 0,
@@ -55,6 +59,8 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     mismatches = sum(r.checked - r.mismatch for r in checked if r.mismatch >= 0)
     generated = sum(len(r.result.output_token_ids) for r in finished)
     killed = getattr(runner, "killed_at", None)
+    ttft = sorted(r.result.first_token_s for r in finished)
+    latency = sorted(r.result.finished_s for r in finished)
     return {
         "pool": cfg.pool,
         "schedulers": n,
@@ -77,6 +83,9 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "startup_s": startup_s,
         "stop_s": getattr(runner, "stop_s", 0.0),
         "requests_per_s": len(finished) / wall_s if wall_s > 0 else 0.0,
+        "ttft_p50_s": _quantile(ttft, 0.5),
+        "ttft_p99_s": _quantile(ttft, 0.99),
+        "latency_p50_s": _quantile(latency, 0.5),
         "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
         "evictions": sum(p["evictions"] for p in per),
         "preemptions": sum(p["preemptions"] for p in per),
@@ -97,6 +106,12 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     }
 
 
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
 def _int(n: float) -> str:
     return f"{int(n):,}"
 
@@ -115,6 +130,8 @@ def report_text(f: dict) -> str:
         "prefill tokens saved)",
         f"  generated tokens   {_int(f['generated_tokens'])}; checked against the no-cache "
         f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}",
+        f"  latency            first token p50 {f['ttft_p50_s'] * 1e3:.0f} ms, p99 "
+        f"{f['ttft_p99_s'] * 1e3:.0f} ms; request p50 {f['latency_p50_s'] * 1e3:.0f} ms",
         f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
         f"evictions, {f['preemptions']} preemptions, lock wait "
         f"{f['lock_wait_s'] * 1e3:.1f} ms in all",
@@ -131,11 +148,12 @@ def report_text(f: dict) -> str:
                  + ", ".join("OK" if p["invariants_ok"] else "BROKEN" for p in f["pools_after"])
                  + f"; blocks in use {sum(p['blocks_in_use_after'] for p in f['pools_after'])}"
                  + reset)
-    header = ["scheduler", "requests", "prompt tok", "hit rate", "saved", "steps",
-              "preempt", "evictions", "lock wait"]
+    header = ["scheduler", "requests", "prompt tok", "hit rate", "saved", "peak blocks",
+              "steps", "preempt", "evictions", "lock wait"]
     rows = [[str(p["scheduler"]) + ("" if p["alive_at_end"] else " (died)"),
              str(p["requests"]), _int(p["prompt_tokens"]), f"{p['prefix_hit_rate']:.1%}",
-             _int(p["prefill_tokens_saved"]), str(p["steps"]), str(p["preemptions"]),
+             _int(p["prefill_tokens_saved"]), str(p["peak_blocks_held"]), str(p["steps"]),
+             str(p["preemptions"]),
              _int(p["evictions"]), f"{p['lock_wait_s'] * 1e3:.1f} ms"]
             for p in f["per_scheduler"]]
     widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]

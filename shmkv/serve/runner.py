@@ -184,6 +184,7 @@ class Runner:
         self.problems: list[str] = []  # what went wrong (exit code 1)
         self.notes: list[str] = []  # what happened on purpose (--kill-one)
         self.killed: set[int] = set()
+        self.peak_blocks_held: dict[int, int] = {}  # per scheduler, as its stats said
         # Everything made, for the finally.
         self.pools: list[BlockPool] = []
         self.kv_stores: list = []
@@ -492,6 +493,8 @@ class Runner:
                             to_check.append(rec)
                 elif isinstance(msg, SchedulerStats):
                     stats[msg.scheduler] = msg
+                    peak = self.peak_blocks_held
+                    peak[msg.scheduler] = max(peak.get(msg.scheduler, 0), msg.num_blocks_held)
                 elif isinstance(msg, MessageRejected):
                     rec = in_flight.get(msg.request_id) if msg.request_id else None
                     if rec is not None and msg.sender == f"scheduler-{rec.scheduler}":
