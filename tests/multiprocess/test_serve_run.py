@@ -281,3 +281,57 @@ def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
         SharedBlockTables.unlink(name)
         pool.close()
         BlockPool.unlink(name)
+
+
+def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
+    """A rank process fed an undecodable frame and a message that is not for a rank drops
+    both (saying so on stderr) and still answers the next ExecuteModel; Shutdown: exit 0."""
+    from shmkv.block_table import KVStore, SharedBlockTables
+    from shmkv.messages import (
+        Channel,
+        ExecuteModel,
+        ModelOutput,
+        Shutdown,
+        create_doorbell,
+        unlink_doorbell,
+    )
+    from shmkv.serve import engine
+    from shmkv.serve.messages import DrainScheduler
+    from shmkv.serve.model import TinyModelConfig
+    from tests.conftest import unique_pool_name
+
+    name = unique_pool_name("rk")
+    model = TinyModelConfig()
+    tables = engine.create_block_tables(name, model, 4, 256, 16)
+    store = engine.create_kv_store(name, model, 64, 16)
+    bell = create_doorbell(name)
+    to_rank, from_rank = f"{name}-to", f"{name}-from"
+    Channel.create(to_rank, 1 << 16).close()
+    Channel.create(from_rank, 1 << 16, doorbell=bell).close()
+    tx, rx = Channel.open(to_rank), Channel.open(from_rank)
+    proc = spawn_ctx.Process(target=engine.rank_main,
+                             args=(name, name, to_rank, from_rank,
+                                   engine.model_config_to_dict(model)))
+    proc.start()
+    try:
+        tx.send_bytes(b"\x93garbage")
+        tx.send(DrainScheduler())
+        tables.commit(1)
+        tx.send(ExecuteModel(step=1, requests=[]))
+        assert rx.recv(120) == ModelOutput(step=1, sampled_token_ids=[])
+        tx.send(Shutdown())
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        tx.close()
+        rx.close()
+        for ch in (to_rank, from_rank):
+            Channel.unlink(ch)
+        unlink_doorbell(bell)
+        tables.close()
+        SharedBlockTables.unlink(name)
+        store.close()
+        KVStore.unlink(name)
