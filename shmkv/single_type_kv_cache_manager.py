@@ -610,6 +610,49 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return computed, hit_length
 
 
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Caches the newly full blocks, then, with blocks coarser than the hashes, keys the
+        prompt's last hash boundary inside a block (``_cache_partial_tail_block``)."""
+        super().cache_blocks(request, num_tokens, retention_interval,
+                             replay_boundaries=replay_boundaries)
+        if self.block_size != self.block_pool.hash_block_size:
+            self._cache_partial_tail_block(request, num_tokens)
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> None:
+        """Keys the block holding the prompt's last hash boundary at that boundary
+        (``BlockPool.cache_partial_block``), so that a later request sharing the prompt up
+        to there hits inside the block. Only that boundary: the ones before it inside the
+        same block are not keyed. Nothing when the boundary ends a block (the full key
+        covers it) or lies beyond ``num_tokens``.
+
+        The boundary: the longest run of whole hash units a resend of the prompt can hit,
+        ``num_prompt_tokens - 1`` tokens (the last token is always recomputed), or the whole
+        prompt with EAGLE (its lookup drops one unit afterwards)."""
+        hbs = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = boundary // self.block_size
+        if block_idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(
+            request=request,
+            block=blocks[block_idx],
+            num_tokens=boundary,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_size=self.block_size,
+        )
+
+
 class RSWAManager(FullAttentionManager):
     """Reference sliding window: the prompt stays visible, and of the generated tokens only
     the last ``rswa_window``; given ``num_prompt_tokens``, ``remove_skipped_blocks`` frees the

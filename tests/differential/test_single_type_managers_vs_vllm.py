@@ -140,17 +140,25 @@ SETUPS = [
     Setup("mamba-none-coarse", _mamba("none", 1), "MambaManager", enable_caching=False,
           hash_block_size=2),
     # Block-aligned chunks never end on the prompt's last hash boundary inside a block, so
-    # vLLM keys no partial tail here (see GAP_SETUPS).
+    # vLLM keys no partial tail here.
     Setup("mamba-align-coarse", _mamba("align", 0), "MambaManager", hash_block_size=2),
-]
-
-# Known gap: with blocks coarser than the hashes, vLLM's full-attention manager (and Mamba
-# "align" when a chunk ends on the prompt's last hash boundary inside a block) also keys the
-# prompt's partial tail block (BlockPool.cache_partial_block), which shmkv's pool cannot do
-# yet; this setup is expected to differ.
-GAP_SETUPS = [
+    # Partial-tail keys (BlockPool.cache_partial_block): with blocks coarser than the hashes,
+    # full attention keys the prompt's last hash boundary inside its block, as its own key
+    # (promoted to the full key once the block fills) or as an alias of the full key.
     Setup("full-coarse", _attention("FullAttentionSpec"), "FullAttentionManager",
           hash_block_size=2),
+    Setup("full-coarse-eagle", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, eagle=True),
+    Setup("full-coarse-2groups", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, num_groups=2, zeroing=True),
+    # Fine-grained hits (alignment = hash_block_size < block size): a hit may end inside a
+    # block, on a partial key; the request then gets a private copy of that block (COW).
+    Setup("full-fine", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, scheduler_block_size=2),
+    Setup("full-fine-eagle", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, scheduler_block_size=2, eagle=True, zeroing=True),
+    Setup("full-fine-external", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, scheduler_block_size=2, external=True),
 ]
 
 
@@ -178,7 +186,8 @@ def _ids(blocks):
 def _make_sides(setup: Setup, num_blocks: int, make_pool):
     ours_spec, theirs_spec = setup.specs
     shm_pool = make_pool(num_blocks, enable_caching=setup.enable_caching,
-                         hash_block_size=setup.hash_block_size)
+                         hash_block_size=setup.hash_block_size,
+                         partial_keys=setup.hash_block_size != BLOCK_SIZE)
     vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching,
                                           setup.hash_block_size)
     ours, theirs = [], []
@@ -350,10 +359,3 @@ def test_managers_match_vllm(setup, seed, make_pool):
     """The same call sequence gives the same hits, demands, block ids and free queue."""
     _run(setup, seed, make_pool)
 
-
-@pytest.mark.xfail(strict=True, reason="partial-tail keys (cache_partial_block) are not ported")
-@pytest.mark.parametrize("setup", GAP_SETUPS, ids=[s.name for s in GAP_SETUPS])
-def test_partial_tail_gap_is_visible(setup, make_pool):
-    """Where shmkv lacks vLLM's partial-tail keys the harness sees the difference."""
-    for seed in range(6):
-        _run(setup, seed, make_pool)
