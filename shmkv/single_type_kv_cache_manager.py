@@ -55,6 +55,7 @@ from shmkv.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
     cdiv,
+    get_mamba_prefill_checkpoint_position,
 )
 
 __all__ = [
@@ -1144,12 +1145,30 @@ class MambaManager(SingleTypeKVCacheManager):
             block_idx, source = partial_hit
             cow_block, new_blocks = new_blocks[0], new_blocks[1:]
             if allocated_before:
-                raise NotImplementedError(
-                    "moving a running request's partial-tail key needs "
-                    "BlockPool.move_block_hashes, which shmkv's pool lacks"
-                )
-            self._apply_cow(request_id, block_idx, source, cow_block)
-            returned = [cow_block, *returned]
+                # A running request's block table only grows, so it stays on the source
+                # block (its next forward overwrites that state); the cache's keys move to
+                # the private copy, which the queued copy fills first. Both stay referenced
+                # until the copy has run: the copy by its allocation, the source by one
+                # more reference (``touch``), both given back by the consumer of
+                # ``take_pending_cow_copies``.
+                assert req_blocks[block_idx] is source
+                self.block_pool.move_block_hashes(source, cow_block)
+                self._pending_cow_copies.append((source, cow_block))
+                self.block_pool.touch([source])
+                producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
+                if producer_tail is not None:
+                    marker, boundary_tokens = producer_tail
+                    assert marker is source
+                    # The copy keeps the producer's boundary state: offer it for offload.
+                    self._pending_boundary_state_offloads.append(
+                        (request_id, self.kv_cache_group_id, cow_block, boundary_tokens)
+                    )
+                if cow_block.block_hash is not None:
+                    # Filled only by this step's copy: same-step hits on it must wait.
+                    self.cached_blocks_this_step.add(cow_block.block_hash)
+            else:
+                self._apply_cow(request_id, block_idx, source, cow_block)
+                returned = [cow_block, *returned]
         req_blocks.extend(new_blocks)
         self._allocated_block_reqs.add(request_id)
         self._partial_hit_reqs.pop(request_id, None)
@@ -1193,8 +1212,10 @@ class MambaManager(SingleTypeKVCacheManager):
         super().cache_blocks(request, num_tokens, retention_interval,
                              replay_boundaries=replay_boundaries)
         after = self.num_cached_block.get(request_id, 0)
-        # vLLM also registers the prompt's last hash boundary as a partial-tail key here;
-        # shmkv's pool has no partial keys (see the module docstring), so none is made.
+        if self.mamba_cache_mode == "align":
+            partial_hash = self._cache_partial_tail_block(request, num_tokens)
+            if partial_hash is not None:
+                self.cached_blocks_this_step.add(partial_hash)
         blocks = self.req_to_blocks[request_id]
         for idx in range(before, after):
             block = blocks[idx]
@@ -1211,6 +1232,69 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> bytes | None:
+        """Keys the state block at the prompt's reusable boundary, the last hash boundary a
+        resend can hit (``get_mamba_prefill_checkpoint_position``), when this step's chunk
+        ends exactly there; or at the shared-prefix junction, with
+        ``shared_prefix_checkpoint``, while the prompt is being computed.
+
+        A boundary inside the block makes this request the producer of a partial tail: its
+        next forward overwrites the state in place, so the block is marked for
+        copy-on-write (``_partial_hit_reqs``; ``allocate_new_blocks`` moves the key to a
+        private copy) and its cached-block count drops to the full blocks before it.
+
+        Returns:
+            the key registered, or None.
+        """
+        hbs = self.block_pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hbs:
+            return None
+        request_id = request.request_id
+        boundary = get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens, hbs, self.drop_eagle_checkpoint_block,
+            num_hash_lookahead_tokens=getattr(self.block_pool, "num_hash_lookahead_tokens", 0),
+        )
+        if num_tokens != boundary:
+            junction = getattr(request, "shared_prefix_boundary", 0)
+            if not (self.shared_prefix_checkpoint and num_tokens == junction
+                    and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens):
+                return None
+        block_idx = cdiv(num_tokens, self.block_size) - 1
+        blocks = self.req_to_blocks[request_id]
+        if block_idx >= len(blocks):
+            return None
+        source = blocks[block_idx]
+        if source.is_null or source.block_hash_num_tokens == num_tokens:
+            return None  # keyed here already (a hit, or an earlier step)
+        partial_hash = self.block_pool.cache_partial_block(
+            request=request, block=source, num_tokens=num_tokens,
+            kv_cache_group_id=self.kv_cache_group_id, block_size=self.block_size,
+        )
+        if partial_hash is not None and num_tokens % self.block_size:
+            self._partial_hit_reqs[request_id] = (block_idx, source)
+            self.num_cached_block[request_id] = block_idx
+            self._producer_partial_tail_reqs[request_id] = (source, num_tokens)
+        return partial_hash
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, Block, int] | None:
+        """A producer finishing before its copy-on-write: its table block itself holds the
+        boundary state, if the request stopped exactly there with nothing in flight.
+
+        Returns:
+            (group id, block, boundary tokens), or None.
+        """
+        if self.mamba_cache_mode != "align":
+            return None
+        producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer_tail is None:
+            return None
+        source, boundary_tokens = producer_tail
+        if num_in_flight_tokens != 0 or num_computed_tokens != boundary_tokens:
+            return None
+        return self.kv_cache_group_id, source, boundary_tokens
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):

@@ -72,6 +72,7 @@ class Setup:
     external: bool = False  # some admissions also get KV-connector (external) tokens
     zeroing: bool = False  # needs_kv_cache_zeroing: new block ids are recorded
     hash_block_size: int = BLOCK_SIZE  # request hashes are this fine; blocks may be coarser
+    stop_at_boundary: bool = False  # some prefill chunks end on the prompt's last boundary
 
 
 SETUPS = [
@@ -159,6 +160,15 @@ SETUPS = [
           hash_block_size=2, scheduler_block_size=2, eagle=True, zeroing=True),
     Setup("full-fine-external", _attention("FullAttentionSpec"), "FullAttentionManager",
           hash_block_size=2, scheduler_block_size=2, external=True),
+    # Mamba "align" partial tails: a chunk ending on the prompt's last hash boundary inside a
+    # block keys that state block there; its producer's next step moves the key to a private
+    # copy (move_block_hashes); with fine-grained hits, later requests hit it and copy it.
+    Setup("mamba-align-coarse-tail", _mamba("align", 0), "MambaManager", hash_block_size=2,
+          stop_at_boundary=True),
+    Setup("mamba-align-fine", _mamba("align", 0), "MambaManager", hash_block_size=2,
+          scheduler_block_size=2, stop_at_boundary=True),
+    Setup("mamba-align-fine-spec", _mamba("align", 1), "MambaManager", hash_block_size=2,
+          scheduler_block_size=2, stop_at_boundary=True, max_spec_tokens=1),
 ]
 
 
@@ -228,6 +238,21 @@ def _both(label, ours, theirs, call):
 class Live:
     request: Request
     num_computed: int = 0
+
+
+def _maybe_stop_at_boundary(setup: Setup, rng: random.Random, req: Request, num_computed: int,
+                            chunk: int) -> int:
+    """With ``stop_at_boundary``, half the time shortens a prefill chunk to end on the
+    prompt's last reusable hash boundary (where Mamba "align" keys a partial tail)."""
+    if not setup.stop_at_boundary or rng.random() < 0.5:
+        return chunk
+    hbs = setup.hash_block_size
+    boundary = (req.num_prompt_tokens - 1) // hbs * hbs
+    if setup.eagle:
+        boundary = max(req.num_prompt_tokens // hbs * hbs - hbs, 0)
+    if num_computed < boundary < num_computed + chunk:
+        return boundary - num_computed
+    return chunk
 
 
 def _run(setup: Setup, seed: int, make_pool):
@@ -322,6 +347,7 @@ def _run(setup: Setup, seed: int, make_pool):
             if rng.random() < 0.4:
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = min(remaining, unit * rng.randrange(1, 4))
+            chunk = _maybe_stop_at_boundary(setup, rng, req, hit_len + num_external, chunk)
             if allocate(label, live_req, chunk, hits, hit_len, num_external):
                 live[rid] = live_req
             else:
@@ -337,6 +363,7 @@ def _run(setup: Setup, seed: int, make_pool):
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = remaining if rng.random() < 0.5 else min(
                     remaining, unit * rng.randrange(1, 3))
+                chunk = _maybe_stop_at_boundary(setup, rng, req, live_req.num_computed, chunk)
                 allocate(label, live_req, chunk)
             else:
                 # Decode: one new token, with speculative lookahead slots.
