@@ -97,6 +97,9 @@ class Setup:
     encoder_tokens: int = 0  # cross-attention tokens given at admission
     use_eagle: bool = False
     num_steps: int = 150
+    hash_block_size: int = BS  # finer hashes than the blocks: partial-tail keys, partial hits
+    stop_at_boundary: bool = False  # chunks may end on the prompt's reusable hash boundary,
+    # and new prompts may repeat an earlier one up to its boundary (sub-block hits)
 
 
 SETUPS = [
@@ -116,6 +119,21 @@ SETUPS = [
     Setup("full-eagle", "full", use_eagle=True, max_lookahead=2),
     Setup("full+swa-eagle", "full+swa", use_eagle=True, max_lookahead=2),
     Setup("full+mamba-eagle", "full+mamba", use_eagle=True),
+    # Hashes finer than the blocks (hash_block_size 2, blocks of 4). Full attention keys
+    # each prompt's last hash boundary inside its block (cache_partial_block); with a Mamba
+    # "align" group, hits may end inside a block (enable_partial_hash_hits), the hit's last
+    # block is then copied (copy-on-write), and a Mamba producer's key moves to a copy.
+    Setup("full+swa-coarse", "full+swa", hash_block_size=2),
+    Setup("full+mamba-coarse", "full+mamba", hash_block_size=2),
+    Setup("full+mamba-coarse-tails", "full+mamba", hash_block_size=2, stop_at_boundary=True),
+    Setup("full+mamba-coarse-eagle", "full+mamba", hash_block_size=2, use_eagle=True),
+    Setup("full+mamba-coarse-tails-eagle", "full+mamba", hash_block_size=2, use_eagle=True,
+          stop_at_boundary=True),
+    # (No Mamba setup with KV-connector tokens: vLLM 0.33.0's Mamba "align" demand does not
+    # count the blocks allocate_external_computed_blocks takes, so its allocate_slots can
+    # raise "Cannot get 1 free blocks from the pool"; shmkv does the same.)
+    Setup("full+swa-coarse-external", "full+swa", hash_block_size=2, external=True),
+    Setup("full+mamba-coarse-retention0", "full+mamba", hash_block_size=2, retention=0),
 ]
 
 
@@ -127,9 +145,10 @@ def _config(mod, setup: Setup, num_blocks: int):
 
 
 def _make_managers(setup: Setup, num_blocks: int, make_pool):
-    pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=BS,
-                     enable_kv_cache_events=True)
-    common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": BS,
+    hbs = setup.hash_block_size
+    pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=hbs,
+                     enable_kv_cache_events=True, partial_keys=hbs != BS)
+    common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": hbs,
               "enable_caching": setup.enable_caching, "log_stats": True,
               "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
     ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
@@ -169,7 +188,20 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         assert a == b, f"{label}: shmkv {a!r} != vLLM {b!r}"
         return a
 
+    def drain_copies(label):
+        """The scheduler's side of copy-on-write: the copies to run, then their retained
+        endpoints freed (the copy has run)."""
+        (oc, oret), (tc, tret) = ours.take_kv_cache_block_copies(), theirs.take_kv_cache_block_copies()
+        compare(f"{label} copies", [(c.src_block_id, c.dst_block_id) for c in oc],
+                [(c.src_block_id, c.dst_block_id) for c in tc])
+        counts["copies"] = counts.get("copies", 0) + len(oc)
+        pool.free_blocks(oret)
+        theirs.block_pool.free_blocks(tret)
+        offloads = ours.take_boundary_state_offloads(), theirs.take_boundary_state_offloads()
+        compare(f"{label} boundary offloads", *offloads)
+
     def check_state(label):
+        drain_copies(label)
         for t in running:
             rid = t.ours.request_id
             compare(f"{label} table {rid}", ours.get_block_ids(rid), theirs.get_block_ids(rid))
@@ -181,6 +213,20 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         assert ob == tb, f"{label}: events differ"
         counts["event_bytes"] += len(ob)
         pool.check_invariants()
+
+    def boundary_of(prompt_len: int) -> int:
+        return shm_specs.get_mamba_prefill_checkpoint_position(
+            prompt_len, setup.hash_block_size, setup.use_eagle)
+
+    def maybe_stop(req, num_computed: int, n: int) -> int:
+        """With stop_at_boundary, half the time ends the chunk on the prompt's boundary."""
+        if setup.stop_at_boundary and rng.random() < 0.5:
+            b = boundary_of(req.num_prompt_tokens)
+            if num_computed < b < num_computed + n:
+                return b - num_computed
+        return n
+
+    past_prompts: list[list[int]] = []
 
     def admit(twin: Twin, label: str) -> None:
         o, t = twin.both()
@@ -199,6 +245,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
                           delay_cache_blocks=rng.random() < 0.5)
             counts["external"] = counts.get("external", 0) + 1
         chunk = min(remaining - ext, rng.choice([BS, 2 * BS, 3 * BS + 1, 64]))
+        chunk = maybe_stop(o, on + ext, chunk)
         res_o = ours.allocate_slots(o, chunk, on, ob, **kwargs)
         res_t = theirs.allocate_slots(t, chunk, tn, tb, **kwargs)
         compare(f"{label} allocate (admit)", _ids(res_o), _ids(res_t))
@@ -230,6 +277,12 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         if action < 0.25 or not running:
             prompt = list(rng.choice(prefixes)) + [
                 rng.randrange(VOCAB) for _ in range(rng.randrange(0, 20))]
+            if setup.stop_at_boundary:
+                if past_prompts and rng.random() < 0.4:  # an earlier prompt, to its boundary
+                    earlier = rng.choice(past_prompts)
+                    prompt = earlier[:boundary_of(len(earlier))] + [
+                        rng.randrange(VOCAB) for _ in range(rng.randrange(1, 8))]
+                past_prompts.append(prompt)
             salt = rng.choice([None, None, "tenant-b"])
             rid = f"r{next_id}"
             next_id += 1
@@ -255,6 +308,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
                 o.append_output_token_ids(token)
                 t.append_output_token_ids(token)
             n = min(o.num_tokens - o.num_computed_tokens, rng.choice([1, BS, 64]))
+            n = maybe_stop(o, o.num_computed_tokens, n)
             res_o = ours.allocate_slots(o, n, num_lookahead_tokens=lookahead)
             res_t = theirs.allocate_slots(t, n, num_lookahead_tokens=lookahead)
             compare(f"{label} allocate", _ids(res_o), _ids(res_t))
