@@ -1471,6 +1471,31 @@ class BlockPool:
             if counting:
                 _fault.end()
 
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drops every prefix-cache key of one block (its own, then its alias), a
+        ``BlockRemoved`` each, leaving the block where it is; vLLM's name (a Mamba
+        checkpoint block overwritten by a transient state calls it).
+
+        Returns:
+            False if the block held no key.
+
+        Raises:
+            UsageError: a bad handle; nothing is changed.
+        """
+        block_id = self._check_block_arg(block, "_maybe_evict_cached_block")
+        counting = _fault.planned is not None and _fault.begin("evict")
+        try:
+            with self._lock:
+                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
+                try:
+                    return self._evict_cached(block_id)
+                except BaseException:
+                    self._undo_since(*mark)
+                    raise
+        finally:
+            if counting:
+                _fault.end()
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, if no block but the null block is in use.
 

@@ -66,9 +66,9 @@ def _attn(mod, kind, **extra):
     return getattr(mod, kind)(block_size=BS, num_kv_heads=1, head_size=8, dtype=dtype, **extra)
 
 
-def _mamba(mod):
+def _mamba(mod, **extra):
     dtype = torch.float32 if mod is vllm_specs else "float32"
-    return mod.MambaSpec(BS, ((2, 4),), (dtype,), mamba_cache_mode="align")
+    return mod.MambaSpec(BS, ((2, 4),), (dtype,), mamba_cache_mode="align", **extra)
 
 
 GROUPS = {
@@ -82,6 +82,10 @@ GROUPS = {
     "full+chunked": lambda m: [_attn(m, "FullAttentionSpec"),
                                _attn(m, "ChunkedLocalAttentionSpec", attention_chunk_size=8)],
     "full+mamba": lambda m: [_attn(m, "FullAttentionSpec"), _mamba(m)],
+    # Mamba "align" with a prefill checkpoint block (a backend that exports any position).
+    "full+mamba-ckpt": lambda m: [_attn(m, "FullAttentionSpec"),
+                                  _mamba(m, num_prefill_checkpoint_blocks=1,
+                                         prefill_checkpoint_alignment=1)],
     "full+cross": lambda m: [_attn(m, "FullAttentionSpec"), _attn(m, "CrossAttentionSpec")],
 }
 
@@ -134,6 +138,14 @@ SETUPS = [
     # raise "Cannot get 1 free blocks from the pool"; shmkv does the same.)
     Setup("full+swa-coarse-external", "full+swa", hash_block_size=2, external=True),
     Setup("full+mamba-coarse-retention0", "full+mamba", hash_block_size=2, retention=0),
+    Setup("full+mamba-ckpt", "full+mamba-ckpt"),
+    Setup("full+mamba-ckpt-coarse", "full+mamba-ckpt", hash_block_size=2),
+    Setup("full+mamba-ckpt-coarse-tails", "full+mamba-ckpt", hash_block_size=2,
+          stop_at_boundary=True),
+    Setup("full+mamba-ckpt-coarse-retention0", "full+mamba-ckpt", hash_block_size=2,
+          retention=0),
+    Setup("full+mamba-ckpt-coarse-eagle", "full+mamba-ckpt", hash_block_size=2,
+          use_eagle=True),
 ]
 
 

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.differential
 
 BLOCK_SIZE = 4
 VOCAB = 50
+CKPT = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
 
 
 def _attention(kind: str, **extra):
@@ -46,8 +47,8 @@ def _attention(kind: str, **extra):
     return ours, theirs
 
 
-def _mamba(mode: str, num_speculative_blocks: int):
-    kw = {"mamba_cache_mode": mode, "num_speculative_blocks": num_speculative_blocks}
+def _mamba(mode: str, num_speculative_blocks: int, **extra):
+    kw = {"mamba_cache_mode": mode, "num_speculative_blocks": num_speculative_blocks, **extra}
     ours = shm_specs.MambaSpec(BLOCK_SIZE, ((2, 4),), ("float32",), **kw)
     theirs = vllm_specs.MambaSpec(BLOCK_SIZE, ((2, 4),), (torch.float32,), **kw)
     return ours, theirs
@@ -169,6 +170,21 @@ SETUPS = [
           scheduler_block_size=2, stop_at_boundary=True),
     Setup("mamba-align-fine-spec", _mamba("align", 1), "MambaManager", hash_block_size=2,
           scheduler_block_size=2, stop_at_boundary=True, max_spec_tokens=1),
+    # Mamba "align" prefill checkpoints: a chunk crossing the prompt's boundary exports the
+    # state there into the block before its running one, keyed at the checkpoint.
+    Setup("mamba-ckpt", _mamba("align", 0, **CKPT), "MambaManager"),
+    Setup("mamba-ckpt-coarse", _mamba("align", 0, **CKPT), "MambaManager", hash_block_size=2),
+    Setup("mamba-ckpt-fine", _mamba("align", 0, **CKPT), "MambaManager", hash_block_size=2,
+          scheduler_block_size=2),
+    Setup("mamba-ckpt-fine-spec", _mamba("align", 1, **CKPT), "MambaManager",
+          hash_block_size=2, scheduler_block_size=2, max_spec_tokens=1),
+    Setup("mamba-ckpt-align2", _mamba("align", 0, num_prefill_checkpoint_blocks=1,
+                                      prefill_checkpoint_alignment=2), "MambaManager",
+          hash_block_size=2, scheduler_block_size=2, stop_at_boundary=True),
+    Setup("mamba-ckpt-retain-0", _mamba("align", 0, **CKPT), "MambaManager",
+          scheduler_block_size=8, chunk_multiple=2, retention_interval=0),
+    Setup("mamba-ckpt-retain-16", _mamba("align", 0, **CKPT), "MambaManager",
+          scheduler_block_size=8, chunk_multiple=2, retention_interval=16),
 ]
 
 
