@@ -203,7 +203,8 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
     def drain_copies(label):
         """The scheduler's side of copy-on-write: the copies to run, then their retained
         endpoints freed (the copy has run)."""
-        (oc, oret), (tc, tret) = ours.take_kv_cache_block_copies(), theirs.take_kv_cache_block_copies()
+        oc, oret = ours.take_kv_cache_block_copies()
+        tc, tret = theirs.take_kv_cache_block_copies()
         compare(f"{label} copies", [(c.src_block_id, c.dst_block_id) for c in oc],
                 [(c.src_block_id, c.dst_block_id) for c in tc])
         counts["copies"] = counts.get("copies", 0) + len(oc)
