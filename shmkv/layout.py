@@ -357,12 +357,13 @@ class PoolConfig:
     max_processes: int = 16
     event_log_bytes: int = 0
     hash_fn_name: str = "sha256"
-    journal_entries: int = 0  # 0: default_journal_entries(num_blocks)
+    journal_entries: int = 0  # 0: default_journal_entries(num_blocks, partial_keys)
     partial_keys: bool = False  # the block_alias region (a block's second, partial key)
 
     def __post_init__(self) -> None:
         if self.journal_entries == 0 and isinstance(self.num_blocks, int):
-            object.__setattr__(self, "journal_entries", default_journal_entries(self.num_blocks))
+            object.__setattr__(self, "journal_entries",
+                               default_journal_entries(self.num_blocks, self.partial_keys))
 
     @property
     def format_flags(self) -> int:
@@ -420,10 +421,11 @@ class PoolConfig:
             )
 
 
-def default_journal_entries(num_blocks: int) -> int:
+def default_journal_entries(num_blocks: int, partial_keys: bool = False) -> int:
     """Journal entries by default: enough for one call on every block of the pool (an
-    allocation that evicts writes about eight words per block), at most 2**21 (32 MiB)."""
-    return min(8 * num_blocks + 4096, 1 << 21)
+    allocation that evicts writes about eight words per block, four more for a block's
+    alias), at most 2**21 (32 MiB)."""
+    return min((12 if partial_keys else 8) * num_blocks + 4096, 1 << 21)
 
 
 @dataclass(frozen=True)

@@ -383,7 +383,7 @@ class RebuildReport:
     ref_cnt_fixed: int  # blocks whose ref_cnt disagreed with the ledger
     num_free_blocks: int
     num_cached_blocks: int
-    hashes_dropped: int  # blocks whose hash fields were invalid (cleared)
+    hashes_dropped: int  # keys whose fields were invalid, or aliases orphaned (cleared)
     seconds: float
     # (hash, group) of each cleared key, for the BlockRemoved events the repair logs
     dropped_keys: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)
@@ -636,11 +636,17 @@ def _clean_alias_rows(pool: BlockPool, hashed: np.ndarray,
     own = np.zeros(n, dtype=bool)
     own[hashed] = True
     keep = (htok > 0) & own
-    if keep.any():
-        ids = np.flatnonzero(keep)
-        same = ((rows["block_hash"][ids] == rows["block_hash"][alias0 + ids])
-                & (rows["group_id"][ids] == group[ids]))
-        keep[ids[same]] = False
+    ids = np.flatnonzero(keep)
+    if len(ids):
+        # An alias equal to its block's own key breaks INV-ALIAS. The first 8 hash bytes
+        # and the group tell almost all apart; only those that agree are compared whole.
+        word = np.ndarray((lay.num_key_rows,), dtype="<u8", buffer=pool._segment.buf,
+                          offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET,
+                          strides=(L.BLOCK_DTYPE.itemsize,))
+        maybe = ids[(word[ids] == word[alias0 + ids]) & (rows["group_id"][ids] == group[ids])]
+        if len(maybe):
+            same = rows["block_hash"][maybe] == rows["block_hash"][alias0 + maybe]
+            keep[maybe[same]] = False
     bad = np.flatnonzero(present & ~keep)
     dropped.extend((bytes(rows["block_hash"][alias0 + b]), int(group[b]))
                    for b in bad.tolist() if htok[b] > 0)
