@@ -437,12 +437,17 @@ def test_kernels_write_identical_bytes_with_aliases(seed):
 def test_layout_of_alias_rows():
     from shmkv import layout as L
 
-    lay = L.Layout.from_config(L.PoolConfig(num_blocks=10, hash_block_size=HBS, partial_keys=True))
+    lay = L.Layout.from_config(L.PoolConfig(num_blocks=10, hash_block_size=HBS, partial_keys=True,
+                                            journal_entries=4096))
     assert lay.shapes["block_alias"] == (10,)
     assert lay.config.format_flags & L.FLAG_PARTIAL_KEYS
     # The alias rows follow the block rows and the two sentinels with no gap: key rows.
     assert lay.offsets["block_alias"] == lay.offsets["block_meta"] + 64 * 12
     assert lay.num_key_rows == 22 and lay.alias_row(3) == 15
-    plain = L.Layout.from_config(L.PoolConfig(num_blocks=10, hash_block_size=HBS))
+    plain = L.Layout.from_config(L.PoolConfig(num_blocks=10, hash_block_size=HBS,
+                                              journal_entries=4096))
     assert plain.shapes["block_alias"] == (0,) and plain.num_key_rows == 12
     assert lay.total_bytes - plain.total_bytes == 640
+    # By default the journal has room for alias evictions too.
+    assert L.PoolConfig(num_blocks=10, hash_block_size=HBS, partial_keys=True).journal_entries \
+        > L.PoolConfig(num_blocks=10, hash_block_size=HBS).journal_entries
