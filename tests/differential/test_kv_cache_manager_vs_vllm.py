@@ -104,6 +104,8 @@ class Setup:
     hash_block_size: int = BS  # finer hashes than the blocks: partial-tail keys, partial hits
     stop_at_boundary: bool = False  # chunks may end on the prompt's reusable hash boundary,
     # and new prompts may repeat an earlier one up to its boundary (sub-block hits)
+    junction: bool = False  # enable_mamba_shared_prefix_checkpoint; requests keep the
+    # shared-prefix boundary of their lookup, and a chunk may end there (the scheduler's split)
 
 
 SETUPS = [
@@ -146,6 +148,10 @@ SETUPS = [
           retention=0),
     Setup("full+mamba-ckpt-coarse-eagle", "full+mamba-ckpt", hash_block_size=2,
           use_eagle=True),
+    # The shared-prefix junction (EAGLE + sub-block hits): Mamba keys the state where a
+    # lookup found other requests' hits diverge from the cache.
+    Setup("full+mamba-coarse-junction-eagle", "full+mamba", hash_block_size=2,
+          use_eagle=True, stop_at_boundary=True, junction=True),
 ]
 
 
@@ -163,6 +169,8 @@ def _make_managers(setup: Setup, num_blocks: int, make_pool):
     common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": hbs,
               "enable_caching": setup.enable_caching, "log_stats": True,
               "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
+    if setup.junction:
+        common["enable_mamba_shared_prefix_checkpoint"] = True
     ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
     theirs = vllm_manager.KVCacheManager(_config(vllm_specs, setup, num_blocks), **common)
     return ours, theirs, pool
@@ -232,7 +240,11 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
             prompt_len, setup.hash_block_size, setup.use_eagle)
 
     def maybe_stop(req, num_computed: int, n: int) -> int:
-        """With stop_at_boundary, half the time ends the chunk on the prompt's boundary."""
+        """With stop_at_boundary, half the time ends the chunk on the prompt's boundary;
+        with a junction, always on the shared-prefix boundary first, as the scheduler."""
+        junction = getattr(req, "shared_prefix_boundary", 0) if setup.junction else 0
+        if num_computed < junction < num_computed + n:
+            return junction - num_computed
         if setup.stop_at_boundary and rng.random() < 0.5:
             b = boundary_of(req.num_prompt_tokens)
             if num_computed < b < num_computed + n:
@@ -246,6 +258,9 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         ob, on, osp = ours.get_computed_blocks(o)
         tb, tn, tsp = theirs.get_computed_blocks(t)
         compare(f"{label} hit", (_ids(ob), on, osp), (_ids(tb), tn, tsp))
+        if setup.junction:  # the scheduler keeps it on the request
+            o.shared_prefix_boundary = osp
+            t.shared_prefix_boundary = tsp
         ours.record_prefix_cache_stats(o, on)
         theirs.record_prefix_cache_stats(t, tn)
         counts["hits"] += on > 0
