@@ -1166,7 +1166,8 @@ class BlockPool:
 
         shmkv keeps one alias per block (region ``block_alias``): where vLLM would add a
         second alias to a block, the newer replaces the older, with a ``BlockRemoved``. The
-        managers never ask for one (each keys a block at most at one boundary inside it).
+        managers ask for a second one only in a rare case (``shmkv/layout.py``, "Alias
+        rows").
 
         Args:
             request: ``.block_hashes`` at ``hash_block_size``; ``.all_token_ids`` when events

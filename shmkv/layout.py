@@ -134,9 +134,12 @@ block row (`index_next`, `group_id`, `hash_num_tokens`, `block_hash`); its other
 stay 0 and mean nothing. `hash_num_tokens` is ``NO_HASH_TOKENS`` when the block has no
 alias. A block holds an alias only while it holds its own key too, and the two keys differ
 (INV-ALIAS). One alias per block: ``cache_partial_block`` only adds one to a block that
-already holds a longer key, and the managers key each block at most at one boundary inside
-it (the request's last prompt boundary); a second alias replaces the first (see
-``BlockPool.cache_partial_block``).
+already holds a longer key, which the managers do for the request that filled the block, at
+its last prompt boundary. A second request keys the same block only if the block is in its
+table as a whole-block hit with its own boundary inside it, which a new request's hit never
+is (its boundary lies at or past its hit); a preempted request that resumes with outputs
+repeating the block's tokens could. vLLM then keeps both aliases; shmkv keeps the newer
+(see ``BlockPool.cache_partial_block``), so the older boundary is no longer a hit.
 
 The region costs 64 bytes per block, as much again as ``block_meta``, and only models whose
 KV-cache groups have blocks bigger than ``hash_block_size`` (hybrid models) ever key a block
