@@ -80,3 +80,13 @@ def test_bench_transport_smoke():
         ("channel", "decode"), ("channel", "prefill"), ("mqueue", "decode"), ("mqueue", "prefill")}
     assert all(r["us_per_round_trip"] > 0 for r in rows)
     assert "MQ/Channel" in out.stdout
+
+
+def test_bench_recovery_partial_keys_smoke():
+    """With --partial-keys the rebuild also rechains alias rows (and the pool checks out)."""
+    out = _run("benchmarks/bench_recovery.py", "--sizes", "2000", "--repeats", "1",
+               "--partial-keys")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    (rebuilt,) = [r for r in rows if r["bench"] == "recovery"]
+    assert rebuilt["alias_keys"] > 0 and rebuilt["rebuild_ms_median"] > 0
