@@ -17,11 +17,14 @@ from the hash fields.
 
 Each pool is first brought to a realistic state: half of the blocks held (in requests of
 16), a quarter of all blocks cached, then the held blocks of every other request freed.
-The first rebuild of a pool renumbers every free block's queue key; the repeats find a
+With ``--partial-keys`` the pool has alias rows (``partial_keys=True``) and every fourth
+cached block also holds a partial key (an alias). The first rebuild of a pool renumbers
+every free block's queue key; the repeats find a
 rebuilt pool, with nothing to write back, and cost less: ``first`` is the former, the
 median and min are over all repeats. Output: one JSON line per size, then a table.
 
     python benchmarks/bench_recovery.py [--sizes 1000,10000,100000,1000000] [--repeats 3]
+                                        [--partial-keys]
 """
 
 from __future__ import annotations
@@ -119,18 +122,22 @@ class _Request:
         self.all_token_ids: list[int] = []
 
 
-def run(num_blocks: int, repeats: int) -> dict:
+def run(num_blocks: int, repeats: int, partial_keys: bool = False) -> dict:
     name = f"bench-recovery-{os.getpid()}-{num_blocks}"
-    pool = BlockPool.create(name, num_blocks, max_processes=4)
+    pool = BlockPool.create(name, num_blocks, max_processes=4, partial_keys=partial_keys)
     try:
         held = []
-        num_cached = 0
+        num_cached = num_aliases = 0
         for _ in range((num_blocks // 2) // 16):
             blocks = pool.get_new_blocks(16)
             if num_cached < num_blocks // 4:
-                hashes = [os.urandom(32) for _ in range(16)]
-                pool.cache_full_blocks(_Request(hashes), blocks, 0, 16, 16, 0)
+                req = _Request([os.urandom(32) for _ in range(16)])
+                pool.cache_full_blocks(req, blocks, 0, 16, 16, 0)
                 num_cached += 16
+                if partial_keys:  # a partial key, as if blocks were 32 tokens, in group 1
+                    for i in range(1, 16, 4):
+                        pool.cache_partial_block(req, blocks[i], 16 * i, 1, 32)
+                        num_aliases += 1
             held.append(blocks)
         for blocks in held[::2]:
             pool.free_blocks(reversed(blocks))
@@ -147,6 +154,7 @@ def run(num_blocks: int, repeats: int) -> dict:
         "bench": "recovery",
         "num_blocks": num_blocks,
         "cached_blocks": num_cached,
+        "alias_keys": num_aliases,
         "rebuild_ms_median": round(statistics.median(times) * 1e3, 2),
         "rebuild_ms_min": round(min(times) * 1e3, 2),
         "rebuild_ms_first": round(times[0] * 1e3, 2),
@@ -158,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000,1000000")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--partial-keys", action="store_true",
+                        help="alias rows, and a partial key on every fourth cached block")
     args = parser.parse_args(argv)
     logging.getLogger("shmkv").setLevel(logging.ERROR)  # each take-over logs a warning
     rows, takeovers = [], []
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         takeovers.append(takeover(n, args.repeats))
         print(json.dumps(takeovers[-1]), flush=True)
         print(f"[{2 * i + 2}/{steps}] rebuild, {n:,} blocks ...", file=sys.stderr, flush=True)
-        rows.append(run(n, args.repeats))
+        rows.append(run(n, args.repeats, args.partial_keys))
         print(json.dumps(rows[-1]), flush=True)
     print(f"[{steps}/{steps}] take-over with no holder recorded ...", file=sys.stderr, flush=True)
     takeovers.append(takeover(sizes[0], args.repeats, no_holder=True))
@@ -181,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['detect_repair_ms_median']:>17.2f} {t['detect_repair_ms_max']:>8.2f} "
               f"{t['repair_ms_median']:>10.2f}")
     print()
-    print(f"{'blocks':>10} {'cached':>10} {'rebuild ms (median)':>20} {'min':>8} {'first':>8}")
+    print(f"{'blocks':>10} {'cached':>10} {'aliases':>8} {'rebuild ms (median)':>20} "
+          f"{'min':>8} {'first':>8}")
     for r in rows:
-        print(f"{r['num_blocks']:>10,} {r['cached_blocks']:>10,} "
+        print(f"{r['num_blocks']:>10,} {r['cached_blocks']:>10,} {r['alias_keys']:>8,} "
               f"{r['rebuild_ms_median']:>20.2f} {r['rebuild_ms_min']:>8.2f} "
               f"{r['rebuild_ms_first']:>8.2f}")
     return 0

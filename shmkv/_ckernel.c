@@ -103,6 +103,7 @@ typedef struct {
     int32_t *buckets; /* index_buckets region */
     int32_t *ledger;  /* this process's row of the ledger: references it holds per block */
     Py_ssize_t num_blocks;
+    Py_ssize_t num_alias_rows; /* block_alias rows: num_blocks with partial keys, else 0 */
     uint64_t bucket_mask;
     int32_t head, tail;
     int32_t *scratch;  /* per-block counters for duplicate checks; all zero between calls */
@@ -153,6 +154,12 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
  * InvariantViolation instead of crashing the process. */
 #define ROW_OK(k, x) ((x) >= 0 && (Py_ssize_t)(x) < (k)->num_blocks + 2)
 #define BLOCK_OK(k, x) ((x) >= 0 && (Py_ssize_t)(x) < (k)->num_blocks)
+/* Key rows (shmkv/layout.py): block rows [0, n), the two sentinels, then block b's alias
+ * row at ALIAS0 + b; the prefix index links block and alias rows alike. */
+#define ALIAS0(k) ((k)->num_blocks + 2)
+#define NUM_KEY_ROWS(k) ((k)->num_blocks + 2 + (k)->num_alias_rows)
+#define KEY_OK(k, x) \
+    (BLOCK_OK(k, x) || ((Py_ssize_t)(x) >= ALIAS0(k) && (Py_ssize_t)(x) < NUM_KEY_ROWS(k)))
 
 static void *corrupt(const char *what, long row) {
     PyObject *msg = PyUnicode_FromFormat("INV-FREE/INV-HASH: corrupt shared state: %s (row %ld)",
@@ -196,9 +203,15 @@ static int ensure_bufs(Kernel *k, Py_ssize_t n) {
 static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     PyObject *buf, *geometry;
     Py_ssize_t meta_off, idx_off, ledger_off, num_blocks, num_buckets, journal_off, journal_cap;
-    if (!PyArg_ParseTuple(args, "OnnnnnnnO", &buf, &meta_off, &idx_off, &ledger_off,
-                          &num_blocks, &num_buckets, &journal_off, &journal_cap, &geometry))
+    Py_ssize_t num_alias_rows;
+    if (!PyArg_ParseTuple(args, "OnnnnnnnnO", &buf, &meta_off, &idx_off, &ledger_off,
+                          &num_blocks, &num_buckets, &journal_off, &journal_cap,
+                          &num_alias_rows, &geometry))
         return -1;
+    if (num_alias_rows != 0 && num_alias_rows != num_blocks) {
+        PyErr_SetString(PyExc_ValueError, "num_alias_rows must be 0 or num_blocks");
+        return -1;
+    }
     PyObject *mine = Py_BuildValue(
         "(iiiiiiiiiiiiiiiiK)", ROW_I32, ROW_I64, F_REF, F_PREV, F_NEXT, F_INDEX_NEXT, F_GROUP,
         F_HASH_TOKENS, F_QUEUE_KEY, HASH_BYTE_OFFSET, HASH_BYTES, H_NUM_FREE,
@@ -219,7 +232,7 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     }
     if (PyObject_GetBuffer(buf, &k->view, PyBUF_WRITABLE) < 0) return -1;
     k->has_view = 1;
-    Py_ssize_t need_meta = meta_off + (num_blocks + 2) * ROW_BYTES;
+    Py_ssize_t need_meta = meta_off + (num_blocks + 2 + num_alias_rows) * ROW_BYTES; /* + alias */
     Py_ssize_t need_idx = idx_off + num_buckets * 4;
     Py_ssize_t need_ledger = ledger_off + num_blocks * 4;
     Py_ssize_t need_journal = journal_off + journal_cap * 16;
@@ -240,6 +253,7 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     k->buckets = (int32_t *)(base + idx_off);
     k->ledger = (int32_t *)(base + ledger_off);
     k->num_blocks = num_blocks;
+    k->num_alias_rows = num_alias_rows;
     k->bucket_mask = (uint64_t)num_buckets - 1;
     k->head = (int32_t)num_blocks;
     k->tail = (int32_t)num_blocks + 1;
@@ -284,25 +298,26 @@ static inline uint64_t bucket_of(Kernel *k, const unsigned char *hash, uint32_t 
     return w & k->bucket_mask;
 }
 
-/* Returns the block, NO_BLOCK on a miss, or -2 (exception set) on a corrupt chain. */
+/* Returns the block (of the key row found: an alias row answers with its block), NO_BLOCK on
+ * a miss, or -2 (exception set) on a corrupt chain. */
 static int32_t index_lookup(Kernel *k, const unsigned char *hash, uint32_t group) {
     int32_t cur = k->buckets[bucket_of(k, hash, group)];
     Py_ssize_t steps = 0;
     while (cur != NO_BLOCK) {
-        if (!BLOCK_OK(k, cur) || ++steps > k->num_blocks) {
+        if (!KEY_OK(k, cur) || ++steps > NUM_KEY_ROWS(k)) {
             corrupt("prefix-index chain leaves the blocks or loops", cur);
             return -2;
         }
         if ((uint32_t)I32(k, cur, F_GROUP) == group &&
             memcmp(HASHP(k, cur), hash, HASH_BYTES) == 0)
-            return cur;
+            return cur < ALIAS0(k) ? cur : (int32_t)(cur - ALIAS0(k));
         cur = I32(k, cur, F_INDEX_NEXT);
     }
     return NO_BLOCK;
 }
 
-/* Unlinks a hashed block from its chain and clears its key (same order as Python:
- * unlink first, then clear the hash fields). Returns 1 if it held a key. */
+/* Unlinks a key row (a block's own or an alias row) from its chain and clears its key (same
+ * order as Python: unlink first, then clear the hash fields). Returns 1 if it held a key. */
 static int index_pop(Kernel *k, int32_t b) {
     if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) return 0;
     uint32_t group = (uint32_t)I32(k, b, F_GROUP);
@@ -312,7 +327,7 @@ static int index_pop(Kernel *k, int32_t b) {
     if (cur == b) {
         J32(k, k->buckets[bucket], nxt);
     } else {
-        while (BLOCK_OK(k, cur)) {
+        while (KEY_OK(k, cur)) {
             int32_t after = I32(k, cur, F_INDEX_NEXT);
             if (after == b) {
                 J32(k, I32(k, cur, F_INDEX_NEXT), nxt);
@@ -330,6 +345,29 @@ static int index_pop(Kernel *k, int32_t b) {
 static PyObject *key_tuple(Kernel *k, int32_t b) {
     return Py_BuildValue("(y#I)", HASHP(k, b), (Py_ssize_t)HASH_BYTES,
                          (unsigned int)I32(k, b, F_GROUP));
+}
+
+/* Removes every key of block b: its own, then (if it had one) its alias; the Python
+ * kernel's BlockHashToBlockMap.pop_all, write for write. */
+static void index_pop_all(Kernel *k, int32_t b) {
+    if (index_pop(k, b) && k->num_alias_rows) index_pop(k, (int32_t)(ALIAS0(k) + b));
+}
+
+/* Appends (hash, group) of each key index_pop_all(b) would remove to out. Returns 0 with an
+ * exception set on failure. */
+static int append_keys(Kernel *k, int32_t b, PyObject *out) {
+    if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) return 1;
+    int32_t rows[2] = {b, (int32_t)(ALIAS0(k) + b)};
+    for (int i = 0; i < (k->num_alias_rows ? 2 : 1); i++) {
+        if (I32(k, rows[i], F_HASH_TOKENS) == NO_HASH_TOKENS) continue;
+        PyObject *key = key_tuple(k, rows[i]);
+        if (!key || PyList_Append(out, key) < 0) {
+            Py_XDECREF(key);
+            return 0;
+        }
+        Py_DECREF(key);
+    }
+    return 1;
 }
 
 static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
@@ -435,10 +473,10 @@ static int index_insert(Kernel *k, const unsigned char *hash, uint32_t group, in
     }
     int32_t nxt;
     Py_ssize_t steps = 0;
-    while (BLOCK_OK(k, cur) && (nxt = I32(k, cur, F_INDEX_NEXT)) != NO_BLOCK &&
-           ++steps <= k->num_blocks)
+    while (KEY_OK(k, cur) && (nxt = I32(k, cur, F_INDEX_NEXT)) != NO_BLOCK &&
+           ++steps <= NUM_KEY_ROWS(k))
         cur = nxt;
-    if (!BLOCK_OK(k, cur) || steps > k->num_blocks) {
+    if (!KEY_OK(k, cur) || steps > NUM_KEY_ROWS(k)) {
         corrupt("prefix-index chain leaves the blocks or loops", cur);
         return 0;
     }
@@ -517,11 +555,14 @@ static PyObject *Kernel_evict(Kernel *k, PyObject *arg) {
         PyErr_Format(UsageError, "block id %ld is out of range [0, %zd)", b, k->num_blocks);
         return NULL;
     }
-    if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) Py_RETURN_NONE;
-    PyObject *key = key_tuple(k, (int32_t)b);
-    if (!key) return NULL;
-    index_pop(k, (int32_t)b);
-    return key;
+    PyObject *keys = PyList_New(0);
+    if (!keys) return NULL;
+    if (!append_keys(k, (int32_t)b, keys)) {
+        Py_DECREF(keys);
+        return NULL;
+    }
+    index_pop_all(k, (int32_t)b);
+    return keys;
 }
 
 /* ------------------------------------------------------------------ free queue */
@@ -635,16 +676,11 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
     Py_ssize_t evicted_before = evicted_out == Py_None ? 0 : PyList_GET_SIZE(evicted_out);
     if (caching && evicted_out != Py_None) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            int32_t b = k->ids_buf[i];
-            if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) continue;
-            PyObject *key = key_tuple(k, b);
-            if (!key || PyList_Append(evicted_out, key) < 0) {
-                Py_XDECREF(key);
+            if (!append_keys(k, k->ids_buf[i], evicted_out)) {
                 PyList_SetSlice(evicted_out, evicted_before, PY_SSIZE_T_MAX, NULL);
                 Py_DECREF(out);
                 return NULL;
             }
-            Py_DECREF(key);
         }
     }
     /* Pop the run off the head: relink the head sentinel, then clear each block's links. */
@@ -660,7 +696,7 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
     J64(k, k->hdr64[H_NUM_FREE], num_free - n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = k->ids_buf[i];
-        if (caching) index_pop(k, b);
+        if (caching) index_pop_all(k, b);
         J32(k, I32(k, b, F_REF), 1);
         J32(k, k->ledger[b], k->ledger[b] + 1);
     }
@@ -856,14 +892,9 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
         if (!item) { Py_CLEAR(result); break; }
         PyList_SET_ITEM(result, j, item);
         int32_t b = ids[i];
-        if (evicted_out != Py_None && I32(k, b, F_HASH_TOKENS) != NO_HASH_TOKENS) {
-            PyObject *key = key_tuple(k, b);
-            if (!key || PyList_Append(evicted_out, key) < 0) {
-                Py_XDECREF(key);
-                Py_CLEAR(result);
-                break;
-            }
-            Py_DECREF(key);
+        if (evicted_out != Py_None && !append_keys(k, b, evicted_out)) {
+            Py_CLEAR(result);
+            break;
         }
     }
     if (!result) {
@@ -875,7 +906,7 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t i = k->first_buf[j], position = num_cached + i;
         int32_t b = ids[i];
         PyObject *h = hash_items[(position + 1) * ratio - 1];
-        index_pop(k, b); /* a shorter key on the same block gives way to the full one */
+        index_pop_all(k, b); /* a shorter key (and any alias) gives way to the full one */
         if (!index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group, b,
                           (int32_t)((position + 1) * block_size))) {
             Py_CLEAR(result);

@@ -71,7 +71,8 @@ class PyKernel:
         self._ref_col = JournaledColumn(blocks["ref_cnt"], journal, meta_offset)
         self._htok_col = blocks["hash_num_tokens"]
         self._num_blocks = num_blocks
-        self._chain_steps = range(num_blocks + 1)
+        self._chain_steps = range(len(index.inext_raw) + 1)  # key rows (aliases included)
+        self._alias0 = index.alias0
         self._ref_view = i32[_REF::_R]
         self._ref = JournaledView(self._ref_view, journal, meta_offset + 4 * _REF, _ROW_BYTES)
         self._htok = i32[_HTOK::_R]
@@ -200,6 +201,8 @@ class PyKernel:
                     "INV-FREE/INV-HASH: corrupt shared state: prefix-index chain leaves the "
                     f"blocks or loops (row {cur})"
                 ])
+            if cur >= self._alias0:  # an alias row: its block
+                cur -= self._alias0
             found.append(handles[cur] or make_handle(cur))
         return found
 
@@ -290,15 +293,16 @@ class PyKernel:
             index.insert_n(entries, group_id)
         else:
             for block_id, block_hash, num_tokens in entries:
-                if block_id in rehash:
-                    key = index.pop(block_id)
+                if block_id in rehash:  # a partial key (and any alias) gives way
+                    keys = index.pop_all(block_id)
                     if evicted_out is not None:
-                        evicted_out.append(key)
+                        evicted_out.extend(keys)
                 index.insert(block_hash, group_id, block_id, num_tokens)
         return cached
 
-    def evict(self, block_id: int) -> tuple[bytes, int] | None:
-        return self._index.pop(block_id)
+    def evict(self, block_id: int) -> list[tuple[bytes, int]]:
+        """Removes every key of the block (its own, then its alias); returns them."""
+        return self._index.pop_all(block_id)
 
     # ------------------------------------------------------------------ pool operations
 
@@ -309,20 +313,20 @@ class PyKernel:
         if n == 1:
             block_id = self._queue._popleft_one()
             if caching and self._htok[block_id] != _NO_HASH_TOKENS:
-                key = self._index.pop(block_id)
+                keys = self._index.pop_all(block_id)
                 if evicted_out is not None:
-                    evicted_out.append(key)
+                    evicted_out.extend(keys)
             self._ref[block_id] = 1
             self._led[block_id] += 1
             return [handles[block_id] or make_handle(block_id)]
         ids, arr = self._queue.popleft_n_with_array(n)
         if arr is not None:
             if caching:
-                pop = self._index.pop
+                pop_all = self._index.pop_all
                 for block_id in arr[self._htok_col[arr] != _NO_HASH_TOKENS].tolist():
-                    key = pop(block_id)
+                    keys = pop_all(block_id)
                     if evicted_out is not None:
-                        evicted_out.append(key)
+                        evicted_out.extend(keys)
             self._ref_col[arr] = 1
             self._led_np[arr] += 1
             return [handles[b] or make_handle(b) for b in ids]
@@ -333,9 +337,9 @@ class PyKernel:
             htok = self._htok
             for block_id in ids:
                 if htok[block_id] != _NO_HASH_TOKENS:
-                    key = self._index.pop(block_id)
+                    keys = self._index.pop_all(block_id)
                     if evicted_out is not None:
-                        evicted_out.append(key)
+                        evicted_out.extend(keys)
                 ref[block_id] = 1
                 led[block_id] += 1
                 out.append(handles[block_id] or make_handle(block_id))

@@ -275,6 +275,7 @@ class BlockPool:
         idx_bytes = 4 * cfg.num_index_buckets
         proc_off = layout.offsets["proc_table"]
         proc_bytes = L.PROC_DTYPE.itemsize * cfg.max_processes
+        key_bytes = L.BLOCK_DTYPE.itemsize * layout.num_key_rows  # block_meta + block_alias
         self._views = [
             mem,
             mem[0:L.HEADER_DTYPE.itemsize].cast("q"),
@@ -282,8 +283,9 @@ class BlockPool:
             mem[meta_off:meta_off + meta_bytes].cast("q"),
             mem[idx_off:idx_off + idx_bytes].cast("i"),
             mem[proc_off:proc_off + proc_bytes].cast("Q"),
+            mem[meta_off:meta_off + key_bytes].cast("i"),
         ]
-        _, self._hdr64, self._i32, self._i64, buckets, self._proc64 = self._views
+        _, self._hdr64, self._i32, self._i64, buckets, self._proc64, key_i32 = self._views
         self._header = layout.view(buf, "header")
         self._blocks = layout.view(buf, "block_meta")
         self._ref_col = self._blocks["ref_cnt"]
@@ -296,12 +298,14 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(
             self._i32, self._i64, self._hdr64, self._blocks, layout, self._journal
         )
+        self._key_rows = layout.key_rows(buf)
         self._index = BlockHashToBlockMap(
-            buf, self._i32, buckets, self._blocks, layout.view(buf, "index_buckets"), layout,
+            buf, key_i32, buckets, self._key_rows, layout.view(buf, "index_buckets"), layout,
             self._journal,
         )
         self._log = EventLog(buf, self._hdr64, layout, self._journal)
         self.last_repair: RepairReport | None = None
+        self._warned_no_aliases = False
         self._last_reaped_refs = 0
         # Handles are made on first use: a million up front would cost a second per attach.
         self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
@@ -348,7 +352,7 @@ class BlockPool:
         if self.kernel == "c":
             self._kernel = _ckernel.Kernel(
                 buf, meta_off, idx_off, ledger_off, cfg.num_blocks, cfg.num_index_buckets,
-                layout.offsets["journal"], cfg.journal_entries, _C_GEOMETRY,
+                layout.offsets["journal"], cfg.journal_entries, cfg.num_alias_rows, _C_GEOMETRY,
             )
         else:
             self._kernel = PyKernel(
@@ -376,6 +380,7 @@ class BlockPool:
         label: str = "creator",
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        partial_keys: bool = False,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
 
@@ -402,6 +407,10 @@ class BlockPool:
             stuck_after_s: how long the lock must stand taken with no holder recorded
                 before this process takes it over from a dead process that was taking or
                 giving it back (``shmkv/takeover.py``).
+            partial_keys: give every block an alias row (64 bytes more per block), so a
+                block can hold a partial prefix-cache key besides its own, as vLLM's can
+                (``cache_partial_block``): wanted when a KV-cache group's blocks are bigger
+                than ``hash_block_size`` (see ``shmkv/layout.py``, "Alias rows").
 
         Raises:
             UsageError: a bad name or config value.
@@ -419,7 +428,10 @@ class BlockPool:
             event_log_bytes=event_log_bytes,
             hash_fn_name=hash_fn_name,
             journal_entries=0 if journal_entries is None else journal_entries,
+            partial_keys=partial_keys,
         )
+        if not isinstance(partial_keys, bool):
+            raise UsageError(f"partial_keys must be a bool, got {partial_keys!r}")
         if journal_entries is not None and (isinstance(journal_entries, bool)
                                             or journal_entries == 0):
             raise UsageError(f"journal_entries must be a positive int, got {journal_entries!r}")
@@ -619,6 +631,7 @@ class BlockPool:
         self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED
         self.free_block_queue = self._index = self._log = _CLOSED  # type: ignore[assignment]
         self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
+        self._key_rows = _CLOSED  # type: ignore[assignment]
         self._ref_col_w = self._journal = _CLOSED  # type: ignore[assignment]
         self._procs = self._ledger = self._header = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
@@ -662,11 +675,13 @@ class BlockPool:
         return handle
 
     def _evict_cached(self, block_id: int) -> bool:
-        key = self._kernel.evict(block_id)
-        if key is None:
+        """vLLM's ``_maybe_evict_cached_block``: drops every key of the block (its own, then
+        its alias), one ``BlockRemoved`` each; False if it held none."""
+        keys = self._kernel.evict(block_id)
+        if not keys:
             return False
         if self.enable_kv_cache_events:
-            self._record_removed([key])
+            self._record_removed(keys)
         return True
 
     def _record_removed(self, keys: list[tuple[bytes, int]]) -> None:
@@ -1128,6 +1143,217 @@ class BlockPool:
             session_id=getattr(request, "session_id", None),
         )
 
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> bytes | None:
+        """Makes ``block`` reachable from the prefix boundary at ``num_tokens`` tokens, a hash
+        boundary that may lie inside the block: vLLM's partial prefix-cache entry.
+
+        The key is the request's chained hash at that boundary
+        (``request.block_hashes[num_tokens // hash_block_size - 1]``). A block without a key
+        takes it as its own (``block_hash``, with ``hash_num_tokens = num_tokens``); a block
+        whose own key covers fewer tokens gives up its keys first (``BlockRemoved`` each);
+        a block whose own key covers as many or more takes it as its alias. With
+        ``replace_existing_hashes`` the block's keys are all dropped first (its contents
+        were replaced). With events on, a key new to the block records one
+        ``BlockStored`` of one hash unit (``block_size`` = ``hash_block_size``).
+
+        shmkv keeps one alias per block (region ``block_alias``): where vLLM would add a
+        second alias to a block, the newer replaces the older, with a ``BlockRemoved``. The
+        managers ask for a second one only in a rare case (``shmkv/layout.py``, "Alias
+        rows").
+
+        Args:
+            request: ``.block_hashes`` at ``hash_block_size``; ``.all_token_ids`` when events
+                are on.
+            block: the block (the null block: nothing is done, None is returned).
+            num_tokens: the boundary, a positive multiple of ``hash_block_size`` covered by
+                the request's hashes.
+            kv_cache_group_id: the group.
+            block_size: the group's block size, a positive multiple of ``hash_block_size``.
+            replace_existing_hashes: drop the block's keys first.
+
+        Returns:
+            the key (32 hash bytes + the group id as 4 big-endian bytes, as
+            ``KVCacheBlock.block_hash``), or None for the null block.
+
+        Raises:
+            UsageError: a bad argument; nothing is changed then.
+        """
+        block_id = self._check_block_arg(block, "cache_partial_block")
+        hbs = self.hash_block_size
+        for label, value in (("num_tokens", num_tokens), ("block_size", block_size),
+                             ("kv_cache_group_id", kv_cache_group_id)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(
+                    f"cache_partial_block(): {label} must be an int >= 0, got {value!r}"
+                )
+        if kv_cache_group_id >= 1 << 31:
+            raise UsageError(
+                f"cache_partial_block(): kv_cache_group_id {kv_cache_group_id} >= 2**31"
+            )
+        if block_size == 0 or block_size % hbs:
+            raise UsageError(
+                f"cache_partial_block(): block_size {block_size} is not a positive multiple of "
+                f"hash_block_size {hbs}"
+            )
+        if block_id == _NULL:
+            return None
+        fine_hashes = request.block_hashes
+        num_hash_blocks = num_tokens // hbs
+        if num_tokens % hbs or not 0 < num_hash_blocks <= len(fine_hashes):
+            raise UsageError(
+                f"cache_partial_block(): num_tokens {num_tokens} must be a positive multiple of "
+                f"hash_block_size {hbs} covered by the request's {len(fine_hashes)} hashes"
+            )
+        block_hash = fine_hashes[num_hash_blocks - 1]
+        if type(block_hash) is not bytes or len(block_hash) != L.BLOCK_HASH_BYTES:
+            raise UsageError(
+                f"cache_partial_block(): block hash {num_hash_blocks - 1} must be "
+                f"{L.BLOCK_HASH_BYTES} bytes"
+            )
+        key = (block_hash, kv_cache_group_id)
+        counting = _fault.planned is not None and _fault.begin("partial")
+        lock = self._lock
+        lock.acquire()
+        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
+        try:
+            index = self._index
+            already_cached = index.block_key(block_id) == key or index.alias_key(block_id) == key
+            removed: list[tuple[bytes, int]] = []
+            held = self._i32[block_id * _R + _HTOK]
+            if replace_existing_hashes:
+                removed = index.pop_all(block_id)
+                already_cached = False
+            elif not already_cached and held != _NO_HASH_TOKENS and held < num_tokens:
+                removed = index.pop_all(block_id)  # a shorter key gives way
+            if not already_cached:
+                self._add_key_locked(block_id, block_hash, kv_cache_group_id, num_tokens,
+                                     removed)
+            if removed and self.enable_kv_cache_events:
+                self._record_removed(removed)
+            if self.enable_kv_cache_events and not already_cached:
+                self._log_events([self._partial_stored_event(
+                    request, block_hash, num_tokens, kv_cache_group_id)])
+        except BaseException:
+            self._undo_since(*mark)
+            raise
+        finally:
+            lock.release()
+            if counting:
+                _fault.end()
+        return block_hash + kv_cache_group_id.to_bytes(4, "big")
+
+    def _check_block_arg(self, block: Any, what: str) -> int:
+        try:
+            block_id = block.block_id
+        except AttributeError:
+            raise UsageError(f"{what}() takes KVCacheBlock handles, got {type(block).__name__}"
+                             ) from None
+        if (isinstance(block_id, bool) or not isinstance(block_id, int)
+                or not 0 <= block_id < self.num_gpu_blocks):
+            raise UsageError(
+                f"{what}(): block id {block_id!r} is out of range [0, {self.num_gpu_blocks})"
+            )
+        return block_id
+
+    def _add_key_locked(self, block_id: int, block_hash: bytes, group_id: int,
+                        num_tokens: int, removed_out: list[tuple[bytes, int]]) -> None:
+        """vLLM's ``_insert_block_hash``: the key becomes the block's own if it has none, else
+        its alias (replacing an older alias, whose key goes to ``removed_out``). A key the
+        block holds already is left alone."""
+        index = self._index
+        key = (block_hash, group_id)
+        if index.block_key(block_id) == key or index.alias_key(block_id) == key:
+            return
+        if self._i32[block_id * _R + _HTOK] == _NO_HASH_TOKENS:
+            index.insert(block_hash, group_id, block_id, num_tokens)
+            return
+        if not index.has_aliases:
+            if not self._warned_no_aliases:
+                self._warned_no_aliases = True
+                logger.warning(
+                    "pool %s has no alias rows (created without partial_keys=True): a partial "
+                    "prefix-cache key on a block that holds a key already is not kept",
+                    self.pool_name,
+                )
+            return
+        alias_row = index.alias0 + block_id
+        older = index.pop(alias_row)
+        if older is not None:
+            removed_out.append(older)
+        index.insert(block_hash, group_id, alias_row, num_tokens)
+
+    def _partial_stored_event(self, request, block_hash: bytes, num_tokens: int,
+                              group_id: int) -> BlockStored:
+        """The ``BlockStored`` of a partial key: the one hash unit ending at ``num_tokens``."""
+        as_int = use_int_block_hashes()
+        hbs = self.hash_block_size
+        num_hash_blocks = num_tokens // hbs
+        parent = (external_block_hash(request.block_hashes[num_hash_blocks - 2], as_int)
+                  if num_hash_blocks > 1 else None)
+        start = num_tokens - hbs
+        extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, 0)
+        lora = getattr(request, "lora_request", None)
+        return BlockStored(
+            block_hashes=[external_block_hash(block_hash, as_int)],
+            parent_block_hash=parent,
+            token_ids=list(request.all_token_ids[start:num_tokens]),
+            block_size=hbs,
+            lora_id=lora.adapter_id if lora is not None else None,
+            medium=self.medium,
+            lora_name=lora.name if lora is not None else None,
+            extra_keys=to_event_extra_keys([extra_keys]),
+            group_idx=group_id,
+            session_id=getattr(request, "session_id", None),
+        )
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Moves every prefix-cache key of ``src_block`` to ``dst_block`` (which holds none):
+        the copy-on-write of a running request that keeps writing ``src_block`` while the
+        cache keeps a private copy under the same keys. The keys stay live; no events.
+
+        Raises:
+            UsageError: a bad handle, or ``dst_block`` holds a key (or is ``src_block``).
+        """
+        src = self._check_block_arg(src_block, "move_block_hashes")
+        dst = self._check_block_arg(dst_block, "move_block_hashes")
+        counting = _fault.planned is not None and _fault.begin("move")
+        lock = self._lock
+        lock.acquire()
+        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
+        try:
+            index = self._index
+            if (dst == _NULL or index.block_key(dst) is not None
+                    or index.alias_key(dst) is not None):
+                raise UsageError(
+                    f"move_block_hashes(): the destination block {dst} must hold no key"
+                )
+            htok = self._index._htok_raw
+            moved = []
+            for row in (src, index.alias0 + src):
+                key = index.block_key(row)
+                if key is not None:
+                    moved.append((bytes(key[0]), key[1], htok[row]))
+            if moved:
+                index.pop_all(src)
+                index.insert(moved[0][0], moved[0][1], dst, moved[0][2])
+                for block_hash, group_id, num_tokens in moved[1:]:
+                    index.insert(block_hash, group_id, index.alias0 + dst, num_tokens)
+        except BaseException:
+            self._undo_since(*mark)
+            raise
+        finally:
+            lock.release()
+            if counting:
+                _fault.end()
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pops ``num_blocks`` blocks from the head of the free queue, evicting their hashes.
 
@@ -1239,6 +1465,31 @@ class BlockPool:
                 try:
                     for block_id in ids:
                         self._evict_cached(int(block_id))
+                except BaseException:
+                    self._undo_since(*mark)
+                    raise
+        finally:
+            if counting:
+                _fault.end()
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drops every prefix-cache key of one block (its own, then its alias), a
+        ``BlockRemoved`` each, leaving the block where it is; vLLM's name (a Mamba
+        checkpoint block overwritten by a transient state calls it).
+
+        Returns:
+            False if the block held no key.
+
+        Raises:
+            UsageError: a bad handle; nothing is changed.
+        """
+        block_id = self._check_block_arg(block, "_maybe_evict_cached_block")
+        counting = _fault.planned is not None and _fault.begin("evict")
+        try:
+            with self._lock:
+                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
+                try:
+                    return self._evict_cached(block_id)
                 except BaseException:
                     self._undo_since(*mark)
                     raise

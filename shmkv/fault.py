@@ -11,7 +11,8 @@ crash test enumerates ``n = 1, 2, ...`` until the call completes (:data:`complet
 Operations (the public ``BlockPool`` method that starts the count): ``allocate``
 (``get_new_blocks``), ``free`` (``free_blocks``), ``touch``, ``cache``
 (``cache_full_blocks``), ``evict`` (``evict_blocks``), ``reset`` (``reset_prefix_cache``),
-``reap`` (``reap_dead``), ``attach``, ``close``.
+``reap`` (``reap_dead``), ``attach``, ``close``, ``partial`` (``cache_partial_block``),
+``move`` (``move_block_hashes``).
 
 One counter serves both kernels: with the C extension built, the count lives in C (its
 stores tick it directly) and the Python stores tick the same counter.
@@ -30,6 +31,7 @@ except ImportError:  # pragma: no cover - the C kernel is optional
 ENV_VAR = "SHMKV_FAULT"
 OPERATIONS = (
     "allocate", "free", "touch", "cache", "evict", "reset", "reap", "attach", "close",
+    "partial", "move",
 )
 
 # The plan: (op, n) waiting for its call, or None. `armed` is True while a call counts.

@@ -23,9 +23,13 @@ shmkv differences from vLLM:
   than two KV-cache groups or no prefix-cacheable group; Hybrid with decode- or
   prefill-context parallelism (vLLM allows some sharded layouts; shmkv ports none of them);
   an invalid retention interval.
-- Partial (sub-block) hash hits are not ported, so ``enable_partial_hash_hits`` is always
-  False (vLLM turns it on only for Mamba "align" groups with a block bigger than
-  ``hash_block_size``), and reuse events in "full" report mode are not emitted.
+- Partial (sub-block) hash hits are on, as in vLLM, when a Mamba "align" group's block is
+  bigger than ``hash_block_size`` and every other cacheable group's manager can look up
+  hash boundaries inside a block (``enable_partial_hash_hits``; the hit alignment is then
+  ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
+  ``partial_keys=True`` (a block may then hold a second key, see ``shmkv/layout.py``); a
+  coordinator whose groups have blocks bigger than ``hash_block_size`` warns when its pool
+  has none. Reuse events in "full" report mode are not emitted.
 
 Retention interval (sparse caching of sliding-window and Mamba states): taken from the
 ``prefix_cache_retention_interval`` argument, else ``kv_cache_config``'s field of that name
@@ -36,6 +40,7 @@ model with no sliding-window or Mamba group accepts only 0.
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -72,6 +77,8 @@ __all__ = [
 RETENTION_INTERVAL_ENV = "SHMKV_PREFIX_CACHE_RETENTION_INTERVAL"
 
 Block = Any  # a shmkv KVCacheBlock handle
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_prefix_cache_retention_interval(
@@ -251,6 +258,17 @@ class KVCacheCoordinator(ABC):
             )
             for i, g in enumerate(groups)
         )
+        layout = getattr(block_pool, "layout", None)
+        if enable_caching and layout is not None and not layout.config.partial_keys and any(
+            g.kv_cache_spec.prefix_cacheable and m.block_size > hash_block_size
+            for g, m in zip(groups, self.single_type_managers, strict=True)
+        ):
+            logger.warning(
+                "KV-cache groups with blocks bigger than hash_block_size=%d key partial "
+                "blocks; pool %s was created without partial_keys=True, so a block cannot "
+                "hold a partial key besides its own and such keys are dropped (hits may be "
+                "shorter than vLLM's)", hash_block_size, block_pool.pool_name,
+            )
         if use_eagle:
             for manager in self.single_type_managers:
                 if isinstance(manager, MambaManager):
@@ -510,6 +528,39 @@ class SpecGroup(NamedTuple):
     use_eagle: bool
 
 
+def partial_hash_hits_enabled(kv_cache_groups: Sequence[Any], hash_block_size: int,
+                              manager_classes: Sequence[type] | None = None) -> bool:
+    """Whether a model's prefix-cache hits may end inside a block (vLLM's rule, without
+    context parallelism): some Mamba "align" group has blocks bigger than
+    ``hash_block_size``, and (given ``manager_classes``, one per group) every cacheable group
+    whose block is bigger than ``hash_block_size`` has a manager that can look up the hash
+    boundaries inside a block (``supports_fine_grained_hash_lookup``); else a warning says
+    which do not, and hits stay block aligned."""
+    def layer_specs(spec: Any) -> list[Any]:
+        inner = getattr(spec, "kv_cache_specs", None)
+        return list(inner.values()) if isinstance(inner, dict) else [spec]
+
+    if not any(
+        isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
+        and spec.block_size > hash_block_size
+        for group in kv_cache_groups for spec in layer_specs(group.kv_cache_spec)
+    ):
+        return False
+    if manager_classes is None:
+        return True
+    unsupported = sorted({
+        cls.__name__
+        for group, cls in zip(kv_cache_groups, manager_classes, strict=True)
+        if group.kv_cache_spec.prefix_cacheable and not cls.supports_fine_grained_hash_lookup
+        and group.kv_cache_spec.block_size != hash_block_size
+    })
+    if unsupported:
+        logger.warning("Disabling fine-grained prefix-cache hits because these KV cache managers "
+                       "require block-aligned lookups: %s.", ", ".join(unsupported))
+        return False
+    return True
+
+
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several KV-cache groups (e.g. full attention + sliding window, or + Mamba): the hit
     is the longest length every group accepts, found by a shrinking fixed point."""
@@ -565,8 +616,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"every cacheable group's block size must be a multiple of hash_block_size "
                 f"({hash_block_size}); these are not: {bad}"
             )
-        # Partial (sub-block) hash hits need partial-block keys, which shmkv does not have.
-        self.enable_partial_hash_hits = False
+        # Sub-block hits need Mamba "align" blocks finer-hashed than they are big, and every
+        # other cacheable group able to probe inside a block.
+        self.enable_partial_hash_hits = bool(allow_partial_hash_hits) and partial_hash_hits_enabled(
+            kv_cache_config.kv_cache_groups, hash_block_size,
+            [type(m) for m in self.single_type_managers],
+        )
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
         self.verify_and_split_kv_cache_groups()

@@ -53,6 +53,7 @@ __all__ = [
     "get_kv_cache_spec_kind",
     "get_kv_cache_spec_sliding_window",
     "get_mamba_prefill_checkpoint_position",
+    "is_mamba_prefill_checkpoint_valid",
 ]
 
 _SpecT = TypeVar("_SpecT", bound="KVCacheSpec")
@@ -563,6 +564,29 @@ def get_mamba_prefill_checkpoint_position(
     if drop_eagle_block:
         position -= hash_block_size
     return max(position, 0)
+
+
+def is_mamba_prefill_checkpoint_valid(
+    query_start: int, query_end: int, checkpoint_position: int, hash_block_size: int,
+    mamba_block_size: int, checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a prefill chunk ``[query_start, query_end)`` can export the Mamba state at
+    ``checkpoint_position``, strictly inside it, into a block of its own: the chunk starts
+    on a hash boundary, covers at least one hash unit before the checkpoint, reaches past
+    the block of its initial state, and the checkpoint lies a multiple of the backend's
+    ``checkpoint_alignment`` after the start (None: the backend exports none)."""
+    if checkpoint_alignment is None:
+        return False
+    assert checkpoint_alignment > 0
+    initial_state_block = (query_start - 1) // mamba_block_size
+    checkpoint_block = cdiv(query_end, mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_block > initial_state_block
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
 
 
 @dataclass(frozen=True)

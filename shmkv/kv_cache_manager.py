@@ -32,8 +32,13 @@ another process's allocation in between could evict and reuse them. Therefore:
 
 ``step()`` holds the lock across a whole scheduler step for schedulers that prefer that.
 
+Partial (sub-block) hits, copy-on-write copies (``take_kv_cache_block_copies``) and Mamba
+partial-tail offloads (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``)
+work as in vLLM when the groups' blocks are bigger than ``hash_block_size``; the pool should
+then be created with ``partial_keys=True`` (see ``shmkv/layout.py``).
+
 Not ported: ``get_computed_blocks_for_connector`` (needs per-group divergent hits), reuse
-events in "full" report mode, partial-tail offloads (always empty) and the metrics collector.
+events in "full" report mode and the metrics collector.
 """
 
 from __future__ import annotations
@@ -207,7 +212,7 @@ class KVCacheManager:
             block_pool=block_pool,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
-        # Needs partial hash hits, which shmkv does not have: always off.
+        # Only for EAGLE models with partial hash hits on (vLLM's rule).
         self.mamba_shared_prefix_checkpoint = (
             enable_mamba_shared_prefix_checkpoint
             and bool(self.coordinator.eagle_group_ids)

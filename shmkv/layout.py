@@ -14,11 +14,12 @@ Regions
 |---|-----------------|---------------|------------------------------|------------|------------|------------|
 | 0 | `header`        | HEADER_DTYPE  | `[1]` (256 B)                | creator; then the lock holder | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
 | 1 | `block_meta`    | BLOCK_DTYPE   | `[num_blocks + 2]`           | the kernels: `FreeKVCacheBlockQueue` (links), `BlockHashToBlockMap` (`index_next`, hash fields), ref counts | pool lock | INV-FREE, INV-QKEY, INV-REF, INV-HASH |
-| 2 | `index_buckets` | int32         | `[num_index_buckets]`        | `BlockHashToBlockMap` | pool lock | INV-HASH |
-| 3 | `proc_table`    | PROC_DTYPE    | `[max_processes]`            | attach, close, reap_dead | pool lock | INV-PROC |
-| 4 | `ledger`        | int32         | `[max_processes, num_blocks]`| the kernels (the caller's row); reap_dead | pool lock | INV-LEDGER |
-| 5 | `event_log`     | uint8         | `[event_log_bytes]`          | `EventLog.append` | pool lock | INV-LOG |
-| 6 | `journal`       | JOURNAL_DTYPE | `[journal_entries]`          | every journaled write (`shmkv/journal.py`, `_ckernel.c`) | pool lock | INV-JOURNAL |
+| 2 | `block_alias`   | BLOCK_DTYPE   | `[num_blocks]` with ``FLAG_PARTIAL_KEYS``, else `[0]` | `BlockHashToBlockMap` (key fields only) | pool lock | INV-HASH, INV-ALIAS |
+| 3 | `index_buckets` | int32         | `[num_index_buckets]`        | `BlockHashToBlockMap` | pool lock | INV-HASH |
+| 4 | `proc_table`    | PROC_DTYPE    | `[max_processes]`            | attach, close, reap_dead | pool lock | INV-PROC |
+| 5 | `ledger`        | int32         | `[max_processes, num_blocks]`| the kernels (the caller's row); reap_dead | pool lock | INV-LEDGER |
+| 6 | `event_log`     | uint8         | `[event_log_bytes]`          | `EventLog.append` | pool lock | INV-LOG |
+| 7 | `journal`       | JOURNAL_DTYPE | `[journal_entries]`          | every journaled write (`shmkv/journal.py`, `_ckernel.c`) | pool lock | INV-JOURNAL |
 
 Header (little-endian; offsets in bytes)
 ----------------------------------------
@@ -29,14 +30,15 @@ Immutable after creation (the "config echo", validated by every attach, in this 
   segment never passes. Written once by the creator.
 - `layout_version` (u32, 8): ``LAYOUT_VERSION``; bumped on any change to this file's tables.
 - `format_flags` (u32, 12): feature bits that change what the regions mean
-  (``FLAG_PREFIX_CACHING``, ``FLAG_KV_EVENTS``).
+  (``FLAG_PREFIX_CACHING``, ``FLAG_KV_EVENTS``, ``FLAG_PARTIAL_KEYS``: the pool has alias
+  rows, region 2 is ``[num_blocks]`` rather than empty).
 - `header_bytes` (u32, 16): ``HEADER_DTYPE.itemsize``.
 - `state` (u32, 20): ``STATE_INITIALIZING`` while the creator fills the segment, then
   ``STATE_READY``; ``STATE_POISONED`` once ``check_invariants`` has found corruption.
 - `total_bytes` (u64, 24): the size the layout formula gives; the segment must be that big.
 - `num_blocks` (u32, 32): ``num_gpu_blocks``; block 0 is the null block.
 - `hash_block_size` (u32, 36): tokens per hash unit of ``request.block_hashes``.
-- `num_index_buckets` (u32, 40): size of region 2, a power of two >= 2 * num_blocks.
+- `num_index_buckets` (u32, 40): size of region 3, a power of two >= 2 * num_blocks.
 - `block_hash_bytes` (u32, 44): ``BLOCK_HASH_BYTES`` (32: sha256 and sha256_cbor digests).
 - `creator_pid` (u32, 48): the pid that created the segment.
 - `max_processes` (u32, 52): slots in the process table and rows in the ledger.
@@ -44,7 +46,7 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `event_log_bytes` (u64, 64): size of the event ring (0: no global log).
 - `hash_fn_name` (S16, 72): the block-hash function every process must use.
 - `none_hash` (V32, 88): the NONE_HASH seed digest every process chains its first block on.
-- `journal_entries` (u64, 120): size of region 6, the undo journal.
+- `journal_entries` (u64, 120): size of region 7, the undo journal.
 
 Mutable, written only under the pool lock:
 
@@ -104,7 +106,7 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
 
-The undo journal (region 6, ``JOURNAL_DTYPE``, 16 bytes per entry)
+The undo journal (region 7, ``JOURNAL_DTYPE``, 16 bytes per entry)
 -------------------------------------------------------------------
 
 | field   | type | meaning |
@@ -121,13 +123,44 @@ that overflows the journal sets ``journal_len`` to -1 and goes on unjournaled; i
 a rebuild (``shmkv/recovery.py``). Writes of 8 bytes and more (hashes, event records, process
 rows) are journaled as aligned 8-byte words; every word is always journaled with one width.
 
-The prefix-cache index (regions 1 and 2)
------------------------------------------
+Alias rows (region 2, ``BLOCK_DTYPE``, one per block with ``FLAG_PARTIAL_KEYS``)
+-------------------------------------------------------------------------------
+
+vLLM lets a block own a second prefix-cache key besides its own (``block_hash``): a
+*partial* key, registered by ``cache_partial_block`` at a hash boundary inside the block
+(a prompt whose last ``hash_block_size`` boundary falls inside its last full block). Row
+``b`` of ``block_alias`` holds block ``b``'s alias key in the same four key fields as a
+block row (`index_next`, `group_id`, `hash_num_tokens`, `block_hash`); its other fields
+stay 0 and mean nothing. `hash_num_tokens` is ``NO_HASH_TOKENS`` when the block has no
+alias. A block holds an alias only while it holds its own key too, and the two keys differ
+(INV-ALIAS). One alias per block: ``cache_partial_block`` only adds one to a block that
+already holds a longer key, which the managers do for the request that filled the block, at
+its last prompt boundary. A second request keys the same block only if the block is in its
+table as a whole-block hit with its own boundary inside it, which a new request's hit never
+is (its boundary lies at or past its hit); a preempted request that resumes with outputs
+repeating the block's tokens could. vLLM then keeps both aliases; shmkv keeps the newer
+(see ``BlockPool.cache_partial_block``), so the older boundary is no longer a hit.
+
+The region costs 64 bytes per block, as much again as ``block_meta``, and only models whose
+KV-cache groups have blocks bigger than ``hash_block_size`` (hybrid models) ever key a block
+twice, so it is opt-in: ``BlockPool.create(..., partial_keys=True)`` sets
+``FLAG_PARTIAL_KEYS``. Without it the region is empty, every block still takes a partial key
+as its own key (and gives it up for the full one), and an alias that would be needed is not
+kept (``cache_partial_block`` says so in a warning, once per pool).
+
+Because ``block_alias`` follows ``block_meta`` with no gap (64-byte rows, both 64-byte
+aligned), the two regions form one array of *key rows*: rows ``0 .. num_blocks + 1`` are
+``block_meta``'s, and key row ``num_blocks + 2 + b`` is block ``b``'s alias
+(``Layout.alias_row``). The prefix index links key rows, so its code is the same for both.
+
+The prefix-cache index (regions 1, 2 and 3)
+-------------------------------------------
 
 A chained hash table keyed by ``(block_hash, group_id)``: ``index_buckets[b]`` is the first
-block of bucket ``b`` and ``index_next`` links the rest. Several blocks may share one key
-(vLLM never de-duplicates, so block tables stay append-only); a new block joins at the tail of
-its chain, so the first block found for a key is the first inserted, which is vLLM's rule.
+key row of bucket ``b`` and ``index_next`` links the rest. Several blocks may share one key
+(vLLM never de-duplicates, so block tables stay append-only); a new key row joins at the tail
+of its chain, so the first block found for a key is the first inserted, which is vLLM's rule.
+A lookup that finds an alias row answers with the block it belongs to.
 Bucket of a key: the first 8 hash bytes as a little-endian u64, xor ``group_id * GROUP_MIX``,
 masked to the table size.
 
@@ -188,6 +221,8 @@ Changelog
   regions.
 - v3: crash safety: the undo journal (region 6; header `journal_entries`, `journal_len`),
   `lock_seq`, `num_takeovers`; process rows gain `lock_phase` (labels shrink to 24 bytes).
+- v4: partial-block keys: the `block_alias` region (region 2; a block's second, partial
+  key), so the regions after it move; the prefix index links key rows of both regions.
 """
 
 from __future__ import annotations
@@ -200,7 +235,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -217,6 +252,7 @@ STATE_NAMES = {
 
 FLAG_PREFIX_CACHING = 1 << 0
 FLAG_KV_EVENTS = 1 << 1
+FLAG_PARTIAL_KEYS = 1 << 2
 
 NULL_BLOCK_ID = 0
 NO_BLOCK = -1
@@ -351,17 +387,26 @@ class PoolConfig:
     max_processes: int = 16
     event_log_bytes: int = 0
     hash_fn_name: str = "sha256"
-    journal_entries: int = 0  # 0: default_journal_entries(num_blocks)
+    journal_entries: int = 0  # 0: default_journal_entries(num_blocks, partial_keys)
+    partial_keys: bool = False  # the block_alias region (a block's second, partial key)
 
     def __post_init__(self) -> None:
         if self.journal_entries == 0 and isinstance(self.num_blocks, int):
-            object.__setattr__(self, "journal_entries", default_journal_entries(self.num_blocks))
+            object.__setattr__(self, "journal_entries",
+                               default_journal_entries(self.num_blocks, self.partial_keys))
 
     @property
     def format_flags(self) -> int:
-        return (FLAG_PREFIX_CACHING if self.enable_caching else 0) | (
-            FLAG_KV_EVENTS if self.enable_kv_cache_events else 0
+        return (
+            (FLAG_PREFIX_CACHING if self.enable_caching else 0)
+            | (FLAG_KV_EVENTS if self.enable_kv_cache_events else 0)
+            | (FLAG_PARTIAL_KEYS if self.partial_keys else 0)
         )
+
+    @property
+    def num_alias_rows(self) -> int:
+        """Rows of the block_alias region: one per block with partial keys, else none."""
+        return self.num_blocks if self.partial_keys else 0
 
     @property
     def num_index_buckets(self) -> int:
@@ -406,10 +451,11 @@ class PoolConfig:
             )
 
 
-def default_journal_entries(num_blocks: int) -> int:
+def default_journal_entries(num_blocks: int, partial_keys: bool = False) -> int:
     """Journal entries by default: enough for one call on every block of the pool (an
-    allocation that evicts writes about eight words per block), at most 2**21 (32 MiB)."""
-    return min(8 * num_blocks + 4096, 1 << 21)
+    allocation that evicts writes about eight words per block, four more for a block's
+    alias), at most 2**21 (32 MiB)."""
+    return min((12 if partial_keys else 8) * num_blocks + 4096, 1 << 21)
 
 
 @dataclass(frozen=True)
@@ -438,6 +484,12 @@ REGIONS: tuple[Region, ...] = (
         "BlockHashToBlockMap (index_next)",
         guard="pool lock", invariants="INV-FREE, INV-QKEY, INV-REF, INV-HASH",
         doc="one row per block, then the free queue's head and tail sentinel rows",
+    ),
+    Region(
+        "block_alias", BLOCK_DTYPE, lambda c: (c.num_alias_rows,),
+        writer="BlockHashToBlockMap (index_next, group_id, hash_num_tokens, block_hash)",
+        guard="pool lock", invariants="INV-HASH, INV-ALIAS",
+        doc="each block's alias (partial) prefix-cache key; key row num_blocks + 2 + b",
     ),
     Region(
         "index_buckets", np.dtype("<i4"), lambda c: (c.num_index_buckets,),
@@ -493,7 +545,26 @@ class Layout:
             offsets[region.name] = offset
             shapes[region.name] = shape
             offset += region.dtype.itemsize * int(np.prod(shape))
+        # The index addresses block_meta and block_alias as one array of key rows.
+        assert offsets["block_alias"] == offsets["block_meta"] + BLOCK_DTYPE.itemsize * (
+            config.num_blocks + 2
+        )
         return cls(config, offsets, shapes, _align(offset))
+
+    @property
+    def num_key_rows(self) -> int:
+        """Rows of block_meta and block_alias together (the prefix index's rows)."""
+        return self.config.num_blocks + 2 + self.config.num_alias_rows
+
+    def alias_row(self, block_id: int) -> int:
+        """The key row of block ``block_id``'s alias key."""
+        return self.config.num_blocks + 2 + block_id
+
+    def key_rows(self, buf) -> np.ndarray:
+        """A numpy view of block_meta and block_alias as one ``[num_key_rows]`` array."""
+        return np.ndarray(
+            (self.num_key_rows,), dtype=BLOCK_DTYPE, buffer=buf, offset=self.offsets["block_meta"]
+        )
 
     @property
     def free_head(self) -> int:

@@ -471,7 +471,9 @@ def recv_any(channels: list[Channel], timeout_s: float | None = None
             return None, None
         try:
             bell.acquire(remaining)
-        except posix_ipc.BusyError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            # A signal interrupted the wait (posix_ipc does not retry EINTR): its Python
+            # handler runs at the next bytecode, so Ctrl-C still raises KeyboardInterrupt.
             pass
 
 

@@ -1,15 +1,19 @@
 """The prefix-cache index: vLLM's ``BlockHashToBlockMap`` as a chained hash table in shared memory.
 
 Keys are ``(block_hash, group_id)``; values are blocks. ``index_buckets[b]`` holds the first
-block of bucket ``b`` and each block row's ``index_next`` the next one, so the table needs no
-memory beyond one int32 per bucket and per block. Several blocks may hold the same key (vLLM
+key row of bucket ``b`` and each key row's ``index_next`` the next one, so the table needs no
+memory beyond one int32 per bucket and the key rows. Several blocks may hold the same key (vLLM
 does not de-duplicate identical content, to keep block tables append-only). New entries join
 at the tail of their chain, so the first block found for a key is the earliest inserted
 still there: vLLM's ``get_one_block`` rule.
 
-A block holds at most one key, stored in its own row (``block_hash``, ``group_id``,
-``hash_num_tokens``); ``hash_num_tokens == NO_HASH_TOKENS`` means it holds none. A block is in
-a chain exactly when it holds a key (INV-HASH).
+A block holds at most two keys: its own, stored in its own row (``block_hash``, ``group_id``,
+``hash_num_tokens``), and an alias (a partial key, vLLM's secondary entry of
+``cached_block_hashes_by_block``) in its alias row, key row ``num_blocks + 2 + block_id``
+(region ``block_alias``, see ``shmkv/layout.py``). ``hash_num_tokens == NO_HASH_TOKENS``
+means the row holds no key. A key row is in a chain exactly when it holds a key (INV-HASH);
+an alias row holds one only while its block's own row does (INV-ALIAS). Lookups answer with
+the block, never the alias row.
 
 NOTE: only this class writes ``index_buckets``, ``index_next`` and the hash fields of a row,
 every write journaled first (``shmkv/journal.py``). Callers hold the pool lock.
@@ -46,9 +50,10 @@ class BlockHashToBlockMap:
 
     Args:
         mem: the segment's mmap (hash bytes are read and written by slicing it).
-        i32: flat int32 memoryview of ``block_meta``.
+        i32: flat int32 memoryview of the key rows (``block_meta`` then ``block_alias``).
         buckets: int32 memoryview of ``index_buckets``.
-        blocks: numpy view of ``block_meta``; buckets_np: numpy view of ``index_buckets``.
+        blocks: numpy view of the key rows (``Layout.key_rows``); buckets_np: numpy view of
+            ``index_buckets``.
         layout: the pool's layout.
         journal: the pool's undo journal.
 
@@ -69,6 +74,9 @@ class BlockHashToBlockMap:
         self._blocks = blocks
         self._buckets_np = buckets_np
         self._mask = layout.config.num_index_buckets - 1
+        self.num_blocks = layout.config.num_blocks
+        self.alias0 = layout.alias_row(0)  # key row of block 0's alias
+        self.has_aliases = layout.config.partial_keys  # the pool has alias rows
         self._hash0 = meta + L.HASH_BYTE_OFFSET
         self.inext_raw = i32[_INEXT::_R]
         self.group_raw = i32[_GROUP::_R]
@@ -147,7 +155,7 @@ class BlockHashToBlockMap:
         return self._mem[off:off + _HASH_BYTES] == block_hash
 
     def get_one_block(self, block_hash: bytes, group_id: int) -> int:
-        """The first-inserted block holding the key, or ``NO_BLOCK``."""
+        """The block of the first-inserted key row holding the key, or ``NO_BLOCK``."""
         # bucket_of and _matches, inlined: this is the prefix-cache lookup.
         word = _read_u64(block_hash)[0]
         if group_id:
@@ -160,7 +168,7 @@ class BlockHashToBlockMap:
             if group_of[cur] == group_id:
                 off = hash0 + cur * _ROW_BYTES
                 if mem[off:off + _HASH_BYTES] == block_hash:
-                    return cur
+                    return cur if cur < self.alias0 else cur - self.alias0
             cur = inext[cur]
             if cur == _NO_BLOCK:
                 return _NO_BLOCK
@@ -170,11 +178,14 @@ class BlockHashToBlockMap:
         ])
 
     def contain(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
-        """Whether ``block_id`` holds the key (it is then in the key's chain)."""
-        return self.block_key(block_id) == (block_hash, group_id)
+        """Whether ``block_id`` holds the key, as its own or as its alias (it is then in the
+        key's chain)."""
+        key = (block_hash, group_id)
+        return self.block_key(block_id) == key or self.alias_key(block_id) == key
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:
-        """Gives an unhashed block the key and links it at the tail of its bucket chain."""
+        """Gives a key row without a key (a block's own row, or its alias row) the key and
+        links it at the tail of its bucket chain."""
         self._write_hash(self._hash0 + block_id * _ROW_BYTES, block_hash)
         self._group[block_id] = group_id
         self._htok[block_id] = num_tokens
@@ -211,7 +222,8 @@ class BlockHashToBlockMap:
             inext[self._chain_tail(cur)] = block_id
 
     def pop(self, block_id: int) -> tuple[bytes, int] | None:
-        """Removes a block's key from the map and the block; returns (hash, group) or None."""
+        """Removes a key row's key from the map and the row (``block_id`` is a block's own
+        row or an alias row); returns (hash, group) or None."""
         htok = self._htok
         if htok[block_id] == _NO_HASH_TOKENS:
             return None
@@ -248,8 +260,18 @@ class BlockHashToBlockMap:
         group_of[block_id] = 0
         return block_hash, group_id
 
+    def pop_all(self, block_id: int) -> list[tuple[bytes, int]]:
+        """Removes every key of a block, its own first, then its alias (vLLM's order in
+        ``_remove_cached_block_hashes``); returns the (hash, group) of each key removed."""
+        own = self.pop(block_id)
+        if own is None:  # an alias never outlives its block's own key (INV-ALIAS)
+            return []
+        if not self.has_aliases or self._htok_raw[self.alias0 + block_id] == _NO_HASH_TOKENS:
+            return [own]
+        return [own, self.pop(self.alias0 + block_id)]
+
     def block_key(self, block_id: int) -> tuple[bytes, int] | None:
-        """(hash, group id) held by the block, or None."""
+        """(hash, group id) held by a key row (a block's own row or an alias row), or None."""
         if self._htok_raw[block_id] == _NO_HASH_TOKENS:
             return None
         off = self._hash0 + block_id * _ROW_BYTES
@@ -264,8 +286,14 @@ class BlockHashToBlockMap:
             yield cur
             cur = self.inext_raw[cur]
 
+    def alias_key(self, block_id: int) -> tuple[bytes, int] | None:
+        """(hash, group id) of the block's alias key, or None."""
+        if not self.has_aliases:
+            return None
+        return self.block_key(self.alias0 + block_id)
+
     def __len__(self) -> int:
-        """Number of distinct keys (O(num_blocks); for tests and tools)."""
+        """Number of distinct keys, aliases included (O(num_blocks); for tests and tools)."""
         hashed = self._blocks[self._blocks["hash_num_tokens"] != _NO_HASH_TOKENS]
         keys = zip(hashed["block_hash"], hashed["group_id"], strict=True)
         return len({(bytes(h), int(g)) for h, g in keys})

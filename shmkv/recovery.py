@@ -14,9 +14,12 @@ Catalogue (error messages and tests quote the ids):
   queue exactly when its ``ref_cnt`` is 0; the null block's count stays 0.
 - **INV-CONSERVE**: ``num_free_blocks + blocks in use == num_blocks - 1`` (the null block
   is neither), counting in-use blocks by ``ref_cnt > 0``.
-- **INV-HASH**: every chained block holds a key that hashes to its bucket; every block holding
-  a key is in exactly one chain, once; chains have no cycles; blocks without a key have
+- **INV-HASH**: every chained key row (a block's own row or its alias row) holds a key that
+  hashes to its bucket; every key row holding a key is in exactly one chain, once; chains
+  have no cycles and link only key rows; key rows without a key have
   ``index_next == NO_BLOCK`` and group 0; the null block holds no key.
+- **INV-ALIAS**: a block's alias row holds a key only while the block's own row holds one,
+  and a different one (``shmkv/layout.py``, "Alias rows").
 - **INV-LEDGER**: for every block but the null block, ``ref_cnt`` equals the sum of the
   ledger column over the active process slots; ledger entries are ``>= 0``; a free slot's row
   and the null block's column are all zero.
@@ -177,52 +180,80 @@ def _check_refs(pool: BlockPool, queued: np.ndarray, out: list[str]) -> None:
 
 def _check_index(pool: BlockPool, out: list[str]) -> None:
     n = pool.num_gpu_blocks
-    blocks = pool._blocks[:n]
+    lay = pool._layout
+    rows = pool._key_rows  # block rows, the two sentinels, then the alias rows
+    alias0 = lay.alias_row(0)
     index = pool._index
-    buckets = pool._layout.view(pool._segment.buf, "index_buckets")
-    hashed = blocks["hash_num_tokens"] != L.NO_HASH_TOKENS
-    if (blocks["hash_num_tokens"] < 0).any():
+    buckets = lay.view(pool._segment.buf, "index_buckets")
+    def name(row: int) -> str:
+        return f"block {row}" if row < n else f"the alias row of block {row - alias0}"
+
+    is_key_row = np.ones(len(rows), dtype=bool)
+    is_key_row[n:alias0] = False
+    htok = rows["hash_num_tokens"]
+    hashed = (htok != L.NO_HASH_TOKENS) & is_key_row
+    if (htok[is_key_row] < 0).any():
         out.append("INV-HASH: a block has hash_num_tokens < 0")
     if n and hashed[L.NULL_BLOCK_ID]:
         out.append("INV-HASH: the null block (0) holds a prefix-cache key")
-    linked = (blocks["index_next"] != L.NO_BLOCK) | (blocks["group_id"] != 0)
+    linked = ((rows["index_next"] != L.NO_BLOCK) | (rows["group_id"] != 0)) & is_key_row
     stray = np.flatnonzero(~hashed & linked)
     if len(stray):
         out.append(
             f"INV-HASH: {len(stray)} block(s) without a key have index_next or group_id set, "
-            f"e.g. block {int(stray[0])}"
+            f"e.g. {name(int(stray[0]))}"
         )
-    seen = np.zeros(n, dtype=np.int64)
+    seen = np.zeros(len(rows), dtype=np.int64)
     for bucket in np.flatnonzero(buckets != L.NO_BLOCK).tolist():
         cur = int(buckets[bucket])
         steps = 0
         while cur != L.NO_BLOCK:
-            if not 0 <= cur < n:
+            if not (0 <= cur < len(rows) and is_key_row[cur]):
                 out.append(f"INV-HASH: bucket {bucket} links to row {cur}, not a block")
                 break
             steps += 1
-            if steps > n:
+            if steps > len(rows):
                 out.append(f"INV-HASH: bucket {bucket}'s chain has a cycle")
                 break
             seen[cur] += 1
             key = index.block_key(cur)
             if key is None:
-                out.append(f"INV-HASH: block {cur} is in bucket {bucket}'s chain without a key")
+                out.append(f"INV-HASH: {name(cur)} is in bucket {bucket}'s chain without a key")
             elif index.bucket_of(*key) != bucket:
                 out.append(
-                    f"INV-HASH: block {cur} is chained in bucket {bucket}, its key hashes to "
+                    f"INV-HASH: {name(cur)} is chained in bucket {bucket}, its key hashes to "
                     f"bucket {index.bucket_of(*key)}"
                 )
-            cur = int(blocks["index_next"][cur])
+            cur = int(rows["index_next"][cur])
     twice = np.flatnonzero(seen > 1)
     if len(twice):
-        out.append(f"INV-HASH: block {int(twice[0])} appears {int(seen[twice[0]])} times in chains")
+        out.append(f"INV-HASH: {name(int(twice[0]))} appears {int(seen[twice[0]])} times in "
+                   "chains")
     unreachable = np.flatnonzero(hashed & (seen == 0))
     if len(unreachable):
         out.append(
             f"INV-HASH: {len(unreachable)} block(s) hold a key but are in no chain, "
-            f"e.g. block {int(unreachable[0])}"
+            f"e.g. {name(int(unreachable[0]))}"
         )
+    if not lay.config.partial_keys:
+        return
+    has_alias = hashed[alias0:]
+    orphans = np.flatnonzero(has_alias & ~hashed[:n])
+    if len(orphans):
+        out.append(
+            f"INV-ALIAS: {len(orphans)} block(s) hold an alias key but no key of their own, "
+            f"e.g. block {int(orphans[0])}"
+        )
+    both = np.flatnonzero(has_alias & hashed[:n])
+    if len(both):
+        own, alias = rows[both], rows[alias0 + both]
+        same = np.flatnonzero((own["block_hash"] == alias["block_hash"])
+                              & (own["group_id"] == alias["group_id"]))
+        if len(same):
+            out.append(
+                f"INV-ALIAS: {len(same)} block(s) hold the same key twice, e.g. block "
+                f"{int(both[same[0]])}"
+            )
 
 
 def _check_ledger_and_procs(pool: BlockPool, out: list[str]) -> None:
@@ -352,7 +383,7 @@ class RebuildReport:
     ref_cnt_fixed: int  # blocks whose ref_cnt disagreed with the ledger
     num_free_blocks: int
     num_cached_blocks: int
-    hashes_dropped: int  # blocks whose hash fields were invalid (cleared)
+    hashes_dropped: int  # keys whose fields were invalid, or aliases orphaned (cleared)
     seconds: float
     # (hash, group) of each cleared key, for the BlockRemoved events the repair logs
     dropped_keys: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)
@@ -397,6 +428,7 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     keys = np.compress(is_free, attrs["queue_key"][:n])
     hashed, dropped = _clean_hash_fields(pool, attrs)
     groups = attrs["group_id"][hashed]
+    aliases, alias_links = _clean_alias_rows(pool, hashed, dropped)
 
     # The derived side, compared with what the rows hold.
     links = _read_fields(pool, 0, 16, row_bytes)  # ref_cnt, prev, next, index_next; attrs gone
@@ -413,13 +445,13 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     hdr[L.H_QUEUE_TAIL_KEY] = len(order) - 1
 
     # Prefix index: chain every block that holds a key into the bucket its key hashes to.
-    _rechain_index(pool, links, hashed, groups, column)
+    _rechain_index(pool, links, hashed, groups, column, aliases, alias_links)
     hdr[L.H_EPOCH] += 1
     hdr[L.H_JOURNAL_LEN] = 0
     return RebuildReport(
         ref_cnt_fixed=ref_fixed,
         num_free_blocks=len(order),
-        num_cached_blocks=len(hashed),
+        num_cached_blocks=len(hashed),  # blocks with a key (aliases not counted)
         hashes_dropped=len(dropped),
         seconds=time.perf_counter() - t0,
         dropped_keys=dropped,
@@ -579,35 +611,91 @@ def _clean_hash_fields(pool: BlockPool,
     return ids, dropped
 
 
-def _rechain_index(pool: BlockPool, links: np.ndarray, hashed: np.ndarray, groups: np.ndarray,
-                   column: np.ndarray) -> None:
-    """Rewrites the bucket array and ``index_next``: the blocks ``hashed`` (with their
-    ``groups``) chained per bucket in block-id order. ``links`` holds the rows' current
-    ``index_next``; ``column`` is scratch space."""
+def _clean_alias_rows(pool: BlockPool, hashed: np.ndarray,
+                      dropped: list[tuple[bytes, int]]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Clears alias rows that break INV-ALIAS or hold invalid fields (their keys go to
+    ``dropped``) and the ``group_id`` of alias rows without a key. Returns the key rows of
+    the aliases kept (ascending) and the alias rows' current ``index_next`` (None when no
+    alias row holds anything: the usual case, found with one read of the rows).
+    ``hashed``: the blocks keeping a key of their own."""
     lay = pool._layout
-    chain_next = column
-    chain_next.fill(L.NO_BLOCK)
+    n = lay.config.num_blocks
+    alias0 = lay.alias_row(0)
+    if not lay.config.partial_keys:
+        return np.zeros(0, dtype=np.intp), None
+    raw = np.ndarray(  # bytes 8..24 of each alias row: next, index_next, group_id, htok
+        (n,), dtype="V16", buffer=pool._segment.buf,
+        offset=lay.offsets["block_alias"] + 8, strides=(L.BLOCK_DTYPE.itemsize,),
+    )
+    attrs = raw.copy().view(_compact_dtype(8, 16))
+    htok, group, inext = attrs["hash_num_tokens"], attrs["group_id"], attrs["index_next"]
+    present = htok != L.NO_HASH_TOKENS
+    if not present.any() and not group.any() and (inext == L.NO_BLOCK).all():
+        return np.zeros(0, dtype=np.intp), None
+    rows = pool._key_rows
+    own = np.zeros(n, dtype=bool)
+    own[hashed] = True
+    keep = (htok > 0) & own
+    ids = np.flatnonzero(keep)
+    if len(ids):
+        # An alias equal to its block's own key breaks INV-ALIAS. The first 8 hash bytes
+        # and the group tell almost all apart; only those that agree are compared whole.
+        word = np.ndarray((lay.num_key_rows,), dtype="<u8", buffer=pool._segment.buf,
+                          offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET,
+                          strides=(L.BLOCK_DTYPE.itemsize,))
+        maybe = ids[(word[ids] == word[alias0 + ids]) & (rows["group_id"][ids] == group[ids])]
+        if len(maybe):
+            same = rows["block_hash"][maybe] == rows["block_hash"][alias0 + maybe]
+            keep[maybe[same]] = False
+    bad = np.flatnonzero(present & ~keep)
+    dropped.extend((bytes(rows["block_hash"][alias0 + b]), int(group[b]))
+                   for b in bad.tolist() if htok[b] > 0)
+    rows["hash_num_tokens"][alias0 + bad] = L.NO_HASH_TOKENS
+    rows["group_id"][alias0 + np.flatnonzero(~keep & (group != 0))] = 0
+    return alias0 + np.flatnonzero(keep), inext
+
+
+def _rechain_index(pool: BlockPool, links: np.ndarray, hashed: np.ndarray, groups: np.ndarray,
+                   column: np.ndarray, aliases: np.ndarray,
+                   alias_links: np.ndarray | None) -> None:
+    """Rewrites the bucket array and ``index_next``: the blocks ``hashed`` (with their
+    ``groups``), then the alias rows ``aliases``, chained per bucket in key-row order.
+    ``links`` holds the block rows' current ``index_next``, ``alias_links`` the alias rows'
+    (None: all ``NO_BLOCK``); ``column`` is scratch space."""
+    lay = pool._layout
     buckets = lay.view(pool._segment.buf, "index_buckets")
     buckets.fill(L.NO_BLOCK)
-    if len(hashed):
-        ids, bucket = _by_bucket(pool, hashed, groups)
+    rows = hashed
+    if len(aliases):  # rare: the key rows of both regions, in one sort
+        rows = np.concatenate((hashed, aliases))
+        groups = np.concatenate((groups, pool._key_rows["group_id"][aliases]))
+        chain_next = np.full(lay.num_key_rows, L.NO_BLOCK, dtype=np.int32)
+    else:
+        chain_next = column
+        chain_next.fill(L.NO_BLOCK)
+    if len(rows):
+        ids, bucket = _by_bucket(pool, rows, groups)
         same = bucket[1:] == bucket[:-1]
         chain_next[np.compress(same, ids[:-1])] = np.compress(same, ids[1:])
         heads = np.concatenate(([True], ~same))
         buckets[np.compress(heads, bucket)] = np.compress(heads, ids)
-    _store_changed(pool._blocks["index_next"], links["index_next"], chain_next)
+    n2 = lay.config.num_blocks + 2
+    _store_changed(pool._blocks["index_next"], links["index_next"], chain_next[:n2])
+    if alias_links is not None:
+        new_links = chain_next[n2:] if len(aliases) else np.full_like(alias_links, L.NO_BLOCK)
+        _store_changed(pool._key_rows["index_next"][n2:], alias_links, new_links)
 
 
 def _by_bucket(pool: BlockPool, hashed: np.ndarray,
                groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The blocks ``hashed`` (ascending) sorted by bucket, then block id, and their buckets.
+    """The key rows ``hashed`` (ascending) sorted by bucket, then row, and their buckets.
 
     One in-place integer sort, as in ``_packed_sort``: the bucket (below 2**32) over the
-    block id (below 2**31).
+    key row (below 2**32).
     """
     lay = pool._layout
-    word = np.ndarray(  # the first 8 bytes of each block_hash
-        (lay.config.num_blocks,), dtype="<u8", buffer=pool._segment.buf,
+    word = np.ndarray(  # the first 8 bytes of each key row's block_hash
+        (lay.num_key_rows,), dtype="<u8", buffer=pool._segment.buf,
         offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET, strides=(L.BLOCK_DTYPE.itemsize,),
     )[hashed]
     if groups.any():  # a single-group model has only group 0

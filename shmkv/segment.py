@@ -162,7 +162,7 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None,
             " (made by another shmkv version)",
         )
     flags = int(hdr["format_flags"])
-    known = L.FLAG_PREFIX_CACHING | L.FLAG_KV_EVENTS
+    known = L.FLAG_PREFIX_CACHING | L.FLAG_KV_EVENTS | L.FLAG_PARTIAL_KEYS
     if flags & ~known:
         raise mismatch("format_flags", f"a subset of {known:#x}", f"{flags:#x}")
     if int(hdr["header_bytes"]) != L.HEADER_DTYPE.itemsize:
@@ -180,6 +180,7 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None,
         hash_block_size=hash_block_size,
         enable_caching=bool(flags & L.FLAG_PREFIX_CACHING),
         enable_kv_cache_events=bool(flags & L.FLAG_KV_EVENTS),
+        partial_keys=bool(flags & L.FLAG_PARTIAL_KEYS),
         medium=bytes(hdr["medium"]).decode(errors="replace"),
         max_processes=int(hdr["max_processes"]),
         event_log_bytes=int(hdr["event_log_bytes"]),

@@ -18,20 +18,24 @@ searched (``find_longest_cache_hit``), and which blocks are worth caching
     CrossAttentionManager         encoder KV, allocated once, never cached
 
 NOTE: the pool is shared by several processes. A manager changes the pool only through the
-``BlockPool`` API (``get_new_blocks``, ``touch``, ``free_blocks``, ``cache_full_blocks``) and
-never writes a block's fields: where vLLM bumps ``ref_cnt`` by hand (the copy-on-write of a
+``BlockPool`` API (``get_new_blocks``, ``touch``, ``free_blocks``, ``cache_full_blocks``,
+``cache_partial_block``, ``move_block_hashes``, ``_maybe_evict_cached_block``) and never
+writes a block's fields: where vLLM bumps ``ref_cnt`` by hand (the copy-on-write of a
 partial hit), shmkv calls ``touch``. Its own state is private to the process. Lookups and the
 touches that follow them are made atomic across processes by the caller (the coordinator), which
 holds ``pool.lock()`` over a scheduler step; the lock is re-entrant.
 
-Not ported (shmkv's pool has no partial-block keys yet): registering a prompt's partial tail
-block (vLLM's ``cache_partial_block``, called by full attention and Mamba "align" when a
-group's block is bigger than ``hash_block_size``) and the Mamba "align" prefill checkpoints
-(``num_prefill_checkpoint_blocks > 0``, refused at construction). So when
-``block_size == hash_block_size`` the managers behave as vLLM's; with bigger blocks a prompt's
-last partial block is not offered as a hit, where vLLM would offer it. Without partial keys a
-hit always ends on a block boundary, so the copy-on-write paths are kept but never taken. The
-HiSparse and circular-buffer managers are left out.
+Partial-block keys (groups whose blocks are bigger than the pool's ``hash_block_size``):
+full attention and Mamba "align" key a prompt's last hash boundary inside a block
+(``BlockPool.cache_partial_block``); a hit that ends inside a block (fine-grained lookups,
+``alignment_tokens < block_size``) gives the request a private copy of that block
+(copy-on-write: ``_partial_hit_reqs``, ``take_pending_cow_copies``), and a Mamba producer
+still running on its boundary block moves the block's keys to a copy
+(``BlockPool.move_block_hashes``). Mamba "align" prefill checkpoints
+(``num_prefill_checkpoint_blocks > 0``) export the state at the prompt's boundary from a chunk
+that crosses it into a block of its own, keyed there. A pool made without
+``partial_keys=True`` keeps a block's own partial key but not a second one (see
+``shmkv/layout.py``). The HiSparse and circular-buffer managers are left out.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from shmkv.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
     cdiv,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
 )
 
 __all__ = [
@@ -610,6 +616,49 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return computed, hit_length
 
 
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """Caches the newly full blocks, then, with blocks coarser than the hashes, keys the
+        prompt's last hash boundary inside a block (``_cache_partial_tail_block``)."""
+        super().cache_blocks(request, num_tokens, retention_interval,
+                             replay_boundaries=replay_boundaries)
+        if self.block_size != self.block_pool.hash_block_size:
+            self._cache_partial_tail_block(request, num_tokens)
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int) -> None:
+        """Keys the block holding the prompt's last hash boundary at that boundary
+        (``BlockPool.cache_partial_block``), so that a later request sharing the prompt up
+        to there hits inside the block. Only that boundary: the ones before it inside the
+        same block are not keyed. Nothing when the boundary ends a block (the full key
+        covers it) or lies beyond ``num_tokens``.
+
+        The boundary: the longest run of whole hash units a resend of the prompt can hit,
+        ``num_prompt_tokens - 1`` tokens (the last token is always recomputed), or the whole
+        prompt with EAGLE (its lookup drops one unit afterwards)."""
+        hbs = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = boundary // self.block_size
+        if block_idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(
+            request=request,
+            block=blocks[block_idx],
+            num_tokens=boundary,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_size=self.block_size,
+        )
+
+
 class RSWAManager(FullAttentionManager):
     """Reference sliding window: the prompt stays visible, and of the generated tokens only
     the last ``rswa_window``; given ``num_prompt_tokens``, ``remove_skipped_blocks`` frees the
@@ -876,7 +925,6 @@ class MambaManager(SingleTypeKVCacheManager):
         """
         Raises:
             AssertionError: prefix caching without ``mamba_cache_mode="align"``.
-            NotImplementedError: prefill checkpoint blocks (not ported).
         """
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
@@ -884,12 +932,12 @@ class MambaManager(SingleTypeKVCacheManager):
             "Mamba prefix caching requires mamba_cache_mode='align'"
         )
         self.num_speculative_blocks: int = kv_cache_spec.num_speculative_blocks
-        if self.mamba_cache_mode == "align" and kv_cache_spec.num_prefill_checkpoint_blocks > 0:
-            raise NotImplementedError(
-                "shmkv's MambaManager does not port prefill checkpoint blocks "
-                f"(num_prefill_checkpoint_blocks={kv_cache_spec.num_prefill_checkpoint_blocks})"
-            )
-        self.has_prefill_checkpoint_blocks = False
+        # "align" prefill checkpoints: a chunk that crosses the prompt's reusable boundary
+        # exports the state there into a block of its own (the backend says it can, with
+        # prefill_checkpoint_alignment), so the boundary is cached without a chunk ending on it.
+        self.has_prefill_checkpoint_blocks = (
+            self.mamba_cache_mode == "align" and kv_cache_spec.num_prefill_checkpoint_blocks > 0
+        )
         self.drop_eagle_checkpoint_block = False
         self.cached_blocks_this_step: set[Any] = set()
         if self.mamba_cache_mode == "align":
@@ -897,6 +945,7 @@ class MambaManager(SingleTypeKVCacheManager):
             self.last_state_block_idx: dict[str, int] = {}
             self._num_retired_blocks: dict[str, int] = {}
             self._allocated_block_reqs: set[str] = set()
+            # This allocation's checkpoint: (token position, block index), per request.
             self._checkpoints: dict[str, tuple[int, int]] = {}
             self._producer_partial_tail_reqs: dict[str, tuple[Block, int]] = {}
 
@@ -1053,14 +1102,57 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         if has_partial_hit:
             num_new = max(num_new, 0) + 1
+        # A checkpoint is keyed on the chunk's end, where the worker writes it; only the
+        # chunk reaching prefill_end keeps one (prefill_end is 0 under dense retention:
+        # every chunk may).
+        checkpoint_position = get_mamba_prefill_checkpoint_position(
+            num_tokens_main_model, self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            num_hash_lookahead_tokens=getattr(self.block_pool, "num_hash_lookahead_tokens", 0),
+        )
+        if not self._needs_internal_checkpoint(request_id, total_computed_tokens,
+                                               num_tokens_main_model, checkpoint_position,
+                                               prefill_end):
+            checkpoint_position = 0
+        checkpoint_block = int(checkpoint_position > 0)
         if not apply_admission_cap:
-            self._checkpoints.pop(request_id, None)  # no prefill checkpoints (not ported)
+            if checkpoint_position > 0:
+                self._checkpoints[request_id] = (
+                    checkpoint_position, cdiv(num_tokens_main_model, self.block_size) - 2)
+            else:
+                self._checkpoints.pop(request_id, None)
         if num_new > 0:
-            cap = 1 + int(has_partial_hit)
+            cap = 1 + int(has_partial_hit) + checkpoint_block
             if request_id not in self._allocated_block_reqs:
                 cap += self.num_speculative_blocks
             num_new = min(num_new, cap)
         return num_new + self._get_num_evictable_blocks(new_computed_blocks)
+
+    def _needs_internal_checkpoint(self, request_id: str, query_start: int, query_end: int,
+                                   checkpoint_position: int, prefill_end: int) -> bool:
+        """Whether this chunk ``[query_start, query_end)`` exports a prefill checkpoint: the
+        spec has checkpoint blocks, the chunk reaches ``prefill_end``, the backend can export
+        the state at ``checkpoint_position`` (``is_mamba_prefill_checkpoint_valid``), and the
+        checkpoint's block index (the one before the running state's) is free to take: past
+        the table, a null block, or a speculative block of a running request."""
+        assert isinstance(self.kv_cache_spec, MambaSpec)
+        checkpoint_idx = cdiv(query_end, self.block_size) - 2
+        blocks = self.req_to_blocks[request_id]
+        return (
+            self.has_prefill_checkpoint_blocks
+            and query_end >= prefill_end
+            and is_mamba_prefill_checkpoint_valid(
+                query_start, query_end, checkpoint_position, self.block_pool.hash_block_size,
+                self.block_size, self.kv_cache_spec.prefill_checkpoint_alignment,
+            )
+            and checkpoint_idx >= 0
+            and (
+                checkpoint_idx >= len(blocks)
+                or blocks[checkpoint_idx].is_null
+                or (request_id in self._allocated_block_reqs
+                    and checkpoint_idx >= len(blocks) - self.num_speculative_blocks)
+            )
+        )
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -1070,9 +1162,10 @@ class MambaManager(SingleTypeKVCacheManager):
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         req_blocks = self.req_to_blocks[request_id]
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        checkpoint_block = int(request_id in self._checkpoints)
         partial_hit = self._partial_hit_reqs.get(request_id)
         has_partial_hit = partial_hit is not None
-        if num_required <= len(req_blocks) and not has_partial_hit:
+        if num_required <= len(req_blocks) and not has_partial_hit and not checkpoint_block:
             self._allocated_block_reqs.add(request_id)
             return []
         prev_len = len(req_blocks)
@@ -1084,15 +1177,17 @@ class MambaManager(SingleTypeKVCacheManager):
             self.last_state_block_idx[request_id] = prev_len - 1  # the hit's state
         num_skipped = num_required - self.num_speculative_blocks - 1
         if prev_len < num_skipped:
-            req_blocks.extend([self._null_block] * (num_skipped - prev_len))
+            # Null up to the checkpoint's block, if there is one: it gets a new block.
+            req_blocks.extend([self._null_block] * (num_skipped - checkpoint_block - prev_len))
         if allocated_before:
-            # Speculative blocks left behind by this step move to the new end.
+            # Speculative blocks left behind by this step move to the new end; in a
+            # checkpoint step one stays at the checkpoint index (the worker writes it there).
             for idx in range(prev_len - self.num_speculative_blocks, prev_len):
-                if idx >= num_skipped:
+                if idx >= num_skipped - checkpoint_block:
                     break
                 self._relocate_speculative_block(req_blocks, idx)
         num_new = max(num_required - len(req_blocks), 0) + int(has_partial_hit)
-        assert num_new <= 1 + int(has_partial_hit) + (
+        assert num_new <= 1 + int(has_partial_hit) + checkpoint_block + (
             0 if allocated_before else self.num_speculative_blocks
         )
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -1101,12 +1196,30 @@ class MambaManager(SingleTypeKVCacheManager):
             block_idx, source = partial_hit
             cow_block, new_blocks = new_blocks[0], new_blocks[1:]
             if allocated_before:
-                raise NotImplementedError(
-                    "moving a running request's partial-tail key needs "
-                    "BlockPool.move_block_hashes, which shmkv's pool lacks"
-                )
-            self._apply_cow(request_id, block_idx, source, cow_block)
-            returned = [cow_block, *returned]
+                # A running request's block table only grows, so it stays on the source
+                # block (its next forward overwrites that state); the cache's keys move to
+                # the private copy, which the queued copy fills first. Both stay referenced
+                # until the copy has run: the copy by its allocation, the source by one
+                # more reference (``touch``), both given back by the consumer of
+                # ``take_pending_cow_copies``.
+                assert req_blocks[block_idx] is source
+                self.block_pool.move_block_hashes(source, cow_block)
+                self._pending_cow_copies.append((source, cow_block))
+                self.block_pool.touch([source])
+                producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
+                if producer_tail is not None:
+                    marker, boundary_tokens = producer_tail
+                    assert marker is source
+                    # The copy keeps the producer's boundary state: offer it for offload.
+                    self._pending_boundary_state_offloads.append(
+                        (request_id, self.kv_cache_group_id, cow_block, boundary_tokens)
+                    )
+                if cow_block.block_hash is not None:
+                    # Filled only by this step's copy: same-step hits on it must wait.
+                    self.cached_blocks_this_step.add(cow_block.block_hash)
+            else:
+                self._apply_cow(request_id, block_idx, source, cow_block)
+                returned = [cow_block, *returned]
         req_blocks.extend(new_blocks)
         self._allocated_block_reqs.add(request_id)
         self._partial_hit_reqs.pop(request_id, None)
@@ -1150,8 +1263,11 @@ class MambaManager(SingleTypeKVCacheManager):
         super().cache_blocks(request, num_tokens, retention_interval,
                              replay_boundaries=replay_boundaries)
         after = self.num_cached_block.get(request_id, 0)
-        # vLLM also registers the prompt's last hash boundary as a partial-tail key here;
-        # shmkv's pool has no partial keys (see the module docstring), so none is made.
+        if self.mamba_cache_mode == "align":
+            partial_hash = self._cache_partial_tail_block(request, num_tokens,
+                                                          retention_interval)
+            if partial_hash is not None:
+                self.cached_blocks_this_step.add(partial_hash)
         blocks = self.req_to_blocks[request_id]
         for idx in range(before, after):
             block = blocks[idx]
@@ -1168,6 +1284,110 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()
+
+    def _cache_partial_tail_block(self, request: Any, num_tokens: int,
+                                  retention_interval: int | None = None) -> bytes | None:
+        """Keys the state block at the prompt's reusable boundary, the last hash boundary a
+        resend can hit (``get_mamba_prefill_checkpoint_position``), when this step's chunk
+        ends exactly there; or at the shared-prefix junction, with
+        ``shared_prefix_checkpoint``, while the prompt is being computed.
+
+        In a checkpoint step, instead, re-keys the checkpoint block at its checkpoint (its
+        old keys, a full-block key cached this step included, are dropped first: the block
+        now holds that state), if the checkpoint is one a later request can hit (the
+        prompt's boundary, a block end the retention keeps, or the shared-prefix junction);
+        a transient checkpoint's block loses its keys instead.
+
+        A boundary inside the block makes this request the producer of a partial tail: its
+        next forward overwrites the state in place, so the block is marked for
+        copy-on-write (``_partial_hit_reqs``; ``allocate_new_blocks`` moves the key to a
+        private copy) and its cached-block count drops to the full blocks before it.
+
+        Returns:
+            the key registered, or None.
+        """
+        hbs = self.block_pool.hash_block_size
+        request_id = request.request_id
+        lookahead = getattr(self.block_pool, "num_hash_lookahead_tokens", 0)
+        checkpoint = self._checkpoints.get(request_id)
+        if checkpoint is not None:
+            position, checkpoint_idx = checkpoint
+            blocks = self.req_to_blocks[request_id]
+            assert 0 <= checkpoint_idx < len(blocks)
+            checkpoint_block = blocks[checkpoint_idx]
+            # The prompt's last chunk caches only up to its last full block, so a checkpoint
+            # at the prompt's boundary is the reusable one, not a transient one.
+            is_prompt_checkpoint = position == get_mamba_prefill_checkpoint_position(
+                request.num_prompt_tokens, self.cache_hit_alignment_tokens,
+                self.drop_eagle_checkpoint_block, num_hash_lookahead_tokens=lookahead,
+            )
+            is_retained = False
+            if position % self.block_size == 0:
+                block_idx = position // self.block_size - 1
+                mask = self.reachable_block_mask(
+                    block_idx, block_idx + 1, self.cache_hit_alignment_tokens,
+                    self.kv_cache_spec, self.drop_eagle_checkpoint_block,
+                    retention_interval=retention_interval,
+                )
+                is_retained = mask is None or mask[0]
+            if (not is_prompt_checkpoint and not is_retained
+                    and position != getattr(request, "shared_prefix_boundary", 0)):
+                # A transient state overwrites the block: none of its keys is true now.
+                self.block_pool._maybe_evict_cached_block(checkpoint_block)
+                return None
+            if checkpoint_block.block_hash_num_tokens == position:
+                return None
+            return self.block_pool.cache_partial_block(
+                request=request, block=checkpoint_block, num_tokens=position,
+                kv_cache_group_id=self.kv_cache_group_id, block_size=self.block_size,
+                replace_existing_hashes=True,
+            )
+        if num_tokens <= 0 or num_tokens % hbs:
+            return None
+        boundary = get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens, hbs, self.drop_eagle_checkpoint_block,
+            num_hash_lookahead_tokens=lookahead,
+        )
+        if num_tokens != boundary:
+            junction = getattr(request, "shared_prefix_boundary", 0)
+            if not (self.shared_prefix_checkpoint and num_tokens == junction
+                    and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens):
+                return None
+        block_idx = cdiv(num_tokens, self.block_size) - 1
+        blocks = self.req_to_blocks[request_id]
+        if block_idx >= len(blocks):
+            return None
+        source = blocks[block_idx]
+        if source.is_null or source.block_hash_num_tokens == num_tokens:
+            return None  # keyed here already (a hit, or an earlier step)
+        partial_hash = self.block_pool.cache_partial_block(
+            request=request, block=source, num_tokens=num_tokens,
+            kv_cache_group_id=self.kv_cache_group_id, block_size=self.block_size,
+        )
+        if partial_hash is not None and num_tokens % self.block_size:
+            self._partial_hit_reqs[request_id] = (block_idx, source)
+            self.num_cached_block[request_id] = block_idx
+            self._producer_partial_tail_reqs[request_id] = (source, num_tokens)
+        return partial_hash
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, Block, int] | None:
+        """A producer finishing before its copy-on-write: its table block itself holds the
+        boundary state, if the request stopped exactly there with nothing in flight.
+
+        Returns:
+            (group id, block, boundary tokens), or None.
+        """
+        if self.mamba_cache_mode != "align":
+            return None
+        producer_tail = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer_tail is None:
+            return None
+        source, boundary_tokens = producer_tail
+        if num_in_flight_tokens != 0 or num_computed_tokens != boundary_tokens:
+            return None
+        return self.kv_cache_group_id, source, boundary_tokens
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):

@@ -9,7 +9,8 @@ Pieces (module level, so that spawn can import them; ``scripts/shmkv_chaos.py`` 
 driver from the command line):
 
 - :func:`worker`: one serving process. Each step either admits a request (prefix lookup,
-  ``touch`` of the hits, ``get_new_blocks`` for the rest, ``cache_full_blocks``, all under
+  ``touch`` of the hits, ``get_new_blocks`` for the rest, ``cache_full_blocks``, now and then
+  a partial key on the last full block (``cache_partial_block``: an alias row), all under
   one hold of the lock) drawn from a few shared prompts, so processes hit each other's
   cache, or finishes one (``free_blocks`` in reverse order). Out of blocks, it preempts its
   own requests and reaps the dead. Every few steps it checks that its ledger row is exactly
@@ -134,6 +135,13 @@ def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> N
                             pool.free_blocks(reversed(hits))
                             raise
                         pool.cache_full_blocks(req, blocks, len(hits), len(tokens) // BS, BS, 0)
+                        full = len(tokens) // BS
+                        if full >= 2 and rng.random() < w["partial_p"]:
+                            # A partial key (an alias row) on the last full block, keyed
+                            # as if blocks were 32 tokens, in group 1, which no lookup here
+                            # reads (group 0's hits stay what _check_holdings expects).
+                            pool.cache_partial_block(req, blocks[full - 1], (full - 1) * BS, 1,
+                                                     2 * BS)
                     running.append((req, blocks))
                 except OutOfBlocksError:
                     hb[base + F_OOMS] += 1
@@ -264,6 +272,7 @@ class ChaosConfig:
     admit_p: float = 0.55
     max_running: int = 6
     evict_p: float = 0.02
+    partial_p: float = 0.3  # admissions that also key a partial tail (an alias row)
     reattach_p: float = 0.003
     check_every: int = 1  # check_invariants in the driver after every n-th kill
     # Kill workers inside attach() and close() too: a process killed there holding the lock
@@ -376,6 +385,7 @@ class _Driver:
             "lock_timeout_s": cfg.lock_timeout_s, "stuck_after_s": cfg.stuck_after_s,
             "lock_enabled": cfg.lock_enabled, "admit_p": cfg.admit_p,
             "max_running": cfg.max_running, "evict_p": cfg.evict_p,
+            "partial_p": cfg.partial_p,
             "reattach_p": cfg.reattach_p, "step_sleep_s": cfg.step_sleep_s,
             "quiet": cfg.quiet,
         }
@@ -481,6 +491,7 @@ class _Driver:
             self.name, cfg.num_blocks, kernel=cfg.kernel, label="chaos-driver",
             max_processes=cfg.max_processes or cfg.workers + 2,
             lock_timeout_s=cfg.lock_timeout_s, stuck_after_s=cfg.stuck_after_s,
+            partial_keys=True,
         )
         pool = self.pool
         self.kernel = report.kernel = pool.kernel

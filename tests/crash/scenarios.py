@@ -1,7 +1,8 @@
 """Deterministic crash scenarios: a survivor, a victim whose last call is killed at a chosen
 store, and the two reference outcomes it must match.
 
-Every scenario runs on a fresh 12-block pool with events on. The survivor (the test process)
+Every scenario runs on a fresh 12-block pool with events on and alias rows
+(``partial_keys``). The survivor (the test process)
 sets up first; then a *victim* process attaches, sets up its own holdings, arms
 ``shmkv.fault`` for its last call (``OPS[op]``) and makes it. The victim is killed before
 its n-th store, or finishes the call and exits without ``close()``.
@@ -90,6 +91,11 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
     elif op == "evict":
         free_hit = pool.get_cached_prefix(free_cached_request().block_hashes[:1])
         pool.evict_blocks([held["cached"][0].block_id, free_hit[0].block_id])
+    elif op == "partial":
+        # A 16-token boundary inside a 32-token block that holds a key: an alias row.
+        pool.cache_partial_block(victim_second_request(), held["cached"][1], 16, 0, 32)
+    elif op == "move":
+        pool.move_block_hashes(held["cached"][1], held["plain"][0])
     elif op == "reset":
         assert pool.reset_prefix_cache()
     elif op == "reap":
@@ -100,7 +106,8 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
         raise ValueError(op)
 
 
-OPS = ("allocate", "free", "touch", "cache", "evict", "reset", "reap", "attach", "close")
+OPS = ("allocate", "free", "touch", "cache", "evict", "partial", "move", "reset", "reap",
+       "attach", "close")
 
 
 def zombie(name: str, kernel: str) -> None:

@@ -38,6 +38,7 @@ def snapshot(pool: BlockPool, held: list) -> dict:
         procs = lay.view(buf, "proc_table")
         state = {
             "block_meta": bytes(lay.view(buf, "block_meta")),
+            "block_alias": bytes(lay.view(buf, "block_alias")),
             "index_buckets": bytes(lay.view(buf, "index_buckets")),
             "ledger": bytes(lay.view(buf, "ledger")),
             "procs": [(int(s), int(p), int(ph)) for s, p, ph in
@@ -65,7 +66,7 @@ def make_scene(kernel: str, op: str, forker) -> tuple[BlockPool, list]:
     name = f"crash-{os.getpid()}-{uuid.uuid4().hex[:10]}"
     pool = BlockPool.create(name, S.NUM_BLOCKS, enable_kv_cache_events=True, kernel=kernel,
                             label="survivor", lock_timeout_s=30,
-                            stuck_after_s=S.STUCK_AFTER_S)
+                            stuck_after_s=S.STUCK_AFTER_S, partial_keys=True)
     held = S.survivor_setup(pool, op)
     if op == "reap":
         assert forker(S.zombie, name, kernel) == "exit:0"

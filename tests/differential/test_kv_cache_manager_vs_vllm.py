@@ -66,9 +66,9 @@ def _attn(mod, kind, **extra):
     return getattr(mod, kind)(block_size=BS, num_kv_heads=1, head_size=8, dtype=dtype, **extra)
 
 
-def _mamba(mod):
+def _mamba(mod, **extra):
     dtype = torch.float32 if mod is vllm_specs else "float32"
-    return mod.MambaSpec(BS, ((2, 4),), (dtype,), mamba_cache_mode="align")
+    return mod.MambaSpec(BS, ((2, 4),), (dtype,), mamba_cache_mode="align", **extra)
 
 
 GROUPS = {
@@ -82,6 +82,10 @@ GROUPS = {
     "full+chunked": lambda m: [_attn(m, "FullAttentionSpec"),
                                _attn(m, "ChunkedLocalAttentionSpec", attention_chunk_size=8)],
     "full+mamba": lambda m: [_attn(m, "FullAttentionSpec"), _mamba(m)],
+    # Mamba "align" with a prefill checkpoint block (a backend that exports any position).
+    "full+mamba-ckpt": lambda m: [_attn(m, "FullAttentionSpec"),
+                                  _mamba(m, num_prefill_checkpoint_blocks=1,
+                                         prefill_checkpoint_alignment=1)],
     "full+cross": lambda m: [_attn(m, "FullAttentionSpec"), _attn(m, "CrossAttentionSpec")],
 }
 
@@ -97,6 +101,11 @@ class Setup:
     encoder_tokens: int = 0  # cross-attention tokens given at admission
     use_eagle: bool = False
     num_steps: int = 150
+    hash_block_size: int = BS  # finer hashes than the blocks: partial-tail keys, partial hits
+    stop_at_boundary: bool = False  # chunks may end on the prompt's reusable hash boundary,
+    # and new prompts may repeat an earlier one up to its boundary (sub-block hits)
+    junction: bool = False  # enable_mamba_shared_prefix_checkpoint; requests keep the
+    # shared-prefix boundary of their lookup, and a chunk may end there (the scheduler's split)
 
 
 SETUPS = [
@@ -116,6 +125,33 @@ SETUPS = [
     Setup("full-eagle", "full", use_eagle=True, max_lookahead=2),
     Setup("full+swa-eagle", "full+swa", use_eagle=True, max_lookahead=2),
     Setup("full+mamba-eagle", "full+mamba", use_eagle=True),
+    # Hashes finer than the blocks (hash_block_size 2, blocks of 4). Full attention keys
+    # each prompt's last hash boundary inside its block (cache_partial_block); with a Mamba
+    # "align" group, hits may end inside a block (enable_partial_hash_hits), the hit's last
+    # block is then copied (copy-on-write), and a Mamba producer's key moves to a copy.
+    Setup("full+swa-coarse", "full+swa", hash_block_size=2),
+    Setup("full+mamba-coarse", "full+mamba", hash_block_size=2),
+    Setup("full+mamba-coarse-tails", "full+mamba", hash_block_size=2, stop_at_boundary=True),
+    Setup("full+mamba-coarse-eagle", "full+mamba", hash_block_size=2, use_eagle=True),
+    Setup("full+mamba-coarse-tails-eagle", "full+mamba", hash_block_size=2, use_eagle=True,
+          stop_at_boundary=True),
+    # (No Mamba setup with KV-connector tokens: vLLM 0.33.0's Mamba "align" demand does not
+    # count the blocks allocate_external_computed_blocks takes, so its allocate_slots can
+    # raise "Cannot get 1 free blocks from the pool"; shmkv does the same.)
+    Setup("full+swa-coarse-external", "full+swa", hash_block_size=2, external=True),
+    Setup("full+mamba-coarse-retention0", "full+mamba", hash_block_size=2, retention=0),
+    Setup("full+mamba-ckpt", "full+mamba-ckpt"),
+    Setup("full+mamba-ckpt-coarse", "full+mamba-ckpt", hash_block_size=2),
+    Setup("full+mamba-ckpt-coarse-tails", "full+mamba-ckpt", hash_block_size=2,
+          stop_at_boundary=True),
+    Setup("full+mamba-ckpt-coarse-retention0", "full+mamba-ckpt", hash_block_size=2,
+          retention=0),
+    Setup("full+mamba-ckpt-coarse-eagle", "full+mamba-ckpt", hash_block_size=2,
+          use_eagle=True),
+    # The shared-prefix junction (EAGLE + sub-block hits): Mamba keys the state where a
+    # lookup found other requests' hits diverge from the cache.
+    Setup("full+mamba-coarse-junction-eagle", "full+mamba", hash_block_size=2,
+          use_eagle=True, stop_at_boundary=True, junction=True),
 ]
 
 
@@ -127,11 +163,14 @@ def _config(mod, setup: Setup, num_blocks: int):
 
 
 def _make_managers(setup: Setup, num_blocks: int, make_pool):
-    pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=BS,
-                     enable_kv_cache_events=True)
-    common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": BS,
+    hbs = setup.hash_block_size
+    pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=hbs,
+                     enable_kv_cache_events=True, partial_keys=hbs != BS)
+    common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": hbs,
               "enable_caching": setup.enable_caching, "log_stats": True,
               "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
+    if setup.junction:
+        common["enable_mamba_shared_prefix_checkpoint"] = True
     ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
     theirs = vllm_manager.KVCacheManager(_config(vllm_specs, setup, num_blocks), **common)
     return ours, theirs, pool
@@ -169,7 +208,21 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         assert a == b, f"{label}: shmkv {a!r} != vLLM {b!r}"
         return a
 
+    def drain_copies(label):
+        """The scheduler's side of copy-on-write: the copies to run, then their retained
+        endpoints freed (the copy has run)."""
+        oc, oret = ours.take_kv_cache_block_copies()
+        tc, tret = theirs.take_kv_cache_block_copies()
+        compare(f"{label} copies", [(c.src_block_id, c.dst_block_id) for c in oc],
+                [(c.src_block_id, c.dst_block_id) for c in tc])
+        counts["copies"] = counts.get("copies", 0) + len(oc)
+        pool.free_blocks(oret)
+        theirs.block_pool.free_blocks(tret)
+        offloads = ours.take_boundary_state_offloads(), theirs.take_boundary_state_offloads()
+        compare(f"{label} boundary offloads", *offloads)
+
     def check_state(label):
+        drain_copies(label)
         for t in running:
             rid = t.ours.request_id
             compare(f"{label} table {rid}", ours.get_block_ids(rid), theirs.get_block_ids(rid))
@@ -182,11 +235,32 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         counts["event_bytes"] += len(ob)
         pool.check_invariants()
 
+    def boundary_of(prompt_len: int) -> int:
+        return shm_specs.get_mamba_prefill_checkpoint_position(
+            prompt_len, setup.hash_block_size, setup.use_eagle)
+
+    def maybe_stop(req, num_computed: int, n: int) -> int:
+        """With stop_at_boundary, half the time ends the chunk on the prompt's boundary;
+        with a junction, always on the shared-prefix boundary first, as the scheduler."""
+        junction = getattr(req, "shared_prefix_boundary", 0) if setup.junction else 0
+        if num_computed < junction < num_computed + n:
+            return junction - num_computed
+        if setup.stop_at_boundary and rng.random() < 0.5:
+            b = boundary_of(req.num_prompt_tokens)
+            if num_computed < b < num_computed + n:
+                return b - num_computed
+        return n
+
+    past_prompts: list[list[int]] = []
+
     def admit(twin: Twin, label: str) -> None:
         o, t = twin.both()
         ob, on, osp = ours.get_computed_blocks(o)
         tb, tn, tsp = theirs.get_computed_blocks(t)
         compare(f"{label} hit", (_ids(ob), on, osp), (_ids(tb), tn, tsp))
+        if setup.junction:  # the scheduler keeps it on the request
+            o.shared_prefix_boundary = osp
+            t.shared_prefix_boundary = tsp
         ours.record_prefix_cache_stats(o, on)
         theirs.record_prefix_cache_stats(t, tn)
         counts["hits"] += on > 0
@@ -199,6 +273,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
                           delay_cache_blocks=rng.random() < 0.5)
             counts["external"] = counts.get("external", 0) + 1
         chunk = min(remaining - ext, rng.choice([BS, 2 * BS, 3 * BS + 1, 64]))
+        chunk = maybe_stop(o, on + ext, chunk)
         res_o = ours.allocate_slots(o, chunk, on, ob, **kwargs)
         res_t = theirs.allocate_slots(t, chunk, tn, tb, **kwargs)
         compare(f"{label} allocate (admit)", _ids(res_o), _ids(res_t))
@@ -230,6 +305,12 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
         if action < 0.25 or not running:
             prompt = list(rng.choice(prefixes)) + [
                 rng.randrange(VOCAB) for _ in range(rng.randrange(0, 20))]
+            if setup.stop_at_boundary:
+                if past_prompts and rng.random() < 0.4:  # an earlier prompt, to its boundary
+                    earlier = rng.choice(past_prompts)
+                    prompt = earlier[:boundary_of(len(earlier))] + [
+                        rng.randrange(VOCAB) for _ in range(rng.randrange(1, 8))]
+                past_prompts.append(prompt)
             salt = rng.choice([None, None, "tenant-b"])
             rid = f"r{next_id}"
             next_id += 1
@@ -255,6 +336,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
                 o.append_output_token_ids(token)
                 t.append_output_token_ids(token)
             n = min(o.num_tokens - o.num_computed_tokens, rng.choice([1, BS, 64]))
+            n = maybe_stop(o, o.num_computed_tokens, n)
             res_o = ours.allocate_slots(o, n, num_lookahead_tokens=lookahead)
             res_t = theirs.allocate_slots(t, n, num_lookahead_tokens=lookahead)
             compare(f"{label} allocate", _ids(res_o), _ids(res_t))

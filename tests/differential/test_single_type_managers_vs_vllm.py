@@ -37,6 +37,7 @@ pytestmark = pytest.mark.differential
 
 BLOCK_SIZE = 4
 VOCAB = 50
+CKPT = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
 
 
 def _attention(kind: str, **extra):
@@ -46,8 +47,8 @@ def _attention(kind: str, **extra):
     return ours, theirs
 
 
-def _mamba(mode: str, num_speculative_blocks: int):
-    kw = {"mamba_cache_mode": mode, "num_speculative_blocks": num_speculative_blocks}
+def _mamba(mode: str, num_speculative_blocks: int, **extra):
+    kw = {"mamba_cache_mode": mode, "num_speculative_blocks": num_speculative_blocks, **extra}
     ours = shm_specs.MambaSpec(BLOCK_SIZE, ((2, 4),), ("float32",), **kw)
     theirs = vllm_specs.MambaSpec(BLOCK_SIZE, ((2, 4),), (torch.float32,), **kw)
     return ours, theirs
@@ -72,6 +73,7 @@ class Setup:
     external: bool = False  # some admissions also get KV-connector (external) tokens
     zeroing: bool = False  # needs_kv_cache_zeroing: new block ids are recorded
     hash_block_size: int = BLOCK_SIZE  # request hashes are this fine; blocks may be coarser
+    stop_at_boundary: bool = False  # some prefill chunks end on the prompt's last boundary
 
 
 SETUPS = [
@@ -140,17 +142,49 @@ SETUPS = [
     Setup("mamba-none-coarse", _mamba("none", 1), "MambaManager", enable_caching=False,
           hash_block_size=2),
     # Block-aligned chunks never end on the prompt's last hash boundary inside a block, so
-    # vLLM keys no partial tail here (see GAP_SETUPS).
+    # vLLM keys no partial tail here.
     Setup("mamba-align-coarse", _mamba("align", 0), "MambaManager", hash_block_size=2),
-]
-
-# Known gap: with blocks coarser than the hashes, vLLM's full-attention manager (and Mamba
-# "align" when a chunk ends on the prompt's last hash boundary inside a block) also keys the
-# prompt's partial tail block (BlockPool.cache_partial_block), which shmkv's pool cannot do
-# yet; this setup is expected to differ.
-GAP_SETUPS = [
+    # Partial-tail keys (BlockPool.cache_partial_block): with blocks coarser than the hashes,
+    # full attention keys the prompt's last hash boundary inside its block, as its own key
+    # (promoted to the full key once the block fills) or as an alias of the full key.
     Setup("full-coarse", _attention("FullAttentionSpec"), "FullAttentionManager",
           hash_block_size=2),
+    Setup("full-coarse-eagle", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, eagle=True),
+    Setup("full-coarse-2groups", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, num_groups=2, zeroing=True),
+    # Fine-grained hits (alignment = hash_block_size < block size): a hit may end inside a
+    # block, on a partial key; the request then gets a private copy of that block (COW).
+    Setup("full-fine", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, scheduler_block_size=2),
+    Setup("full-fine-eagle", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, scheduler_block_size=2, eagle=True, zeroing=True),
+    Setup("full-fine-external", _attention("FullAttentionSpec"), "FullAttentionManager",
+          hash_block_size=2, scheduler_block_size=2, external=True),
+    # Mamba "align" partial tails: a chunk ending on the prompt's last hash boundary inside a
+    # block keys that state block there; its producer's next step moves the key to a private
+    # copy (move_block_hashes); with fine-grained hits, later requests hit it and copy it.
+    Setup("mamba-align-coarse-tail", _mamba("align", 0), "MambaManager", hash_block_size=2,
+          stop_at_boundary=True),
+    Setup("mamba-align-fine", _mamba("align", 0), "MambaManager", hash_block_size=2,
+          scheduler_block_size=2, stop_at_boundary=True),
+    Setup("mamba-align-fine-spec", _mamba("align", 1), "MambaManager", hash_block_size=2,
+          scheduler_block_size=2, stop_at_boundary=True, max_spec_tokens=1),
+    # Mamba "align" prefill checkpoints: a chunk crossing the prompt's boundary exports the
+    # state there into the block before its running one, keyed at the checkpoint.
+    Setup("mamba-ckpt", _mamba("align", 0, **CKPT), "MambaManager"),
+    Setup("mamba-ckpt-coarse", _mamba("align", 0, **CKPT), "MambaManager", hash_block_size=2),
+    Setup("mamba-ckpt-fine", _mamba("align", 0, **CKPT), "MambaManager", hash_block_size=2,
+          scheduler_block_size=2),
+    Setup("mamba-ckpt-fine-spec", _mamba("align", 1, **CKPT), "MambaManager",
+          hash_block_size=2, scheduler_block_size=2, max_spec_tokens=1),
+    Setup("mamba-ckpt-align2", _mamba("align", 0, num_prefill_checkpoint_blocks=1,
+                                      prefill_checkpoint_alignment=2), "MambaManager",
+          hash_block_size=2, scheduler_block_size=2, stop_at_boundary=True),
+    Setup("mamba-ckpt-retain-0", _mamba("align", 0, **CKPT), "MambaManager",
+          scheduler_block_size=8, chunk_multiple=2, retention_interval=0),
+    Setup("mamba-ckpt-retain-16", _mamba("align", 0, **CKPT), "MambaManager",
+          scheduler_block_size=8, chunk_multiple=2, retention_interval=16),
 ]
 
 
@@ -178,7 +212,8 @@ def _ids(blocks):
 def _make_sides(setup: Setup, num_blocks: int, make_pool):
     ours_spec, theirs_spec = setup.specs
     shm_pool = make_pool(num_blocks, enable_caching=setup.enable_caching,
-                         hash_block_size=setup.hash_block_size)
+                         hash_block_size=setup.hash_block_size,
+                         partial_keys=setup.hash_block_size != BLOCK_SIZE)
     vllm_pool = vllm_block_pool.BlockPool(num_blocks, setup.enable_caching,
                                           setup.hash_block_size)
     ours, theirs = [], []
@@ -219,6 +254,21 @@ def _both(label, ours, theirs, call):
 class Live:
     request: Request
     num_computed: int = 0
+
+
+def _maybe_stop_at_boundary(setup: Setup, rng: random.Random, req: Request, num_computed: int,
+                            chunk: int) -> int:
+    """With ``stop_at_boundary``, half the time shortens a prefill chunk to end on the
+    prompt's last reusable hash boundary (where Mamba "align" keys a partial tail)."""
+    if not setup.stop_at_boundary or rng.random() < 0.5:
+        return chunk
+    hbs = setup.hash_block_size
+    boundary = (req.num_prompt_tokens - 1) // hbs * hbs
+    if setup.eagle:
+        boundary = max(req.num_prompt_tokens // hbs * hbs - hbs, 0)
+    if num_computed < boundary < num_computed + chunk:
+        return boundary - num_computed
+    return chunk
 
 
 def _run(setup: Setup, seed: int, make_pool):
@@ -313,6 +363,7 @@ def _run(setup: Setup, seed: int, make_pool):
             if rng.random() < 0.4:
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = min(remaining, unit * rng.randrange(1, 4))
+            chunk = _maybe_stop_at_boundary(setup, rng, req, hit_len + num_external, chunk)
             if allocate(label, live_req, chunk, hits, hit_len, num_external):
                 live[rid] = live_req
             else:
@@ -328,6 +379,7 @@ def _run(setup: Setup, seed: int, make_pool):
                 unit = BLOCK_SIZE * setup.chunk_multiple
                 chunk = remaining if rng.random() < 0.5 else min(
                     remaining, unit * rng.randrange(1, 3))
+                chunk = _maybe_stop_at_boundary(setup, rng, req, live_req.num_computed, chunk)
                 allocate(label, live_req, chunk)
             else:
                 # Decode: one new token, with speculative lookahead slots.
@@ -350,10 +402,3 @@ def test_managers_match_vllm(setup, seed, make_pool):
     """The same call sequence gives the same hits, demands, block ids and free queue."""
     _run(setup, seed, make_pool)
 
-
-@pytest.mark.xfail(strict=True, reason="partial-tail keys (cache_partial_block) are not ported")
-@pytest.mark.parametrize("setup", GAP_SETUPS, ids=[s.name for s in GAP_SETUPS])
-def test_partial_tail_gap_is_visible(setup, make_pool):
-    """Where shmkv lacks vLLM's partial-tail keys the harness sees the difference."""
-    for seed in range(6):
-        _run(setup, seed, make_pool)

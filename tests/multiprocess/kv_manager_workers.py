@@ -89,3 +89,52 @@ def serve(name: str, kernel: str, kind: str, seed: int, num_requests: int,
     except BaseException:  # noqa: BLE001  (report anything, then fail)
         traceback.print_exc()
         sys.exit(1)
+
+
+PARTIAL_PROMPT = list(range(2000, 2015))  # 15 tokens: reusable boundary 14, inside block 3
+
+
+def serve_partial(name: str, kernel: str, role: str, results) -> None:
+    """Full + Mamba "align", 4-token blocks over 2-token hashes (sub-block hits on). The
+    producer prefills PARTIAL_PROMPT in two chunks, stopping on its boundary (14) so the
+    Mamba state there is kept, then finishes; the consumer's prompt shares those 14 tokens
+    and must hit all of them, inside a block: it gets private copies of the two tail blocks.
+    Each runs the copies (drains them and frees what they kept) as vLLM's scheduler does.
+    Puts (hit tokens, copies, block ids per group) on ``results``."""
+    try:
+        pool = BlockPool.attach(name, kernel=kernel, label=f"partial-{role}")
+        specs = [FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float16"),
+                 MambaSpec(BS, ((2, 4),), ("float32",), mamba_cache_mode="align")]
+        groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
+        m = KVCacheManager(KVCacheConfig(pool.num_gpu_blocks, [], groups), 4096,
+                           scheduler_block_size=BS, hash_block_size=2, block_pool=pool)
+        assert m.coordinator.enable_partial_hash_hits
+        tokens = PARTIAL_PROMPT if role == "producer" else PARTIAL_PROMPT[:14] + [7, 8, 9]
+        r = Request(role, tokens, block_hasher=pool.make_block_hasher())
+        num_copies = 0
+
+        def run_copies():
+            nonlocal num_copies
+            copies, retained = m.take_kv_cache_block_copies()
+            num_copies += len(copies)
+            pool.free_blocks(retained)
+
+        m.new_step_starts()
+        hit, n, _ = m.get_computed_blocks(r)
+        first = 14 - n if role == "producer" else r.num_tokens - n
+        assert m.allocate_slots(r, first, n, hit) is not None
+        r.num_computed_tokens = n + first
+        tables = m.get_block_ids(role)
+        run_copies()
+        if r.num_computed_tokens < r.num_tokens:
+            m.new_step_starts()
+            assert m.allocate_slots(r, r.num_tokens - r.num_computed_tokens) is not None
+            r.num_computed_tokens = r.num_tokens
+            run_copies()
+        m.free(r)
+        results.put((n, num_copies, [list(t) for t in tables]))
+        pool.check_invariants()
+        pool.close()
+    except BaseException:  # noqa: BLE001  (report anything, then fail)
+        traceback.print_exc()
+        sys.exit(1)

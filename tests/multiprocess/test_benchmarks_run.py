@@ -111,3 +111,13 @@ def test_bench_block_table_smoke():
                                                          ("decode", "shmkv")}
     assert all(r["step_us"] > 0 for r in rows)
     assert "vLLM/shmkv" in out.stdout
+
+
+def test_bench_recovery_partial_keys_smoke():
+    """With --partial-keys the rebuild also rechains alias rows (and the pool checks out)."""
+    out = _run("benchmarks/bench_recovery.py", "--sizes", "2000", "--repeats", "1",
+               "--partial-keys")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    (rebuilt,) = [r for r in rows if r["bench"] == "recovery"]
+    assert rebuilt["alias_keys"] > 0 and rebuilt["rebuild_ms_median"] > 0

@@ -82,3 +82,29 @@ def test_a_producer_killed_mid_stream_leaves_only_whole_frames(spawn_ctx):
         ch.close()
         Channel.unlink(name)
     assert not any(name in entry for entry in os.listdir("/dev/shm"))
+
+
+def test_a_signal_during_the_wait_neither_raises_signalerror_nor_is_lost():
+    """posix_ipc does not retry a wait a signal interrupts: recv() must go on waiting (a
+    handled signal) or raise what the handler raises (Ctrl-C), never posix_ipc.SignalError."""
+    name = unique_pool_name("ch")
+    ch = Channel.create(name)
+    seen = []
+    old = signal.signal(signal.SIGALRM, lambda *a: seen.append("alarm"))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert ch.recv(timeout_s=0.3) is None
+        assert seen == ["alarm"]
+
+        def interrupt(*a):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            ch.recv(timeout_s=5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        ch.close()
+        Channel.unlink(name)

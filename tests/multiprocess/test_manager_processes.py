@@ -61,3 +61,29 @@ def test_two_managers_serving_at_once(spawn_ctx, pool_factory, kernel, kind):
     pool.check_invariants()
     assert pool.get_num_free_blocks() == 119
     assert [p["slot"] for p in pool.processes()] == [pool.slot]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_second_process_hits_inside_a_block_the_first_one_keyed(spawn_ctx, kernel):
+    """Sub-block hits across processes: the producer's partial-tail keys (full attention's
+    own partial key, Mamba's state moved to a copy) are hits for another process's request
+    that shares the prompt up to 14 tokens, half way into a 4-token block; the consumer
+    then copies both tail blocks (copy-on-write) and every block comes back."""
+    name = unique_pool_name("partial")
+    with BlockPool.create(name, 48, hash_block_size=2, kernel=kernel, partial_keys=True) as pool:
+        try:
+            results = spawn_ctx.Queue()
+            codes = run_processes(spawn_ctx, manager_workers.serve_partial,
+                                  [(name, kernel, "producer", results)])
+            assert codes == [0]
+            hit_p, copies_p, _ = results.get(timeout=10)
+            codes = run_processes(spawn_ctx, manager_workers.serve_partial,
+                                  [(name, kernel, "consumer", results)])
+            assert codes == [0]
+            hit_c, copies_c, tables_c = results.get(timeout=10)
+            assert hit_p == 0 and copies_p == 1  # the producer's Mamba key moved to a copy
+            assert hit_c == 14 and copies_c == 2  # one copy per group
+            assert pool.get_num_free_blocks() == 47
+            pool.check_invariants()
+        finally:
+            BlockPool.unlink(name)

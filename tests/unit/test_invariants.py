@@ -21,7 +21,7 @@ from shmkv.errors import LayoutMismatchError
 from tests.helpers import make_request, segment_image
 
 ALL_IDS = {"INV-HDR", "INV-FREE", "INV-QKEY", "INV-REF", "INV-CONSERVE", "INV-HASH",
-           "INV-LEDGER", "INV-PROC", "INV-LOG", "INV-JOURNAL"}
+           "INV-ALIAS", "INV-LEDGER", "INV-PROC", "INV-LOG", "INV-JOURNAL"}
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -90,7 +90,7 @@ def test_c_kernel_refuses_another_geometry(make_pool):
         _ckernel.Kernel(pool._segment.buf, lay.offsets["block_meta"],
                         lay.offsets["index_buckets"], lay.offsets["ledger"], 8,
                         lay.config.num_index_buckets, lay.offsets["journal"],
-                        lay.config.journal_entries, wrong)
+                        lay.config.journal_entries, 0, wrong)
 
 
 @needs_c
