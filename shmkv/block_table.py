@@ -209,10 +209,11 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
             f"row index {req_hi} out of range for a table of {block_table.shape[0]} rows")
     pad = req_indices < 0 if req_lo < 0 else None
     rows = req_indices.clamp(min=0) if pad is not None else req_indices
-    block_index = positions // block_size
-    flat = rows * width + block_index
-    block_numbers = block_table.reshape(-1).index_select(0, flat)
-    slots = block_numbers.to(torch.int64) * block_size + (positions - block_index * block_size)
+    flat = rows * width
+    flat += torch.div(positions, block_size, rounding_mode="floor")
+    slots = block_table.reshape(-1).index_select(0, flat).to(torch.int64)
+    slots *= block_size
+    slots += torch.remainder(positions, block_size)
     return slots if pad is None else slots.masked_fill_(pad, PAD_SLOT_ID)
 
 
