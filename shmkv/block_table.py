@@ -6,7 +6,7 @@ only on first use: a scheduler process that just writes rows (numpy) never loads
 Block tables (``SharedBlockTables``)
 ------------------------------------
 
-One segment per scheduler, ``/shmkv-<name>+bt-v<BT_LAYOUT_VERSION>``, mode 0600. Its
+One segment per scheduler, ``/shmkv_bt-<name>-v<BT_LAYOUT_VERSION>``, mode 0600. Its
 scheduler is the only writer; its rank processes map it read-only in spirit and see the
 tables as torch tensors over the segment (``torch.frombuffer``: no copy, no serialisation).
 
@@ -35,7 +35,7 @@ a weakly ordered CPU would need fences around `seq`.
 KV store (``KVStore``)
 ----------------------
 
-One segment per pool, ``/shmkv-<name>+kv-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
+One segment per pool, ``/shmkv_kv-<name>-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
 `layout_version`, `header_bytes`, `total_bytes`, `num_layers`, `num_blocks`, `block_size`,
 `num_kv_heads`, `head_size`, `element_bytes`, `dtype` name, `creator_pid`), then one
 page-aligned tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``:
@@ -121,11 +121,11 @@ def _torch_dtype(name: str):
 
 
 def block_tables_segment_name(name: str) -> str:
-    return L.sibling_segment_name(name, "bt", BT_LAYOUT_VERSION)
+    return L.sibling_segment_name("bt", name, BT_LAYOUT_VERSION)
 
 
 def kv_store_segment_name(name: str) -> str:
-    return L.sibling_segment_name(name, "kv", KV_LAYOUT_VERSION)
+    return L.sibling_segment_name("kv", name, KV_LAYOUT_VERSION)
 
 
 def _align(n: int, to: int = L.ALIGN_BYTES) -> int:

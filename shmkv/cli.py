@@ -256,8 +256,6 @@ def orphaned_pools() -> tuple[list[str], list[str]]:
     for entry in sorted(os.listdir("/dev/shm")):
         if not entry.startswith("shmkv-") or entry.endswith(".alive"):
             continue
-        if "+" in entry:
-            continue  # a pool's sibling (block tables, KV store), not a pool
         if not entry.endswith(suffix):
             foreign.append(entry)
             continue

@@ -152,6 +152,36 @@ leaves the semaphore taken and, maybe, a mutation half done: a waiter takes the 
 and rolls the hold back from the journal (see ``docs/crash-safety.md``). A creator killed before ``state`` turns ``READY`` leaves a segment
 that ``attach`` refuses with ``SegmentError``; ``BlockPool.unlink(name)`` removes it.
 
+Sibling segments
+----------------
+
+Other shared-memory objects of shmkv are named ``/shmkv_<kind>-<name>-v<version>`` by
+``sibling_segment_name``: the underscore keeps them apart from pool segments, which the
+pool tools (``shmkv cleanup``) parse as ``shmkv-<pool name>-v<LAYOUT_VERSION>``. Each starts
+with its own small header and is versioned on its own.
+
+Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables) and
+``kv`` (a pool's KV store); the last two are laid out in ``shmkv/block_table.py``'s docstring.
+
+A message channel (kind ``ch``, ``shmkv/messages.py``, version ``CHANNEL_LAYOUT_VERSION``) is
+a single-producer single-consumer byte ring: a 128-byte ``CHANNEL_HEADER_DTYPE`` header, then
+``capacity_bytes`` of frames. Its doorbell is a POSIX semaphore named in the header.
+
+| field            | type | meaning |
+|------------------|------|---------|
+| `magic`          | u64  | ``CHANNEL_MAGIC`` |
+| `version`        | u32  | ``CHANNEL_LAYOUT_VERSION`` |
+| `capacity_bytes` | u32  | size of the frame ring, a multiple of 8 |
+| `head`           | u64  | monotonic byte position of the next frame to read; written only by the consumer |
+| `tail`           | u64  | monotonic byte position after the last complete frame; written only by the producer, after the frame's bytes |
+| `producer_pid`   | i32  | the last process that sent (0: none yet), for error messages |
+| `consumer_pid`   | i32  | the last process that received (0: none yet) |
+| `doorbell`       | S88  | name of the semaphore posted once per frame sent |
+
+A frame is a u32 length, then that many bytes of msgpack, padded to 8 bytes; a length of
+``CHANNEL_WRAP`` means "the rest of this lap is empty, go on at the ring's start". A producer
+killed in the middle of a frame never advanced `tail`, so no reader sees half a frame.
+
 Changelog
 ---------
 
@@ -519,10 +549,27 @@ def segment_name(pool_name: str) -> str:
     return f"/shmkv-{validate_pool_name(pool_name)}-v{LAYOUT_VERSION}"
 
 
-def sibling_segment_name(pool_name: str, kind: str, version: int) -> str:
-    """The POSIX shared-memory name of a segment that is not a pool but belongs to one
-    (block tables, KV store): ``/shmkv-<name>+<kind>-v<version>``. The ``+``, which pool
-    names never contain, keeps ``shmkv cleanup`` from taking it for a pool."""
-    if not kind.isalnum():
-        raise UsageError(f"segment kind {kind!r} must be letters and digits")
-    return f"/shmkv-{validate_pool_name(pool_name)}+{kind}-v{int(version)}"
+# ------------------------------------------------------------------ sibling segments
+
+CHANNEL_LAYOUT_VERSION = 1
+CHANNEL_MAGIC = 0x1A5E_4B76_6843_7F01
+CHANNEL_WRAP = 0xFFFF_FFFF
+MAX_DOORBELL_NAME_BYTES = 88
+CHANNEL_HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("version", "<u4"),
+        ("capacity_bytes", "<u4"),
+        ("head", "<u8"),
+        ("tail", "<u8"),
+        ("producer_pid", "<i4"),
+        ("consumer_pid", "<i4"),
+        ("doorbell", f"S{MAX_DOORBELL_NAME_BYTES}"),
+    ]
+)
+assert CHANNEL_HEADER_DTYPE.itemsize == 2 * ALIGN_BYTES
+
+
+def sibling_segment_name(kind: str, name: str, version: int) -> str:
+    """The POSIX name of a non-pool shmkv object: ``/shmkv_<kind>-<name>-v<version>``."""
+    return f"/shmkv_{kind}-{validate_pool_name(name)}-v{version}"

@@ -83,3 +83,14 @@ def test_bench_block_table_smoke():
                                                          ("decode", "shmkv")}
     assert all(r["step_us"] > 0 for r in rows)
     assert "vLLM/shmkv" in out.stdout
+
+
+def test_bench_transport_smoke():
+    """bench_transport prints a JSON line per (transport, step) and the ratio table."""
+    out = _run("benchmarks/bench_transport.py", "--round-trips", "50", "--prompt-tokens", "64")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["transport"], r["step"].split()[0]) for r in rows} == {
+        ("channel", "decode"), ("channel", "prefill"), ("mqueue", "decode"), ("mqueue", "prefill")}
+    assert all(r["us_per_round_trip"] > 0 for r in rows)
+    assert "MQ/Channel" in out.stdout
