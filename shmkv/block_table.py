@@ -8,7 +8,8 @@ Block tables (``SharedBlockTables``)
 
 One segment per scheduler, ``/shmkv_bt-<name>-v<BT_LAYOUT_VERSION>``, mode 0600. Its
 scheduler is the only writer; its rank processes map it read-only in spirit and see the
-tables as torch tensors over the segment (``torch.frombuffer``: no copy, no serialisation).
+tables as torch tensors over the segment (``torch.from_numpy`` of numpy views of the
+mapping: no copy, no serialisation).
 
 | # | region            | dtype       | shape                                   | written by | read by |
 |---|-------------------|-------------|-----------------------------------------|------------|---------|
@@ -23,8 +24,8 @@ last published step, -1 before the first), `block_sizes` (u32[8]), `max_num_bloc
 (u32[8]).
 
 Ordering (the seqlock). The writer makes `seq` odd before its first store of a step
-(``add_row``, ``append_row``, ``clear_row``, ``move_row``, ``swap_row``, ``clear``), writes the
-rows, then on ``commit(step)`` stores `step` and makes `seq` even. A reader reads `seq`
+(``add_row``, ``append_row``, ``add_rows``, ``append_rows``, ``clear_row``, ``move_row``,
+``swap_row``, ``clear``), writes the rows, then on ``commit(step)`` stores `step` and makes `seq` even. A reader reads `seq`
 (retrying while odd), copies what it needs, reads `step`, and accepts the copy only if `seq`
 is unchanged (``read``). A zero-copy reader (``reading``) waits for an even `seq` and the
 step it was told about, uses the shared tensors in place, and checks on exit that `seq`
@@ -42,7 +43,9 @@ page-aligned tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head
 ``key_cache[l]`` is ``kv[l, 0]`` and ``value_cache[l]`` is ``kv[l, 1]``. Block id ``b`` of the
 pool names row ``b`` of every layer (the host tier of DESIGN section 1). Who writes a block:
 the rank whose request holds it (a block is written only while one request holds it alone,
-before it is cached; once cached it is only read).
+before it is cached; once cached it is only read), provided every scheduler caches a
+step's blocks only after its rank has answered (``delay_cache_blocks``, then
+``cache_blocks``; see ``shmkv/serve/rank.py``).
 
 Crash behaviour: a writer killed mid-step leaves `seq` odd; readers then time out with
 ``TornReadError`` until a successor (the scheduler's replacement, attached to the same
