@@ -6,9 +6,10 @@ only on first use: a scheduler process that just writes rows (numpy) never loads
 Block tables (``SharedBlockTables``)
 ------------------------------------
 
-One segment per scheduler, ``/shmkv-<name>+bt-v<BT_LAYOUT_VERSION>``, mode 0600. Its
+One segment per scheduler, ``/shmkv_bt-<name>-v<BT_LAYOUT_VERSION>``, mode 0600. Its
 scheduler is the only writer; its rank processes map it read-only in spirit and see the
-tables as torch tensors over the segment (``torch.frombuffer``: no copy, no serialisation).
+tables as torch tensors over the segment (``torch.from_numpy`` of numpy views of the
+mapping: no copy, no serialisation).
 
 | # | region            | dtype       | shape                                   | written by | read by |
 |---|-------------------|-------------|-----------------------------------------|------------|---------|
@@ -23,8 +24,8 @@ last published step, -1 before the first), `block_sizes` (u32[8]), `max_num_bloc
 (u32[8]).
 
 Ordering (the seqlock). The writer makes `seq` odd before its first store of a step
-(``add_row``, ``append_row``, ``clear_row``, ``move_row``, ``swap_row``, ``clear``), writes the
-rows, then on ``commit(step)`` stores `step` and makes `seq` even. A reader reads `seq`
+(``add_row``, ``append_row``, ``add_rows``, ``append_rows``, ``clear_row``, ``move_row``,
+``swap_row``, ``clear``), writes the rows, then on ``commit(step)`` stores `step` and makes `seq` even. A reader reads `seq`
 (retrying while odd), copies what it needs, reads `step`, and accepts the copy only if `seq`
 is unchanged (``read``). A zero-copy reader (``reading``) waits for an even `seq` and the
 step it was told about, uses the shared tensors in place, and checks on exit that `seq`
@@ -35,14 +36,16 @@ a weakly ordered CPU would need fences around `seq`.
 KV store (``KVStore``)
 ----------------------
 
-One segment per pool, ``/shmkv-<name>+kv-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
+One segment per pool, ``/shmkv_kv-<name>-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
 `layout_version`, `header_bytes`, `total_bytes`, `num_layers`, `num_blocks`, `block_size`,
 `num_kv_heads`, `head_size`, `element_bytes`, `dtype` name, `creator_pid`), then one
 page-aligned tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``:
 ``key_cache[l]`` is ``kv[l, 0]`` and ``value_cache[l]`` is ``kv[l, 1]``. Block id ``b`` of the
 pool names row ``b`` of every layer (the host tier of DESIGN section 1). Who writes a block:
 the rank whose request holds it (a block is written only while one request holds it alone,
-before it is cached; once cached it is only read).
+before it is cached; once cached it is only read), provided every scheduler caches a
+step's blocks only after its rank has answered (``delay_cache_blocks``, then
+``cache_blocks``; see ``shmkv/serve/rank.py``).
 
 Crash behaviour: a writer killed mid-step leaves `seq` odd; readers then time out with
 ``TornReadError`` until a successor (the scheduler's replacement, attached to the same
@@ -121,11 +124,11 @@ def _torch_dtype(name: str):
 
 
 def block_tables_segment_name(name: str) -> str:
-    return L.sibling_segment_name(name, "bt", BT_LAYOUT_VERSION)
+    return L.sibling_segment_name("bt", name, BT_LAYOUT_VERSION)
 
 
 def kv_store_segment_name(name: str) -> str:
-    return L.sibling_segment_name(name, "kv", KV_LAYOUT_VERSION)
+    return L.sibling_segment_name("kv", name, KV_LAYOUT_VERSION)
 
 
 def _align(n: int, to: int = L.ALIGN_BYTES) -> int:
@@ -209,10 +212,11 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
             f"row index {req_hi} out of range for a table of {block_table.shape[0]} rows")
     pad = req_indices < 0 if req_lo < 0 else None
     rows = req_indices.clamp(min=0) if pad is not None else req_indices
-    block_index = positions // block_size
-    flat = rows * width + block_index
-    block_numbers = block_table.reshape(-1).index_select(0, flat)
-    slots = block_numbers.to(torch.int64) * block_size + (positions - block_index * block_size)
+    flat = rows * width
+    flat += torch.div(positions, block_size, rounding_mode="floor")
+    slots = block_table.reshape(-1).index_select(0, flat).to(torch.int64)
+    slots *= block_size
+    slots += torch.remainder(positions, block_size)
     return slots if pad is None else slots.masked_fill_(pad, PAD_SLOT_ID)
 
 

@@ -34,7 +34,6 @@ def scheduler_main(pool_name: str, tables_name: str, channel: str, config: TinyM
         hasher = pool.make_block_hasher()
         tables = SharedBlockTables.attach(tables_name)
         rank = RankClient(channel)
-        rank.wait_ready()
         waiting = [Request(f"{tables_name}-{i}", p, block_hasher=hasher)
                    for i, p in enumerate(prompts)]
         index = {r.request_id: i for i, r in enumerate(waiting)}

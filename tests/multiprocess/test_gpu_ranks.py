@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from shmkv import BlockPool, BlockRemoved  # noqa: E402
 from shmkv.block_table import KVStore, SharedBlockTables  # noqa: E402
 from shmkv.serve.model import TinyModelConfig, TinyTransformer  # noqa: E402
-from shmkv.serve.rank import Channel, rank_main  # noqa: E402
+from shmkv.serve.rank import create_rank_channels, rank_main, unlink_rank_channels  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import rank_workers  # noqa: E402
 from tests.multiprocess.conftest import JOIN_TIMEOUT_S  # noqa: E402
@@ -73,8 +73,7 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
         for s in sched_names:
             SharedBlockTables.create(s, max_num_reqs=4, max_model_len=256,
                                      block_sizes=[rank_workers.BLOCK_SIZE] * num_groups).close()
-            Channel.create(s, "torank").close()
-            Channel.create(s, "fromrank").close()
+            create_rank_channels(s)
         results = spawn_ctx.Queue()
         go = spawn_ctx.Event()
         ranks = [spawn_ctx.Process(target=rank_main, args=(s, name, s, config))
@@ -123,6 +122,6 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
         KVStore.unlink(name)
         for s in sched_names:
             SharedBlockTables.unlink(s)
-            Channel.unlink(s)
-    leftovers = [e for e in os.listdir("/dev/shm") if name in e]
+            unlink_rank_channels(s)
+    leftovers = [e for e in os.listdir("/dev/shm") if name in e]  # segments and doorbells
     assert leftovers == []

@@ -74,7 +74,8 @@ def test_a_scheduler_writes_tables_without_loading_torch(name):
 import sys
 from shmkv.block_table import SharedBlockTables
 from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
-from shmkv.serve.rank import ExecuteStep, RankClient, ScheduledRequest, encode
+from shmkv.messages import ExecuteModel, ScheduledRequest, encode
+from shmkv.serve.rank import RankClient
 t = SharedBlockTables.create({name!r}, max_num_reqs=32, max_model_len=16, block_sizes=[4, 4])
 t.add_row(([1, 2], [3]), 0)
 t.append_rows([([4], [])], [0])
@@ -82,7 +83,7 @@ t.add_rows([([5], [6])] * 30, list(range(2, 32)))  # the vectorised path
 t.clear_row(1)
 t.commit(0)
 make_kv_cache_config(TinyModelConfig(), 10, 4)
-encode(ExecuteStep(0, [ScheduledRequest("r", 0, [1], 0)]))
+encode(ExecuteModel(step=0, requests=[ScheduledRequest("r", 0, [1], 0)]))
 t.close()
 SharedBlockTables.unlink({name!r})
 assert 'torch' not in sys.modules, 'torch imported'
@@ -95,7 +96,7 @@ def test_create_sizes_names_and_mode(name, tables):
     assert tables.max_num_blocks_per_req == (16, 4)  # cdiv(64, bs)
     assert tables.step == -1 and tables.seq == 0
     path = f"/dev/shm{block_tables_segment_name(name)}"
-    assert block_tables_segment_name(name) == f"/shmkv-{name}+bt-v1"
+    assert block_tables_segment_name(name) == f"/shmkv_bt-{name}-v1"
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert tables.block_table(0).dtype == torch.int32
     assert tuple(tables.block_table(1).shape) == (8, 4)
