@@ -4,10 +4,12 @@ data-parallel rank), under each routing policy, and against one scheduler with o
 serving everything. Same workload, same total number of blocks, same model in every row.
 
 Prints one JSON line per run (the figures of ``shmkv run --json`` less the timeline), then a
-table; ``--plot`` draws the hit rates as bars.
+table (with ``--repeats N``: each row's median hit rate over N runs, and its range; the
+schedulers' timing makes a shared pool's hits vary by a point or two between runs);
+``--plot`` draws the hit rates as bars.
 
     python benchmarks/bench_serve.py [--schedulers 4] [--blocks 512] [--conversations 90]
-        [--rows shared:round-robin,private:prefix-aware,...] [--plot PATH]
+        [--rows shared:round-robin,private:prefix-aware,...] [--repeats N] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -40,12 +42,23 @@ def run_row(pool: str, routing: str, args, workload) -> dict:
     return f
 
 
+def median_row(runs: list[dict]) -> dict:
+    """The run with the median hit rate, with the range of all of them."""
+    ordered = sorted(runs, key=lambda r: r["prefix_hit_rate"])
+    row = dict(ordered[len(ordered) // 2])
+    row["hit_rate_range"] = (ordered[0]["prefix_hit_rate"], ordered[-1]["prefix_hit_rate"])
+    row["token_mismatches_all"] = sum(r["token_mismatches"] for r in runs)
+    row["repeats"] = len(runs)
+    return row
+
+
 def table(rows: list[dict]) -> str:
-    header = ["pool, routing", "schedulers", "hit rate", "prefill tokens saved",
+    header = ["pool, routing", "schedulers", "hit rate", "range", "prefill tokens saved",
               "evictions", "mismatches", "wall s"]
     body = [[r["row"], str(r["schedulers"]), f"{r['prefix_hit_rate']:.1%}",
+             "{:.1%}..{:.1%}".format(*r["hit_rate_range"]),
              f"{r['prefill_tokens_saved']:,} of {r['prompt_tokens']:,}", f"{r['evictions']:,}",
-             str(r["token_mismatches"]), f"{r['wall_s']:.1f}"] for r in rows]
+             str(r["token_mismatches_all"]), f"{r['wall_s']:.1f}"] for r in rows]
     widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))) + " |"
@@ -81,24 +94,28 @@ def main() -> int:
                         help="requests in flight in all, whatever the schedulers (16)")
     parser.add_argument("--rows", default=ROWS, help="pool:routing,... (pool: shared, "
                         "private or single)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row (1)")
     parser.add_argument("--no-check", action="store_true", help="skip the reference check")
     parser.add_argument("--plot", metavar="PATH", help="bar chart of the hit rates")
     args = parser.parse_args()
     workload = chat_workload(ChatWorkloadConfig(
         num_conversations=args.conversations, seed=args.seed,
         vocab_size=TinyModelConfig().vocab_size))
-    rows = []
-    for spec in args.rows.split(","):
-        pool, routing = spec.split(":")
-        print(f"running {spec} ...", file=sys.stderr, flush=True)
-        rows.append(run_row(pool, routing, args, workload))
-        print(json.dumps(rows[-1]), flush=True)
+    specs = [spec.split(":") for spec in args.rows.split(",")]
+    runs: dict[int, list[dict]] = {k: [] for k in range(len(specs))}
+    for rep in range(args.repeats):  # interleaved: a slow minute spreads over every row
+        for k, (pool, routing) in enumerate(specs):
+            print(f"running {pool}:{routing} ({rep + 1}/{args.repeats}) ...", file=sys.stderr,
+                  flush=True)
+            runs[k].append(run_row(pool, routing, args, workload))
+            print(json.dumps(runs[k][-1]), flush=True)
+    rows = [median_row(runs[k]) for k in range(len(specs))]
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")
     return 0 if all(r["token_mismatches"] == 0 and r["requests"] == r["requests_total"]
-                    for r in rows) else 1
+                    for rs in runs.values() for r in rs) else 1
 
 
 if __name__ == "__main__":
