@@ -54,7 +54,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         })
     prompt = sum(r.result.num_prompt_tokens for r in finished)
     saved = sum(r.result.num_cached_tokens for r in finished)
-    checked = [r for r in finished if getattr(r, "checked", None) is not None]
+    checked = [r for r in finished if r.checked is not None]
     tokens_checked = sum(r.checked for r in checked)
     mismatches = sum(r.checked - r.mismatch for r in checked if r.mismatch >= 0)
     generated = sum(len(r.result.output_token_ids) for r in finished)

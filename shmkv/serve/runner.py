@@ -1,6 +1,7 @@
 """The front end of ``shmkv run`` and the supervisor of its processes.
 
-Processes (all spawned, so none inherits the front end's state):
+Processes (fresh ones, from a fork server that imported torch once, so none inherits the
+front end's state; ``SHMKV_RUN_START_METHOD=spawn`` spawns them):
 
     front end (this process) ──GenerateTokens──> scheduler i ──ExecuteModel──> rank i
               <──TokensGenerated, SchedulerStats──          <──ModelOutput──
@@ -13,15 +14,21 @@ Processes (all spawned, so none inherits the front end's state):
 Every segment (pools, KV stores, block tables, channels and their doorbells) is made here
 and removed in a ``finally``, whatever happened. Children ignore SIGINT (the terminal sends
 it to the whole process group: the front end alone decides), ask the kernel to kill them if
-the front end dies, and are joined with timeouts, then killed.
+the front end dies, and are joined with timeouts, then killed. The front end itself blocks
+SIGINT and SIGTERM for the run and takes them in a watcher thread, so a signal never breaks
+a semaphore wait (EINTR) in the middle of a pool call; it then stops everything and exits.
+
+At the end the front end drains every scheduler and resets the prefix cache across them
+(``DrainScheduler``, ``ResetPrefixCache``), then stops them (``Shutdown``).
 
 A child's death is seen through its process sentinel. A dead scheduler's rank is stopped,
 its requests in flight are sent again to the survivors (from scratch: their tokens were
 lost with it), and survivors on a shared pool reap its block references (``reap_dead``).
 A dead rank takes its scheduler down with it the same way.
 
-Every generated token is checked against the model's no-cache greedy reference
-(``reference_generate``), computed here while the schedulers work.
+Every generated token is checked against the model's no-cache greedy reference, computed
+here while the schedulers work (:func:`reference_tokens`: what ``reference_generate`` gives,
+in one forward per request).
 """
 
 from __future__ import annotations

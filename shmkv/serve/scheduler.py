@@ -206,6 +206,10 @@ class Scheduler:
         for event in kvm.take_events():  # also ends any lookup hold left
             if isinstance(event, BlockRemoved):
                 self.counters.num_evictions += len(event.block_hashes)
+        copies, _ = kvm.take_kv_cache_block_copies()
+        if copies:  # only with blocks bigger than hash_block_size, which run never makes
+            raise ShmKVError(f"{len(copies)} copy-on-write block copies asked for; the "
+                             "rank does not do them")
         return batch
 
     def step(self) -> list[ServingRequest]:
