@@ -8,6 +8,7 @@
     shmkv recover NAME [--reclaim PID]          take over from the dead, repair, report
     shmkv unlink NAME                           remove a pool's segment, lock and lock file
     shmkv cleanup [--dry-run]                   remove pools no live process is attached to
+                                                (and what a killed ``shmkv run`` left)
 
 Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, nothing to
 unlink, a demo process failed, a run with unfinished requests or wrong tokens); 2 bad usage
@@ -359,7 +360,31 @@ def orphaned_pools() -> tuple[list[str], list[str]]:
     return orphans, foreign
 
 
+def stale_run_segments() -> list[str]:
+    """Entries of /dev/shm that a ``shmkv run`` made (channels, doorbells, block tables, KV
+    stores: ``shmkv_<kind>-run<pid>-<id>...``) whose front end is dead: it was SIGKILLed and
+    could not remove them. (Its pool is an orphaned pool like any other.)"""
+    import re
+
+    pattern = re.compile(r"^(?:sem\.)?shmkv_(?:ch|bt|kv|bell)-run(\d+)-[0-9a-f]{6}(?:-|$)")
+    out = []
+    for entry in sorted(os.listdir("/dev/shm")):
+        m = pattern.match(entry)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            out.append(entry)
+    return out
+
+
 def cmd_cleanup(args: argparse.Namespace) -> int:
+    for entry in stale_run_segments():
+        if args.dry_run:
+            print(f"would remove /dev/shm/{entry} (its shmkv run's front end is dead)")
+        else:
+            try:
+                os.unlink(f"/dev/shm/{entry}")
+            except FileNotFoundError:
+                continue
+            print(f"removed /dev/shm/{entry} (its shmkv run's front end is dead)")
     orphans, foreign = orphaned_pools()
     for name in orphans:
         if args.dry_run:
@@ -474,8 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup = sub.add_parser("cleanup", help="remove pools no live process is attached to",
                              description="Removes every pool of this layout version whose "
                              "process table names no live process (their creators and users "
-                             "died without unlinking). A process attaching at that very "
-                             "moment keeps working on the removed pool.")
+                             "died without unlinking), and the channels, doorbells, block "
+                             "tables and KV stores of a shmkv run whose front end is dead. A "
+                             "process attaching at that very moment keeps working on the "
+                             "removed pool.")
     cleanup.add_argument("--dry-run", action="store_true", help="only say what would go")
     cleanup.set_defaults(func=cmd_cleanup)
     return parser

@@ -8,7 +8,6 @@ Imports torch (the scheduler and the front end import it lazily, through here).
 from __future__ import annotations
 
 import dataclasses
-import signal
 import sys
 import traceback
 
@@ -85,21 +84,14 @@ def open_block_tables(cfg) -> BlockTablesWriter:
     return BlockTablesWriter(SharedBlockTables.attach(cfg.block_tables_name))
 
 
-def _quiet_child() -> None:
-    """A child of the runner: Ctrl-C is the front end's to handle; die with the front end;
-    one torch thread (the node's cores are shared by every process of the run)."""
-    from shmkv.serve.scheduler import _die_with_parent
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-
-
 def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank_name: str,
-              model: dict) -> None:
+              model: dict, front_end_pid: int | None = None) -> None:
     """Entry point of a rank process: executes its scheduler's ``ExecuteModel`` steps with
     the model runner of ``shmkv/serve/rank.py`` until ``Shutdown``. A failed step is
     answered with ``ModelOutput(error=...)`` and the process exits 1."""
-    _quiet_child()
+    from shmkv.serve.scheduler import child_setup
+
+    child_setup(front_end_pid)
     import torch
 
     from shmkv.serve.rank import ModelRunner

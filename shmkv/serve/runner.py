@@ -13,8 +13,8 @@ front end's state; ``SHMKV_RUN_START_METHOD=spawn`` spawns them):
 
 Every segment (pools, KV stores, block tables, channels and their doorbells) is made here
 and removed in a ``finally``, whatever happened. Children ignore SIGINT (the terminal sends
-it to the whole process group: the front end alone decides), ask the kernel to kill them if
-the front end dies, and are joined with timeouts, then killed. The front end itself blocks
+it to the whole process group: the front end alone decides), end when the front end does
+(``scheduler.child_setup``), and are joined with timeouts, then killed. The front end itself blocks
 SIGINT and SIGTERM for the run and takes them in a watcher thread, so a signal never breaks
 a semaphore wait (EINTR) in the middle of a pool call; it then stops everything and exits.
 
@@ -247,9 +247,9 @@ class Runner:
             pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
             rank = ctx.Process(target=engine.rank_main, name=f"rank-{i}", daemon=True,
                                args=(tables_name, pool_name, names["to_rank"],
-                                     names["from_rank"], self.model_dict))
+                                     names["from_rank"], self.model_dict, os.getpid()))
             sched = ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}", daemon=True,
-                                args=(i, names))
+                                args=(i, names, os.getpid()))
             self.ranks.append(rank)
             self.schedulers.append(sched)
         self.channels = self.inboxes + self.outboxes
@@ -704,7 +704,7 @@ def _start_helpers(ctx) -> None:
         resource_tracker.ensure_running()
 
 
-def _scheduler_entry(index: int, names: dict[str, str]) -> None:
+def _scheduler_entry(index: int, names: dict[str, str], front_end_pid: int) -> None:
     from shmkv.serve.scheduler import scheduler_main
 
-    scheduler_main(index, names)
+    scheduler_main(index, names, front_end_pid)

@@ -335,3 +335,58 @@ def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
         SharedBlockTables.unlink(name)
         store.close()
         KVStore.unlink(name)
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """Processes whose environment carries ``SHMKV_TEST_MARK=mark`` (children inherit it)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"SHMKV_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return [p for p in out if _alive(p)]
+
+
+def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_path):
+    """SIGKILL the front end mid-run: its schedulers, ranks and multiprocessing's helpers all
+    end (none is left orphaned, although the fork server is their parent), and
+    ``shmkv cleanup`` then removes every segment the run left in /dev/shm."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *SMALL, "--progress",
+                             "--plot", ""],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=dict(_env(), SHMKV_TEST_MARK=mark), cwd=tmp_path)
+    try:
+        seen = b""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while b"requests" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.read1(4096)
+        assert b"requests" in seen, seen.decode()
+        children = [p for p in _marked_pids(mark) if p != proc.pid]
+        assert len(children) >= 4  # 2 schedulers, 2 ranks (and the fork server, ...)
+        proc.kill()
+        proc.wait(30)
+        assert _wait_gone(children, timeout_s=30) == []
+        assert _marked_pids(mark) == []
+        assert _leftovers(proc.pid)  # the front end could not remove them
+        out = subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
+                             text=True, env=_env(), timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert _leftovers(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()
+        for p in _marked_pids(mark):
+            os.kill(p, signal.SIGKILL)
+        if _leftovers(proc.pid):
+            subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
+                           env=_env(), timeout=120)
