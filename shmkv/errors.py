@@ -15,6 +15,8 @@
 | FencedError            | this process's slot was reclaimed; it must attach again            |
 | PoolFullError          | every process-table slot is held by a live process                 |
 | ProtocolError          | a message or event batch that cannot be decoded                    |
+| TornReadError          | no consistent snapshot of a shared block table could be read in    |
+|                        | time, or a zero-copy read overlapped a write                      |
 | InvariantViolation     | ``check_invariants`` found corruption; carries ``.violations``     |
 
 Every message carries the numbers that explain it (block ids, counts, expected vs found).
@@ -69,6 +71,11 @@ class PoolFullError(SegmentError):
 
 class ProtocolError(ShmKVError):
     """A message or event batch could not be decoded (bad bytes, unknown tag)."""
+
+
+class TornReadError(ShmKVError):
+    """A shared block table changed under a reader: no consistent snapshot in time, or a
+    zero-copy read overlapped a write (the step handshake was broken)."""
 
 
 class InvariantViolation(ShmKVError):

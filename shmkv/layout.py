@@ -193,6 +193,9 @@ Other shared-memory objects of shmkv are named ``/shmkv_<kind>-<name>-v<version>
 pool tools (``shmkv cleanup``) parse as ``shmkv-<pool name>-v<LAYOUT_VERSION>``. Each starts
 with its own small header and is versioned on its own.
 
+Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables) and
+``kv`` (a pool's KV store); the last two are laid out in ``shmkv/block_table.py``'s docstring.
+
 A message channel (kind ``ch``, ``shmkv/messages.py``, version ``CHANNEL_LAYOUT_VERSION``) is
 a single-producer single-consumer byte ring: a 128-byte ``CHANNEL_HEADER_DTYPE`` header, then
 ``capacity_bytes`` of frames. Its doorbell is a POSIX semaphore named in the header.

@@ -71,6 +71,20 @@ def test_bench_recovery_smoke():
     assert not [f for f in os.listdir("/dev/shm") if "bench-takeover" in f]
 
 
+def test_bench_block_table_smoke():
+    """bench_block_table prints a JSON line per (scenario, impl) and the table; the
+    implementations' slot mappings are checked equal inside the benchmark."""
+    pytest.importorskip("torch")
+    out = _run("benchmarks/bench_block_table.py", "--reqs", "16", "--steps", "2",
+               "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["scenario"], r["impl"]) for r in rows} >= {("prefill", "shmkv"),
+                                                         ("decode", "shmkv")}
+    assert all(r["step_us"] > 0 for r in rows)
+    assert "vLLM/shmkv" in out.stdout
+
+
 def test_bench_transport_smoke():
     """bench_transport prints a JSON line per (transport, step) and the ratio table."""
     out = _run("benchmarks/bench_transport.py", "--round-trips", "50", "--prompt-tokens", "64")

@@ -39,3 +39,20 @@ def test_readme_kv_cache_manager_example_runs():
     finally:
         pool.close()
         BlockPool.unlink(name)
+
+
+def test_readme_block_table_example_runs():
+    """The block-table example runs as printed (torch installed)."""
+    import pytest
+
+    pytest.importorskip("torch")
+    from shmkv.block_table import SharedBlockTables
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    code = next(b for b in blocks if "SharedBlockTables.create(" in b)
+    assert '"sched0"' in code
+    name = unique_pool_name("readme-bt")
+    try:
+        exec(compile(code.replace('"sched0"', repr(name)), "README.md", "exec"), {})
+    finally:
+        SharedBlockTables.unlink(name)

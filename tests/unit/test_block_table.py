@@ -1,0 +1,541 @@
+"""Shared block tables, slot mapping and the KV store, in one process: vLLM's row semantics,
+the seqlock's refusals, zero-copy views, header validation and bad input."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shmkv.block_table import (  # noqa: E402
+    BT_HEADER_DTYPE,
+    KV_HEADER_DTYPE,
+    PAD_SLOT_ID,
+    KVStore,
+    SharedBlockTables,
+    batch_token_indices,
+    block_tables_segment_name,
+    compute_slot_mapping,
+    kv_store_segment_name,
+)
+from shmkv.errors import (  # noqa: E402
+    LayoutMismatchError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    TornReadError,
+    UsageError,
+)
+from tests.conftest import unique_pool_name  # noqa: E402
+
+
+@pytest.fixture
+def name():
+    n = unique_pool_name("bt")
+    yield n
+    SharedBlockTables.unlink(n)
+    KVStore.unlink(n)
+    assert not os.path.exists(f"/dev/shm{block_tables_segment_name(n)}")
+    assert not os.path.exists(f"/dev/shm{kv_store_segment_name(n)}")
+
+
+@pytest.fixture
+def tables(name):
+    t = SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64, block_sizes=[4, 16])
+    yield t
+    t.close()
+
+
+def _state(t: SharedBlockTables) -> tuple:
+    return (t.seq, t.step, t.num_blocks_per_row.clone(),
+            [t.block_table(g).clone() for g in range(t.num_groups)])
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+            and all(torch.equal(x, y) for x, y in zip(a[3], b[3], strict=True)))
+
+
+def test_import_shmkv_does_not_import_torch():
+    code = ("import sys, shmkv, shmkv.cli, shmkv.layout; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_scheduler_writes_tables_without_loading_torch(name):
+    """The writer side (rows, commit), the model config, the KV-cache config and the rank
+    messages never import torch: a scheduler process does not pay for it."""
+    code = f"""
+import sys
+from shmkv.block_table import SharedBlockTables
+from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
+from shmkv.messages import ExecuteModel, ScheduledRequest, encode
+from shmkv.serve.rank import RankClient
+t = SharedBlockTables.create({name!r}, max_num_reqs=32, max_model_len=16, block_sizes=[4, 4])
+t.add_row(([1, 2], [3]), 0)
+t.append_rows([([4], [])], [0])
+t.add_rows([([5], [6])] * 30, list(range(2, 32)))  # the vectorised path
+t.clear_row(1)
+t.commit(0)
+make_kv_cache_config(TinyModelConfig(), 10, 4)
+encode(ExecuteModel(step=0, requests=[ScheduledRequest("r", 0, [1], 0)]))
+t.close()
+SharedBlockTables.unlink({name!r})
+assert 'torch' not in sys.modules, 'torch imported'
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_create_sizes_names_and_mode(name, tables):
+    assert tables.block_sizes == (4, 16)
+    assert tables.max_num_blocks_per_req == (16, 4)  # cdiv(64, bs)
+    assert tables.step == -1 and tables.seq == 0
+    path = f"/dev/shm{block_tables_segment_name(name)}"
+    assert block_tables_segment_name(name) == f"/shmkv_bt-{name}-v1"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert tables.block_table(0).dtype == torch.int32
+    assert tuple(tables.block_table(1).shape) == (8, 4)
+
+
+def test_commit_publishes_and_read_copies(name, tables):
+    tables.add_row(([1, 2, 3], [9]), 2)
+    assert tables.seq % 2 == 1  # a write is in progress
+    tables.commit(0)
+    assert tables.seq == 2 and tables.step == 0
+    reader = SharedBlockTables.attach(name)
+    try:
+        snap = reader.read([2, 0])
+        assert snap.step == 0
+        assert snap.block_tables[0][0, :4].tolist() == [1, 2, 3, 0]
+        assert snap.block_tables[1][0, :2].tolist() == [9, 0]
+        assert snap.num_blocks.tolist() == [[3, 0], [1, 0]]
+        tables.append_row(([4], []), 2)
+        tables.commit(5)
+        assert snap.block_tables[0][0, 3] == 0  # a snapshot is a copy
+        assert reader.read([2], min_step=5).block_tables[0][0, :4].tolist() == [1, 2, 3, 4]
+    finally:
+        reader.close()
+
+
+def test_reader_refuses_a_table_being_written(name, tables):
+    """While a write is in progress, read() times out (TornReadError) rather than return a
+    half-written table, and so does waiting for a step not yet published."""
+    tables.add_row(([1], [2]), 0)
+    reader = SharedBlockTables.attach(name)
+    try:
+        with pytest.raises(TornReadError, match="no consistent state"):
+            reader.read(timeout_s=0.05)
+        tables.commit(1)
+        assert reader.read().step == 1
+        with pytest.raises(TornReadError, match="waiting for step 2"):
+            reader.read(min_step=2, timeout_s=0.05)
+    finally:
+        reader.close()
+
+
+def test_zero_copy_reading_sees_writes_and_flags_a_broken_handshake(name, tables):
+    """reading() yields the shared tensors themselves: a later write shows through them
+    without a copy, and since it overlapped the read, leaving the block raises."""
+    tables.add_row(([5, 6], [7]), 1)
+    tables.commit(0)
+    reader = SharedBlockTables.attach(name)
+    try:
+        start, end = reader.data_address_range()
+        view = reader.block_table(0)
+        assert start <= view.data_ptr() < end  # the tensor lies inside the mapping
+        with reader.reading(step=0) as snap:
+            assert snap.block_tables[0] is view
+            assert view[1, :2].tolist() == [5, 6]
+        with pytest.raises(TornReadError, match="handshake"):
+            with reader.reading(step=0) as snap:
+                tables.append_row(([8], []), 1)
+                assert snap.block_tables[0][1, 2] == 8  # the writer's store, seen in place
+        tables.commit(1)
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t: t.add_row(([1],), 0), "1 KV-cache groups; these tables have 2"),
+    (lambda t: t.add_row(([1], [2]), 8), r"row 8 out of range \[0, 8\)"),
+    (lambda t: t.add_row(([1], [2]), -1), "out of range"),
+    (lambda t: t.add_row(([1], [2]), True), "row must be an int"),
+    (lambda t: t.add_row(([1], [1, 2, 3, 4, 5]), 0), "exceed the table's width of 4"),
+    (lambda t: t.append_row(([1] * 15, [1]), 3), r"group 0, row 3: 2 \+ 15 blocks exceed"),
+    (lambda t: t.add_row(([1, -2], [2]), 0), "block ids must lie in"),
+    (lambda t: t.add_row(([1, 1 << 31], [2]), 0), "block ids must lie in"),
+    (lambda t: t.move_row(0, 9), "tgt 9 out of range"),
+    (lambda t: t.commit(0), "step 0 is not after the last published step 0"),
+    (lambda t: t.commit(1.0), "step must be an int"),
+    (lambda t: t.read([0, 8]), r"rows must lie in \[0, 8\)"),
+])
+def test_bad_input_is_refused_and_changes_nothing(tables, call, match):
+    tables.add_row(([1, 2], [3]), 3)
+    tables.commit(0)
+    before = _state(tables)
+    with pytest.raises(UsageError, match=match):
+        call(tables)
+    assert _same(before, _state(tables))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_num_reqs": 0, "max_model_len": 8, "block_sizes": [4]}, "max_num_reqs"),
+    ({"max_num_reqs": 2, "max_model_len": 8, "block_sizes": []}, "1..8 KV-cache groups"),
+    ({"max_num_reqs": 2, "max_model_len": 8, "block_sizes": [4, 0]}, "block size"),
+    ({"max_num_reqs": 2, "max_model_len": 8, "block_sizes": [4], "max_num_blocks_per_req": [1, 2]},
+     "2 entries for 1 block sizes"),
+])
+def test_create_rejects_bad_sizes(name, kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        SharedBlockTables.create(name, **kwargs)
+    assert not os.path.exists(f"/dev/shm{block_tables_segment_name(name)}")
+
+
+def test_attach_validates_the_header_naming_the_field(name, tables):
+    with pytest.raises(SegmentExistsError):
+        SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64, block_sizes=[4])
+    with pytest.raises(SegmentNotFoundError):
+        SharedBlockTables.attach(name + "-nope")
+    hdr = np.ndarray((1,), BT_HEADER_DTYPE, buffer=tables._segment.buf)
+    for field, value, match in [
+        ("magic", 1234, "header field magic is '0x4d2', expected '0x1a5e4b7674626c31'"),
+        ("layout_version", 99, "header field layout_version is 99, expected 1"),
+        ("total_bytes", 64, "header field total_bytes is 64"),
+        ("num_groups", 9, "header field num_groups is 9, expected 1..8"),
+    ]:
+        saved = hdr[field].copy()
+        hdr[field] = value
+        try:
+            with pytest.raises(LayoutMismatchError, match=match):
+                SharedBlockTables.attach(name)
+        finally:
+            hdr[field] = saved
+    del hdr
+    SharedBlockTables.attach(name).close()
+
+
+def _slots_by_loop(table, req_indices, positions, bs):
+    return [int(table[r, p // bs]) * bs + p % bs if r >= 0 else PAD_SLOT_ID
+            for r, p in zip(req_indices.tolist(), positions.tolist(), strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
+def test_slot_mapping_matches_the_formula(kind):
+    """Slots of prefill (many tokens per request), decode (one) and mixed batches equal
+    block_id * block_size + position % block_size, token by token."""
+    rng = random.Random(kind)
+    bs, width, num_reqs = 16, 32, 12
+    table = torch.randint(1, 10_000, (num_reqs, width), dtype=torch.int32)
+    starts, counts = [], []
+    for _ in range(num_reqs):
+        n = {"prefill": rng.randint(1, 200), "decode": 1,
+             "mixed": rng.choice([1, rng.randint(1, 200)])}[kind]
+        start = 0 if kind == "prefill" else rng.randrange(width * bs - n)
+        starts.append(start)
+        counts.append(n)
+    req_indices, positions = batch_token_indices(counts, starts)
+    assert req_indices.numel() == sum(counts)
+    assert positions[: counts[0]].tolist() == list(range(starts[0], starts[0] + counts[0]))
+    slots = compute_slot_mapping(table, req_indices, positions, bs)
+    assert slots.dtype == torch.int64
+    assert slots.tolist() == _slots_by_loop(table, req_indices, positions, bs)
+
+
+def test_slot_mapping_pads_and_refuses_out_of_range_positions():
+    table = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
+    slots = compute_slot_mapping(table, torch.tensor([1, -1, 0]), torch.tensor([5, 0, 0]), 4)
+    assert slots.tolist() == [6 * 4 + 1, PAD_SLOT_ID, 12]
+    with pytest.raises(UsageError, match=r"positions must lie in \[0, 8\)"):
+        compute_slot_mapping(table, torch.tensor([0]), torch.tensor([8]), 4)
+    with pytest.raises(UsageError, match="row index 2 out of range"):
+        compute_slot_mapping(table, torch.tensor([2]), torch.tensor([0]), 4)
+    with pytest.raises(UsageError, match="one length"):
+        batch_token_indices([1, 2], [0])
+
+
+def test_snapshot_slot_mappings_per_group(tables):
+    tables.add_row(([1, 2, 3], [7]), 4)
+    tables.commit(0)
+    snap = tables.read([4])
+    req_indices, positions = batch_token_indices([3], [3])
+    sm = snap.slot_mappings(req_indices, positions)
+    assert sm[0].tolist() == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+    assert sm[1].tolist() == [7 * 16 + 3, 7 * 16 + 4, 7 * 16 + 5]
+
+
+# --------------------------------------------------------------------------- KV store
+
+def test_kv_store_layers_share_one_segment(name):
+    with KVStore.create(name, num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2,
+                        head_size=8, dtype="float16") as kv:
+        other = KVStore.attach(name)
+        try:
+            assert other.dtype == torch.float16 and len(other.key_cache) == 3
+            k, v = other.layer(2)
+            assert tuple(k.shape) == (10, 4, 2, 8) and tuple(v.shape) == (10, 4, 2, 8)
+            kv.value_cache[2][7, 1, 0, 3] = 1.5
+            assert float(v[7, 1, 0, 3]) == 1.5  # the other mapping sees it, no copy
+            assert float(other.key_cache[2][7, 1, 0, 3]) == 0.0
+            assert kv.kv.data_ptr() % 4096 == 0  # page-aligned, as cudaHostRegister wants
+            assert os.stat(f"/dev/shm{kv_store_segment_name(name)}").st_mode & 0o777 == 0o600
+        finally:
+            del k, v
+            other.close()
+    assert not os.path.exists(f"/dev/shm{kv_store_segment_name(name)}")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_layers": 0}, "num_layers must be a positive int"),
+    ({"head_size": 2.0}, "head_size must be a positive int"),
+    ({"dtype": "int7"}, "dtype 'int7' is not one of"),
+])
+def test_kv_store_rejects_bad_arguments(name, kwargs, match):
+    args = {"num_layers": 1, "num_blocks": 4, "block_size": 4, "num_kv_heads": 1, "head_size": 8}
+    args.update(kwargs)
+    with pytest.raises(UsageError, match=match):
+        KVStore.create(name, **args)
+    assert not os.path.exists(f"/dev/shm{kv_store_segment_name(name)}")
+
+
+def test_kv_store_attach_validates_the_header(name):
+    kv = KVStore.create(name, num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1,
+                        head_size=8)
+    try:
+        hdr = np.ndarray((1,), KV_HEADER_DTYPE, buffer=kv._segment.buf)
+        for field, value, match in [
+            ("magic", 7, "header field magic is '0x7'"),
+            ("layout_version", 2, "header field layout_version is 2, expected 1"),
+            ("dtype", b"int7", "header field dtype is 'int7'"),
+            ("element_bytes", 2, "header field element_bytes is 2, expected 4"),
+            ("num_blocks", 5, "header field total_bytes"),
+        ]:
+            saved = hdr[field].copy()
+            hdr[field] = value
+            try:
+                with pytest.raises(LayoutMismatchError, match=match):
+                    KVStore.attach(name)
+            finally:
+                hdr[field] = saved
+        del hdr
+        KVStore.attach(name).close()
+        with pytest.raises(SegmentNotFoundError):
+            KVStore.attach(name + "-nope")
+    finally:
+        kv.close()
+
+
+def test_kv_store_load_and_store_blocks_round_trip_on_cpu(name):
+    """load_blocks / store_blocks (the host <-> device copies) work on any device; on CPU
+    they move rows between the store and a private tensor by block id."""
+    with KVStore.create(name, num_layers=2, num_blocks=6, block_size=2, num_kv_heads=1,
+                        head_size=4) as kv:
+        kv.kv.copy_(torch.arange(kv.kv.numel(), dtype=torch.float32).view_as(kv.kv))
+        dev = kv.allocate_device_cache("cpu", num_blocks=3)
+        kv.load_blocks(dev, [4, 1], device_block_ids=[0, 2])
+        assert torch.equal(dev[:, :, 0], kv.kv[:, :, 4])
+        assert torch.equal(dev[:, :, 2], kv.kv[:, :, 1])
+        dev[:, :, 0] += 1000
+        kv.store_blocks(dev, [5], device_block_ids=[0])
+        assert torch.equal(kv.kv[:, :, 5], dev[:, :, 0])
+        full = kv.allocate_device_cache("cpu")
+        assert kv._runs([1, 2, 3, 5, 4], [0, 1, 2, 3, 4], full) == [(1, 0, 3), (5, 3, 1),
+                                                                    (4, 4, 1)]
+        kv.load_blocks(dev, [1, 2], device_block_ids=[1, 2])
+        assert torch.equal(dev[:, :, 1:3], kv.kv[:, :, 1:3])
+        with pytest.raises(UsageError, match=r"device block ids must lie in \[0, 3\)"):
+            kv.load_blocks(dev, [1], device_block_ids=[3])
+        with pytest.raises(UsageError, match="host block ids must lie in"):
+            kv.store_blocks(dev, [6], device_block_ids=[0])
+        with pytest.raises(UsageError, match="does not match"):
+            kv.load_blocks(torch.zeros(2, 2, 3, 2, 1, 5), [1])
+        with pytest.raises(UsageError, match="CUDA"):
+            if not torch.cuda.is_available():
+                kv.pin()
+            else:
+                raise UsageError("CUDA present: covered by the gpu tests")
+
+
+# --------------------------------------------------------------------------- GPU (skipped here)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_pinned_store_copies_blocks_to_and_from_a_gpu(name):
+    with KVStore.create(name, num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
+                        head_size=8) as kv:
+        kv.pin()
+        assert kv.is_pinned
+        kv.kv.normal_()
+        dev = kv.allocate_device_cache("cuda")
+        kv.load_blocks(dev, [3, 5])
+        torch.cuda.synchronize()
+        assert torch.equal(dev[:, :, 3].cpu(), kv.kv[:, :, 3])
+        dev[:, :, 6] = 2.0
+        kv.store_blocks(dev, [6])
+        assert bool((kv.kv[:, :, 6] == 2.0).all())
+        kv.unpin()
+        assert not kv.is_pinned
+
+
+# --------------------------------------------------------------------------- batched rows
+
+def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
+    """Both paths: row by row for a few rows, vectorised for many."""
+    rng = random.Random(11)
+    with SharedBlockTables.create(name, max_num_reqs=64, max_model_len=64,
+                                  block_sizes=[4, 16]) as batched:
+        single = SharedBlockTables.create(name + "-1", max_num_reqs=64, max_model_len=64,
+                                          block_sizes=[4, 16])
+        try:
+            for step in range(40):
+                rows = rng.sample(range(64), rng.choice([rng.randint(1, 8), rng.randint(25, 64)]))
+                appending = rng.random() < 0.5
+                ids = []
+                for r in rows:
+                    lens = ([int(n) for n in single.num_blocks_per_row[:, r]] if appending
+                            else [0, 0])
+                    ids.append(([rng.randrange(1, 99) for _ in range(rng.randint(0, 16 - lens[0]))],
+                                [rng.randrange(1, 99) for _ in range(rng.randint(0, 4 - lens[1]))]))
+                (batched.append_rows if appending else batched.add_rows)(ids, rows)
+                for r, row_ids in zip(rows, ids, strict=True):
+                    (single.append_row if appending else single.add_row)(row_ids, r)
+                batched.commit(step)
+                single.commit(step)
+                for g in range(2):
+                    assert torch.equal(batched.block_table(g), single.block_table(g))
+                assert torch.equal(batched.num_blocks_per_row, single.num_blocks_per_row)
+        finally:
+            single.close()
+            SharedBlockTables.unlink(name + "-1")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda t: t.add_rows([([1], [2])], [0, 1]), "1 rows of block ids for 2 row indices"),
+    (lambda t: t.add_rows([([1], [2]), ([1], [2])], [1, 1]), "a row appears twice"),
+    (lambda t: t.add_rows([([1], [2])], [8]), r"rows must lie in \[0, 8\)"),
+    (lambda t: t.add_rows([([1],)], [0]), "row 0: block ids for 1 KV-cache groups"),
+    (lambda t: t.append_rows([([1], [2]), ([1] * 15, [])], [0, 3]),
+     r"group 0, row 3: 2 \+ 15 blocks exceed"),
+    (lambda t: t.add_rows([([1], [2]), ([1], [-5])], [0, 1]), "group 1.*block ids must lie in"),
+])
+@pytest.mark.parametrize("row_by_row_max", [24, 0], ids=["row-by-row", "vectorised"])
+def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, row_by_row_max,
+                                                         monkeypatch):
+    import shmkv.block_table as bt
+
+    monkeypatch.setattr(bt, "_ROW_BY_ROW_MAX", row_by_row_max)
+    tables.add_row(([1, 2], [3]), 3)
+    tables.commit(0)
+    before = _state(tables)
+    with pytest.raises(UsageError, match=match):
+        call(tables)
+    assert _same(before, _state(tables))
+
+
+def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
+    """Slots straight from the shared tables equal those of a gathered snapshot; rows are
+    table rows, req_indices index the rows list."""
+    tables.add_rows([([1, 2, 3], [7]), ([4, 5], [8])], [6, 2])
+    tables.commit(3)
+    reader = SharedBlockTables.attach(name)
+    try:
+        req_indices, positions = batch_token_indices([5, 1], [2, 7])
+        step, direct = reader.compute_slot_mappings([6, 2], req_indices, positions, min_step=3)
+        snap = reader.read([6, 2])
+        assert step == 3
+        for a, b in zip(direct, snap.slot_mappings(req_indices, positions), strict=True):
+            assert torch.equal(a, b)
+        assert direct[0].tolist() == [1 * 4 + 2, 1 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 5 * 4 + 3]
+        with pytest.raises(UsageError, match="rows must lie"):
+            reader.compute_slot_mappings([9], req_indices[:1], positions[:1])
+        tables.append_row(([9], []), 6)
+        with pytest.raises(TornReadError):
+            reader.compute_slot_mappings([6], req_indices[:1], positions[:1], timeout_s=0.05)
+    finally:
+        reader.close()
+
+
+def _open_and_fill(handle: bytes, done) -> None:
+    from shmkv.block_table import open_device_tensor
+
+    t = open_device_tensor(handle)
+    t.fill_(3.0)
+    torch.cuda.synchronize()
+    done.set()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_device_tensor_is_shared_through_cuda_ipc():
+    """A KV tensor on the GPU, exported as a CUDA IPC handle: another process maps the same
+    device memory and its write shows in the exporter's tensor."""
+    import multiprocessing as mp
+
+    from shmkv.block_table import export_device_tensor
+
+    ctx = mp.get_context("spawn")
+    t = torch.zeros(4, 16, device="cuda")
+    done = ctx.Event()
+    p = ctx.Process(target=_open_and_fill, args=(export_device_tensor(t), done))
+    p.start()
+    try:
+        assert done.wait(120)
+        p.join(60)
+        assert p.exitcode == 0
+        assert bool((t == 3.0).all())
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+def test_export_device_tensor_refuses_a_cpu_tensor():
+    from shmkv.block_table import export_device_tensor
+
+    with pytest.raises(UsageError, match="needs a CUDA tensor"):
+        export_device_tensor(torch.zeros(2))
+
+
+def test_use_after_close_is_a_clear_error(name):
+    from shmkv.errors import PoolClosedError
+
+    t = SharedBlockTables.create(name, max_num_reqs=2, max_model_len=8, block_sizes=[4])
+    t.close()
+    t.close()  # idempotent
+    for call in (lambda: t.add_row(([1],), 0), lambda: t.commit(0), lambda: t.read(),
+                 lambda: t.block_table(0), lambda: t.step):
+        with pytest.raises(PoolClosedError, match="was closed"):
+            call()
+    kv = KVStore.create(name, num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1,
+                        head_size=4)
+    kv.close()
+    with pytest.raises(PoolClosedError, match="was closed"):
+        kv.layer(0)
+
+
+def test_a_writer_that_died_mid_step_leaves_the_tables_unreadable_until_a_successor_commits(
+        name, tables):
+    tables.add_row(([1], [2]), 0)
+    tables.commit(0)
+    tables.add_row(([9, 9], [9]), 0)  # ... and the writer dies here: seq stays odd
+    successor = SharedBlockTables.attach(name)
+    reader = SharedBlockTables.attach(name)
+    try:
+        with pytest.raises(TornReadError):
+            reader.read(timeout_s=0.05)
+        successor.add_row(([3], [4]), 0)
+        with pytest.raises(TornReadError):  # still odd while the successor writes
+            reader.read(timeout_s=0.05)
+        successor.commit(1)
+        snap = reader.read([0])
+        assert snap.step == 1 and snap.block_tables[0][0, 0] == 3 and snap.num_blocks[0, 0] == 1
+    finally:
+        successor.close()
+        reader.close()
