@@ -560,8 +560,9 @@ def cmd_events(args: argparse.Namespace) -> int:
                   "events)", file=sys.stderr)
             return EXIT_ERROR
         cursor = pool.event_cursor(from_start=args.start == "oldest")
-        if args.start not in ("oldest", "end"):
-            cursor.seq = max(cursor.seq, 0)
+        if args.follow:
+            print(f"following pool {args.name} from seq {cursor.seq}", file=sys.stderr,
+                  flush=True)
         labels: dict[int, tuple[str, int]] = {}
         printed = 0
         _stop_on_signals()
