@@ -43,6 +43,7 @@ import numpy as np
 
 from shmkv import layout as L
 from shmkv.errors import UsageError
+from shmkv.event_log import decode_event
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shmkv.stats import LOCK_BUCKETS_S, read_stats
 
@@ -110,12 +111,13 @@ class PoolMetrics:
 
     def _tail_log(self) -> None:
         while True:
-            events, lost = self.pool.read_events(self._cursor, 4096)
+            with self.pool.lock():  # copy under the lock, decode after
+                records, lost = self.pool._log.read_raw(self._cursor, 256)
             self._lost += lost
-            if not events:
+            if not records:
                 return
-            for logged in events:
-                event = logged.event
+            for _, _, _, body in records:
+                event = decode_event(body)
                 if isinstance(event, BlockRemoved):
                     self._evictions += len(event.block_hashes)
                 elif isinstance(event, BlockStored):

@@ -52,7 +52,7 @@ import posix_ipc
 from shmkv import layout as L
 from shmkv.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
-from shmkv.event_log import EventCursor, LoggedEvent
+from shmkv.event_log import EventCursor, LoggedEvent, decode_event
 from shmkv.events import (
     BlockRemoved,
     BlockStored,
@@ -86,6 +86,8 @@ _STATE_DTYPE = np.dtype(
     ]
 )
 _STATE_BYTES = 128
+_W_NEXT_SEQ = _STATE_DTYPE.fields["next_seq"][1] // 8
+_W_PUBLISHED = _STATE_DTYPE.fields["published"][1] // 8
 assert _STATE_DTYPE.itemsize <= _STATE_BYTES
 
 
@@ -181,6 +183,7 @@ class _PublisherState:
             os.ftruncate(self._fd, _STATE_BYTES)
         self._map = mmap.mmap(self._fd, _STATE_BYTES)
         self.row = np.ndarray((1,), dtype=_STATE_DTYPE, buffer=self._map)[0]
+        self._words = memoryview(self._map).cast("q")  # the per-send stores, fast
         hdr = pool.layout.view(pool._segment.buf, "header")[0]
         self._identity = (int(hdr["creator_pid"]), bytes(hdr["none_hash"])[:8])
         del hdr
@@ -223,14 +226,16 @@ class _PublisherState:
 
     def sent(self, seq: int) -> None:
         """Batch ``seq`` went out."""
-        self.row["next_seq"] = seq + 1
-        self.row["published"] += 1
+        words = self._words
+        words[_W_NEXT_SEQ] = seq + 1
+        words[_W_PUBLISHED] += 1
 
     def add_lost(self, n: int) -> None:
         self.row["lost"] += n
 
     def close(self) -> None:
         del self.row
+        self._words.release()
         self._map.close()
         os.close(self._fd)  # drops the flock
 
@@ -259,7 +264,8 @@ class KVEventPublisher:
         buffer_steps: recent batches kept in memory for fast replays (older ones are read
             back from the log).
         hwm: the PUB socket's high-water mark.
-        max_batch_events: events read from the log per lock hold.
+        max_batch_events: events copied out of the log per hold of the pool lock (they
+            are decoded, if at all, after it is released).
 
     Use it from one thread: ``poll()`` in a loop of your own, ``run()`` until ``stop()``,
     or ``start()`` for a background thread. ``close()`` saves nothing more; the position
@@ -280,7 +286,7 @@ class KVEventPublisher:
         resume: bool = True,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
-        max_batch_events: int = 1024,
+        max_batch_events: int = 64,
     ) -> None:
         zmq = require_zmq()
         if start not in ("oldest", "end"):
@@ -427,6 +433,21 @@ class KVEventPublisher:
                              data_parallel_rank=self._rank(logged.slot))
         return encode_batch(batch)
 
+    def _payload(self, slot: int, ts: float, body: bytes) -> bytes:
+        """``encode`` from the event's bytes in the log: they are spliced into the batch
+        as they are (the log holds them in the wire format), decoded only to turn hashes
+        into integers."""
+        event: Any = msgspec.Raw(body)
+        if self.int_hashes:
+            event = self._external(decode_event(body))
+        return encode_batch(KVEventBatch(ts=ts, events=[event],
+                                         data_parallel_rank=self._rank(slot)))
+
+    def _read(self, cursor: EventCursor) -> tuple[list, int]:
+        """Raw records from ``cursor`` on: only copied under the pool lock."""
+        with self.pool.lock():
+            return self.pool._log.read_raw(cursor, self._max_batch)
+
     # ------------------------------------------------------------------ the loop
 
     def publish_pending(self) -> int:
@@ -436,24 +457,23 @@ class KVEventPublisher:
         self._refresh_labels()
         while True:
             before = self._cursor.seq
-            events, lost = self.pool.read_events(self._cursor, self._max_batch)
+            records, lost = self._read(self._cursor)
             if lost:
                 logger.warning("pool %s: publisher fell behind the event ring: %d events "
                                "lost (seq %d to %d)", self.pool.pool_name, lost, before,
                                before + lost - 1)
                 self.lost += lost
                 state.add_lost(lost)
-            if not events:
+            if not records:
                 return sent
-            for logged in events:
-                if logged.seq < self._skip_below:
+            for seq, slot, ts, body in records:
+                if seq < self._skip_below:
                     continue  # sent by this publisher's previous run
-                payload = self.encode(logged)
-                self._pub.send_multipart((self._topic, logged.seq.to_bytes(8, "big"),
-                                          payload))
-                state.sent(logged.seq)
+                payload = self._payload(slot, ts, body)
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                state.sent(seq)
                 if self._keep_buffer:
-                    self._buffer.append((logged.seq, payload))
+                    self._buffer.append((seq, payload))
                 sent += 1
                 self.published += 1
             state.set_base(self._cursor)
@@ -492,12 +512,12 @@ class KVEventPublisher:
         if start < first_buffered:
             cursor = self.pool.event_cursor(from_start=True)
             while cursor.seq < min(first_buffered, limit):
-                events, _ = self.pool.read_events(cursor, self._max_batch)
-                if not events:
+                records, _ = self._read(cursor)
+                if not records:
                     break
-                for logged in events:
-                    if start <= logged.seq < min(first_buffered, limit):
-                        yield logged.seq, self.encode(logged)
+                for seq, slot, ts, body in records:
+                    if start <= seq < min(first_buffered, limit):
+                        yield seq, self._payload(slot, ts, body)
         for seq, payload in list(self._buffer):
             if seq >= start:
                 yield seq, payload

@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from bisect import bisect_left
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,12 @@ ROW_DTYPE = np.dtype(
         ("lock_hold_buckets", "<u8", (NUM_BUCKETS,)),
     ]
 )
+
+
+_OFF = {name: ROW_DTYPE.fields[name][1] // 8 for name in ROW_DTYPE.names}
+_WORD = {what: (_OFF[f"{what}_count"], _OFF[f"{what}_sum_ns"], _OFF[f"{what}_buckets"])
+         for what in ("lock_wait", "lock_hold")}
+_BOUNDS_LIST = _BOUNDS_NS.tolist()
 
 
 def stats_segment_name(pool_name: str) -> str:
@@ -193,6 +200,9 @@ class PoolStats:
                              "is out of range")
         self._row = seg.rows[pool.slot]
         self._row["pid"] = os.getpid()
+        # the hot path writes through a flat u64 view (a numpy field store costs ~1 us)
+        start = _HEADER_BYTES + pool.slot * ROW_DTYPE.itemsize
+        self._words = memoryview(seg.mem)[start:start + ROW_DTYPE.itemsize].cast("Q")
         self._timed: _TimedLock | None = None
 
     @classmethod
@@ -217,19 +227,20 @@ class PoolStats:
             self._pool._lock = self._timed
 
     def _observe(self, what: str, ns: int) -> None:
-        row = self._row
-        row[f"{what}_count"] += 1
-        row[f"{what}_sum_ns"] += ns
-        row[f"{what}_buckets"][int(np.searchsorted(_BOUNDS_NS, ns))] += 1
+        count, total, buckets = _WORD[what]
+        words = self._words
+        words[count] += 1
+        words[total] += ns
+        words[buckets + bisect_left(_BOUNDS_LIST, ns)] += 1
 
     def add_prefix_cache(self, queries: int, hits: int, requests: int = 1,
                          preempted: bool = False) -> None:
         """Counts ``requests`` lookups of ``queries`` prompt tokens, ``hits`` of them hit."""
-        row = self._row
+        words = self._words
         prefix = "preempted_" if preempted else ""
-        row[f"{prefix}requests"] += requests
-        row[f"{prefix}queries"] += queries
-        row[f"{prefix}hits"] += hits
+        words[_OFF[f"{prefix}requests"]] += requests
+        words[_OFF[f"{prefix}queries"]] += queries
+        words[_OFF[f"{prefix}hits"]] += hits
 
     def add_prefix_cache_stats(self, stats) -> None:
         """Adds a ``PrefixCacheStats`` (shmkv's or vLLM's; None is ignored)."""
@@ -251,4 +262,7 @@ class PoolStats:
             self._pool._lock = self._timed._inner
         self._timed = None
         self._row = None
+        if self._words is not None:
+            self._words.release()
+            self._words = None
         self._seg.close()
