@@ -342,18 +342,27 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- publish
 
-class _Stop(Exception):
-    """SIGTERM/SIGINT: leave a long-running command cleanly (exit 0)."""
+class _StopOnSignals:
+    """SIGTERM/SIGINT end a long-running command cleanly (exit 0): the handler only sets
+    a flag, which the command's loop checks between steps, so no step (a pool call, a
+    send and the save of its position) is cut in the middle."""
 
+    def __init__(self) -> None:
+        import signal
 
-def _stop_on_signals() -> None:
-    import signal
+        self.stopped = False
 
-    def handler(signum, frame):  # noqa: ARG001
-        raise _Stop()
+        def handler(signum, frame):  # noqa: ARG001
+            self.stopped = True
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleeps up to ``seconds``, less if a signal comes."""
+        end = time.monotonic() + seconds
+        while not self.stopped and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -367,13 +376,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
         replay = f", replay on {pub.replay_endpoint}" if pub.replay_endpoint else ""
         print(f"publishing pool {args.name} on {pub.endpoint}{replay}, topic "
               f"{args.topic!r}, from seq {pub.next_seq}", flush=True)
-        _stop_on_signals()
+        stop = _StopOnSignals()
         deadline = None if args.duration is None else time.monotonic() + args.duration
-        try:
-            while deadline is None or time.monotonic() < deadline:
-                pub.poll()
-        except _Stop:
-            pass
+        while not stop.stopped and (deadline is None or time.monotonic() < deadline):
+            pub.poll()
         print(f"published {pub.published} batches ({pub.lost} events lost, {pub.replays} "
               f"replays); next seq {pub.next_seq}", flush=True)
         return EXIT_OK
@@ -491,20 +497,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         metrics = PoolMetrics(pool)
         prev, t_prev = None, time.monotonic()
-        _stop_on_signals()
+        stop = _StopOnSignals()
         shown = 0
         clear = sys.stdout.isatty() and not args.no_clear
-        try:
-            while args.count is None or shown < args.count:
-                if shown:
-                    time.sleep(args.interval)
-                snap, now = metrics.snapshot(), time.monotonic()
-                text = "\n".join(_format_snapshot(snap, prev, now - t_prev))
-                print(("\033[H\033[J" if clear else "") + text, flush=True)
-                prev, t_prev = snap, now
-                shown += 1
-        except _Stop:
-            pass
+        while not stop.stopped and (args.count is None or shown < args.count):
+            if shown:
+                stop.sleep(args.interval)
+                if stop.stopped:
+                    break
+            snap, now = metrics.snapshot(), time.monotonic()
+            text = "\n".join(_format_snapshot(snap, prev, now - t_prev))
+            print(("\033[H\033[J" if clear else "") + text, flush=True)
+            prev, t_prev = snap, now
+            shown += 1
         return EXIT_OK
     finally:
         pool.close()
@@ -565,32 +570,29 @@ def cmd_events(args: argparse.Namespace) -> int:
                   flush=True)
         labels: dict[int, tuple[str, int]] = {}
         printed = 0
-        _stop_on_signals()
-        try:
-            while args.count is None or printed < args.count:
-                limit = None if args.count is None else args.count - printed
-                events, lost = pool.read_events(cursor, limit)
-                if lost:
-                    print(f"({lost} events lost: overwritten before they were read)",
-                          file=sys.stderr, flush=True)
-                if events and any(e.slot not in labels for e in events):
-                    labels.update({p["slot"]: (p["label"], p["attach_ns"])
-                                   for p in pool.processes() if not p["self"]})
-                for logged in events:
-                    if args.json:
-                        print(msgspec.json.encode({
-                            "seq": logged.seq, "slot": logged.slot, "ts": logged.ts,
-                            "event": logged.event}).decode())
-                    else:
-                        print(_event_line(logged, labels))
-                    printed += 1
-                sys.stdout.flush()
-                if not args.follow and not events:
-                    break
-                if not events:
-                    time.sleep(args.interval)
-        except _Stop:
-            pass
+        stop = _StopOnSignals()
+        while not stop.stopped and (args.count is None or printed < args.count):
+            limit = None if args.count is None else args.count - printed
+            events, lost = pool.read_events(cursor, limit)
+            if lost:
+                print(f"({lost} events lost: overwritten before they were read)",
+                      file=sys.stderr, flush=True)
+            if events and any(e.slot not in labels for e in events):
+                labels.update({p["slot"]: (p["label"], p["attach_ns"])
+                               for p in pool.processes() if not p["self"]})
+            for logged in events:
+                if args.json:
+                    print(msgspec.json.encode({
+                        "seq": logged.seq, "slot": logged.slot, "ts": logged.ts,
+                        "event": logged.event}).decode())
+                else:
+                    print(_event_line(logged, labels))
+                printed += 1
+            sys.stdout.flush()
+            if not args.follow and not events:
+                break
+            if not events:
+                stop.sleep(args.interval)
         return EXIT_OK
     finally:
         pool.close()
@@ -627,14 +629,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         print(f"serving metrics of pool {args.name} on "
               f"http://{args.addr}:{server.server_port}/metrics", flush=True)
-        _stop_on_signals()
-        deadline = None if args.duration is None else time.monotonic() + args.duration
-        try:
-            while deadline is None or time.monotonic() < deadline:
-                time.sleep(0.1 if deadline is None else
-                           max(min(0.1, deadline - time.monotonic()), 0))
-        except _Stop:
-            pass
+        stop = _StopOnSignals()
+        stop.sleep(float("inf") if args.duration is None else args.duration)
         server.shutdown()
         thread.join(10)
         return EXIT_OK

@@ -450,12 +450,15 @@ class KVEventPublisher:
 
     # ------------------------------------------------------------------ the loop
 
-    def publish_pending(self) -> int:
-        """Sends every event logged since the last send; returns how many."""
+    def publish_pending(self, max_reads: int | None = None) -> int:
+        """Sends the events logged since the last send (all of them, or what ``max_reads``
+        reads of the log return); returns how many."""
         sent = 0
         state = self._state
         self._refresh_labels()
-        while True:
+        reads = 0
+        while max_reads is None or reads < max_reads:
+            reads += 1
             before = self._cursor.seq
             records, lost = self._read(self._cursor)
             if lost:
@@ -477,11 +480,14 @@ class KVEventPublisher:
                 sent += 1
                 self.published += 1
             state.set_base(self._cursor)
+        return sent
 
     def poll(self, timeout_s: float = 0.005) -> int:
         """One turn: answers waiting replay requests (waiting up to ``timeout_s`` for one),
-        then sends what was logged meanwhile. Returns the number of batches sent live."""
-        sent = self.publish_pending()
+        then sends what was logged meanwhile. Returns the number of batches sent live.
+        A turn sends at most 16 reads of the log, so replays are answered even while
+        schedulers log faster than it sends."""
+        sent = self.publish_pending(16)
         if self._replay is not None:
             ready = dict(self._poller.poll(int(timeout_s * 1000)))
             while self._replay in ready:
@@ -489,7 +495,7 @@ class KVEventPublisher:
                 ready = dict(self._poller.poll(0))
         elif not sent and timeout_s > 0:
             time.sleep(timeout_s)
-        return sent + self.publish_pending()
+        return sent + self.publish_pending(16)
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

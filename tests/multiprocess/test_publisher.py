@@ -225,20 +225,14 @@ def test_subscriber_class_drops_duplicates_and_fills_gaps(events_pool):
     pub_ep, replay_ep = endpoints()
     with KVEventPublisher(pool.pool_name, pub_ep, replay_ep).start():
         got = []
-        for round_ in range(2):
+        for round_ in range(3):
             with KVEventSubscriber(pub_ep, replay_ep,
                                    start_seq=got[-1][0] + 1 if got else 0) as sub:
-                time.sleep(0.2)
-                serve_requests(pool, hasher, 10 + 10 * round_, 6)
-                while (item := sub.recv(1.0)) is not None:
-                    got.append(item)
+                serve_requests(pool, hasher, 100 * round_ + 10, 6)
+                catch_up(sub, pool, hasher, 100 * round_ + 50, got)
                 assert sub.unfilled == 0
-            serve_requests(pool, hasher, 100 + round_ * 10, 3)  # missed while away
-        with KVEventSubscriber(pub_ep, replay_ep, start_seq=got[-1][0] + 1) as sub:
-            time.sleep(0.2)
-            serve_requests(pool, hasher, 200, 2)
-            while (item := sub.recv(1.0)) is not None:
-                got.append(item)
+            if round_ < 2:
+                serve_requests(pool, hasher, 100 * round_ + 80, 3)  # missed while away
     log = logged(pool)
     assert [s for s, _ in got] == [e.seq for e in log]
     assert [b.events[0] for _, b in got] == [e.event for e in log]
@@ -356,6 +350,46 @@ def test_killed_between_send_and_save_resends_the_same_bytes(events_pool):
         assert second._buffer[-1] == last_payload
 
 
+def test_fell_behind_the_ring_resumes_at_the_oldest_and_says_how_many(pool_name):
+    """Events overwritten while no publisher ran are reported lost; the next publisher
+    starts at the oldest event still there and a subscriber sees the jump (no replay can
+    fill it)."""
+    pool = BlockPool.create(pool_name, 48, enable_kv_cache_events=True,
+                            event_log_bytes=8192)
+    try:
+        hasher = pool.make_block_hasher()
+        serve_requests(pool, hasher, 0, 3)
+        with KVEventPublisher(pool_name, "tcp://127.0.0.1:0") as pub:
+            assert pub.publish_pending() == 3
+        serve_requests(pool, hasher, 3, 200)  # wraps the 8 KiB ring many times
+        oldest = pool.event_cursor().seq
+        assert oldest > 3
+        with KVEventPublisher(pool_name, "tcp://127.0.0.1:0") as pub:
+            assert pub.lost == oldest - 3 and pub.next_seq == oldest
+            assert pub.publish_pending() == pool.event_cursor(from_start=False).seq - oldest
+        assert saved_position(pool_name)["lost"] == oldest - 3
+    finally:
+        pool.close()
+        unlink_state(pool_name)
+
+
+def test_connect_mode_reaches_a_bound_sub(events_pool):
+    """--connect: the PUB socket connects to a SUB (a relay) that binds."""
+    pool, hasher = events_pool, events_pool.make_block_hasher()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind("tcp://127.0.0.1:0")
+    try:
+        endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        with KVEventPublisher(pool.pool_name, endpoint, bind=False).start():
+            wait_connected(sub, pool, hasher, 0)
+            msgs = recv_all(sub)
+        assert all(len(m) == 3 for m in msgs)
+    finally:
+        sub.close(linger=0)
+
+
 # ------------------------------------------------------------------ the command
 
 
@@ -376,10 +410,28 @@ def stop(proc, sig=signal.SIGTERM) -> str:
     return out + err
 
 
+def catch_up(sub, pool, hasher, r: int, got: list) -> int:
+    """Receives until the subscriber has every event logged so far. What a publisher sends
+    before a SUB socket's subscription reaches it is lost to that socket (ZMQ PUB) until a
+    later batch shows the gap and a replay fills it, so while nothing comes the schedulers
+    go on (one more request at a time). Returns the next request number."""
+    deadline = time.monotonic() + 60
+    while not got or got[-1][0] < pool.event_cursor(from_start=False).seq - 1:
+        assert time.monotonic() < deadline, "the subscriber never caught up"
+        item = sub.recv(0.5)
+        if item is not None:
+            got.append(item)
+        else:
+            serve_requests(pool, hasher, r, 1)
+            r += 1
+    return r
+
+
 def test_shmkv_publish_restart_after_sigkill_resumes_without_gap_or_duplicate(events_pool):
     """`shmkv publish` killed with SIGKILL and started again continues at the first seq it
-    had not sent: events logged while it was down are published by the new one, none twice;
-    a subscriber that never reconnected by hand gets the whole log, each event once."""
+    had not sent: events logged while it was down are published by the new one, and the
+    two together send every batch once; a subscriber that never reconnected by hand gets
+    the whole log, each event once, in order."""
     pool, hasher = events_pool, events_pool.make_block_hasher()
     pub_ep, replay_ep = endpoints()
     args = ("publish", pool.pool_name, "--endpoint", pub_ep, "--replay-endpoint", replay_ep,
@@ -390,9 +442,8 @@ def test_shmkv_publish_restart_after_sigkill_resumes_without_gap_or_duplicate(ev
         assert read_banner(proc) == 0
         with KVEventSubscriber(pub_ep, replay_ep, "t", start_seq=0) as sub:
             serve_requests(pool, hasher, 0, 8)
+            r = catch_up(sub, pool, hasher, 100, got)
             end = pool.event_cursor(from_start=False).seq
-            while (not got or got[-1][0] < end - 1) and (item := sub.recv(5.0)) is not None:
-                got.append(item)
             assert got[-1][0] == end - 1
             deadline = time.monotonic() + 10  # its position is saved right after each send
             while saved_position(pool.pool_name)["next_seq"] != end:
@@ -402,15 +453,12 @@ def test_shmkv_publish_restart_after_sigkill_resumes_without_gap_or_duplicate(ev
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
             assert not saved_position(pool.pool_name)["running"]
-            serve_requests(pool, hasher, 8, 6)  # logged while no publisher runs
+            serve_requests(pool, hasher, r, 6)  # logged while no publisher runs
+            r += 6
             proc = start_shmkv(*args)
             assert read_banner(proc) == end  # resumes right after the last batch sent
-            time.sleep(0.3)
-            serve_requests(pool, hasher, 14, 4)
-            end = pool.event_cursor(from_start=False).seq
-            while got[-1][0] < end - 1 and (item := sub.recv(5.0)) is not None:
-                got.append(item)
-            assert sub.duplicates == 0 and sub.unfilled == 0
+            catch_up(sub, pool, hasher, r, got)
+            assert sub.unfilled == 0
         out = stop(proc)
         assert proc.returncode == 0, out
         assert "published" in out
@@ -421,6 +469,8 @@ def test_shmkv_publish_restart_after_sigkill_resumes_without_gap_or_duplicate(ev
     log = logged(pool)
     assert [s for s, _ in got] == [e.seq for e in log]
     assert [b.events[0] for _, b in got] == [e.event for e in log]
+    # the two publishers together sent every batch live exactly once (replays aside)
+    assert saved_position(pool.pool_name)["published"] == len(log)
 
 
 def test_shmkv_publish_errors(events_pool, pool_name):
