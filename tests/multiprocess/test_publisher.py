@@ -390,6 +390,46 @@ def test_connect_mode_reaches_a_bound_sub(events_pool):
         sub.close(linger=0)
 
 
+def test_vllm_reads_shmkv_and_shmkv_reads_vllm(events_pool, tmp_path):
+    """Both ways, with vLLM's own code: vLLM's KVEventBatch decoder reads every batch of
+    shmkv's publisher to the same builtins as shmkv's decoder; KVEventSubscriber reads
+    vLLM's own ZmqEventPublisher, live and by replay (its ROUTER socket, its -1 marker)."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+    pool, hasher = events_pool, events_pool.make_block_hasher()
+    serve_requests(pool, hasher, 0, 60)  # stored and removed events
+    with KVEventPublisher(pool.pool_name, "tcp://127.0.0.1:0") as pub:
+        records, _ = pool._log.read_raw(pool.event_cursor(), None)
+        for _, slot, ts, body in records:
+            payload = pub._payload(slot, ts, body)
+            assert msgspec.to_builtins(decoder.decode(payload)) == \
+                msgspec.to_builtins(decode_batch(payload))
+    # vLLM's publisher, shmkv's subscriber (ipc endpoints: vLLM binds those)
+    endpoint, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    theirs = kv_events.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint,
+                                         replay_endpoint=replay, topic="kv")
+    try:
+        with KVEventSubscriber(endpoint, replay, "kv", start_seq=0) as sub:
+            sent = []
+            for i, entry in enumerate(logged(pool)[:30]):
+                batch = kv_events.KVEventBatch(ts=entry.ts, events=[entry.event])
+                theirs.publish(batch)
+                sent.append(entry.event)
+                if i == 0:
+                    time.sleep(0.5)  # let the subscription arrive; batch 0 may be lost
+            got = []
+            while len(got) < len(sent) and (item := sub.recv(5.0)) is not None:
+                got.append(item)
+            assert [s for s, _ in got] == list(range(len(sent)))
+            assert [msgspec.to_builtins(b.events[0]) for _, b in got] == \
+                [msgspec.to_builtins(e) for e in sent]
+            assert all(b.data_parallel_rank == 0 for _, b in got)
+            replayed = sub.replay(10)
+            assert [s for s, _ in replayed] == list(range(10, len(sent)))
+    finally:
+        theirs.shutdown()
+
+
 # ------------------------------------------------------------------ the command
 
 
