@@ -187,12 +187,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  slot {proc['slot']:>3}  pid {proc['pid']:>7}  "
                   f"{'alive' if proc['alive'] else 'DEAD '}  refs {proc['references']:>7}  "
                   f"{proc['label']}")
+        _print_siblings(args.name)
         print("invariants: " + ("OK" if not violations else f"{len(violations)} broken"))
         for v in violations:
             print(f"  {v}")
         return EXIT_OK if not violations else EXIT_PROBLEM
     finally:
         pool.close()
+
+
+def _print_siblings(name: str) -> None:
+    """The pool's publisher position and stats segment, if it has them."""
+    from shmkv.publisher import saved_position
+    from shmkv.stats import read_stats
+
+    saved = saved_position(name)
+    if saved is not None:
+        print(f"publisher: {'running' if saved['running'] else 'not running'} (last pid "
+              f"{saved['pid']}), next seq {saved['next_seq']}, {saved['published']} batches "
+              f"sent, {saved['lost']} events lost")
+    rows = read_stats(name)
+    if rows is not None:
+        recorded = int((rows["pid"] != 0).sum())
+        print(f"stats: {recorded} slot(s) recorded, {int(rows['queries'].sum()):,} prefix "
+              f"tokens queried, {int(rows['hits'].sum()):,} hit")
 
 
 # ---------------------------------------------------------------------------- recover
@@ -974,6 +992,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     try:
         return args.func(args)
+    except BrokenPipeError:  # `shmkv events NAME | head`: the reader left; not an error
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (no flush error at exit)
+        except OSError:
+            pass
+        return EXIT_OK
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        return 130
     except (ShmKVError, OSError) as exc:
         if args.debug:
             raise

@@ -14,7 +14,7 @@ import pytest
 
 from shmkv import BlockPool
 from shmkv.cli import build_parser
-from tests.ecosystem_helpers import ROOT, serve_requests, shmkv, start_shmkv
+from tests.ecosystem_helpers import ROOT, command_env, serve_requests, shmkv, start_shmkv
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,6 +79,22 @@ def test_create_inspect_unlink(pool_name):
     assert missing_blocks.returncode == 2 and "--blocks" in missing_blocks.stderr
     inspect = shmkv("inspect", pool_name)
     assert inspect.returncode == 0 and "blocks: 64 total, 63 free" in inspect.stdout
+    assert "publisher:" not in inspect.stdout and "stats:" not in inspect.stdout
+    from shmkv.publisher import KVEventPublisher, unlink_state
+    from shmkv.stats import PoolStats
+
+    pool = BlockPool.attach(pool_name)
+    try:
+        stats = PoolStats.open(pool)
+        stats.add_prefix_cache(64, 16)
+        stats.close()
+        KVEventPublisher(pool, "tcp://127.0.0.1:0").close()
+    finally:
+        pool.close()
+    inspect = shmkv("inspect", pool_name)
+    assert "publisher: not running" in inspect.stdout and "next seq 0" in inspect.stdout
+    assert "stats: 1 slot(s) recorded, 64 prefix tokens queried, 16 hit" in inspect.stdout
+    unlink_state(pool_name)
     assert shmkv("unlink", pool_name).returncode == 0
     too_small = shmkv("create", pool_name, "--blocks", "0")
     assert too_small.returncode == 2 and too_small.stderr.startswith("shmkv create:")
@@ -150,6 +166,14 @@ def test_events_print_follow_and_json(pool_name):
                 follow.wait(30)
             follow.stdout.close()
             follow.stderr.close()
+        # a reader that leaves early (more output than a pipe holds): exit 0, no error
+        serve_requests(pool, pool.make_block_hasher(), 100, 300)
+        piped = subprocess.run(
+            f"{sys.executable} -m shmkv.cli events {pool_name} --json | head -1; "
+            "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash",
+            capture_output=True, text=True, env=command_env(), cwd=ROOT, timeout=60)
+        assert piped.returncode == 0 and piped.stderr == ""
+        assert json.loads(piped.stdout)["seq"] == 0
     finally:
         pool.close()
     other = f"{pool_name}-nolog"
