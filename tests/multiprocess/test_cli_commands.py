@@ -47,12 +47,13 @@ def test_help_for_every_command():
 
 
 def test_bad_usage_exits_2():
-    none = shmkv()
-    unknown = shmkv("frobnicate")
-    bad_option = shmkv("ls", "--bogus")
-    for out in (none, unknown, bad_option):
-        assert out.returncode == 2 and out.stderr.startswith("usage: shmkv")
-    no_traceback(none, unknown, bad_option)
+    """No command, an unknown one, and an unknown option to each command: exit 2 with the
+    usage line, no traceback."""
+    outs = [shmkv(), shmkv("frobnicate")]
+    outs += [shmkv(command, "--bogus-option") for command in sorted(subcommands())]
+    for out in outs:
+        assert out.returncode == 2 and out.stderr.startswith("usage: shmkv"), out.stderr
+    no_traceback(*outs)
 
 
 def test_debug_shows_the_traceback(pool_name):
