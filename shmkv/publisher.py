@@ -286,7 +286,7 @@ class KVEventPublisher:
         resume: bool = True,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
-        max_batch_events: int = 64,
+        max_batch_events: int = 16,
     ) -> None:
         zmq = require_zmq()
         if start not in ("oldest", "end"):

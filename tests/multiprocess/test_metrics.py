@@ -161,13 +161,16 @@ def test_scraped_metrics_match_the_pool(metrics_pool, spawn_ctx):
 
 
 def test_stats_rows_are_per_slot_and_monotonic(metrics_pool):
-    """PoolStats: a row per slot, kept after close (a later process adds to it); the lock
-    wrapper times outermost holds only and comes off at close."""
+    """PoolStats: a row per slot, kept after close (a later process adds to it); lock
+    timing counts outermost holds only, one still going on at a sync is counted once it
+    ends, and timing stops at close."""
     pool = metrics_pool
     stats = PoolStats.open(pool, time_lock=True)
     with pool.lock():
         pool.get_num_free_blocks()
         pool.free_blocks(pool.get_new_blocks(2))  # nested: not counted apart
+        stats.sync()  # inside the hold: it is not counted yet
+        assert stats.row["lock_hold_count"] == 0
     stats.add_prefix_cache(64, 32, requests=2)
     stats.add_prefix_cache(16, 0, preempted=True)
     row = stats.row
