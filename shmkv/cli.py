@@ -576,6 +576,8 @@ def _event_line(logged, labels: dict[int, tuple[str, int]]) -> str:
 def cmd_events(args: argparse.Namespace) -> int:
     import msgspec
 
+    from shmkv.event_log import LoggedEvent, decode_event
+
     pool = BlockPool.attach(args.name, label="shmkv-events")
     try:
         if not pool._log.capacity:
@@ -590,8 +592,11 @@ def cmd_events(args: argparse.Namespace) -> int:
         printed = 0
         stop = _StopOnSignals()
         while not stop.stopped and (args.count is None or printed < args.count):
-            limit = None if args.count is None else args.count - printed
-            events, lost = pool.read_events(cursor, limit)
+            limit = 64 if args.count is None else min(64, args.count - printed)
+            with pool.lock():  # copy a few records under the lock, decode after
+                records, lost = pool._log.read_raw(cursor, limit)
+            events = [LoggedEvent(seq, slot, ts, decode_event(body))
+                      for seq, slot, ts, body in records]
             if lost:
                 print(f"({lost} events lost: overwritten before they were read)",
                       file=sys.stderr, flush=True)

@@ -112,7 +112,7 @@ class PoolMetrics:
     def _tail_log(self) -> None:
         while True:
             with self.pool.lock():  # copy under the lock, decode after
-                records, lost = self.pool._log.read_raw(self._cursor, 256)
+                records, lost = self.pool._log.read_raw(self._cursor, 64)
             self._lost += lost
             if not records:
                 return
