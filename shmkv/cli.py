@@ -298,6 +298,79 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------------- publish
+
+class _Stop(Exception):
+    """SIGTERM/SIGINT: leave a long-running command cleanly (exit 0)."""
+
+
+def _stop_on_signals() -> None:
+    import signal
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from shmkv.publisher import KVEventPublisher
+
+    pub = KVEventPublisher(args.name, args.endpoint, args.replay_endpoint, args.topic,
+                           bind=not args.connect, int_hashes=True if args.int_hashes else None,
+                           rank_from=args.rank_from, start=args.start,
+                           resume=not args.no_resume)
+    try:
+        replay = f", replay on {pub.replay_endpoint}" if pub.replay_endpoint else ""
+        print(f"publishing pool {args.name} on {pub.endpoint}{replay}, topic "
+              f"{args.topic!r}, from seq {pub.next_seq}", flush=True)
+        _stop_on_signals()
+        deadline = None if args.duration is None else time.monotonic() + args.duration
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                pub.poll()
+        except _Stop:
+            pass
+        print(f"published {pub.published} batches ({pub.lost} events lost, {pub.replays} "
+              f"replays); next seq {pub.next_seq}", flush=True)
+        return EXIT_OK
+    finally:
+        pub.close()
+
+
+def add_publish_parser(sub) -> None:
+    p = sub.add_parser(
+        "publish", help="publish the pool's KV events over ZMQ (vLLM's wire format)",
+        description="Publishes every event of the pool's global log on a ZMQ PUB socket as "
+        "vLLM does: frames [topic, 8-byte big-endian seq, msgpack KVEventBatch], one batch "
+        "per event, whose seq is the event's number in the log; data_parallel_rank names the "
+        "scheduler process that caused it. With --replay-endpoint, a ROUTER socket answers "
+        "[b'', start seq] with every batch from there and then seq -1. One publisher per "
+        "pool; a restarted one resumes right after the last batch sent. Runs until SIGTERM "
+        "or Ctrl-C (exit 0). Needs pyzmq (pip install 'shmkv[zmq]').")
+    p.add_argument("name", help="pool name")
+    p.add_argument("--endpoint", required=True, metavar="ADDR",
+                   help="PUB address, e.g. tcp://127.0.0.1:5557 (bound unless --connect)")
+    p.add_argument("--replay-endpoint", metavar="ADDR", help="ROUTER address for replays")
+    p.add_argument("--topic", default="", help="topic frame ('')")
+    p.add_argument("--connect", action="store_true",
+                   help="connect the PUB socket (to a relay) instead of binding it")
+    p.add_argument("--int-hashes", action="store_true",
+                   help="send 32-byte hashes as their 64-bit integer form (low 64 bits)")
+    p.add_argument("--rank-from", choices=("slot", "label"), default="slot",
+                   help="data_parallel_rank: the process slot, or the trailing number of "
+                   "the process label, e.g. scheduler-3 (slot)")
+    p.add_argument("--from", dest="start", choices=("oldest", "end"), default="oldest",
+                   help="with no saved position: every event still in the log, or only "
+                   "new ones (oldest)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="ignore the position a previous publisher saved")
+    p.add_argument("--duration", type=float, metavar="SECONDS",
+                   help="stop after this long (default: run until stopped)")
+    p.set_defaults(func=cmd_publish)
+
+
 # ---------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "moment keeps working on the removed pool.")
     cleanup.add_argument("--dry-run", action="store_true", help="only say what would go")
     cleanup.set_defaults(func=cmd_cleanup)
+
+    add_publish_parser(sub)
     return parser
 
 
