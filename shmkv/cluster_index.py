@@ -19,20 +19,39 @@ Hashes are kept in the form events carry them (``shmkv.events.external_block_has
 low 64 bits as a decimal integer by default, or the 32-byte digest in hex.
 
 Exactly once: a batch is applied by one Lua script together with its source's ``seq``, and
-only if its sequence number is above the stored one, so a replayed or duplicated batch is a
-no-op and a crash between two batches loses nothing. A batch from another pool *epoch* (the
-pool was re-created, or repaired, on that node) first drops everything the source held.
+only if it is the source's next one (its sequence numbers are consecutive: the pool log's),
+so a replayed or duplicated batch is a no-op and a missing one is noticed. Each source's
+state starts from a *snapshot* of its pool's prefix cache (the publisher's ``snapshot``
+request), tagged with the pool's identity (its *epoch* here): a pool re-created on a
+node has another identity, and the index drops what the old one held. A pool repaired after
+a crash keeps its identity and its stream stays exact: the events of a hold that was rolled
+back were never published (the publisher reads the log under the pool lock), and keys a
+rebuild drops are logged as ``BlockRemoved``.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shmkv.errors import UsageError
-from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shmkv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    external_block_hash,
+    use_int_block_hashes,
+)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KEY_PREFIX = "shmkv"
+APPLIED, DUPLICATE, OUT_OF_SYNC = 1, 0, -1
+_NO_WAIT_S = 0.001  # a subscriber's recv() that only takes what has arrived
 
 _CLEAR_LUA = """
 local function clear_source(prefix, source)
@@ -46,21 +65,25 @@ local function clear_source(prefix, source)
 end
 """
 
-# ARGV: prefix, source, seq, epoch, node, scheduler, then (op, group, hash) triples;
-# op is 's' (stored), 'r' (removed) or 'c' (all cleared; group and hash empty).
+# ARGV: prefix, source, seq, epoch, node, scheduler, mode, then (op, group, hash) triples;
+# op is 's' (stored), 'r' (removed) or 'c' (all cleared; group and hash empty). Mode 'n'
+# applies the batch only if it is the source's next one of the same epoch: returns 1, 0
+# for a batch already applied, -1 if the source is out of sync (unknown, another epoch, or
+# a gap). Mode 's' (a snapshot) first drops whatever the source held, and always applies.
 _APPLY_LUA = _CLEAR_LUA + """
 local prefix, source = ARGV[1], ARGV[2]
-local seq, epoch = tonumber(ARGV[3]), ARGV[4]
+local seq, epoch, mode = tonumber(ARGV[3]), ARGV[4], ARGV[7]
 local meta = prefix .. ':s:' .. source
 local held = prefix .. ':k:' .. source
-local old_epoch = redis.call('HGET', meta, 'epoch')
-local last = tonumber(redis.call('HGET', meta, 'seq') or '-1')
-if old_epoch and old_epoch ~= epoch then
+if mode == 's' then
   clear_source(prefix, source)
-  last = -1
+else
+  if redis.call('HGET', meta, 'epoch') ~= epoch then return -1 end
+  local last = tonumber(redis.call('HGET', meta, 'seq'))
+  if seq <= last then return 0 end
+  if seq ~= last + 1 then return -1 end
 end
-if seq <= last then return 0 end
-for i = 7, #ARGV, 3 do
+for i = 8, #ARGV, 3 do
   local op = ARGV[i]
   if op == 'c' then
     clear_source(prefix, source)
@@ -168,14 +191,27 @@ class RedisPrefixIndex:
     # -- feeding
 
     def apply_batch(self, source: str, seq: int, batch: KVEventBatch, *, epoch: int | str,
-                    node: str | None = None, scheduler: int | str | None = None) -> bool:
-        """Applies one event batch of ``source``, atomically with its sequence number.
+                    node: str | None = None, scheduler: int | str | None = None) -> int:
+        """Applies ``source``'s batch ``seq``, atomically with its sequence number.
 
-        Returns False (and changes nothing) if ``seq`` is not above the last one applied
-        for this source and epoch: a replayed or duplicated batch.
+        Returns ``APPLIED``; ``DUPLICATE`` (nothing changed) if the batch was applied
+        already; ``OUT_OF_SYNC`` (nothing changed) if it is not the source's next batch of
+        this epoch (the index never heard of the source, lost it in a Redis restart, holds
+        another epoch, or a batch is missing): start again from a snapshot.
         """
+        return self._run_apply("n", source, seq, batch, epoch, node, scheduler)
+
+    def apply_snapshot(self, source: str, seq: int, batch: KVEventBatch, *,
+                       epoch: int | str, node: str | None = None,
+                       scheduler: int | str | None = None) -> int:
+        """Replaces everything ``source`` holds by the snapshot ``batch``, the source's
+        cache as of its event ``seq`` (-1: before any). Returns ``APPLIED``."""
+        return self._run_apply("s", source, seq, batch, epoch, node, scheduler)
+
+    def _run_apply(self, mode: str, source: str, seq: int, batch: KVEventBatch,
+                   epoch: int | str, node: str | None, scheduler: int | str | None) -> int:
         _check_name("source", source)
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < (-1 if mode == "s" else 0):
             raise UsageError(f"seq must be a non-negative int, got {seq!r}")
         if scheduler is None:
             scheduler = "" if batch.data_parallel_rank is None else batch.data_parallel_rank
@@ -190,9 +226,8 @@ class RedisPrefixIndex:
             group = str(event.group_idx or 0)
             for block_hash in event.block_hashes:
                 ops += [op, group, _hash_text(block_hash)]
-        applied = self._apply(args=[self.key_prefix, source, seq, str(epoch), node or source,
-                                    str(scheduler), *ops])
-        return bool(int(applied))
+        return int(self._apply(args=[self.key_prefix, source, seq, str(epoch), node or source,
+                                     str(scheduler), mode, *ops]))
 
     def forget_source(self, source: str) -> int:
         """Drops a source and every key it held; returns how many keys it held."""
@@ -241,3 +276,223 @@ def block_keys(block_hashes: Iterable[int | bytes], group: int = 0) -> set[str]:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+# ------------------------------------------------------------------------ the indexer
+
+
+@dataclass(frozen=True)
+class IndexSource:
+    """One pool's event stream: its publisher's PUB and replay (ROUTER) endpoints."""
+
+    name: str
+    endpoint: str
+    replay_endpoint: str
+    topic: str = ""
+    node: str | None = None
+
+
+@dataclass
+class IndexerStats:
+    applied: int = 0       # batches applied live
+    duplicates: int = 0    # batches the index had already
+    snapshots: int = 0     # sources (re)started from a snapshot
+    replayed: int = 0      # batches applied from a replay on start
+    redis_errors: int = 0  # Redis calls that failed (the source resyncs afterwards)
+
+
+class ClusterIndexer:
+    """Keeps a :class:`RedisPrefixIndex` equal to the prefix caches of several pools.
+
+    For each source it subscribes to the publisher, then catches up: by replay from the
+    index's last sequence number if the index holds this very pool, else from a snapshot.
+    Live batches are applied one by one; a batch the index refuses as out of sync (Redis
+    lost its data, or events were lost) and a pool whose identity changed (checked every
+    ``identity_check_s``) start the source again from a snapshot. So the indexer survives
+    its own restart (it keeps no state of its own) and Redis restarts.
+
+    Use from one thread: ``poll()`` in a loop, or ``run()``.
+    """
+
+    def __init__(self, index: RedisPrefixIndex, sources: Sequence[IndexSource], *,
+                 identity_check_s: float = 1.0, replay_timeout_s: float = 10.0) -> None:
+        from shmkv.publisher import KVEventSubscriber, require_zmq
+
+        zmq = require_zmq()
+        names = [src.name for src in sources]
+        if not sources or len(set(names)) != len(names):
+            raise UsageError(f"sources must be non-empty with distinct names, got {names}")
+        for src in sources:
+            _check_name("source name", src.name)
+        self.index = index
+        self.sources = list(sources)
+        self.stats = IndexerStats()
+        self._identity_check_s = identity_check_s
+        self._subs = {src.name: KVEventSubscriber(src.endpoint, src.replay_endpoint,
+                                                  src.topic, replay_timeout_s=replay_timeout_s)
+                      for src in sources}
+        self._identity: dict[str, str] = {}
+        self._in_sync: dict[str, bool] = dict.fromkeys(names, False)
+        self._next_identity_check = 0.0
+        self._poller = zmq.Poller()
+        self._by_socket = {}
+        for src in sources:
+            sock = self._subs[src.name].socket
+            self._poller.register(sock, zmq.POLLIN)
+            self._by_socket[sock] = src
+
+    # -- catching up
+
+    def _snapshot(self, src: IndexSource) -> None:
+        seq, batch, identity = self._subs[src.name].snapshot()
+        self.index.apply_snapshot(src.name, seq, batch, epoch=identity, node=src.node)
+        self._identity[src.name] = identity
+        self.stats.snapshots += 1
+
+    def _replay(self, src: IndexSource, identity: str) -> bool:
+        """Catches up by replay from where the index stands; False if it cannot (the
+        index holds another pool, or the log no longer has what is missing)."""
+        from shmkv.events import decode_batch
+
+        sub = self._subs[src.name]
+        state = next((st for st in self.index.sources() if st.source == src.name), None)
+        if state is None or state.epoch != identity:
+            return False
+        replayed = sub.replay(state.seq + 1)
+        if replayed and replayed[0][0] != state.seq + 1:
+            return False
+        for seq, payload in replayed:
+            result = self.index.apply_batch(src.name, seq, decode_batch(payload),
+                                            epoch=identity, node=src.node)
+            if result == OUT_OF_SYNC:
+                return False
+            self.stats.replayed += result == APPLIED
+        sub.expected = (replayed[-1][0] if replayed else state.seq) + 1
+        return True
+
+    def _catch_up(self, src: IndexSource) -> None:
+        identity = self._subs[src.name].identity()
+        if self._replay(src, identity):
+            self._identity[src.name] = identity
+        else:
+            self._snapshot(src)
+        self._in_sync[src.name] = True
+
+    def _apply_live(self, src: IndexSource, seq: int, batch: KVEventBatch) -> None:
+        result = self.index.apply_batch(src.name, seq, batch, epoch=self._identity[src.name],
+                                        node=src.node)
+        if result == APPLIED:
+            self.stats.applied += 1
+        elif result == DUPLICATE:
+            self.stats.duplicates += 1
+        else:
+            self._in_sync[src.name] = False
+
+    # -- the loop
+
+    def poll(self, timeout_s: float = 0.05) -> int:
+        """One turn: resyncs the sources that need it, then applies the batches that
+        arrive within ``timeout_s``. Returns how many were applied."""
+        import redis
+
+        before = self.stats.applied
+        try:
+            now = time.monotonic()
+            if now >= self._next_identity_check:
+                self._next_identity_check = now + self._identity_check_s
+                for src in self.sources:
+                    if (self._in_sync[src.name]
+                            and self._subs[src.name].identity() != self._identity[src.name]):
+                        self._in_sync[src.name] = False
+            for src in self.sources:
+                if not self._in_sync[src.name]:
+                    self._catch_up(src)
+            ready = dict(self._poller.poll(int(timeout_s * 1000)))
+            while ready:
+                for sock in ready:
+                    src = self._by_socket[sock]
+                    sub = self._subs[src.name]
+                    lost_before = sub.unfilled
+                    got = sub.recv(timeout_s=_NO_WAIT_S)
+                    while got is not None and self._in_sync[src.name]:
+                        if sub.unfilled != lost_before:  # events lost for good: resync
+                            self._in_sync[src.name] = False
+                            break
+                        self._apply_live(src, *got)
+                        got = sub.recv(timeout_s=_NO_WAIT_S)
+                ready = dict(self._poller.poll(0))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.stats.redis_errors += 1
+            self._in_sync = dict.fromkeys(self._in_sync, False)
+            logger.warning("Redis unreachable (%s); every source resyncs when it is back", exc)
+            time.sleep(min(timeout_s, 0.2))
+        return self.stats.applied - before
+
+    def run(self, stop: threading.Event | None = None, duration_s: float | None = None) -> None:
+        """Polls until ``stop`` is set or ``duration_s`` has passed."""
+        deadline = None if duration_s is None else time.monotonic() + duration_s
+        while not (stop is not None and stop.is_set()) and (
+                deadline is None or time.monotonic() < deadline):
+            self.poll()
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.close()
+        self._subs = {}
+
+    def __enter__(self) -> ClusterIndexer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------ the router
+
+
+class PrefixRouter:
+    """Answers "how much of this prompt is cached where" from the index, one round trip.
+
+    Hashes prompts as the pools do (vLLM's chained block hashes over ``hash_block_size``
+    tokens, with ``cache_salt`` on the first block), so it must be given the pools' hash
+    settings: their ``hash_block_size``, ``hash_fn_name`` and NONE_HASH (shmkv's default,
+    sha256 of vLLM's default seed, unless the pools were made with another).
+    """
+
+    def __init__(self, index: RedisPrefixIndex, hash_block_size: int = 16,
+                 hash_fn_name: str = "sha256", none_hash: bytes | None = None) -> None:
+        from shmkv.hashing import RequestBlockHasher, get_hash_fn_by_name
+        from shmkv.hashing import none_hash as make_none_hash
+
+        hash_fn = get_hash_fn_by_name(hash_fn_name)
+        self.index = index
+        self.hash_block_size = hash_block_size
+        self._hasher = RequestBlockHasher(hash_block_size, hash_fn,
+                                          none_hash if none_hash is not None
+                                          else make_none_hash(hash_fn))
+        self._as_int = use_int_block_hashes()
+
+    def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+                     ) -> list[bytes]:
+        from shmkv.request import Request
+
+        return list(Request("route", list(prompt_token_ids), block_hasher=self._hasher,
+                            cache_salt=cache_salt).block_hashes)
+
+    def cached_tokens(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None,
+                      group: int = 0) -> dict[str, int]:
+        """Source -> leading prompt tokens cached there (sources with none are left out)."""
+        hashes = [external_block_hash(h, self._as_int)
+                  for h in self.block_hashes(prompt_token_ids, cache_salt)]
+        return {source: blocks * self.hash_block_size
+                for source, blocks in self.index.longest_prefixes(hashes, group).items()}
+
+    def route(self, prompt_token_ids: Sequence[int], candidates: Sequence[str],
+              cache_salt: str | None = None) -> tuple[str, int]:
+        """The candidate with the longest cached prefix (the first on ties) and its
+        cached tokens."""
+        if not candidates:
+            raise UsageError("route() needs at least one candidate source")
+        cached = self.cached_tokens(prompt_token_ids, cache_salt)
+        best = max(candidates, key=lambda c: cached.get(c, 0))
+        return best, cached.get(best, 0)

@@ -67,3 +67,10 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def spawn_ctx():
+    import multiprocessing as mp
+
+    return mp.get_context("spawn")

@@ -9,9 +9,15 @@ from collections import Counter
 import pytest
 
 from shmkv import BlockPool, Request
-from shmkv.cluster_index import RedisPrefixIndex, block_keys
+from shmkv.cluster_index import (
+    APPLIED,
+    DUPLICATE,
+    OUT_OF_SYNC,
+    RedisPrefixIndex,
+    block_keys,
+)
 from shmkv.errors import UsageError
-from shmkv.events import KVEventBatch, external_block_hash
+from shmkv.events import AllBlocksCleared, BlockStored, KVEventBatch, external_block_hash
 from tests.conftest import unique_pool_name
 
 redis = pytest.importorskip("redis")
@@ -75,9 +81,12 @@ def feed(index: RedisPrefixIndex, source: str, pool: BlockPool, cursor, epoch=1)
     how many of each kind."""
     events, lost = pool.read_events(cursor)
     assert lost == 0
+    if source not in {st.source for st in index.sources()}:
+        index.apply_snapshot(source, cursor.seq - len(events) - 1, KVEventBatch(0.0, []),
+                             epoch=epoch)
     for logged in events:
         assert index.apply_batch(source, logged.seq, KVEventBatch(logged.ts, [logged.event]),
-                                 epoch=epoch)
+                                 epoch=epoch) == APPLIED
     return Counter(type(logged.event).__name__ for logged in events)
 
 
@@ -110,33 +119,52 @@ def test_the_index_equals_each_pool_after_stores_evictions_and_a_reset(index, po
     b.check_invariants()
 
 
-def test_replayed_batches_are_applied_once(index, pools):
+def test_replayed_batches_are_applied_once_and_gaps_are_refused(index, pools):
     pool = pools()
     serve(pool, random.Random(2), 10)
     events, _ = pool.read_events(pool.event_cursor())
+    index.apply_snapshot("n", -1, KVEventBatch(0.0, []), epoch=7)
+    first, rest = events[0], events[1:]
+    assert index.apply_batch("n", first.seq, KVEventBatch(0.0, [first.event]), epoch=7) == APPLIED
+    # One missing: refused, nothing changes.
+    keys = index.source_keys("n")
+    gap = rest[1]
+    assert index.apply_batch("n", gap.seq, KVEventBatch(0.0, [gap.event]), epoch=7) == OUT_OF_SYNC
+    assert index.source_keys("n") == keys
+    for logged in rest:
+        assert index.apply_batch("n", logged.seq, KVEventBatch(logged.ts, [logged.event]),
+                                 epoch=7) == APPLIED
+    # A replay of everything: no-ops.
     for logged in events:
-        index.apply_batch("n", logged.seq, KVEventBatch(logged.ts, [logged.event]), epoch=7)
-    # A replay of everything, and a duplicate of the last one: no-ops.
-    for logged in events:
-        assert not index.apply_batch("n", logged.seq, KVEventBatch(0.0, [logged.event]),
-                                     epoch=7)
+        assert index.apply_batch("n", logged.seq, KVEventBatch(0.0, [logged.event]),
+                                 epoch=7) == DUPLICATE
     assert index.source_keys("n") == cached_keys(pool)
     [state] = index.sources()
     assert (state.source, state.seq, state.epoch) == ("n", events[-1].seq, "7")
     assert state.num_keys == len(cached_keys(pool))
+    # Another epoch, or a source never started: out of sync.
+    assert index.apply_batch("n", events[-1].seq + 1, KVEventBatch(0.0, []),
+                             epoch=8) == OUT_OF_SYNC
+    assert index.apply_batch("new", 0, KVEventBatch(0.0, []), epoch=7) == OUT_OF_SYNC
+    assert [st.source for st in index.sources()] == ["n"]
 
 
-def test_a_new_epoch_drops_what_the_source_held(index, pools):
+def test_a_snapshot_replaces_what_the_source_held(index, pools):
     old = pools()
     serve(old, random.Random(3), 8)
     feed(index, "n", old, old.event_cursor(), epoch=1)
     assert index.source_keys("n")
-    fresh = pools()  # the node restarted: a new pool, its log starts again
+    fresh = pools()  # the node restarted: a new pool
     reqs = serve(fresh, random.Random(4), 3)
-    feed(index, "n", fresh, fresh.event_cursor(), epoch=2)
+    snapshot = KVEventBatch(0.0, [AllBlocksCleared()] + [
+        BlockStored([external_block_hash(h, True) for h in hashes], None, [], BS, None, None,
+                    None, group_idx=group)
+        for group, hashes in fresh.cached_keys_by_group().items()])
+    assert index.apply_snapshot("n", 41, snapshot, epoch=2) == APPLIED
     assert index.source_keys("n") == cached_keys(fresh)
     assert index.longest_prefixes(ext(reqs[0].block_hashes)) == {
         "n": len(fresh.get_cached_prefix(reqs[0].block_hashes))}
+    assert index.sources()[0].seq == 41
 
 
 def test_forget_source_removes_it_and_its_keys(index, pools):
@@ -149,14 +177,11 @@ def test_forget_source_removes_it_and_its_keys(index, pools):
 
 
 def test_lookups_stop_at_the_first_gap_of_each_source(index):
-    stored = [10, 11, 12, 13]
-    from shmkv.events import BlockStored
-
     def stored_batch(hashes):
         return KVEventBatch(0.0, [BlockStored(hashes, None, [], BS, None, None, None)])
 
-    index.apply_batch("x", 0, stored_batch(stored), epoch=1)
-    index.apply_batch("y", 0, stored_batch([10, 11, 13]), epoch=1)  # 12 missing
+    index.apply_snapshot("x", 0, stored_batch([10, 11, 12, 13]), epoch=1)
+    index.apply_snapshot("y", 0, stored_batch([10, 11, 13]), epoch=1)  # 12 missing
     assert index.longest_prefixes([10, 11, 12, 13, 14]) == {"x": 4, "y": 2}
     assert index.longest_prefixes([11, 12]) == {"x": 2, "y": 1}
     assert index.longest_prefixes([99, 10]) == {}
@@ -177,6 +202,8 @@ def test_bad_input_is_refused_and_changes_nothing(index, kwargs, says):
     args = {"source": "s", "seq": 0, "batch": KVEventBatch(0.0, []), "epoch": 1} | kwargs
     with pytest.raises(UsageError, match=says):
         index.apply_batch(**args)
+    with pytest.raises(UsageError, match=says):
+        index.apply_snapshot(**(args | {"seq": -2} if kwargs.get("seq") == -1 else args))
     assert index.sources() == []
     with pytest.raises(UsageError, match="block hash"):
         index.longest_prefixes([1.5])
