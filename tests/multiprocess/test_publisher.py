@@ -135,7 +135,7 @@ def check_wire_and_decode(messages, topic: bytes, vllm_decoder) -> list[tuple[in
             assert theirs.data_parallel_rank == batch.data_parallel_rank
             assert [type(e).__name__ for e in theirs.events] == \
                 [type(e).__name__ for e in batch.events]
-            for a, b in zip(theirs.events, batch.events):
+            for a, b in zip(theirs.events, batch.events, strict=True):
                 assert getattr(a, "block_hashes", None) == getattr(b, "block_hashes", None)
                 if isinstance(b, BlockStored):
                     assert (a.parent_block_hash, a.token_ids, a.block_size, a.medium,
@@ -173,7 +173,7 @@ def test_plain_sub_socket_decodes_every_event_once_in_order(events_pool, vllm_de
     assert first_live > 0
     stream = [x for x in replayed if x[0] < first_live] + live
     assert [s for s, _ in stream] == [e.seq for e in log] == list(range(len(log)))
-    for (seq, batch), entry in zip(stream, log):
+    for (_, batch), entry in zip(stream, log, strict=True):
         assert batch.events == [entry.event] and batch.ts == entry.ts
         assert batch.data_parallel_rank == entry.slot  # the creator's slot, 0
     assert sum(isinstance(e.event, BlockStored) for e in log) == 63 + (r - 3)
