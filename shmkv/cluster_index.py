@@ -188,6 +188,10 @@ class RedisPrefixIndex:
 
         return cls(redis.Redis.from_url(url, decode_responses=True), key_prefix)
 
+    def ping(self) -> None:
+        """Raises redis.RedisError if Redis cannot be reached."""
+        self._redis.ping()
+
     # -- feeding
 
     def apply_batch(self, source: str, seq: int, batch: KVEventBatch, *, epoch: int | str,
