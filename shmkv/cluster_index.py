@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KEY_PREFIX = "shmkv"
 APPLIED, DUPLICATE, OUT_OF_SYNC = 1, 0, -1
 _NO_WAIT_S = 0.001  # a subscriber's recv() that only takes what has arrived
+_BATCHES_PER_CALL = 256  # batches applied per Redis round trip
 
 _CLEAR_LUA = """
 local function clear_source(prefix, source)
@@ -65,46 +66,64 @@ local function clear_source(prefix, source)
 end
 """
 
-# ARGV: prefix, source, seq, epoch, node, scheduler, mode, then (op, group, hash) triples;
-# op is 's' (stored), 'r' (removed) or 'c' (all cleared; group and hash empty). Mode 'n'
-# applies the batch only if it is the source's next one of the same epoch: returns 1, 0
-# for a batch already applied, -1 if the source is out of sync (unknown, another epoch, or
-# a gap). Mode 's' (a snapshot) first drops whatever the source held, and always applies.
+# ARGV: prefix, source, epoch, node, mode, then for each batch: its seq, scheduler, number
+# of ops n and n (op, group, hash) triples, op being 's' (stored), 'r' (removed) or 'c' (all
+# cleared; group and hash empty). Mode 'n' applies each batch only if it is the source's
+# next one of the same epoch, skips one already applied, and stops at the first that is
+# neither (the source is out of sync: unknown, of another epoch, or a batch is missing).
+# Mode 's' (one snapshot batch) first drops whatever the source held. Returns {in_sync
+# (1 or 0), batches applied, duplicates skipped}; the batches before a refused one stay.
 _APPLY_LUA = _CLEAR_LUA + """
-local prefix, source = ARGV[1], ARGV[2]
-local seq, epoch, mode = tonumber(ARGV[3]), ARGV[4], ARGV[7]
+local prefix, source, epoch, node, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local meta = prefix .. ':s:' .. source
 local held = prefix .. ':k:' .. source
+local last, scheduler = nil, nil
 if mode == 's' then
   clear_source(prefix, source)
-else
-  if redis.call('HGET', meta, 'epoch') ~= epoch then return -1 end
-  local last = tonumber(redis.call('HGET', meta, 'seq'))
-  if seq <= last then return 0 end
-  if seq ~= last + 1 then return -1 end
+elseif redis.call('HGET', meta, 'epoch') == epoch then
+  last = tonumber(redis.call('HGET', meta, 'seq'))
 end
-for i = 8, #ARGV, 3 do
-  local op = ARGV[i]
-  if op == 'c' then
-    clear_source(prefix, source)
+local applied, duplicates, in_sync = 0, 0, 1
+local i = 6
+while i <= #ARGV do
+  local seq, nops = tonumber(ARGV[i]), tonumber(ARGV[i + 2])
+  local first, stop = i + 3, i + 2 + 3 * nops
+  i = stop + 1
+  if mode ~= 's' and last == nil then in_sync = 0; break end
+  if mode ~= 's' and seq <= last then
+    duplicates = duplicates + 1
+  elseif mode ~= 's' and seq ~= last + 1 then
+    in_sync = 0
+    break
   else
-    local key = ARGV[i + 1] .. ':' .. ARGV[i + 2]
-    local block = prefix .. ':b:' .. key
-    if op == 's' then
-      redis.call('HINCRBY', block, source, 1)
-      redis.call('SADD', held, key)
-    else
-      local left = redis.call('HINCRBY', block, source, -1)
-      if left <= 0 then
-        redis.call('HDEL', block, source)
-        redis.call('SREM', held, key)
+    for j = first, stop, 3 do
+      local op = ARGV[j]
+      if op == 'c' then
+        clear_source(prefix, source)
+      else
+        local key = ARGV[j + 1] .. ':' .. ARGV[j + 2]
+        local block = prefix .. ':b:' .. key
+        if op == 's' then
+          redis.call('HINCRBY', block, source, 1)
+          redis.call('SADD', held, key)
+        else
+          local left = redis.call('HINCRBY', block, source, -1)
+          if left <= 0 then
+            redis.call('HDEL', block, source)
+            redis.call('SREM', held, key)
+          end
+        end
       end
     end
+    last, scheduler = seq, ARGV[first - 2]
+    applied = applied + 1
   end
 end
-redis.call('HSET', meta, 'seq', seq, 'epoch', epoch, 'node', ARGV[5], 'scheduler', ARGV[6])
-redis.call('SADD', prefix .. ':sources', source)
-return 1
+if applied > 0 then
+  redis.call('HSET', meta, 'seq', last, 'epoch', epoch, 'node', node, 'scheduler', scheduler)
+  redis.call('SADD', prefix .. ':sources', source)
+end
+return {in_sync, applied, duplicates}
 """
 
 # ARGV: prefix, group, hashes in prompt order. Returns {source, blocks, ...}.
@@ -140,6 +159,16 @@ redis.call('DEL', ARGV[1] .. ':s:' .. ARGV[2])
 redis.call('SREM', ARGV[1] .. ':sources', ARGV[2])
 return n
 """
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What ``apply_batches`` did: whether the source is still in sync, and how many
+    batches it applied and skipped as duplicates."""
+
+    in_sync: bool
+    applied: int
+    duplicates: int
 
 
 @dataclass(frozen=True)
@@ -194,44 +223,54 @@ class RedisPrefixIndex:
 
     # -- feeding
 
-    def apply_batch(self, source: str, seq: int, batch: KVEventBatch, *, epoch: int | str,
-                    node: str | None = None, scheduler: int | str | None = None) -> int:
-        """Applies ``source``'s batch ``seq``, atomically with its sequence number.
+    def apply_batches(self, source: str, batches: Sequence[tuple[int, KVEventBatch]], *,
+                      epoch: int | str, node: str | None = None) -> ApplyResult:
+        """Applies ``source``'s consecutive ``(seq, batch)`` pairs in one round trip, each
+        atomically with its sequence number: a batch applied already is skipped, and the
+        first that is not the source's next one of this epoch stops the call (the index
+        never heard of the source, lost it in a Redis restart, holds another epoch, or a
+        batch is missing); the source must then start again from a snapshot."""
+        return self._run_apply("n", source, batches, epoch, node)
 
-        Returns ``APPLIED``; ``DUPLICATE`` (nothing changed) if the batch was applied
-        already; ``OUT_OF_SYNC`` (nothing changed) if it is not the source's next batch of
-        this epoch (the index never heard of the source, lost it in a Redis restart, holds
-        another epoch, or a batch is missing): start again from a snapshot.
-        """
-        return self._run_apply("n", source, seq, batch, epoch, node, scheduler)
+    def apply_batch(self, source: str, seq: int, batch: KVEventBatch, *, epoch: int | str,
+                    node: str | None = None) -> int:
+        """One batch: ``APPLIED``, ``DUPLICATE`` (nothing changed) or ``OUT_OF_SYNC``
+        (nothing changed), as :meth:`apply_batches`."""
+        result = self._run_apply("n", source, [(seq, batch)], epoch, node)
+        return APPLIED if result.applied else DUPLICATE if result.in_sync else OUT_OF_SYNC
 
     def apply_snapshot(self, source: str, seq: int, batch: KVEventBatch, *,
-                       epoch: int | str, node: str | None = None,
-                       scheduler: int | str | None = None) -> int:
+                       epoch: int | str, node: str | None = None) -> int:
         """Replaces everything ``source`` holds by the snapshot ``batch``, the source's
         cache as of its event ``seq`` (-1: before any). Returns ``APPLIED``."""
-        return self._run_apply("s", source, seq, batch, epoch, node, scheduler)
+        self._run_apply("s", source, [(seq, batch)], epoch, node)
+        return APPLIED
 
-    def _run_apply(self, mode: str, source: str, seq: int, batch: KVEventBatch,
-                   epoch: int | str, node: str | None, scheduler: int | str | None) -> int:
+    def _run_apply(self, mode: str, source: str, batches: Sequence[tuple[int, KVEventBatch]],
+                   epoch: int | str, node: str | None) -> ApplyResult:
         _check_name("source", source)
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < (-1 if mode == "s" else 0):
-            raise UsageError(f"seq must be a non-negative int, got {seq!r}")
-        if scheduler is None:
-            scheduler = "" if batch.data_parallel_rank is None else batch.data_parallel_rank
-        ops: list[str] = []
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
-                ops += ["c", "", ""]
-                continue
-            if not isinstance(event, (BlockStored, BlockRemoved)):
-                raise UsageError(f"not a KV-cache event: {type(event).__name__}")
-            op = "s" if isinstance(event, BlockStored) else "r"
-            group = str(event.group_idx or 0)
-            for block_hash in event.block_hashes:
-                ops += [op, group, _hash_text(block_hash)]
-        return int(self._apply(args=[self.key_prefix, source, seq, str(epoch), node or source,
-                                     str(scheduler), mode, *ops]))
+        args: list[object] = [self.key_prefix, source, str(epoch), node or source, mode]
+        for seq, batch in batches:
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < (
+                    -1 if mode == "s" else 0):
+                raise UsageError(f"seq must be a non-negative int, got {seq!r}")
+            ops: list[str] = []
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    ops += ["c", "", ""]
+                    continue
+                if not isinstance(event, (BlockStored, BlockRemoved)):
+                    raise UsageError(f"not a KV-cache event: {type(event).__name__}")
+                op = "s" if isinstance(event, BlockStored) else "r"
+                group = str(event.group_idx or 0)
+                for block_hash in event.block_hashes:
+                    ops += [op, group, _hash_text(block_hash)]
+            rank = batch.data_parallel_rank
+            args += [seq, "" if rank is None else rank, len(ops) // 3, *ops]
+        if len(args) == 5:
+            return ApplyResult(True, 0, 0)
+        in_sync, applied, duplicates = self._apply(args=args)
+        return ApplyResult(bool(int(in_sync)), int(applied), int(duplicates))
 
     def forget_source(self, source: str) -> int:
         """Drops a source and every key it held; returns how many keys it held."""
@@ -365,12 +404,13 @@ class ClusterIndexer:
         replayed = sub.replay(state.seq + 1)
         if replayed and replayed[0][0] != state.seq + 1:
             return False
-        for seq, payload in replayed:
-            result = self.index.apply_batch(src.name, seq, decode_batch(payload),
-                                            epoch=identity, node=src.node)
-            if result == OUT_OF_SYNC:
+        for start in range(0, len(replayed), _BATCHES_PER_CALL):
+            chunk = [(seq, decode_batch(payload))
+                     for seq, payload in replayed[start:start + _BATCHES_PER_CALL]]
+            result = self.index.apply_batches(src.name, chunk, epoch=identity, node=src.node)
+            self.stats.replayed += result.applied
+            if not result.in_sync:
                 return False
-            self.stats.replayed += result == APPLIED
         sub.expected = (replayed[-1][0] if replayed else state.seq) + 1
         return True
 
@@ -382,14 +422,12 @@ class ClusterIndexer:
             self._snapshot(src)
         self._in_sync[src.name] = True
 
-    def _apply_live(self, src: IndexSource, seq: int, batch: KVEventBatch) -> None:
-        result = self.index.apply_batch(src.name, seq, batch, epoch=self._identity[src.name],
-                                        node=src.node)
-        if result == APPLIED:
-            self.stats.applied += 1
-        elif result == DUPLICATE:
-            self.stats.duplicates += 1
-        else:
+    def _apply_live(self, src: IndexSource, batches: list[tuple[int, KVEventBatch]]) -> None:
+        result = self.index.apply_batches(src.name, batches, epoch=self._identity[src.name],
+                                          node=src.node)
+        self.stats.applied += result.applied
+        self.stats.duplicates += result.duplicates
+        if not result.in_sync:
             self._in_sync[src.name] = False
 
     # -- the loop
@@ -417,13 +455,14 @@ class ClusterIndexer:
                     src = self._by_socket[sock]
                     sub = self._subs[src.name]
                     lost_before = sub.unfilled
-                    got = sub.recv(timeout_s=_NO_WAIT_S)
-                    while got is not None and self._in_sync[src.name]:
-                        if sub.unfilled != lost_before:  # events lost for good: resync
-                            self._in_sync[src.name] = False
-                            break
-                        self._apply_live(src, *got)
-                        got = sub.recv(timeout_s=_NO_WAIT_S)
+                    pending = []
+                    while len(pending) < _BATCHES_PER_CALL and (
+                            got := sub.recv(timeout_s=_NO_WAIT_S)) is not None:
+                        pending.append(got)
+                    if sub.unfilled != lost_before:  # events lost for good: resync
+                        self._in_sync[src.name] = False
+                    elif pending and self._in_sync[src.name]:
+                        self._apply_live(src, pending)
                 ready = dict(self._poller.poll(0))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.stats.redis_errors += 1

@@ -13,6 +13,7 @@ from shmkv.cluster_index import (
     APPLIED,
     DUPLICATE,
     OUT_OF_SYNC,
+    ApplyResult,
     RedisPrefixIndex,
     block_keys,
 )
@@ -210,3 +211,21 @@ def test_bad_input_is_refused_and_changes_nothing(index, kwargs, says):
     with pytest.raises(UsageError, match="key_prefix"):
         RedisPrefixIndex(index._redis, key_prefix="a:b")
 
+
+
+def test_apply_batches_in_one_call_skips_duplicates_and_stops_at_a_gap(index, pools):
+    pool = pools()
+    serve(pool, random.Random(6), 6)
+    events, _ = pool.read_events(pool.event_cursor())
+    assert len(events) >= 6
+    batches = [(e.seq, KVEventBatch(e.ts, [e.event])) for e in events]
+    index.apply_snapshot("n", -1, KVEventBatch(0.0, []), epoch=1)
+    assert index.apply_batches("n", batches[:2], epoch=1) == ApplyResult(True, 2, 0)
+    # duplicate, next, next, then a gap (batch 5 without 4), then one that would follow.
+    mixed = [batches[1], batches[2], batches[3], batches[5], batches[4]]
+    assert index.apply_batches("n", mixed, epoch=1) == ApplyResult(False, 2, 1)
+    assert index.sources()[0].seq == batches[3][0]
+    assert index.apply_batches("n", batches[4:], epoch=1) == ApplyResult(
+        True, len(batches) - 4, 0)
+    assert index.source_keys("n") == cached_keys(pool)
+    assert index.apply_batches("n", [], epoch=1) == ApplyResult(True, 0, 0)
