@@ -8,7 +8,16 @@ indexer, vLLM's own tooling) subscribe to a shmkv pool exactly as to a vLLM engi
   every published batch from ``start_seq`` on, as ``[b"", topic, seq, payload]``, and then
   the end marker ``[b"", b"", -1 (8 bytes, signed), b""]``;
 - each batch's ``data_parallel_rank`` names the scheduler process whose call produced its
-  events (by default its process-table slot, see ``rank_from``).
+  events (by default its process-table slot, see ``rank_from``);
+- a shmkv extension on the same ROUTER socket: ``[b"", b"snapshot"]`` is answered with one
+  batch ``[b"", topic, seq + 1, payload]`` that *is* the pool's prefix cache as of event
+  ``seq`` (so the frame names the first event it leaves out)
+  (``AllBlocksCleared``, then one ``BlockStored`` per KV-cache group listing every cached
+  block's hash, a key held by several blocks listed as often), then
+  ``[b"", b"", -1, identity]``, where ``identity`` names the pool (``pool_identity``) so that
+  a consumer tells a re-created pool from the one it knew (``[b"", b"identity"]`` asks for
+  that frame alone). An indexer that lost its state,
+  or fell behind the ring, starts again from a snapshot instead of from sequence number 0.
 
 How shmkv differs from vLLM's ``ZmqEventPublisher``, and why. vLLM has one publisher per
 engine with a counter of its own; a shmkv pool has one log for all its schedulers, so ONE
@@ -54,18 +63,33 @@ from shmkv.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
 from shmkv.event_log import EventCursor, LoggedEvent, decode_event
 from shmkv.events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     decode_batch,
     encode_batch,
     external_block_hash,
+    use_int_block_hashes,
 )
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay end marker: -1 as an 8-byte signed big-endian integer (vLLM's ``END_SEQ``)."""
+SNAPSHOT_REQUEST = b"snapshot"
+"""The replay request that asks for a snapshot of the prefix cache (a shmkv extension)."""
+IDENTITY_REQUEST = b"identity"
+"""The replay request that asks only for ``pool_identity`` (a shmkv extension)."""
+
+
+def pool_identity(pool: BlockPool) -> str:
+    """A name for one incarnation of a pool: its segment, creator pid and NONE_HASH, so a
+    pool re-created under the same name (a node restart) has another identity."""
+    hdr = pool.layout.view(pool._segment.buf, "header")[0]
+    identity = f"{pool.pool_name}:{int(hdr['creator_pid'])}:{bytes(hdr['none_hash'])[:4].hex()}"
+    del hdr
+    return identity
 
 PUBLISHER_STATE_VERSION = 1
 _STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
@@ -499,6 +523,19 @@ class KVEventPublisher:
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
+        if len(frames) == 3 and frames[2] == IDENTITY_REQUEST:
+            self._replay.send_multipart((frames[0], b"", b"", END_SEQ,
+                                         pool_identity(self.pool).encode()))
+            return
+        if len(frames) == 3 and frames[2] == SNAPSHOT_REQUEST:
+            seq, payload = self.snapshot()
+            # The frame carries seq + 1, the first event the snapshot leaves out, so that an
+            # empty log's snapshot (seq -1) is not mistaken for the end marker.
+            self._replay.send_multipart((frames[0], b"", self._topic,
+                                         (seq + 1).to_bytes(8, "big"), payload))
+            self._replay.send_multipart((frames[0], b"", b"", END_SEQ,
+                                         pool_identity(self.pool).encode()))
+            return
         if len(frames) != 3 or len(frames[2]) != 8:
             logger.warning("ignored a malformed replay request (%d frames)", len(frames))
             return
@@ -527,6 +564,23 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= start:
                 yield seq, payload
+
+    def snapshot(self) -> tuple[int, bytes]:
+        """``(seq, payload)``: one batch that rebuilds the pool's prefix cache as it stood
+        right after log event ``seq`` (-1 if the log is empty), read under one hold of the
+        pool lock; hashes take the form ``int_hashes`` gives live batches."""
+        pool = self.pool
+        as_int = bool(self.int_hashes) or (self.int_hashes is None and use_int_block_hashes())
+        with pool.lock():
+            seq = pool.event_cursor(from_start=False).seq - 1
+            groups = pool.cached_keys_by_group()
+        events: list[Any] = [AllBlocksCleared()]
+        for group, hashes in sorted(groups.items()):
+            events.append(BlockStored(
+                block_hashes=[external_block_hash(h, as_int) for h in hashes],
+                parent_block_hash=None, token_ids=[], block_size=pool.hash_block_size,
+                lora_id=None, medium=pool.medium, lora_name=None, group_idx=group))
+        return seq, encode_batch(KVEventBatch(ts=time.time(), events=events))
 
     def run(self) -> None:
         """Publishes until ``stop()``."""
@@ -607,6 +661,39 @@ class KVEventSubscriber:
 
     def replay(self, start_seq: int) -> list[tuple[int, bytes]]:
         """Asks the replay socket for every batch from ``start_seq``; (seq, payload) pairs."""
+        frames = self._request(start_seq.to_bytes(8, "big"))
+        return [(int.from_bytes(seq_bytes, "big"), payload) for seq_bytes, payload in frames[:-1]]
+
+    @property
+    def socket(self):
+        """The SUB socket, to wait on several subscribers with one ``zmq.Poller``."""
+        return self._sub
+
+    def snapshot(self) -> tuple[int, Any, str]:
+        """Asks the replay socket for a snapshot of the pool's prefix cache: ``(seq, batch,
+        pool identity)``, the batch rebuilding the cache as of event ``seq``. The next
+        batch ``recv()`` returns is then ``seq + 1``."""
+        frames = self._request(SNAPSHOT_REQUEST)
+        if len(frames) != 2 or frames[1][0] != END_SEQ:
+            raise PublisherError(f"{self._replay_endpoint} sent no snapshot (is it a shmkv "
+                                 "publisher?)")
+        seq_bytes, payload = frames[0]
+        seq = int.from_bytes(seq_bytes, "big") - 1
+        self.expected = seq + 1
+        self._ready = deque(item for item in self._ready if item[0] > seq)
+        return seq, self._decode(payload), frames[1][1].decode()
+
+    def identity(self) -> str:
+        """The identity of the pool behind the replay socket (``pool_identity``)."""
+        frames = self._request(IDENTITY_REQUEST)
+        if len(frames) != 1:
+            raise PublisherError(f"{self._replay_endpoint} sent no identity (is it a shmkv "
+                                 "publisher?)")
+        return frames[0][1].decode()
+
+    def _request(self, request: bytes) -> list[tuple[bytes, bytes]]:
+        """Sends one request to the replay socket; its (seq bytes, payload) frames up to
+        and including the end marker."""
         if self._replay_endpoint is None:
             raise UsageError("no replay endpoint was given")
         zmq = self._zmq
@@ -614,17 +701,16 @@ class KVEventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._replay_endpoint)
         try:
-            sock.send_multipart((b"", start_seq.to_bytes(8, "big")))
+            sock.send_multipart((b"", request))
             out = []
             while True:
                 if not sock.poll(self._replay_timeout_ms):
                     raise TimeoutError(f"replay from {self._replay_endpoint}: no answer "
                                        f"within {self._replay_timeout_ms} ms")
-                frames = sock.recv_multipart()
-                _, _, seq_bytes, payload = frames
+                _, _, seq_bytes, payload = sock.recv_multipart()
+                out.append((seq_bytes, payload))
                 if seq_bytes == END_SEQ:
                     return out
-                out.append((int.from_bytes(seq_bytes, "big"), payload))
         finally:
             sock.close(linger=0)
 
