@@ -961,13 +961,10 @@ def cmd_index(args: argparse.Namespace) -> int:
     with ClusterIndexer(index, sources, identity_check_s=args.identity_check) as indexer:
         print(f"indexing {len(sources)} source(s) into {args.redis} (key prefix "
               f"{args.key_prefix!r}): " + ", ".join(src.name for src in sources), flush=True)
-        _stop_on_signals()
+        stop = _StopOnSignals()
         deadline = None if args.duration is None else time.monotonic() + args.duration
-        try:
-            while deadline is None or time.monotonic() < deadline:
-                indexer.poll()
-        except _Stop:
-            pass
+        while not stop.stopped and (deadline is None or time.monotonic() < deadline):
+            indexer.poll()
         st = indexer.stats
         print(f"applied {st.applied} batches live, {st.replayed} by replay, {st.snapshots} "
               f"snapshots, {st.duplicates} duplicates, {st.redis_errors} Redis errors",
