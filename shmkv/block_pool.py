@@ -1554,6 +1554,19 @@ class BlockPool:
     def layout(self) -> L.Layout:
         return self._layout
 
+    def cached_keys_by_group(self) -> dict[int, list[bytes]]:
+        """The prefix cache's keys: for each KV-cache group, the hash of every block cached
+        in it, in block-id order (a key several blocks hold comes once per block)."""
+        with self._lock:
+            rows = self._blocks[1:self.num_gpu_blocks]
+            cached = rows[rows["hash_num_tokens"] != L.NO_HASH_TOKENS]
+            groups = cached["group_id"].tolist()
+            hashes = cached["block_hash"].tolist()
+        out: dict[int, list[bytes]] = {}
+        for group, block_hash in zip(groups, hashes, strict=True):
+            out.setdefault(group, []).append(bytes(block_hash))
+        return out
+
     def get_free_block_ids(self) -> list[int]:
         """The free queue, head (evicted first) to tail."""
         with self._lock:

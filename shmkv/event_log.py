@@ -39,6 +39,11 @@ _decoder = msgspec.msgpack.Decoder(
 )
 
 
+def decode_event(body: bytes) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    """An event from its bytes in the log (``EventLog.read_raw``)."""
+    return _decoder.decode(body)
+
+
 @dataclass(frozen=True)
 class LoggedEvent:
     """One event of the global log."""
@@ -142,6 +147,15 @@ class EventLog:
              max_events: int | None = None) -> tuple[list[LoggedEvent], int]:
         """Events from ``cursor`` on (advancing it). Returns (events, number lost because
         the reader fell more than a ring behind)."""
+        records, lost = self.read_raw(cursor, max_events)
+        return [LoggedEvent(seq, slot, ts, _decoder.decode(body))
+                for seq, slot, ts, body in records], lost
+
+    def read_raw(self, cursor: EventCursor, max_events: int | None = None
+                 ) -> tuple[list[tuple[int, int, float, bytes]], int]:
+        """As :meth:`read`, without decoding: ``(seq, slot, ts, msgpack bytes of the
+        event)`` records. Copying is all a reader then does under the lock; it decodes
+        (``decode_event``) after releasing it."""
         hdr, cap = self._hdr, self.capacity
         lost = 0
         oldest_seq = hdr[L.H_LOG_OLDEST_SEQ]
@@ -149,15 +163,15 @@ class EventLog:
             lost = oldest_seq - cursor.seq
             cursor.seq, cursor.pos = oldest_seq, hdr[L.H_LOG_OLDEST_POS]
         end = hdr[L.H_LOG_WRITE_POS]
-        out: list[LoggedEvent] = []
+        out: list[tuple[int, int, float, bytes]] = []
         while cursor.pos < end and (max_events is None or len(out) < max_events):
             start = self._base + cursor.pos % cap
             length, slot, seq, ts = _RECORD.unpack_from(self._mem, start)
             if length == PAD:
                 cursor.pos += cap - cursor.pos % cap
                 continue
-            body = self._mem[start + _RECORD.size:start + _RECORD.size + length]
-            out.append(LoggedEvent(seq, slot, ts, _decoder.decode(body)))
+            out.append((seq, slot, ts,
+                        self._mem[start + _RECORD.size:start + _RECORD.size + length]))
             size = _RECORD.size + length
             cursor.pos += size + (-size % _ALIGN)
             cursor.seq = seq + 1

@@ -1,0 +1,164 @@
+"""Two "nodes" (two pools with their own scheduler processes and publishers) and one Redis:
+the router's answer for every prompt equals the longest prefix cached in each pool, after
+evictions, a reset, a crash-repair, an indexer killed and restarted, and a Redis restart."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from shmkv import BlockPool, Request
+from tests.cluster import index_workers as W
+from tests.conftest import unique_pool_name
+from tests.ecosystem_helpers import free_port, start_shmkv
+
+pytest.importorskip("zmq")
+redis = pytest.importorskip("redis")
+from shmkv.cluster_index import PrefixRouter, RedisPrefixIndex  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+JOIN_S = 60
+
+
+def _join(proc, expect: int = 0) -> None:
+    proc.join(JOIN_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+    assert proc.exitcode == expect
+
+
+class Node:
+    """A pool, its publisher (the real `shmkv publish`) and its scheduler processes."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.name = unique_pool_name(label)
+        self.pool = BlockPool.create(self.name, 40, hash_block_size=W.BS,
+                                     enable_kv_cache_events=True, lock_timeout_s=20,
+                                     label="test")
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}"
+        self.publisher = start_shmkv("publish", self.name, "--endpoint", self.endpoint,
+                                     "--replay-endpoint", self.replay)
+        banner = self.publisher.stdout.readline()
+        assert banner.startswith("publishing pool"), (banner, self.publisher.stderr.read())
+
+    @property
+    def source(self) -> tuple:
+        return (self.label, self.endpoint, self.replay, "", self.label)
+
+    def truth(self, prompt: list[int]) -> int:
+        req = Request("q", prompt, block_hasher=self.pool.make_block_hasher())
+        return len(self.pool.get_cached_prefix(req.block_hashes)) * W.BS
+
+    def close(self) -> None:
+        if self.publisher.poll() is None:
+            self.publisher.send_signal(signal.SIGTERM)
+        try:
+            self.publisher.communicate(timeout=30)
+        except Exception:
+            self.publisher.kill()
+            self.publisher.communicate(timeout=30)
+        self.pool.close()
+        BlockPool.unlink(self.name)
+        from shmkv.publisher import unlink_state
+
+        unlink_state(self.name)
+
+
+@pytest.fixture
+def nodes():
+    made = [Node("node-a"), Node("node-b")]
+    yield made
+    for node in made:
+        node.close()
+
+
+def _header(pool: BlockPool):
+    return pool.layout.view(pool._segment.buf, "header")[0].copy()
+
+
+def _start_indexer(ctx, redis_url, key_prefix, nodes):
+    stop, stats = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=W.indexer,
+                       args=(redis_url, key_prefix, [n.source for n in nodes], stop, stats))
+    proc.start()
+    return proc, stop, stats
+
+
+def _wait_exact(router: PrefixRouter, nodes, prompts, timeout_s: float = 30) -> None:
+    """Waits until the index has caught up, then checks every prompt on every node."""
+    deadline = time.monotonic() + timeout_s
+    index = router.index
+    while True:
+        state = {st.source: st.seq for st in index.sources()}
+        ends = {n.label: n.pool.event_cursor(from_start=False).seq - 1 for n in nodes}
+        if all(state.get(label, -2) == end for label, end in ends.items()):
+            break
+        assert time.monotonic() < deadline, f"index at {state}, logs end at {ends}"
+        time.sleep(0.05)
+    for prompt in prompts:
+        cached = router.cached_tokens(prompt)
+        for node in nodes:
+            assert cached.get(node.label, 0) == node.truth(prompt), (node.label, prompt[:3])
+
+
+def test_the_router_stays_exact_through_every_kind_of_change(nodes, redis_server, spawn_ctx):
+    key_prefix = unique_pool_name("ix")
+    index = RedisPrefixIndex.from_url(redis_server.url, key_prefix)
+    router = PrefixRouter(index, hash_block_size=W.BS)
+    rng = random.Random(0)
+    prompts = [W.prompt(rng) for _ in range(12)] + [system + [7] for system in W.SYSTEMS]
+    a, b = nodes
+
+    def serve(seed_base: int, n: int, crash_op: str | None = None, node=None) -> None:
+        targets = [node] if node is not None else nodes
+        procs = [spawn_ctx.Process(target=W.scheduler,
+                                   args=(nd.name, seed_base + i, n, crash_op))
+                 for i, nd in enumerate(targets)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            _join(p, -signal.SIGKILL if crash_op else 0)
+
+    proc, stop, stats = _start_indexer(spawn_ctx, redis_server.url, key_prefix, nodes)
+    try:
+        serve(10, 30)  # 40-block pools: many evictions
+        _wait_exact(router, nodes, prompts)
+        assert a.pool.reset_prefix_cache()
+        serve(20, 10, node=b)
+        _wait_exact(router, nodes, prompts)
+        # A scheduler killed inside the lock; the next process that wants the lock (the
+        # publisher, or this one) takes it over and rolls the hold back.
+        takeovers = _header(a.pool)["num_takeovers"]
+        serve(30, 5, crash_op="allocate", node=a)
+        a.pool.reap_dead()
+        assert _header(a.pool)["num_takeovers"] == takeovers + 1
+        serve(40, 5, node=a)
+        _wait_exact(router, nodes, prompts)
+        # The indexer killed and started again: it resumes by replay.
+        proc.kill()
+        proc.join(JOIN_S)
+        serve(50, 10)
+        proc, stop, stats = _start_indexer(spawn_ctx, redis_server.url, key_prefix, nodes)
+        _wait_exact(router, nodes, prompts)
+        # Redis restarted empty: the indexer resyncs from snapshots.
+        redis_server.restart()
+        index._redis.connection_pool.disconnect()
+        serve(60, 10)
+        _wait_exact(router, nodes, prompts)
+        stop.set()
+        _join(proc)
+        final = stats.get(timeout=10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    assert final["replayed"] > 0  # its restart resumed by replay
+    assert final["snapshots"] >= 2  # ... and Redis's restart was healed from snapshots
+    for node in nodes:
+        node.pool.check_invariants()
