@@ -1266,7 +1266,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_index_parser(sub)
     add_route_parser(sub)
-    # `shmkv run` (the serving runner, shmkv/serve/) registers its parser here.
     return parser
 
 
