@@ -146,8 +146,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    sys.path.insert(0, str(HERE))
-    from pngplot import line_chart
+    from shmkv.plot import line_chart
 
     procs = [r["processes"] for r in rows]
     base = rows[0]["requests_per_s"]

@@ -71,6 +71,34 @@ def test_bench_recovery_smoke():
     assert not [f for f in os.listdir("/dev/shm") if "bench-takeover" in f]
 
 
+def test_bench_transport_smoke():
+    """bench_transport prints a JSON line per (transport, step) and the ratio table."""
+    out = _run("benchmarks/bench_transport.py", "--round-trips", "50", "--prompt-tokens", "64")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["transport"], r["step"].split()[0]) for r in rows} == {
+        ("channel", "decode"), ("channel", "prefill"), ("mqueue", "decode"), ("mqueue", "prefill")}
+    assert all(r["us_per_round_trip"] > 0 for r in rows)
+    assert "MQ/Channel" in out.stdout
+
+
+def test_bench_serve_smoke(tmp_path):
+    """bench_serve with two tiny rows prints a JSON line per row, the table and a PNG."""
+    pytest.importorskip("torch")
+    png = tmp_path / "serve.png"
+    out = _run("benchmarks/bench_serve.py", "--schedulers", "2", "--conversations", "4",
+               "--blocks", "256", "--rows", "shared:round-robin,private:prefix-aware",
+               "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["pool"], r["routing"]) for r in rows] == [("shared", "round-robin"),
+                                                        ("private", "prefix-aware")]
+    assert all(r["token_mismatches"] == 0 and r["requests"] == r["requests_total"]
+               for r in rows)
+    assert "| shared, round-robin" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_block_table_smoke():
     """bench_block_table prints a JSON line per (scenario, impl) and the table; the
     implementations' slot mappings are checked equal inside the benchmark."""
@@ -83,17 +111,6 @@ def test_bench_block_table_smoke():
                                                          ("decode", "shmkv")}
     assert all(r["step_us"] > 0 for r in rows)
     assert "vLLM/shmkv" in out.stdout
-
-
-def test_bench_transport_smoke():
-    """bench_transport prints a JSON line per (transport, step) and the ratio table."""
-    out = _run("benchmarks/bench_transport.py", "--round-trips", "50", "--prompt-tokens", "64")
-    assert out.returncode == 0, out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert {(r["transport"], r["step"].split()[0]) for r in rows} == {
-        ("channel", "decode"), ("channel", "prefill"), ("mqueue", "decode"), ("mqueue", "prefill")}
-    assert all(r["us_per_round_trip"] > 0 for r in rows)
-    assert "MQ/Channel" in out.stdout
 
 
 def test_bench_recovery_partial_keys_smoke():

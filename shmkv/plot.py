@@ -1,11 +1,11 @@
-"""Dependency-free PNG line and bar charts for the benchmarks.
+"""Dependency-free PNG line and bar charts (``shmkv run``'s plot and the benchmarks').
 
-shmkv depends on numpy and nothing else, so its benchmarks draw their own plots: a numpy
+shmkv depends on numpy and nothing else, so it draws its own plots: a numpy
 RGB canvas, a built-in 5x8 bitmap font and a PNG encoder made of ``zlib`` and ``struct``.
 
-Usage (from a script in ``benchmarks/``, which has this directory on ``sys.path``)::
+Usage::
 
-    from pngplot import bar_chart, line_chart
+    from shmkv.plot import bar_chart, line_chart
 
     line_chart("alloc_free.png", title="alloc_free: ns per block",
                x_label="blocks per call (n)", y_label="ns per block",

@@ -1,8 +1,7 @@
-"""benchmarks/pngplot.py: the PNG files it writes are valid and show the charts' parts."""
+"""shmkv/plot.py: the PNG files it writes are valid and show the charts' parts."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import struct
 import zlib
@@ -11,10 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pngplot.py"
-_spec = importlib.util.spec_from_file_location("pngplot", _PATH)
-pngplot = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pngplot)
+from shmkv import plot as pngplot
 
 NS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LINE_SERIES = {

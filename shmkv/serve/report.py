@@ -1,0 +1,218 @@
+"""The figures of a ``shmkv run``: one dict (the ``--json`` file), a readable report and a
+PNG of hit rate and pool usage over time.
+
+Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
+
+- ``prompt_tokens``: tokens of every finished request's prompt at its first scheduling
+  (a conversation turn's prompt includes the history it resends);
+- ``prefill_tokens_saved``: of those, the tokens its prefix-cache hit covered (the model
+  did not compute them); ``prefix_hit_rate`` = saved / prompt tokens;
+- ``evictions``: prefix-cache keys that allocations evicted; ``lock_wait_s``: time the
+  schedulers spent waiting for their pool's lock;
+- ``peak_blocks_held`` (per scheduler): the most blocks its running requests held at once,
+  as its ``SchedulerStats`` (a few a second) saw it; ``ttft_*`` / ``latency_*``: seconds
+  from a request's arrival at its scheduler to its first token / its last;
+- ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
+  no-cache greedy reference, and how many differed (counting from the first wrong token
+  of each request).
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["comparison_text", "figures", "plot_timeline", "report_text", "write_json"]
+
+
+def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_checks: list[dict],
+            *, wall_s: float, startup_s: float) -> dict:
+    cfg = runner.cfg
+    n = cfg.num_schedulers
+    finished = [r for r in records.values() if r.result is not None]
+    per = []
+    for i in range(n):
+        mine = [r for r in finished if r.result.scheduler == i]
+        prompt = sum(r.result.num_prompt_tokens for r in mine)
+        hit = sum(r.result.num_cached_tokens for r in mine)
+        st = stats.get(i)
+        per.append({
+            "scheduler": i,
+            "alive_at_end": runner.schedulers[i].exitcode == 0 if runner.schedulers else False,
+            "requests": len(mine),
+            "prompt_tokens": prompt,
+            "prefill_tokens_saved": hit,
+            "prefix_hit_rate": hit / prompt if prompt else 0.0,
+            "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
+            "peak_blocks_held": runner.peak_blocks_held.get(i, 0),
+            "steps": st.num_steps if st else 0,
+            "preemptions": st.num_preemptions if st else 0,
+            "evictions": st.num_evictions if st else 0,
+            "lock_wait_s": st.lock_wait_s if st else 0.0,
+            "lock_hold_s": st.lock_hold_s if st else 0.0,
+            "lock_acquired": st.num_lock_acquired if st else 0,
+            "model_s": st.model_s if st else 0.0,
+        })
+    prompt = sum(r.result.num_prompt_tokens for r in finished)
+    saved = sum(r.result.num_cached_tokens for r in finished)
+    checked = [r for r in finished if r.checked is not None]
+    tokens_checked = sum(r.checked for r in checked)
+    mismatches = sum(r.checked - r.mismatch for r in checked if r.mismatch >= 0)
+    generated = sum(len(r.result.output_token_ids) for r in finished)
+    killed = getattr(runner, "killed_at", None)
+    ttft = sorted(r.result.first_token_s for r in finished)
+    latency = sorted(r.result.finished_s for r in finished)
+    return {
+        "pool": cfg.pool,
+        "schedulers": n,
+        "routing": cfg.routing,
+        "num_blocks": cfg.num_blocks,
+        "blocks_per_pool": cfg.num_blocks // (n if cfg.pool == "private" else 1),
+        "block_size": cfg.block_size,
+        "requests": len(finished),
+        "requests_total": len(records) if records else len(runner.workload),
+        "prompt_tokens": prompt,
+        "prefill_tokens_saved": saved,
+        "prefix_hit_rate": saved / prompt if prompt else 0.0,
+        "generated_tokens": generated,
+        "tokens_checked": tokens_checked,
+        "token_mismatches": mismatches,
+        "requests_mismatched": sum(1 for r in checked if r.mismatch >= 0),
+        "requests_failed": sum(1 for r in records.values() if r.failed),
+        "requests_resent": sum(1 for r in finished if r.num_sends > 1),
+        "wall_s": wall_s,
+        "startup_s": startup_s,
+        "stop_s": getattr(runner, "stop_s", 0.0),
+        "requests_per_s": len(finished) / wall_s if wall_s > 0 else 0.0,
+        "ttft_p50_s": _quantile(ttft, 0.5),
+        "ttft_p99_s": _quantile(ttft, 0.99),
+        "latency_p50_s": _quantile(latency, 0.5),
+        "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
+        "evictions": sum(p["evictions"] for p in per),
+        "preemptions": sum(p["preemptions"] for p in per),
+        "lock_wait_s": sum(p["lock_wait_s"] for p in per),
+        "killed_scheduler": None if killed is None else {
+            "scheduler": min(runner.killed), "after_s": killed[0],
+            "after_requests": killed[1]},
+        "prefix_cache_reset": getattr(runner, "prefix_cache_reset", None),
+        "pools_after": pool_checks,
+        "pool_valid": all(p["invariants_ok"] and not p["blocks_in_use_after"]
+                          for p in pool_checks),
+        "problems": list(runner.problems),
+        "notes": list(runner.notes),
+        "per_scheduler": per,
+        "timeline": timeline,
+        "model": runner.model_dict if hasattr(runner, "model_dict") else None,
+        "processes": {p.name: p.pid for p in runner.schedulers + runner.ranks},
+    }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _int(n: float) -> str:
+    return f"{int(n):,}"
+
+
+def report_text(f: dict) -> str:
+    pool = (f"one shared pool of {_int(f['num_blocks'])} blocks" if f["pool"] == "shared"
+            else f"{f['schedulers']} private pools of {_int(f['blocks_per_pool'])} blocks")
+    lines = [
+        f"shmkv run: {f['schedulers']} schedulers, {pool} ({f['block_size']} tokens each), "
+        f"routing {f['routing']}",
+        f"  requests           {f['requests']} of {f['requests_total']} finished in "
+        f"{f['wall_s']:.1f} s ({f['requests_per_s']:.1f}/s; start-up {f['startup_s']:.1f} s)"
+        + (f", {f['requests_failed']} not served" if f["requests_failed"] else ""),
+        f"  prompt tokens      {_int(f['prompt_tokens'])}",
+        f"  prefix hit rate    {f['prefix_hit_rate']:.1%}  ({_int(f['prefill_tokens_saved'])} "
+        "prefill tokens saved)",
+        f"  generated tokens   {_int(f['generated_tokens'])}; checked against the no-cache "
+        f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}",
+        f"  latency            first token p50 {f['ttft_p50_s'] * 1e3:.0f} ms, p99 "
+        f"{f['ttft_p99_s'] * 1e3:.0f} ms; request p50 {f['latency_p50_s'] * 1e3:.0f} ms",
+        f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
+        f"evictions, {f['preemptions']} preemptions, lock wait "
+        f"{f['lock_wait_s'] * 1e3:.1f} ms in all",
+    ]
+    if f["killed_scheduler"]:
+        k = f["killed_scheduler"]
+        lines.append(f"  --kill-one         scheduler-{k['scheduler']} killed at "
+                     f"{k['after_s']:.1f} s (after {k['after_requests']} requests); "
+                     f"{f['requests_resent']} requests sent again to the others")
+    valid = "valid" if f["pool_valid"] else "NOT valid"
+    reset = {True: "; drained, prefix cache reset", False: "; prefix cache reset FAILED",
+             None: ""}[f["prefix_cache_reset"]]
+    lines.append(f"  after the run      pool {valid}: invariants "
+                 + ", ".join("OK" if p["invariants_ok"] else "BROKEN" for p in f["pools_after"])
+                 + f"; blocks in use {sum(p['blocks_in_use_after'] for p in f['pools_after'])}"
+                 + reset)
+    header = ["scheduler", "requests", "prompt tok", "hit rate", "saved", "peak blocks",
+              "steps", "preempt", "evictions", "lock wait"]
+    rows = [[str(p["scheduler"]) + ("" if p["alive_at_end"] else " (died)"),
+             str(p["requests"]), _int(p["prompt_tokens"]), f"{p['prefix_hit_rate']:.1%}",
+             _int(p["prefill_tokens_saved"]), str(p["peak_blocks_held"]), str(p["steps"]),
+             str(p["preemptions"]),
+             _int(p["evictions"]), f"{p['lock_wait_s'] * 1e3:.1f} ms"]
+            for p in f["per_scheduler"]]
+    widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
+    lines.append("")
+    for r in [header, *rows]:
+        lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    if f["problems"] or f["notes"]:
+        lines.append("")
+        lines.extend(f"  note: {p}" for p in f["notes"])
+        lines.extend(f"  problem: {p}" for p in f["problems"])
+    return "\n".join(lines)
+
+
+def write_json(f: dict, path: str) -> None:
+    with open(path, "w") as out:
+        json.dump(f, out, indent=1)
+        out.write("\n")
+
+
+def _label(f: dict) -> str:
+    return f"{f['pool']}, {f['routing']}" + (f", {f['schedulers']} schedulers"
+                                               if f["schedulers"] != 4 else "")
+
+
+def comparison_text(runs: list[dict]) -> str:
+    """One line per run: hit rate, prefill tokens saved, evictions, checks."""
+    header = ["pool, routing", "hit rate", "prefill tokens saved", "evictions",
+              "mismatches", "wall s"]
+    body = [[_label(f), f"{f['prefix_hit_rate']:.1%}",
+             f"{_int(f['prefill_tokens_saved'])} of {_int(f['prompt_tokens'])}",
+             _int(f["evictions"]), str(f["token_mismatches"]), f"{f['wall_s']:.1f}"]
+            for f in runs]
+    widths = [max(len(r[k]) for r in [header, *body]) for k in range(len(header))]
+    lines = [f"same workload, {runs[0]['num_blocks']:,} blocks in all, "
+             f"{runs[0]['schedulers']} schedulers:"]
+    for r in [header, *body]:
+        lines.append("  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
+                                      for k, (c, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def plot_timeline(runs: dict | list[dict], path: str) -> None:
+    """Hit rate (so far) and pool usage over the run, in percent; several runs (``--compare``)
+    share the chart: one hit-rate line each, and the first run's usage."""
+    from shmkv.plot import line_chart
+
+    runs = [runs] if isinstance(runs, dict) else runs
+    series = {}
+    for f in runs:
+        t = [p["t_s"] for p in f["timeline"]] or [0.0]
+        hit = [100 * p["prefix_hit_rate"] for p in f["timeline"]] or [0.0]
+        name = "prefix hit rate (so far)" if len(runs) == 1 else f"hit rate: {_label(f)}"
+        series[name] = (t, hit)
+    first = runs[0]
+    t = [p["t_s"] for p in first["timeline"]] or [0.0]
+    use = [100 * p["pool_usage"] for p in first["timeline"]] or [0.0]
+    series["pool blocks in use" if len(runs) == 1 else f"in use: {_label(first)}"] = (t, use)
+    title = (f"shmkv run: {first['pool']} pool, {first['schedulers']} schedulers, "
+             f"{first['routing']}" if len(runs) == 1 else
+             f"shmkv run --compare: {first['schedulers']} schedulers, "
+             f"{first['num_blocks']:,} blocks in all")
+    line_chart(path, title=title, x_label="seconds", y_label="percent", series=series)

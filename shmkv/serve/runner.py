@@ -1,0 +1,710 @@
+"""The front end of ``shmkv run`` and the supervisor of its processes.
+
+Processes (fresh ones, from a fork server that imported torch once, so none inherits the
+front end's state; ``SHMKV_RUN_START_METHOD=spawn`` spawns them):
+
+    front end (this process) ──GenerateTokens──> scheduler i ──ExecuteModel──> rank i
+              <──TokensGenerated, SchedulerStats──          <──ModelOutput──
+
+- ``shared``: one pool of ``num_blocks`` blocks and one KV store; every scheduler attaches
+  to the pool, every rank maps the store.
+- ``private``: scheduler ``i`` gets a pool (and a KV store) of ``num_blocks / N`` blocks of
+  its own: what vLLM, SGLang and TensorRT-LLM do per data-parallel rank.
+
+Every segment (pools, KV stores, block tables, channels and their doorbells) is made here
+and removed in a ``finally``, whatever happened. Children ignore SIGINT (the terminal sends
+it to the whole process group: the front end alone decides), end when the front end does
+(``scheduler.child_setup``), and are joined with timeouts, then killed. The front end itself blocks
+SIGINT and SIGTERM for the run and takes them in a watcher thread, so a signal never breaks
+a semaphore wait (EINTR) in the middle of a pool call; it then stops everything and exits.
+
+At the end the front end drains every scheduler and resets the prefix cache across them
+(``DrainScheduler``, ``ResetPrefixCache``), then stops them (``Shutdown``).
+
+A child's death is seen through its process sentinel. A dead scheduler's rank is stopped,
+its requests in flight are sent again to the survivors (from scratch: their tokens were
+lost with it), and survivors on a shared pool reap its block references (``reap_dead``).
+A dead rank takes its scheduler down with it the same way.
+
+Every generated token is checked against the model's no-cache greedy reference, computed
+here while the schedulers work (:func:`reference_tokens`: what ``reference_generate`` gives,
+in one forward per request).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from shmkv.block_pool import BlockPool
+from shmkv.errors import ProtocolError, ShmKVError, UsageError
+from shmkv.messages import Channel, Shutdown, create_doorbell, recv_any, unlink_doorbell
+from shmkv.serve.messages import (
+    AttachScheduler,
+    DrainScheduler,
+    GenerateTokens,
+    MessageRejected,
+    PrefixCacheReset,
+    ResetPrefixCache,
+    SchedulerAttached,
+    SchedulerConfig,
+    SchedulerDrained,
+    SchedulerStats,
+    SchedulerStopped,
+    TokensGenerated,
+)
+from shmkv.serve.routing import PrivatePoolsView, SharedPoolView, make_router
+from shmkv.serve.workload import TraceRequest
+
+__all__ = ["RunConfig", "RunResult", "Runner"]
+
+JOIN_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 30.0  # for every process of the run to exit after Shutdown
+CHANNEL_BYTES = 1 << 20
+
+
+@dataclass
+class RunConfig:
+    """Settings of one ``shmkv run`` (the CLI's defaults)."""
+
+    num_schedulers: int = 4
+    pool: str = "shared"  # "shared" or "private"
+    routing: str = "round-robin"
+    num_blocks: int = 512  # in all; a private pool gets num_blocks // num_schedulers
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 512
+    # Users waiting for an answer at once: the offered load, a property of the workload,
+    # the same whatever the number of schedulers.
+    concurrency: int = 16
+    balance_slack: int = 4
+    kill_one: bool = False
+    check_tokens: bool = True
+    sample_interval_s: float = 0.1
+    timeout_s: float = 300.0
+    startup_timeout_s: float = 120.0
+    model: object = None  # a TinyModelConfig (default: TinyModelConfig())
+
+    def validate(self) -> None:
+        if self.pool not in ("shared", "private"):
+            raise UsageError(f"--pool must be 'shared' or 'private', got {self.pool!r}")
+        if self.num_schedulers < 1:
+            raise UsageError(f"--schedulers must be >= 1, got {self.num_schedulers}")
+        per = self.num_blocks // (self.num_schedulers if self.pool == "private" else 1)
+        need = -(-self.max_model_len // self.block_size) * 2 + 1
+        if per < need:
+            raise UsageError(
+                f"{per} blocks per pool cannot hold one request of max_model_len "
+                f"{self.max_model_len} ({need} blocks with the sliding-window group); "
+                "raise --blocks or lower --max-model-len")
+        if self.concurrency < 1:
+            raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if self.kill_one and self.num_schedulers < 2:
+            raise UsageError("--kill-one needs at least 2 schedulers")
+
+
+@dataclass
+class RequestRecord:
+    trace: TraceRequest
+    prompt_token_ids: list[int] = field(default_factory=list)
+    scheduler: int = -1
+    sent_at: float = 0.0
+    num_sends: int = 0
+    result: TokensGenerated | None = None
+    failed: str = ""  # why it was not served
+    mismatch: int = -1  # index of the first wrong token (-1: none / not checked)
+    checked: int | None = None
+
+
+@dataclass
+class RunResult:
+    figures: dict
+    timeline: list[dict]
+    problems: list[str]
+
+    @property
+    def interrupted(self) -> bool:
+        return any(p.startswith("interrupted") for p in self.problems)
+
+
+class _Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.last = 0.0
+
+    def update(self, done: int, hit_rate: float, usage: float, elapsed: float,
+               force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self.last < 0.2:
+            return
+        self.last = now
+        width = 30
+        filled = int(width * done / max(self.total, 1))
+        bar = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
+        sys.stderr.write(f"\r  [{bar[:width]}] {done}/{self.total} requests  "
+                         f"hit {hit_rate:5.1%}  pool {usage:5.1%}  {elapsed:5.1f} s ")
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class Runner:
+    """One run: sets up, serves the workload, tears down (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, workload: list[TraceRequest], *,
+                 progress: bool = False, log=None) -> None:
+        from shmkv.serve.model import TinyModelConfig
+
+        cfg.model = cfg.model or TinyModelConfig()
+        cfg.validate()
+        vocab = cfg.model.vocab_size
+        for t in workload:
+            if any(not 0 <= tok < vocab for tok in t.prompt_token_ids):
+                raise UsageError(f"request {t.request_id}: a token id is outside the model's "
+                                 f"vocabulary [0, {vocab})")
+        if not workload:
+            raise UsageError("the workload has no requests")
+        self.cfg = cfg
+        self.workload = workload
+        self.log = log or (lambda text: print(text, file=sys.stderr))
+        self.name = f"run{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.max_in_flight = cfg.concurrency
+        self.progress = _Progress(len(workload), progress)
+        self.interrupted: str | None = None
+        self.problems: list[str] = []  # what went wrong (exit code 1)
+        self.notes: list[str] = []  # what happened on purpose (--kill-one)
+        self.killed: set[int] = set()
+        self.peak_blocks_held: dict[int, int] = {}  # per scheduler, as its stats said
+        # Everything made, for the finally.
+        self.pools: list[BlockPool] = []
+        self.kv_stores: list = []
+        self.kv_store_names: list[str] = []
+        self.tables: list = []
+        self.table_names: list[str] = []
+        self.channel_names: list[str] = []
+        self.doorbells: list[str] = []
+        self.channels: list[Channel] = []
+        self.schedulers: list[mp.Process] = []
+        self.ranks: list[mp.Process] = []
+
+    # ------------------------------------------------------------------ names
+
+    def _pool_name(self, i: int) -> str:
+        return self.name if self.cfg.pool == "shared" else f"{self.name}-p{i}"
+
+    # ------------------------------------------------------------------ set up
+
+    def _setup(self) -> None:
+        from shmkv.serve import engine
+
+        cfg, n = self.cfg, self.cfg.num_schedulers
+        model = cfg.model
+        num_pools = 1 if cfg.pool == "shared" else n
+        per_pool = cfg.num_blocks // num_pools
+        for p in range(num_pools):
+            pool_name = self._pool_name(p)
+            self.pools.append(BlockPool.create(
+                pool_name, per_pool, hash_block_size=cfg.block_size,
+                enable_kv_cache_events=True, max_processes=n + 4, label="front-end"))
+            self.kv_store_names.append(pool_name)
+            self.kv_stores.append(engine.create_kv_store(pool_name, model, per_pool,
+                                                         cfg.block_size))
+        self.front_bell = self._doorbell(f"{self.name}-fe")
+        self.outboxes, self.inboxes = [], []
+        ctx = self.ctx
+        self.model_dict = engine.model_config_to_dict(model)
+        for i in range(n):
+            bell = self._doorbell(f"{self.name}-s{i}")
+            names = {
+                "inbox": self._channel(f"{self.name}-s{i}-in", bell),
+                "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell),
+                "to_rank": self._channel(f"{self.name}-s{i}-rank", None),
+                "from_rank": self._channel(f"{self.name}-s{i}-res", bell),
+            }
+            self.inboxes.append(Channel.open(names["inbox"]))
+            self.outboxes.append(Channel.open(names["outbox"]))
+            tables_name = f"{self.name}-s{i}"
+            self.table_names.append(tables_name)
+            self.tables.append(engine.create_block_tables(
+                tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size))
+            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
+            rank = ctx.Process(target=engine.rank_main, name=f"rank-{i}", daemon=True,
+                               args=(tables_name, pool_name, names["to_rank"],
+                                     names["from_rank"], self.model_dict, os.getpid()))
+            sched = ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}", daemon=True,
+                                args=(i, names, os.getpid()))
+            self.ranks.append(rank)
+            self.schedulers.append(sched)
+        self.channels = self.inboxes + self.outboxes
+        for p in self.ranks + self.schedulers:
+            p.start()
+        for i in range(n):
+            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
+            self.inboxes[i].send(AttachScheduler(scheduler=i, config=SchedulerConfig(
+                pool_name=pool_name, model=self.model_dict, max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=cfg.max_model_len, block_tables_name=f"{self.name}-s{i}")))
+
+    def _doorbell(self, name: str) -> str:
+        bell = create_doorbell(name)
+        self.doorbells.append(bell)
+        return bell
+
+    def _channel(self, name: str, bell: str | None) -> str:
+        Channel.create(name, CHANNEL_BYTES, doorbell=bell).close()
+        self.channel_names.append(name)
+        return name
+
+    def _teardown(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        for p in self.schedulers + self.ranks:
+            if p.pid is None:
+                continue
+            p.join(0)
+            if p.is_alive():
+                p.kill()
+            p.join(JOIN_TIMEOUT_S)
+        from shmkv.block_table import KVStore, SharedBlockTables
+
+        for t in self.tables:
+            t.close()
+        for name in self.table_names:
+            SharedBlockTables.unlink(name)
+        for store in self.kv_stores:
+            store.close()
+        for name in self.kv_store_names:
+            KVStore.unlink(name)
+        for pool in self.pools:
+            name = pool.pool_name
+            pool.close()
+            BlockPool.unlink(name)
+        for name in self.channel_names:
+            Channel.unlink(name)
+        for bell in self.doorbells:
+            unlink_doorbell(bell)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> RunResult:
+        """Sets up, serves, tears down. SIGINT and SIGTERM are blocked in this thread for the
+        run and taken by a watcher thread (``sigwait``), which only sets ``interrupted``: a
+        signal then never interrupts a wait on a semaphore (which fails with EINTR, as
+        ``posix_ipc.SignalError``) half way through a pool call or a receive."""
+        signals = {signal.SIGINT, signal.SIGTERM}
+        # multiprocessing unblocks both when it starts its helper processes (the resource
+        # tracker, the fork server): start them first, so the mask below stays.
+        self.ctx = _context()
+        _start_helpers(self.ctx)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+
+        def on_signal(signum, frame):  # a thread made before the mask (torch's) took it
+            self.interrupted = signal.Signals(signum).name
+
+        old_handlers = {s: signal.signal(s, on_signal) for s in signals}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                got = signal.sigtimedwait(signals, 0.1)
+                if got is not None:
+                    self.interrupted = signal.Signals(got.si_signo).name
+
+        watcher = threading.Thread(target=watch, name="shmkv-run-signals", daemon=True)
+        watcher.start()
+        try:
+            self.t_setup = time.monotonic()
+            self._setup()
+            return self._serve()
+        finally:
+            try:
+                self._teardown()
+            finally:
+                stop.set()
+                watcher.join(5)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                for sig, handler in old_handlers.items():
+                    signal.signal(sig, handler)
+
+    def _wait_attached(self, live: set[int]) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        attached: set[int] = set()
+        while attached != live:
+            if self.interrupted:
+                return
+            self._check_children(live, starting=True)
+            if time.monotonic() > deadline:
+                raise ShmKVError(f"schedulers {sorted(live - attached)} did not attach in "
+                                 f"{self.cfg.startup_timeout_s} s")
+            _, msg = self._recv(0.1)
+            if isinstance(msg, SchedulerAttached):
+                attached.add(msg.scheduler)
+
+    def _recv(self, timeout_s: float):
+        try:
+            return recv_any(self.outboxes, timeout_s)
+        except ProtocolError as exc:
+            self.problems.append(f"front end: undecodable message ignored: {exc}")
+            return None, None
+
+    def _check_children(self, live: set[int], starting: bool = False) -> list[int]:
+        """Schedulers that died (or whose rank died) since the last look."""
+        sentinels = {}
+        for i in live:
+            sentinels[self.schedulers[i].sentinel] = i
+            sentinels[self.ranks[i].sentinel] = i
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=0)
+        dead = sorted({sentinels[s] for s in ready})
+        for i in dead:
+            sched, rank = self.schedulers[i], self.ranks[i]
+            who = sched if not sched.is_alive() else rank
+            who.join(1)
+            if starting:
+                raise ShmKVError(f"{who.name} exited with code {who.exitcode} while starting")
+            where = self.notes if i in self.killed else self.problems
+            where.append(f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}"
+                         + (" (--kill-one)" if i in self.killed else ""))
+            for p in (sched, rank):
+                if p.is_alive():
+                    p.kill()
+                p.join(JOIN_TIMEOUT_S)
+            live.discard(i)
+        return dead
+
+    def _serve(self) -> RunResult:
+        cfg, n = self.cfg, self.cfg.num_schedulers
+        live = set(range(n))
+        t_start = self.t_setup
+        self._wait_attached(live)
+        t_serve = time.monotonic()
+        if self.interrupted:
+            return self._finish(live, t_start, t_serve, [], {})
+        model = None
+        if cfg.check_tokens:
+            import torch
+
+            from shmkv.serve.model import TinyTransformer
+
+            torch.set_num_threads(1)
+            model = TinyTransformer(cfg.model)
+        if cfg.pool == "shared":
+            view = SharedPoolView(self.pools[0])
+        else:
+            view = PrivatePoolsView(self.pools)
+        self.view = view
+        router = make_router(cfg.routing, view, cfg.balance_slack)
+        records = {t.request_id: RequestRecord(t) for t in self.workload}
+        pending = deque(t.request_id for t in self.workload)
+        history: dict[str, list[int]] = {}
+        busy_conversations: set[str] = set()
+        in_flight: dict[str, RequestRecord] = {}
+        load = dict.fromkeys(range(n), 0)
+        stats: dict[int, SchedulerStats] = {}
+        to_check: deque[RequestRecord] = deque()
+        timeline: list[dict] = []
+        done = 0
+        next_sample = t_serve
+        deadline = t_serve + cfg.timeout_s
+        hit_tokens = prompt_tokens = 0
+        failed_conversations: set[str] = set()
+
+        def fail(rec: RequestRecord, reason: str) -> None:
+            nonlocal done
+            rec.failed = reason
+            done += 1
+            if rec.trace.conversation is not None:
+                failed_conversations.add(rec.trace.conversation)
+                busy_conversations.discard(rec.trace.conversation)
+            if len(self.failures) < 5:
+                self.problems.append(f"request {rec.trace.request_id} not served: {reason}")
+            self.failures.append(rec.trace.request_id)
+
+        self.failures: list[str] = []
+        while done < len(records) and live and not self.interrupted:
+            now = time.monotonic()
+            if now > deadline:
+                self.problems.append(f"timed out after {cfg.timeout_s} s with "
+                                     f"{len(records) - done} requests unfinished")
+                break
+            # Send what may go: conversation turns wait for the previous one's answer.
+            if len(in_flight) < self.max_in_flight and pending:
+                skipped = []
+                while pending and len(in_flight) < self.max_in_flight:
+                    rid = pending.popleft()
+                    rec = records[rid]
+                    conv = rec.trace.conversation
+                    if conv is not None and conv in busy_conversations and (
+                        rec.num_sends == 0
+                    ):
+                        skipped.append(rid)
+                        continue
+                    if conv is not None and conv in failed_conversations:
+                        fail(rec, "an earlier turn of its conversation failed")
+                        continue
+                    if not rec.prompt_token_ids:
+                        rec.prompt_token_ids = (history.get(conv, []) if conv else []) + list(
+                            rec.trace.prompt_token_ids)
+                    too_long = len(rec.prompt_token_ids) + rec.trace.max_tokens
+                    if too_long > cfg.max_model_len:
+                        fail(rec, f"{too_long} prompt + new tokens exceed --max-model-len "
+                             f"{cfg.max_model_len}")
+                        continue
+                    if conv is not None:
+                        busy_conversations.add(conv)
+                    s = router.route(rec.prompt_token_ids, rec.trace.cache_salt, sorted(live),
+                                     load)
+                    rec.scheduler, rec.sent_at = s, time.monotonic()
+                    rec.num_sends += 1
+                    load[s] += 1
+                    in_flight[rid] = rec
+                    self.inboxes[s].send(GenerateTokens(
+                        request_id=rid, prompt_token_ids=rec.prompt_token_ids,
+                        max_tokens=rec.trace.max_tokens, cache_salt=rec.trace.cache_salt))
+                pending.extendleft(reversed(skipped))
+            # Answers.
+            _, msg = self._recv(0.002 if to_check else 0.05)
+            while msg is not None:
+                if isinstance(msg, TokensGenerated):
+                    rec = in_flight.get(msg.request_id)
+                    # (An answer a dead scheduler sent before it died is for a request sent
+                    # again since: the new scheduler's answer counts.)
+                    if rec is not None and msg.scheduler == rec.scheduler:
+                        del in_flight[msg.request_id]
+                        rec.result = msg
+                        load[rec.scheduler] -= 1
+                        done += 1
+                        hit_tokens += msg.num_cached_tokens
+                        prompt_tokens += msg.num_prompt_tokens
+                        conv = rec.trace.conversation
+                        if conv is not None:
+                            history[conv] = rec.prompt_token_ids + list(msg.output_token_ids)
+                            busy_conversations.discard(conv)
+                        if model is not None:
+                            to_check.append(rec)
+                elif isinstance(msg, SchedulerStats):
+                    stats[msg.scheduler] = msg
+                    peak = self.peak_blocks_held
+                    peak[msg.scheduler] = max(peak.get(msg.scheduler, 0), msg.num_blocks_held)
+                elif isinstance(msg, MessageRejected):
+                    rec = in_flight.get(msg.request_id) if msg.request_id else None
+                    if rec is not None and msg.sender == f"scheduler-{rec.scheduler}":
+                        del in_flight[msg.request_id]
+                        load[rec.scheduler] -= 1
+                        fail(rec, f"{msg.sender}: {msg.reason}")
+                    else:
+                        self.problems.append(f"{msg.sender} rejected a message: {msg.reason}")
+                elif isinstance(msg, SchedulerStopped):
+                    stats[msg.scheduler] = msg.stats
+                _, msg = self._recv(0)
+            # Children.
+            for i in self._check_children(live):
+                lost = [r for r in in_flight.values() if r.scheduler == i]
+                for rec in lost:
+                    del in_flight[rec.trace.request_id]
+                    pending.appendleft(rec.trace.request_id)
+                load[i] = 0
+                if lost:
+                    self.notes.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
+                                      "again to the others")
+                if cfg.pool == "shared":
+                    self.pools[0].reap_dead()
+            if cfg.kill_one and not self.killed and done >= len(records) // 2 and len(live) > 1:
+                victim = max(live)
+                self.killed.add(victim)
+                os.kill(self.schedulers[victim].pid, signal.SIGKILL)
+                self.killed_at = (time.monotonic() - t_serve, done)
+                self.log(f"--kill-one: killed scheduler-{victim} (pid "
+                         f"{self.schedulers[victim].pid}) after {done} requests")
+            # Reference checks, one per pass, while the schedulers work.
+            if to_check:
+                _check_tokens(model, to_check.popleft())
+            now = time.monotonic()
+            if now >= next_sample:  # the pool's lock is the schedulers': look rarely
+                usage = self._pool_usage()
+                timeline.append({"t_s": now - t_serve, "requests_done": done,
+                                 "prefix_hit_rate": hit_tokens / max(prompt_tokens, 1),
+                                 "pool_usage": usage})
+                next_sample = now + cfg.sample_interval_s
+                self.progress.update(done, hit_tokens / max(prompt_tokens, 1), usage,
+                                     now - t_serve)
+        self.progress.update(done, hit_tokens / max(prompt_tokens, 1), self._pool_usage(),
+                             time.monotonic() - t_serve, force=True)
+        self.progress.finish()
+        t_end = time.monotonic()
+        while to_check:
+            _check_tokens(model, to_check.popleft())
+        if live and not self.interrupted:
+            # Control across all schedulers: drain every one, then reset the prefix cache
+            # (every pool's): the run leaves its pools with nothing held and nothing cached.
+            self.prefix_cache_reset = self.drain_and_reset(live, stats)
+            if not self.prefix_cache_reset:
+                self.problems.append("drain and prefix-cache reset across the schedulers "
+                                     "did not succeed")
+        timeline.append({"t_s": t_end - t_serve, "requests_done": done,
+                         "prefix_hit_rate": hit_tokens / max(prompt_tokens, 1),
+                         "pool_usage": self._pool_usage()})
+        self.records = records
+        return self._finish(live, t_start, t_serve, timeline, stats, t_end)
+
+    def _pool_usage(self) -> float:
+        total = sum(p.num_gpu_blocks - 1 for p in self.pools)
+        free = sum(p.get_num_free_blocks() for p in self.pools)
+        return (total - free) / total if total else 0.0
+
+    def _stop(self, live: set[int], stats: dict) -> None:
+        """Shutdown to every live scheduler; their last figures; join everyone."""
+        for i in sorted(live):
+            try:
+                self.inboxes[i].send(Shutdown(reason="run finished"), timeout_s=1.0)
+            except ShmKVError as exc:
+                self.problems.append(f"scheduler-{i}: shutdown not delivered: {exc}")
+        waiting = set(live)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while waiting and time.monotonic() < deadline:
+            _, msg = self._recv(0.1)
+            if isinstance(msg, SchedulerStopped):
+                stats[msg.scheduler] = msg.stats
+                waiting.discard(msg.scheduler)
+            elif isinstance(msg, SchedulerStats):
+                stats[msg.scheduler] = msg
+            for i in list(waiting):
+                if not self.schedulers[i].is_alive():
+                    waiting.discard(i)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for i in sorted(live):
+            for p in (self.schedulers[i], self.ranks[i]):
+                p.join(max(deadline - time.monotonic(), 0.1))
+                if p.is_alive():
+                    self.problems.append(f"{p.name} did not exit in {STOP_TIMEOUT_S} s: killed")
+                    p.kill()
+                    p.join(JOIN_TIMEOUT_S)
+                elif p.exitcode != 0:
+                    self.problems.append(f"{p.name} exited with code {p.exitcode}")
+
+    def _finish(self, live, t_start, t_serve, timeline, stats, t_end=None) -> RunResult:
+        from shmkv.serve.report import figures
+
+        t_end = t_end or time.monotonic()
+        t_stop = time.monotonic()
+        self._stop(live, stats)
+        self.stop_s = time.monotonic() - t_stop
+        pool_checks = []
+        for pool in self.pools:
+            pool.reap_dead()
+            try:
+                pool.check_invariants()
+                ok = True
+            except ShmKVError as exc:
+                ok = False
+                self.problems.append(f"pool {pool.pool_name}: {exc}")
+            in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+            pool_checks.append({"pool": pool.pool_name, "invariants_ok": ok,
+                                "cached_blocks_after": len(pool.cached_block_hash_to_block),
+                                "blocks_in_use_after": in_use})
+            if in_use:
+                self.problems.append(f"pool {pool.pool_name}: {in_use} blocks still in use "
+                                     "after every scheduler stopped")
+        if self.interrupted:
+            self.problems.append(f"interrupted ({self.interrupted})")
+        figs = figures(self, getattr(self, "records", {}), stats, timeline, pool_checks,
+                       wall_s=t_end - t_serve, startup_s=t_serve - t_start)
+        return RunResult(figs, timeline, self.problems)
+
+    # ------------------------------------------------------------------ control
+
+    def drain_and_reset(self, live: set[int], stats: dict, timeout_s: float = 30.0) -> bool:
+        """Drains every live scheduler, then resets the prefix cache of every pool (one
+        reset per pool: on a shared pool, one scheduler's reset clears it for all).
+        True if every reset succeeded."""
+        for i in sorted(live):
+            self.inboxes[i].send(DrainScheduler())
+        drained: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while drained != live and time.monotonic() < deadline:
+            _, msg = self._recv(0.1)
+            if isinstance(msg, SchedulerDrained):
+                drained.add(msg.scheduler)
+            elif isinstance(msg, SchedulerStats):
+                stats[msg.scheduler] = msg
+        if drained != live:
+            return False
+        targets = [min(live)] if self.cfg.pool == "shared" else sorted(live)
+        for i in targets:
+            self.inboxes[i].send(ResetPrefixCache())
+        results = {}
+        while len(results) < len(targets) and time.monotonic() < deadline:
+            _, msg = self._recv(0.1)
+            if isinstance(msg, PrefixCacheReset):
+                results[msg.scheduler] = msg.success
+            elif isinstance(msg, SchedulerStats):
+                stats[msg.scheduler] = msg
+        return len(results) == len(targets) and all(results.values())
+
+
+def reference_tokens(model, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[int]:
+    """The no-cache reference's greedy token after each prefix ``prompt + output[:k]``, from
+    one causal ``forward_reference`` over ``prompt + output[:-1]``.
+
+    It is ``reference_generate(prompt, len(output))`` whenever ``output`` is right, and its
+    first difference from ``output`` is at the same index as ``reference_generate``'s
+    otherwise: the logits at a position depend only on the tokens up to it, and up to the
+    first wrong token both runs feed the same tokens. One forward instead of one per token.
+    """
+    seq = list(prompt_token_ids) + list(output_token_ids[:-1])
+    logits = model.forward_reference(seq)[len(prompt_token_ids) - 1:]
+    return logits.argmax(-1).tolist()
+
+
+def _check_tokens(model, rec: RequestRecord) -> None:
+    out = list(rec.result.output_token_ids)
+    ref = reference_tokens(model, rec.prompt_token_ids, out)
+    rec.mismatch = next((k for k, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b),
+                        -1)
+    rec.checked = len(out)
+
+
+def _context():
+    """Children start from a fork server that imported torch and the serving modules once
+    (a fresh process, not a fork of the front end, so they inherit none of its state, as
+    with spawn); each child then costs a fork rather than a Python start and a torch import.
+    ``SHMKV_RUN_START_METHOD=spawn`` starts them the slow way."""
+    method = os.environ.get("SHMKV_RUN_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise UsageError(f"SHMKV_RUN_START_METHOD must be forkserver or spawn, got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "shmkv.block_table", "shmkv.serve.engine",
+                                    "shmkv.serve.rank", "shmkv.serve.scheduler"])
+    return ctx
+
+
+def _start_helpers(ctx) -> None:
+    from multiprocessing import forkserver, resource_tracker
+
+    if ctx.get_start_method() == "forkserver":
+        forkserver.ensure_running()
+    else:
+        resource_tracker.ensure_running()
+
+
+def _scheduler_entry(index: int, names: dict[str, str], front_end_pid: int) -> None:
+    from shmkv.serve.scheduler import scheduler_main
+
+    scheduler_main(index, names, front_end_pid)

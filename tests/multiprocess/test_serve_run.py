@@ -1,0 +1,392 @@
+"""``shmkv run`` as a user runs it: the real command in a subprocess, with small settings;
+its JSON, its exit codes, a scheduler killed mid-run, Ctrl-C, and nothing left behind (no
+segment in /dev/shm, no process alive). Plus one scheduler process fed bad frames."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--schedulers", "2", "--conversations", "6", "--blocks", "256",
+         "--max-model-len", "512"]
+RUN_TIMEOUT_S = 240
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def _leftovers(pid: int) -> list[str]:
+    """Entries of /dev/shm made by the run of process ``pid`` (every name carries it)."""
+    return sorted(e for e in os.listdir("/dev/shm") if f"run{pid}-" in e)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def run_shmkv(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None, int]:
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *args,
+                             "--json", str(out), "--plot", str(tmp_path / "run.png")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    figures = json.loads(out.read_text()) if out.exists() else None
+    return done, figures, proc.pid
+
+
+def _check_clean(figures: dict, pid: int) -> None:
+    assert _leftovers(pid) == []
+    assert _wait_gone(figures["processes"].values()) == []
+
+
+def test_run_shared_pool_json_report_and_plot(tmp_path):
+    """Two schedulers on one shared pool serve the chat workload: every request finishes,
+    every token equals the no-cache reference, conversations hit their history, and the
+    run leaves nothing behind. --compare then runs the same workload on private pools
+    (round robin, then prefix-aware) and prints the three side by side."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL, "--compare")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f["pool"] == "shared" and f["schedulers"] == 2 and f["routing"] == "round-robin"
+    assert f["requests"] == f["requests_total"] > 6
+    assert f["prompt_tokens"] > f["prefill_tokens_saved"] > 0
+    assert f["prefix_hit_rate"] == pytest.approx(f["prefill_tokens_saved"] / f["prompt_tokens"])
+    assert f["tokens_checked"] == f["generated_tokens"] > 0 and f["token_mismatches"] == 0
+    assert f["wall_s"] > 0 and f["pool_valid"] and f["problems"] == []
+    # At the end every scheduler was drained and the prefix cache reset across them all.
+    assert f["prefix_cache_reset"] is True
+    assert f["pools_after"][0]["cached_blocks_after"] == 0
+    assert [p["requests"] > 0 for p in f["per_scheduler"]] == [True, True]
+    assert sum(p["requests"] for p in f["per_scheduler"]) == f["requests"]
+    assert "prefix hit rate" in done.stdout and "mismatches 0" in done.stdout
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f["timeline"] and f["timeline"][-1]["requests_done"] == f["requests"]
+    assert [(c["pool"], c["routing"]) for c in f["compare"]] == [
+        ("private", "round-robin"), ("private", "prefix-aware")]
+    for c in f["compare"]:
+        assert c["requests"] == f["requests"] and c["token_mismatches"] == 0
+        assert c["prompt_tokens"] == f["prompt_tokens"] and c["blocks_per_pool"] == 128
+        assert c["pool_valid"] and c["prefix_cache_reset"] is True
+        assert [p["cached_blocks_after"] for p in c["pools_after"]] == [0, 0]
+        _check_clean(c, pid)
+    assert "same workload, 256 blocks in all" in done.stdout
+    _check_clean(f, pid)
+
+
+def test_run_private_pools_prefix_aware_on_a_trace(tmp_path):
+    """A JSONL trace (two conversations of two turns, two tenants) on private pools with
+    prefix-aware routing: each second turn goes where its history is cached, so it hits it."""
+    system = list(range(1, 49))  # 3 blocks
+    lines = []
+    for conv, salt in (("x", "tenant-a"), ("y", "tenant-b")):
+        lines.append({"request_id": f"{conv}0", "conversation": conv, "cache_salt": salt,
+                      "prompt_token_ids": system + [50, 51, 52], "max_tokens": 4})
+    for conv in ("x", "y"):
+        lines.append({"request_id": f"{conv}1", "conversation": conv,
+                      "cache_salt": "tenant-a" if conv == "x" else "tenant-b",
+                      "prompt_token_ids": list(range(60, 80)), "max_tokens": 4})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    done, f, pid = run_shmkv(tmp_path, "--trace", str(trace), "--pool", "private",
+                             "--routing", "prefix-aware", "--schedulers", "2",
+                             "--blocks", "256", "--max-model-len", "512")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f["pool"] == "private" and f["requests"] == 4 and f["token_mismatches"] == 0
+    # The first turns share no blocks (different salts); each second turn hits the three
+    # system-prompt blocks of its history at least.
+    assert f["prefill_tokens_saved"] >= 2 * 48
+    _check_clean(f, pid)
+
+
+def test_kill_one_scheduler_the_others_finish(tmp_path):
+    """--kill-one SIGKILLs a scheduler half way: its requests in flight go to the others,
+    every request finishes with the right tokens, and the shared pool is valid afterwards
+    with no block left in use (the dead process's references were reaped)."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL[:1], "3", *SMALL[2:], "--kill-one")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f["killed_scheduler"]["scheduler"] == 2
+    assert f["requests"] == f["requests_total"] and f["token_mismatches"] == 0
+    assert f["pool_valid"] and f["pools_after"][0]["blocks_in_use_after"] == 0
+    assert f["prefix_cache_reset"] is True  # the survivors drained and reset the pool
+    dead = f["per_scheduler"][2]
+    assert not dead["alive_at_end"]
+    assert all(p["alive_at_end"] for p in f["per_scheduler"][:2])
+    assert any("scheduler-2" in p and "died" in p for p in f["notes"])
+    assert f["problems"] == []
+    assert "killed" in done.stdout
+    _check_clean(f, pid)
+
+
+def test_ctrl_c_stops_everything_and_cleans_up(tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C does) in the middle of a run: exit
+    130, no traceback, every child gone and /dev/shm as before."""
+    out = tmp_path / "run.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", "--schedulers", "2",
+                             "--blocks", "512", "--progress", "--json", str(out),
+                             "--plot", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            cwd=tmp_path, start_new_session=True)
+    seen = threading.Event()
+    chunks: list[bytes] = []
+
+    def read_stderr():
+        while True:
+            b = proc.stderr.read1(4096)
+            if not b:
+                return
+            chunks.append(b)
+            if b"requests" in b"".join(chunks):
+                seen.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(RUN_TIMEOUT_S), b"".join(chunks).decode()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    reader.join(10)
+    stderr = b"".join(chunks).decode()
+    assert proc.returncode == 130, stdout.decode() + stderr
+    assert "Traceback" not in stderr
+    f = json.loads(out.read_text())
+    assert any(p.startswith("interrupted") for p in f["problems"])
+    assert f["requests"] < f["requests_total"]
+    _check_clean(f, proc.pid)
+
+
+def test_bad_arguments_exit_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"request_id": "a", "prompt_token_ids": [1], "tokens": 3}\n')
+    for args, needle in [(["--trace", str(bad)], "bad.jsonl:1"),
+                         (["--schedulers", "0"], "--schedulers"),
+                         (["--pool", "private", "--blocks", "64"], "blocks per pool"),
+                         (["--trace", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
+        out = subprocess.run([sys.executable, "-m", "shmkv.cli", "run", *args],
+                             capture_output=True, text=True, env=_env(), cwd=tmp_path,
+                             timeout=120)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------------------- one scheduler
+
+
+def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
+    """A scheduler process fed an undecodable frame and a message it has no use for
+    answers MessageRejected for each and goes on: it resets its pool's prefix cache when
+    asked and stops with SchedulerStopped on Shutdown, exit code 0."""
+    from shmkv import BlockPool
+    from shmkv.block_table import SharedBlockTables
+    from shmkv.messages import Channel, ModelOutput, Shutdown, create_doorbell, unlink_doorbell
+    from shmkv.serve import engine
+    from shmkv.serve.messages import (
+        AttachScheduler,
+        MessageRejected,
+        PrefixCacheReset,
+        ResetPrefixCache,
+        SchedulerAttached,
+        SchedulerConfig,
+        SchedulerStats,
+        SchedulerStopped,
+    )
+    from shmkv.serve.model import TinyModelConfig
+    from shmkv.serve.scheduler import scheduler_main
+    from tests.conftest import unique_pool_name
+
+    name = unique_pool_name("sch")
+    model = TinyModelConfig()
+    pool = BlockPool.create(name, 128, enable_kv_cache_events=True)
+    tables = engine.create_block_tables(name, model, 4, 256, 16)
+    bell = create_doorbell(name)
+    names = {k: f"{name}-{k}" for k in ("inbox", "outbox", "to_rank", "from_rank")}
+    for k, ch in names.items():
+        Channel.create(ch, 1 << 16, doorbell=bell if k in ("inbox", "from_rank") else None
+                       ).close()
+    inbox, outbox = Channel.open(names["inbox"]), Channel.open(names["outbox"])
+    proc = spawn_ctx.Process(target=scheduler_main, args=(0, names))
+    proc.start()
+
+    def reply(kind):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            msg = outbox.recv(1.0)
+            if msg is not None and not isinstance(msg, SchedulerStats):
+                assert isinstance(msg, kind), msg
+                return msg
+        raise AssertionError(f"no {kind.__name__}")
+
+    try:
+        inbox.send(AttachScheduler(scheduler=0, config=SchedulerConfig(
+            pool_name=name, model=engine.model_config_to_dict(model), max_num_seqs=4,
+            max_num_batched_tokens=64, max_model_len=256, block_tables_name=name)))
+        assert reply(SchedulerAttached).num_gpu_blocks == 128
+        inbox.send_bytes(b"\x93not a frame")
+        assert "not a shmkv message frame" in reply(MessageRejected).reason
+        inbox.send(ModelOutput(step=1, sampled_token_ids=[]))
+        assert "unexpected message ModelOutput" in reply(MessageRejected).reason
+        inbox.send(ResetPrefixCache())
+        assert reply(PrefixCacheReset).success
+        inbox.send(Shutdown(reason="test"))
+        assert reply(SchedulerStopped).stats.num_steps == 0
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        inbox.close()
+        outbox.close()
+        for ch in names.values():
+            Channel.unlink(ch)
+        unlink_doorbell(bell)
+        tables.close()
+        SharedBlockTables.unlink(name)
+        pool.close()
+        BlockPool.unlink(name)
+
+
+def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
+    """A rank process fed an undecodable frame and a message that is not for a rank drops
+    both (saying so on stderr) and still answers the next ExecuteModel; Shutdown: exit 0."""
+    from shmkv.block_table import KVStore, SharedBlockTables
+    from shmkv.messages import (
+        Channel,
+        ExecuteModel,
+        ModelOutput,
+        Shutdown,
+        create_doorbell,
+        unlink_doorbell,
+    )
+    from shmkv.serve import engine
+    from shmkv.serve.messages import DrainScheduler
+    from shmkv.serve.model import TinyModelConfig
+    from tests.conftest import unique_pool_name
+
+    name = unique_pool_name("rk")
+    model = TinyModelConfig()
+    tables = engine.create_block_tables(name, model, 4, 256, 16)
+    store = engine.create_kv_store(name, model, 64, 16)
+    bell = create_doorbell(name)
+    to_rank, from_rank = f"{name}-to", f"{name}-from"
+    Channel.create(to_rank, 1 << 16).close()
+    Channel.create(from_rank, 1 << 16, doorbell=bell).close()
+    tx, rx = Channel.open(to_rank), Channel.open(from_rank)
+    proc = spawn_ctx.Process(target=engine.rank_main,
+                             args=(name, name, to_rank, from_rank,
+                                   engine.model_config_to_dict(model)))
+    proc.start()
+    try:
+        tx.send_bytes(b"\x93garbage")
+        tx.send(DrainScheduler())
+        tables.commit(1)
+        tx.send(ExecuteModel(step=1, requests=[]))
+        assert rx.recv(120) == ModelOutput(step=1, sampled_token_ids=[])
+        tx.send(Shutdown())
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        tx.close()
+        rx.close()
+        for ch in (to_rank, from_rank):
+            Channel.unlink(ch)
+        unlink_doorbell(bell)
+        tables.close()
+        SharedBlockTables.unlink(name)
+        store.close()
+        KVStore.unlink(name)
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """Processes whose environment carries ``SHMKV_TEST_MARK=mark`` (children inherit it)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"SHMKV_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return [p for p in out if _alive(p)]
+
+
+def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_path):
+    """SIGKILL the front end mid-run: its schedulers, ranks and multiprocessing's helpers all
+    end (none is left orphaned, although the fork server is their parent), and
+    ``shmkv cleanup`` then removes every segment the run left in /dev/shm."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *SMALL, "--progress",
+                             "--plot", ""],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=dict(_env(), SHMKV_TEST_MARK=mark), cwd=tmp_path)
+    try:
+        seen = b""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while b"requests" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.read1(4096)
+        assert b"requests" in seen, seen.decode()
+        children = [p for p in _marked_pids(mark) if p != proc.pid]
+        assert len(children) >= 4  # 2 schedulers, 2 ranks (and the fork server, ...)
+        proc.kill()
+        proc.wait(30)
+        assert _wait_gone(children, timeout_s=30) == []
+        assert _marked_pids(mark) == []
+        assert _leftovers(proc.pid)  # the front end could not remove them
+        out = subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
+                             text=True, env=_env(), timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert _leftovers(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()
+        for p in _marked_pids(mark):
+            os.kill(p, signal.SIGKILL)
+        if _leftovers(proc.pid):
+            subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
+                           env=_env(), timeout=120)
