@@ -259,7 +259,9 @@ class PoolLock:
             try:
                 self._sem.acquire(max(0.0, min(self.slice_s, left)))
                 return False
-            except posix_ipc.BusyError:
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                # SignalError: a signal cut the wait short (posix_ipc does not retry EINTR);
+                # its Python handler runs at the next bytecode, Ctrl-C raising from here.
                 pass
             if self._on_stall():
                 return True

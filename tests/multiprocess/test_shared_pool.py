@@ -315,3 +315,48 @@ def test_an_attacher_killed_holding_the_semaphore_unrecorded_does_not_wedge_the_
     finally:
         pool.close()
         BlockPool.unlink(name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_signal_during_a_lock_wait_is_not_an_error(spawn_ctx, kernel):
+    """A handled signal during the wait for a held lock neither raises posix_ipc's
+    SignalError nor ends the wait early; a handler that raises (Ctrl-C) gets through, and
+    the waiter's slot is left idle and usable."""
+    import signal
+
+    from shmkv import LockTimeoutError
+
+    name = unique_pool_name("sigwait")
+    pool = BlockPool.create(name, 16, kernel=kernel, lock_timeout_s=0.5)
+    held = spawn_ctx.Event()
+    holder = spawn_ctx.Process(target=workers.hold_lock_forever, args=(name, held))
+    holder.start()
+    seen = []
+    old = signal.signal(signal.SIGALRM, lambda *a: seen.append("alarm"))
+    try:
+        assert held.wait(60)
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        with pytest.raises(LockTimeoutError):
+            pool.get_new_blocks(1)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert seen
+
+        def interrupt(*a):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            pool.get_new_blocks(1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        holder.kill()
+        holder.join(30)
+        assert holder.exitcode == -9
+    try:
+        assert len(pool.get_new_blocks(1)) == 1  # the dead holder's lock is taken over
+        pool.check_invariants()
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
