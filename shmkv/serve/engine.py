@@ -8,12 +8,8 @@ Imports torch (the scheduler and the front end import it lazily, through here).
 from __future__ import annotations
 
 import dataclasses
-import sys
-import traceback
 
-from shmkv.errors import ProtocolError
 from shmkv.kv_cache_manager import KVCacheManager
-from shmkv.messages import Channel, ExecuteModel, ModelOutput, Shutdown
 
 __all__ = [
     "BlockTablesWriter", "build_kv_cache_manager", "create_block_tables", "create_kv_store",
@@ -86,45 +82,13 @@ def open_block_tables(cfg) -> BlockTablesWriter:
 
 def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank_name: str,
               model: dict, front_end_pid: int | None = None) -> None:
-    """Entry point of a rank process: executes its scheduler's ``ExecuteModel`` steps with
-    the model runner of ``shmkv/serve/rank.py`` until ``Shutdown``. A failed step is
-    answered with ``ModelOutput(error=...)`` and the process exits 1."""
+    """Entry point of a rank process of ``shmkv run``: the run's child set-up, then
+    ``shmkv.serve.rank.rank_main`` (which answers ``ExecuteModel`` steps until
+    ``Shutdown``, dropping bad frames)."""
     from shmkv.serve.scheduler import child_setup
 
     child_setup(front_end_pid)
-    import torch
+    from shmkv.serve.rank import rank_main as run_rank
 
-    from shmkv.serve.rank import ModelRunner
-
-    torch.set_num_threads(1)
-    to_rank = Channel.open(to_rank_name)
-    from_rank = Channel.open(from_rank_name)
-    runner = ModelRunner(tables_name, kv_store_name, model_config_from_dict(model))
-    step = -1
-    try:
-        while True:
-            try:
-                msg = to_rank.recv(timeout_s=None)
-            except ProtocolError as exc:  # a bad frame is dropped; the rank goes on
-                print(f"rank ({to_rank_name}): frame dropped: {exc}", file=sys.stderr)
-                continue
-            if isinstance(msg, Shutdown):
-                return
-            if not isinstance(msg, ExecuteModel):
-                print(f"rank ({to_rank_name}): {type(msg).__name__} dropped (expected "
-                      "ExecuteModel or Shutdown)", file=sys.stderr)
-                continue
-            step = msg.step
-            from_rank.send(ModelOutput(step=step, sampled_token_ids=runner.execute(msg)))
-    except BaseException as exc:
-        traceback.print_exc(file=sys.stderr)
-        try:
-            from_rank.send(ModelOutput(step=step, sampled_token_ids=[],
-                                       error=f"{type(exc).__name__}: {exc}"), timeout_s=1.0)
-        except Exception:  # noqa: BLE001 (the scheduler may be gone too)
-            pass
-        sys.exit(1)
-    finally:
-        runner.close()
-        to_rank.close()
-        from_rank.close()
+    run_rank(tables_name, kv_store_name, to_rank_name, from_rank_name,
+             model_config_from_dict(model))

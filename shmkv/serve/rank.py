@@ -132,45 +132,55 @@ class ModelRunner:
         self.kv_store.close()
 
 
-def rank_main(tables_name: str, kv_store_name: str, channel: str,
-              model_config: TinyModelConfig, recv_timeout_s: float = 60.0,
+def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank_name: str,
+              model_config: TinyModelConfig, recv_timeout_s: float | None = None,
               num_threads: int | None = 1) -> None:
-    """Process entry point: attach, then answer every ``ExecuteModel`` with a
-    ``ModelOutput`` until ``Shutdown``. Exits 0 on shutdown; on a failure it answers with
-    ``ModelOutput(error=...)`` and exits 1. ``num_threads``: torch's intra-op threads (1 by
-    default: a tiny model on a shared CPU runs fastest so)."""
+    """Process entry point: attach, then answer every ``ExecuteModel`` on ``to_rank_name``
+    with a ``ModelOutput`` on ``from_rank_name`` until ``Shutdown``; exits 0 then. A frame
+    that does not decode, or a message of another type, is dropped (said on stderr) and the
+    rank goes on. A step that fails is answered with ``ModelOutput(error=...)`` and the
+    process exits 1; so does a wait longer than ``recv_timeout_s`` (None: no limit).
+    ``num_threads``: torch's intra-op threads (1 by default: a tiny model on a shared CPU
+    runs fastest so)."""
     step_no = -1
-    outbox = None
+    inbox = outbox = runner = None
     if num_threads is not None:
         import torch
 
         torch.set_num_threads(num_threads)
     try:
-        inbox = Channel.open(to_rank_channel(channel))
-        outbox = Channel.open(from_rank_channel(channel))
+        inbox = Channel.open(to_rank_name)
+        outbox = Channel.open(from_rank_name)
         runner = ModelRunner(tables_name, kv_store_name, model_config)
         while True:
-            msg = inbox.recv(recv_timeout_s)
+            try:
+                msg = inbox.recv(recv_timeout_s)
+            except ProtocolError as exc:
+                print(f"rank ({to_rank_name}): frame dropped: {exc}", file=sys.stderr)
+                continue
             if msg is None:
                 raise TimeoutError(f"no message from the scheduler in {recv_timeout_s} s")
             if isinstance(msg, Shutdown):
-                break
+                return
             if not isinstance(msg, ExecuteModel):
-                raise ProtocolError(f"rank got a {type(msg).__name__}, expected ExecuteModel")
+                print(f"rank ({to_rank_name}): {type(msg).__name__} dropped (expected "
+                      "ExecuteModel or Shutdown)", file=sys.stderr)
+                continue
             step_no = msg.step
             outbox.send(ModelOutput(step=msg.step, sampled_token_ids=runner.execute(msg)))
-        runner.close()
-        inbox.close()
-        outbox.close()
     except BaseException as exc:
         traceback.print_exc(file=sys.stderr)
         if outbox is not None:
             try:
                 outbox.send(ModelOutput(step=step_no, sampled_token_ids=[],
                                         error=f"{type(exc).__name__}: {exc}"), timeout_s=1)
-            except Exception:
+            except Exception:  # noqa: BLE001 (the scheduler may be gone too)
                 pass
         sys.exit(1)
+    finally:
+        for part in (runner, inbox, outbox):
+            if part is not None:
+                part.close()
 
 
 class RankClient:

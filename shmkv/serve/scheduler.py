@@ -318,7 +318,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class RankClient:
+class RankStep:
     """The one call a step makes to its rank: block tables in shared memory, the batch in
     an ``ExecuteModel`` message, the tokens back in ``ModelOutput``."""
 
@@ -432,7 +432,7 @@ class SchedulerProcess:
         self.pool = BlockPool.attach(cfg.pool_name, label=f"scheduler-{self.index}")
         kvm = build_kv_cache_manager(self.pool, cfg)
         self.tables = open_block_tables(cfg)
-        execute = RankClient(self.to_rank, self.from_rank, self.tables, cfg.rank_timeout_s,
+        execute = RankStep(self.to_rank, self.from_rank, self.tables, cfg.rank_timeout_s,
                              self)
         self.scheduler = Scheduler(kvm, self.pool.make_block_hasher(), execute,
                                    max_num_seqs=cfg.max_num_seqs,

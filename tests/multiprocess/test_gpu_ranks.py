@@ -15,7 +15,13 @@ torch = pytest.importorskip("torch")
 from shmkv import BlockPool, BlockRemoved  # noqa: E402
 from shmkv.block_table import KVStore, SharedBlockTables  # noqa: E402
 from shmkv.serve.model import TinyModelConfig, TinyTransformer  # noqa: E402
-from shmkv.serve.rank import create_rank_channels, rank_main, unlink_rank_channels  # noqa: E402
+from shmkv.serve.rank import (  # noqa: E402
+    create_rank_channels,
+    from_rank_channel,
+    rank_main,
+    to_rank_channel,
+    unlink_rank_channels,
+)
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import rank_workers  # noqa: E402
 from tests.multiprocess.conftest import JOIN_TIMEOUT_S  # noqa: E402
@@ -76,7 +82,8 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
             create_rank_channels(s)
         results = spawn_ctx.Queue()
         go = spawn_ctx.Event()
-        ranks = [spawn_ctx.Process(target=rank_main, args=(s, name, s, config))
+        ranks = [spawn_ctx.Process(target=rank_main,
+                                   args=(s, name, to_rank_channel(s), from_rank_channel(s), config))
                  for s in sched_names]
         scheds = [spawn_ctx.Process(target=rank_workers.scheduler_main,
                                     args=(name, s, s, config, prompts[i], MAX_NEW_TOKENS, 3,
