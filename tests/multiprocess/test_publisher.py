@@ -153,6 +153,11 @@ def test_plain_sub_socket_decodes_every_event_once_in_order(events_pool, vllm_de
     serve_requests(pool, hasher, 0, 3)  # published before anyone listens
     pub_ep, replay_ep = endpoints()
     with KVEventPublisher(pool.pool_name, pub_ep, replay_ep, topic="kv@shmkv").start() as pub:
+        end = pool.event_cursor(from_start=False).seq
+        deadline = time.monotonic() + 30
+        while pub.next_seq < end:  # sent to nobody: the SUB below can only replay them
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         sub = plain_sub(pub_ep, b"kv@shmkv")
         try:
             r = wait_connected(sub, pool, hasher, 3)
