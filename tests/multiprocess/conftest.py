@@ -14,12 +14,8 @@ def spawn_ctx():
     return mp.get_context("spawn")
 
 
-def run_processes(ctx, target, arg_list, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
-    """Starts one process per args tuple, joins each with a timeout (killing stragglers),
-    and returns the exit codes."""
-    procs = [ctx.Process(target=target, args=args) for args in arg_list]
-    for p in procs:
-        p.start()
+def join_processes(procs, timeout_s: float = JOIN_TIMEOUT_S) -> list[int | None]:
+    """Joins each process with a timeout, killing a straggler; returns the exit codes."""
     codes = []
     for p in procs:
         p.join(timeout_s)
@@ -28,3 +24,12 @@ def run_processes(ctx, target, arg_list, timeout_s: float = JOIN_TIMEOUT_S) -> l
             p.join(10)
         codes.append(p.exitcode)
     return codes
+
+
+def run_processes(ctx, target, arg_list, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
+    """Starts one process per args tuple, joins each with a timeout (killing stragglers),
+    and returns the exit codes."""
+    procs = [ctx.Process(target=target, args=args) for args in arg_list]
+    for p in procs:
+        p.start()
+    return join_processes(procs, timeout_s)

@@ -14,23 +14,13 @@ torch = pytest.importorskip("torch")
 from shmkv.block_table import KVStore, SharedBlockTables  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import table_workers  # noqa: E402
-from tests.multiprocess.conftest import JOIN_TIMEOUT_S  # noqa: E402
+from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 NUM_READERS = 2
 LAST_STEP = 60
 
-
-def _kill_and_join(procs) -> list[int | None]:
-    codes = []
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-        codes.append(p.exitcode)
-    return codes
 
 
 def _race(spawn_ctx, seqlock: bool) -> tuple[int, int]:
@@ -58,7 +48,7 @@ def _race(spawn_ctx, seqlock: bool) -> tuple[int, int]:
                                 for w in widths], row)
             tables.commit(step)
             time.sleep(0.002)  # the rank's compute time: the tables are idle
-        codes = _kill_and_join(procs)
+        codes = join_processes(procs)
         assert codes == [0] * NUM_READERS, f"reader exit codes {codes}"
         accepted = torn = 0
         for _ in procs:
@@ -107,7 +97,7 @@ def test_a_rank_sees_the_schedulers_write_through_the_same_tensor(spawn_ctx):
         tables.add_row(([1], [7, 8, 9]), 3)
         tables.commit(0)
         written.set()
-        assert _kill_and_join([proc]) == [0]
+        assert join_processes([proc]) == [0]
         inside, same_ptr, same_tensor, before, after = results.get(timeout=10)
         assert inside and same_ptr and same_tensor
         assert before == [0, 0, 0] and after == [7, 8, 9]

@@ -24,22 +24,12 @@ from shmkv.serve.rank import (  # noqa: E402
 )
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import rank_workers  # noqa: E402
-from tests.multiprocess.conftest import JOIN_TIMEOUT_S  # noqa: E402
+from tests.multiprocess.conftest import join_processes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 MAX_NEW_TOKENS = 6
 
-
-def _join_all(procs, timeout_s: float = JOIN_TIMEOUT_S) -> list[int | None]:
-    codes = []
-    for p in procs:
-        p.join(timeout_s)
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-        codes.append(p.exitcode)
-    return codes
 
 
 def _prompts(rng: random.Random, systems: list[list[int]], n: int, vocab: int) -> list[list[int]]:
@@ -92,10 +82,10 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
         procs = ranks + scheds
         for p in procs:
             p.start()
-        first = _join_all(scheds[:1])
+        first = join_processes(scheds[:1])
         assert first == [0], f"scheduler 0 exited with {first}"
         go.set()
-        codes = _join_all(scheds[1:] + ranks)
+        codes = join_processes(scheds[1:] + ranks)
         assert codes == [0] * (len(procs) - 1), f"exit codes {codes}"
         got = {}
         num_preemptions = 0
