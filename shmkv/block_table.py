@@ -183,6 +183,13 @@ def _as_int64(x: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(x, dtype=np.int64).reshape(-1))
 
 
+def _as_numpy_int64(x: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """A 1-d int64 array; a CPU tensor is read in place (no copy if already int64)."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).to(torch.int64).numpy()
+    return np.asarray(x, dtype=np.int64).reshape(-1)
+
+
 def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
                          positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slots of a batch's tokens: ``block_table[req, pos // bs] * bs + pos % bs`` (int64).
@@ -191,25 +198,63 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
     table itself); token ``t`` belongs to row ``req_indices[t]`` at position
     ``positions[t]``. Vectorised, no Python loop. Like vLLM, the block number comes from the
     position, not from the token's index. A padding token (``req_indices[t] < 0``) gets
-    ``PAD_SLOT_ID``.
+    ``PAD_SLOT_ID``. A table on the CPU is computed in numpy, as vLLM's worker does (a
+    decode batch is a few hundred tokens, where each torch call's fixed cost would
+    dominate); one on a GPU in torch, on its device.
 
     Raises:
         UsageError: a position past the table's width or a row out of range.
     """
-    width = block_table.shape[1]
-    req_indices = _as_int64(req_indices)
-    positions = _as_int64(positions)
-    if positions.numel() == 0:
+    if block_table.device.type != "cpu":
+        return _slot_mapping_on_device(block_table, req_indices, positions, block_size)
+    req = _as_numpy_int64(req_indices)
+    pos = _as_numpy_int64(positions)
+    if pos.size == 0:
         return torch.empty(0, dtype=torch.int64)
-    lo, hi = (int(x) for x in torch.aminmax(positions))
-    if lo < 0 or hi >= width * block_size:
+    _check_slot_inputs(int(pos.min()), int(pos.max()), int(req.max()), block_table.shape,
+                       block_size)
+    pad = req < 0 if int(req.min()) < 0 else None
+    slots = _slots_np(block_table.numpy(), np.maximum(req, 0) if pad is not None else req,
+                      pos, block_size)
+    if pad is not None:
+        slots[pad] = PAD_SLOT_ID
+    return torch.from_numpy(slots)
+
+
+def _slots_np(table: np.ndarray, rows: np.ndarray, pos: np.ndarray, block_size: int
+              ) -> np.ndarray:
+    """The slot formula on checked inputs (rows and positions in range)."""
+    flat = rows * table.shape[1]
+    flat += pos // block_size
+    slots = table.reshape(-1).take(flat).astype(np.int64)
+    slots *= block_size
+    slots += pos % block_size
+    return slots
+
+
+def _check_slot_inputs(pos_lo: int, pos_hi: int, req_hi: int, table_shape, block_size: int
+                       ) -> None:
+    rows, width = table_shape
+    if pos_lo < 0 or pos_hi >= width * block_size:
         raise UsageError(
             f"positions must lie in [0, {width * block_size}) for a table {width} blocks "
-            f"wide of block size {block_size}; found {lo}..{hi}")
+            f"wide of block size {block_size}; found {pos_lo}..{pos_hi}")
+    if req_hi >= rows:
+        raise UsageError(f"row index {req_hi} out of range for a table of {rows} rows")
+
+
+def _slot_mapping_on_device(block_table: torch.Tensor, req_indices: torch.Tensor,
+                            positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``compute_slot_mapping`` in torch, on the table's device."""
+    device = block_table.device
+    width = block_table.shape[1]
+    req_indices = _as_int64(req_indices).to(device)
+    positions = _as_int64(positions).to(device)
+    if positions.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    lo, hi = (int(x) for x in torch.aminmax(positions))
     req_lo, req_hi = (int(x) for x in torch.aminmax(req_indices))
-    if req_hi >= block_table.shape[0]:
-        raise UsageError(
-            f"row index {req_hi} out of range for a table of {block_table.shape[0]} rows")
+    _check_slot_inputs(lo, hi, req_hi, block_table.shape, block_size)
     pad = req_indices < 0 if req_lo < 0 else None
     rows = req_indices.clamp(min=0) if pad is not None else req_indices
     flat = rows * width
@@ -716,18 +761,28 @@ class SharedBlockTables:
             UsageError: a row or position out of range.
             TornReadError: no consistent state within ``timeout_s``.
         """
-        rows_t = _as_int64(rows)
-        if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= self.max_num_reqs):
+        rows_np = _as_numpy_int64(rows)
+        if rows_np.size and (int(rows_np.min()) < 0 or int(rows_np.max()) >= self.max_num_reqs):
             raise UsageError(
-                f"rows must lie in [0, {self.max_num_reqs}), got {int(rows_t.min())}.."
-                f"{int(rows_t.max())}")
-        token_rows = rows_t.index_select(0, _as_int64(req_indices))
-        positions = _as_int64(positions)
+                f"rows must lie in [0, {self.max_num_reqs}), got {int(rows_np.min())}.."
+                f"{int(rows_np.max())}")
+        req = _as_numpy_int64(req_indices)
+        if req.size and (int(req.min()) < 0 or int(req.max()) >= rows_np.size):
+            raise UsageError(f"req_indices must lie in [0, {rows_np.size}), got "
+                             f"{int(req.min())}..{int(req.max())}")
+        token_rows = rows_np.take(req)
+        positions = _as_numpy_int64(positions)
+        if positions.size != token_rows.size:
+            raise UsageError(f"{token_rows.size} req_indices but {positions.size} positions")
+        if positions.size:
+            lo, hi = int(positions.min()), int(positions.max())
+            for table, bs in zip(self._tables_np, self.block_sizes, strict=True):
+                _check_slot_inputs(lo, hi, 0, table.shape, bs)
         deadline = time.monotonic() + timeout_s
         while True:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
-            slots = [compute_slot_mapping(t, token_rows, positions, bs)
-                     for t, bs in zip(self._t()[1], self.block_sizes, strict=True)]
+            slots = [torch.from_numpy(_slots_np(table, token_rows, positions, bs))
+                     for table, bs in zip(self._tables_np, self.block_sizes, strict=True)]
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return step, slots

@@ -455,6 +455,13 @@ def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
         assert direct[0].tolist() == [1 * 4 + 2, 1 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 5 * 4 + 3]
         with pytest.raises(UsageError, match="rows must lie"):
             reader.compute_slot_mappings([9], req_indices[:1], positions[:1])
+        with pytest.raises(UsageError, match="req_indices must lie"):
+            reader.compute_slot_mappings([6], [1], positions[:1])
+        with pytest.raises(UsageError, match="positions must lie"):
+            reader.compute_slot_mappings([6], [0], [64])
+        with pytest.raises(UsageError, match="1 req_indices but 2 positions"):
+            reader.compute_slot_mappings([6], [0], [1, 2])
+        assert [s.tolist() for s in reader.compute_slot_mappings([6], [], [])[1]] == [[], []]
         tables.append_row(([9], []), 6)
         with pytest.raises(TornReadError):
             reader.compute_slot_mappings([6], req_indices[:1], positions[:1], timeout_s=0.05)
