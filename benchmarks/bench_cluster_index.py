@@ -41,6 +41,7 @@ from contextlib import ExitStack
 
 from shmkv import BlockPool, Request
 from shmkv.cluster_index import ClusterIndexer, IndexSource, PrefixRouter, RedisPrefixIndex
+from shmkv.events import KVEventBatch, external_block_hash
 from shmkv.publisher import KVEventPublisher, pool_identity, unlink_state
 
 BS = 16
@@ -181,8 +182,6 @@ def routing(args, redis_url: str) -> tuple[list[dict], list[float], list[float]]
             if policy == "index":
                 for tokens in prompts[:500]:
                     hashes = router.block_hashes(tokens)
-                    from shmkv.events import external_block_hash
-
                     ext = [external_block_hash(h, True) for h in hashes]
                     t = time.perf_counter()
                     index.longest_prefixes(ext)
@@ -210,8 +209,6 @@ def throughput(args, redis_url: str) -> dict:
         index = RedisPrefixIndex.from_url(redis_url, f"tput{uuid.uuid4().hex[:8]}")
         # The index "knows" this pool from before its first event: catching up is a replay
         # of every event.
-        from shmkv.events import KVEventBatch
-
         index.apply_snapshot(node.label, -1, KVEventBatch(0.0, []),
                              epoch=pool_identity(node.pool))
         t0 = time.perf_counter()

@@ -43,9 +43,13 @@ from shmkv.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    decode_batch,
     external_block_hash,
     use_int_block_hashes,
 )
+from shmkv.hashing import RequestBlockHasher, get_hash_fn_by_name
+from shmkv.hashing import none_hash as make_none_hash
+from shmkv.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -395,8 +399,6 @@ class ClusterIndexer:
     def _replay(self, src: IndexSource, identity: str) -> bool:
         """Catches up by replay from where the index stands; False if it cannot (the
         index holds another pool, or the log no longer has what is missing)."""
-        from shmkv.events import decode_batch
-
         sub = self._subs[src.name]
         state = next((st for st in self.index.sources() if st.source == src.name), None)
         if state is None or state.epoch != identity:
@@ -504,9 +506,6 @@ class PrefixRouter:
 
     def __init__(self, index: RedisPrefixIndex, hash_block_size: int = 16,
                  hash_fn_name: str = "sha256", none_hash: bytes | None = None) -> None:
-        from shmkv.hashing import RequestBlockHasher, get_hash_fn_by_name
-        from shmkv.hashing import none_hash as make_none_hash
-
         hash_fn = get_hash_fn_by_name(hash_fn_name)
         self.index = index
         self.hash_block_size = hash_block_size
@@ -517,8 +516,6 @@ class PrefixRouter:
 
     def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
                      ) -> list[bytes]:
-        from shmkv.request import Request
-
         return list(Request("route", list(prompt_token_ids), block_hasher=self._hasher,
                             cache_salt=cache_salt).block_hashes)
 
