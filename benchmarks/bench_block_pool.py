@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             if progress_on:
                 print(f"  vLLM {vllm_version} imported in {time.monotonic() - t0:.1f}s",
                       file=sys.stderr, flush=True)
-    from shmkv.block_pool import _ckernel
+    from shmkv.pool.block_pool import _ckernel
 
     impls = (["shmkv"] if _ckernel is not None else []) + ["shmkv-py"]
     impls += ["vllm"] if vllm_cls is not None else []

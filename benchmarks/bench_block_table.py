@@ -42,7 +42,7 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from shmkv.block_table import (  # noqa: E402
+from shmkv.ranks.block_table import (  # noqa: E402
     SharedBlockTables,
     batch_token_indices,
 )

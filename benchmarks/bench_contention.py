@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from shmkv import BlockPool, Request
-from shmkv.block_pool import default_kernel
+from shmkv.pool.block_pool import default_kernel
 
 HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPTS = [list(range(10_000 * p, 10_000 * p + 64)) for p in range(4)]

@@ -31,7 +31,7 @@ import zmq
 
 from shmkv import BlockPool
 from shmkv.publisher import KVEventPublisher, KVEventSubscriber, unlink_state
-from shmkv.request import Request
+from shmkv.core.request import Request
 from shmkv.stats import PoolStats, unlink_stats
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shmkv import BlockPool, KVCacheManager, Request  # noqa: E402
-from shmkv import kv_cache_interface as shm_specs  # noqa: E402
+from shmkv.core import kv_cache_interface as shm_specs  # noqa: E402
 
 BS = 16
 

@@ -5,7 +5,7 @@ DESIGN.md asks to measure the POSIX semaphore (shmkv's pool lock) against an OFD
 prints ns per acquire+release for:
 
 - ``posix_ipc``: ``posix_ipc.Semaphore.acquire(timeout)`` / ``release()`` from Python;
-- ``clock``: shmkv's C fast path (``shmkv._ckernel.CLock``: the same semaphore, plus the
+- ``clock``: shmkv's C fast path (``shmkv.pool._ckernel.CLock``: the same semaphore, plus the
   holder record and the fence check), when built;
 - ``ofd``: ``fcntl(F_OFD_SETLKW)`` / ``F_UNLCK`` on a byte of a file in /dev/shm (released by
   the kernel when its holder dies, but a system call every time).
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=200_000)
     args = parser.parse_args(argv)
     from shmkv import BlockPool
-    from shmkv.block_pool import _ckernel
+    from shmkv.pool.block_pool import _ckernel
 
     tag = f"bench-locks-{os.getpid()}"
     names = {"sem": f"/{tag}-sem", "ofd": f"/dev/shm/{tag}.ofd", "pool": tag}

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Crash recovery against the number of blocks: the take-over of a holder killed inside the
-lock (detection and repair), and ``shmkv.recovery.rebuild``, the fallback repair.
+lock (detection and repair), and ``shmkv.pool.recovery.rebuild``, the fallback repair.
 
 Take-over: a victim process holds half of the blocks, takes the pool lock, allocates 256
 more inside it (journaled, not committed) and waits; the driver SIGKILLs it and at once
@@ -39,7 +39,7 @@ import sys
 import time
 
 from shmkv import BlockPool
-from shmkv.recovery import check_invariants, rebuild
+from shmkv.pool.recovery import check_invariants, rebuild
 
 ALLOCATED_IN_HOLD = 256
 STUCK_AFTER_S = 0.2
@@ -49,7 +49,7 @@ def _victim(name: str, num_held: int, die_after_semaphore: bool, ready) -> None:
     """Hold ``num_held`` blocks, then die inside the lock: killed by the driver half way
     through a hold, or (``die_after_semaphore``) by SHMKV_FAULT right after taking the
     semaphore, before recording itself as holder."""
-    from shmkv import fault
+    from shmkv.pool import fault
 
     pool = BlockPool.attach(name, label="victim")
     for start in range(0, num_held, 4096):

@@ -4,7 +4,7 @@ scheduler process on a node. Follows vLLM v1's KV-cache layer name for name.
 ``import shmkv`` never imports torch.
 """
 
-from shmkv.block_pool import BlockPool, KVCacheBlock, RepairReport
+from shmkv.pool.block_pool import BlockPool, KVCacheBlock, RepairReport
 from shmkv.errors import (
     FencedError,
     InvariantViolation,
@@ -21,7 +21,7 @@ from shmkv.errors import (
     UsageError,
 )
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from shmkv.free_queue import FreeKVCacheBlockQueue
+from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_FN_NAMES,
@@ -36,14 +36,14 @@ from shmkv.hashing import (
     sha256_cbor,
     to_event_extra_keys,
 )
-from shmkv.kv_cache_coordinator import (
+from shmkv.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -58,10 +58,10 @@ from shmkv.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
-from shmkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
-from shmkv.layout import LAYOUT_VERSION, NULL_BLOCK_ID
-from shmkv.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
-from shmkv.single_type_kv_cache_manager import (
+from shmkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from shmkv.pool.layout import LAYOUT_VERSION, NULL_BLOCK_ID
+from shmkv.core.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
+from shmkv.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,

@@ -49,7 +49,7 @@ from shmkv.events import (
 )
 from shmkv.hashing import RequestBlockHasher, get_hash_fn_by_name
 from shmkv.hashing import none_hash as make_none_hash
-from shmkv.request import Request
+from shmkv.core.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ Duck typing: a request is anything with ``.all_token_ids``, ``.num_tokens`` and
 ``.lora_path``), ``.mm_features`` (items with ``.identifier`` and ``.mm_position.offset`` /
 ``.length``, sorted by offset), ``.cache_salt`` and ``.prompt_embeds`` (a torch tensor, a
 numpy array, or anything whose row slices expose their raw bytes through the buffer
-protocol). vLLM's ``Request`` qualifies, and so does :class:`shmkv.request.Request`.
+protocol). vLLM's ``Request`` qualifies, and so does :class:`shmkv.core.request.Request`.
 
 This module never imports torch: a torch tensor can only reach it if torch is imported.
 """

@@ -14,7 +14,7 @@ This module defines the scheduler <-> rank step protocol of DESIGN section 7:
 tables, never in the message) answered by :class:`ModelOutput`, and :class:`Shutdown`.
 
 Transport: :class:`Channel`, a single-producer single-consumer byte ring in POSIX shared
-memory with a semaphore as its doorbell (layout in ``shmkv/layout.py``, "Sibling
+memory with a semaphore as its doorbell (layout in ``shmkv/pool/layout.py``, "Sibling
 segments"). It is used rather than ``posix_ipc.MessageQueue`` because the kernel's queue
 limits (``/proc/sys/fs/mqueue``: 10 messages of 8 KiB, and 800 KiB per user) are too small
 for a front end, several schedulers and their ranks, and because a ring carries prompts of
@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 import posix_ipc
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,

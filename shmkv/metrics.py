@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import UsageError
-from shmkv.event_log import decode_event
+from shmkv.pool.event_log import decode_event
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shmkv.stats import LOCK_BUCKETS_S, read_stats
 

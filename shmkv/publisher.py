@@ -58,10 +58,10 @@ import msgspec
 import numpy as np
 import posix_ipc
 
-from shmkv import layout as L
-from shmkv.block_pool import BlockPool
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
-from shmkv.event_log import EventCursor, LoggedEvent, decode_event
+from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -38,7 +38,7 @@ from itertools import chain
 import numpy as np
 import posix_ipc
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, UsageError
 
 STATS_VERSION = 1

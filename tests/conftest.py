@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from shmkv import BlockPool
-from shmkv.block_pool import _ckernel
-from shmkv.layout import segment_name
+from shmkv.pool.block_pool import _ckernel
+from shmkv.pool.layout import segment_name
 from tests.helpers import CheckedPool
 
 
@@ -29,7 +29,7 @@ def pool_name():
 KERNELS = [
     "python",
     pytest.param(
-        "c", marks=pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")
+        "c", marks=pytest.mark.skipif(_ckernel is None, reason="shmkv.pool._ckernel is not built")
     ),
 ]
 

@@ -41,7 +41,7 @@ def serve_requests(pool, hasher, first: int, count: int, prompt=(), user_tokens:
     """Scheduler-like work on an attached pool: per request, under one lock hold, look up
     the prefix, touch the hits, allocate the rest, cache the full blocks; then free them.
     Each request is ``prompt`` plus ``user_tokens`` tokens of its own."""
-    from shmkv.request import Request
+    from shmkv.core.request import Request
 
     bs = pool.hash_block_size
     hits_total = 0

@@ -1,5 +1,5 @@
 """Where ``shmkv run`` meets the model side (``shmkv/serve/model.py``, ``shmkv/serve/rank.py``,
-``shmkv/block_table.py``): the scheduler's ``KVCacheManager`` for the model, its block-table
+``shmkv/ranks/block_table.py``): the scheduler's ``KVCacheManager`` for the model, its block-table
 writer, the KV store, and the rank process's entry point over the run's channels.
 
 Imports torch (the scheduler and the front end import it lazily, through here).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shmkv.kv_cache_manager import KVCacheManager
+from shmkv.core.kv_cache_manager import KVCacheManager
 
 __all__ = [
     "BlockTablesWriter", "build_kv_cache_manager", "create_block_tables", "create_kv_store",
@@ -42,7 +42,7 @@ def build_kv_cache_manager(pool, cfg) -> KVCacheManager:
 
 def create_block_tables(name: str, model_config, max_num_seqs: int, max_model_len: int,
                         block_size: int):
-    from shmkv.block_table import SharedBlockTables
+    from shmkv.ranks.block_table import SharedBlockTables
 
     num_groups = len(model_config.group_windows())
     return SharedBlockTables.create(name, max_num_reqs=max_num_seqs,
@@ -51,7 +51,7 @@ def create_block_tables(name: str, model_config, max_num_seqs: int, max_model_le
 
 
 def create_kv_store(name: str, model_config, num_blocks: int, block_size: int):
-    from shmkv.block_table import KVStore
+    from shmkv.ranks.block_table import KVStore
 
     return KVStore.create(name, num_layers=model_config.num_layers, num_blocks=num_blocks,
                           block_size=block_size, num_kv_heads=model_config.num_kv_heads,
@@ -75,7 +75,7 @@ class BlockTablesWriter:
 
 
 def open_block_tables(cfg) -> BlockTablesWriter:
-    from shmkv.block_table import SharedBlockTables
+    from shmkv.ranks.block_table import SharedBlockTables
 
     return BlockTablesWriter(SharedBlockTables.attach(cfg.block_tables_name))
 

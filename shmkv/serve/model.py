@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shmkv.errors import UsageError
-from shmkv.layout import NULL_BLOCK_ID
+from shmkv.pool.layout import NULL_BLOCK_ID
 from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
 
 __all__ = ["TinyModelConfig", "TinyTransformer", "make_kv_cache_config"]

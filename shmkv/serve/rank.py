@@ -25,7 +25,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from shmkv.block_table import KVStore, SharedBlockTables, batch_token_indices
+from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indices
 from shmkv.errors import ProtocolError, UsageError
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, ScheduledRequest, Shutdown
 from shmkv.serve.config import TinyModelConfig

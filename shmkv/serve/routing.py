@@ -27,7 +27,7 @@ from typing import Protocol
 
 from shmkv.errors import UsageError
 from shmkv.events import BlockRemoved, BlockStored
-from shmkv.request import Request
+from shmkv.core.request import Request
 
 __all__ = [
     "ROUTING_POLICIES", "LeastLoaded", "PrefixAware", "PrefixView", "PrivatePoolsView",

@@ -44,7 +44,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from shmkv.block_pool import BlockPool
+from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ProtocolError, ShmKVError, UsageError
 from shmkv.messages import Channel, Shutdown, create_doorbell, recv_any, unlink_doorbell
 from shmkv.serve.messages import (
@@ -282,7 +282,7 @@ class Runner:
             if p.is_alive():
                 p.kill()
             p.join(JOIN_TIMEOUT_S)
-        from shmkv.block_table import KVStore, SharedBlockTables
+        from shmkv.ranks.block_table import KVStore, SharedBlockTables
 
         for t in self.tables:
             t.close()
@@ -690,7 +690,7 @@ def _context():
         raise UsageError(f"SHMKV_RUN_START_METHOD must be forkserver or spawn, got {method!r}")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "shmkv.block_table", "shmkv.serve.engine",
+        ctx.set_forkserver_preload(["torch", "shmkv.ranks.block_table", "shmkv.serve.engine",
                                     "shmkv.serve.rank", "shmkv.serve.scheduler"])
     return ctx
 

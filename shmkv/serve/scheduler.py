@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from shmkv.errors import ProtocolError, ShmKVError
 from shmkv.events import BlockRemoved
 from shmkv.messages import Channel, ScheduledRequest, Shutdown, recv_any
-from shmkv.request import Request
+from shmkv.core.request import Request
 from shmkv.serve.messages import (
     AttachScheduler,
     DrainScheduler,
@@ -425,7 +425,7 @@ class SchedulerProcess:
             model_s=c.model_s)
 
     def attach(self, msg: AttachScheduler) -> None:
-        from shmkv.block_pool import BlockPool
+        from shmkv.pool.block_pool import BlockPool
         from shmkv.serve.engine import build_kv_cache_manager, open_block_tables
 
         cfg = msg.config

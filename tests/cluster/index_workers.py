@@ -6,7 +6,9 @@ import random
 import sys
 import traceback
 
-from shmkv import BlockPool, Request, fault
+from shmkv import BlockPool, Request
+
+from shmkv.pool import fault
 
 BS = 16
 SYSTEMS = [list(range(s * 1000, s * 1000 + 64)) for s in range(4)]

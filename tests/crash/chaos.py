@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from shmkv import BlockPool, InvariantViolation, OutOfBlocksError, ShmKVError
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from tests.helpers import FakeRequest
 
 BS = 16
@@ -233,9 +233,9 @@ def peer(name: str, kernel: str, how: str, num_blocks: int, conn) -> None:
 
 
 def die_in(name: str, kernel: str, op: str, n: int) -> None:
-    """Attaches (``op`` "close": then closes) with ``shmkv.fault`` armed to SIGKILL this
+    """Attaches (``op`` "close": then closes) with ``shmkv.pool.fault`` armed to SIGKILL this
     process before the n-th store of the attach (or close)."""
-    from shmkv import fault
+    from shmkv.pool import fault
 
     if op == "attach":
         fault.arm("attach", n)

@@ -4,7 +4,7 @@ store, and the two reference outcomes it must match.
 Every scenario runs on a fresh 12-block pool with events on and alias rows
 (``partial_keys``). The survivor (the test process)
 sets up first; then a *victim* process attaches, sets up its own holdings, arms
-``shmkv.fault`` for its last call (``OPS[op]``) and makes it. The victim is killed before
+``shmkv.pool.fault`` for its last call (``OPS[op]``) and makes it. The victim is killed before
 its n-th store, or finishes the call and exits without ``close()``.
 
 References, for the same scenario: ``never`` (the victim sets up and dies before its last
@@ -120,7 +120,7 @@ def zombie(name: str, kernel: str) -> None:
 def victim(name: str, kernel: str, op: str, role: str, fault_at: int) -> None:
     """Runs in a forked child. ``role``: "victim" (armed at ``fault_at``), "never" or
     "done". Returns normally when the process should exit without close()."""
-    from shmkv import fault
+    from shmkv.pool import fault
 
     if op == "attach":
         if role == "never":
@@ -140,7 +140,7 @@ def victim(name: str, kernel: str, op: str, role: str, fault_at: int) -> None:
 
 def reaper(name: str, kernel: str, fault_at: int) -> None:
     """Attaches and reaps the dead, killed before its ``fault_at``-th store."""
-    from shmkv import fault
+    from shmkv.pool import fault
 
     pool = BlockPool.attach(name, kernel=kernel, label="reaper", stuck_after_s=STUCK_AFTER_S)
     fault.arm("reap", fault_at)

@@ -17,7 +17,7 @@ import signal
 import pytest
 
 from shmkv import BlockPool
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from tests.conftest import KERNELS, unique_pool_name
 from tests.crash import chaos
 from tests.crash.conftest import KILLED
@@ -209,7 +209,7 @@ def test_a_process_killed_outside_the_lock_is_reaped_and_its_blocks_return(kerne
 def _semaphore_taken(pool: BlockPool) -> bool:
     import posix_ipc
 
-    from shmkv.lock import lock_name
+    from shmkv.pool.lock import lock_name
 
     sem = posix_ipc.Semaphore(lock_name(pool._segment.shm_name))
     try:

@@ -4,7 +4,7 @@ had the call never been made (a kill before the hold's commit) or had it complet
 
 How: ``tests/crash/scenarios.py`` defines the scenarios; a spawned zygote
 (``tests/crash/zygote.py``) forks one victim per injection point, armed with
-``shmkv.fault.arm(op, n)`` for n = 1, 2, ... until the call completes. The survivor (this
+``shmkv.pool.fault.arm(op, n)`` for n = 1, 2, ... until the call completes. The survivor (this
 process) recovers by simply calling ``reap_dead()``: its acquire finds the holder dead (or
 the lock stuck with no holder), takes over, rolls the hold back from the undo journal and
 reaps. Then ``check_invariants()``, and the pool's state and the survivor's next answers are
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from shmkv import BlockPool
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from tests.conftest import KERNELS
 from tests.crash import scenarios as S
 from tests.crash.conftest import KILLED
@@ -104,13 +104,13 @@ def test_kill_at_every_store(kernel, op, forker):
 @pytest.mark.xfail(strict=True, reason="without the journal's rollback a killed call's "
                    "half-done writes stay: the harness must see it")
 def test_kill_at_every_store_without_rollback_is_detected(forker, monkeypatch):
-    import shmkv.block_pool
+    import shmkv.pool.block_pool
 
     def forget(buf, layout, hdr64) -> int:  # empties the journal, restores nothing
         hdr64[L.H_JOURNAL_LEN] = 0
         return 1
 
-    monkeypatch.setattr(shmkv.block_pool, "undo", forget)
+    monkeypatch.setattr(shmkv.pool.block_pool, "undo", forget)
     kill_at_every_store("python", "allocate", forker)
 
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 vbt = pytest.importorskip("vllm.v1.worker.block_table")
 
-from shmkv.block_table import SharedBlockTables  # noqa: E402
+from shmkv.ranks.block_table import SharedBlockTables  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 
 pytestmark = pytest.mark.differential

@@ -3,7 +3,7 @@
 Seeded random requests (with and without cache_salt, LoRA, multimodal items and prompt
 embeddings, several hash block sizes, grown by random output chunks) are built twice: as vLLM
 ``Request`` objects hashed by vLLM's ``get_request_block_hasher``, and as
-``shmkv.request.Request`` objects hashed by shmkv's ``RequestBlockHasher``. Both hash
+``shmkv.core.request.Request`` objects hashed by shmkv's ``RequestBlockHasher``. Both hash
 functions (sha256, sha256_cbor), with PYTHONHASHSEED unset and set, must give the same
 NONE_HASH, the same block hashes after every append, the same extra keys for every block
 and window, and the same event extra keys.
@@ -17,7 +17,7 @@ import string
 import pytest
 
 from shmkv import hashing as shm
-from shmkv import request as shm_request
+from shmkv.core import request as shm_request
 from shmkv.errors import UsageError
 
 vllm_kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")

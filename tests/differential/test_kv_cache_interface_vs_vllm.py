@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shmkv import kv_cache_interface as shm
+from shmkv.core import kv_cache_interface as shm
 
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm.v1.kv_cache_interface")

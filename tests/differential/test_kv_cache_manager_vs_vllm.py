@@ -26,7 +26,7 @@ import pytest
 from shmkv import KVCacheManager
 from shmkv import Request as ShmRequest
 from shmkv import events as shm_events
-from shmkv import kv_cache_interface as shm_specs
+from shmkv.core import kv_cache_interface as shm_specs
 
 torch = pytest.importorskip("torch")
 msgspec = pytest.importorskip("msgspec")

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import pytest
 
 from shmkv import Request
-from shmkv import kv_cache_interface as shm_specs
-from shmkv import single_type_kv_cache_manager as shm_managers
+from shmkv.core import kv_cache_interface as shm_specs
+from shmkv.core import single_type_kv_cache_manager as shm_managers
 
 torch = pytest.importorskip("torch")
 vllm_specs = pytest.importorskip("vllm.v1.kv_cache_interface")

@@ -9,7 +9,7 @@ import time
 import traceback
 
 from shmkv import BlockPool, KVCacheManager, Request
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -14,7 +14,7 @@ import time
 import traceback
 
 from shmkv import BlockPool, KVCacheManager, Request
-from shmkv.block_table import SharedBlockTables
+from shmkv.ranks.block_table import SharedBlockTables
 from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
 from shmkv.serve.rank import RankClient, ScheduledRequest
 

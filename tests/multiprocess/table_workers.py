@@ -9,7 +9,7 @@ import traceback
 
 import torch
 
-from shmkv.block_table import KVStore, SharedBlockTables
+from shmkv.ranks.block_table import KVStore, SharedBlockTables
 
 
 def encoded_row_length(step, row, width):

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmkv.block_table import KVStore, SharedBlockTables  # noqa: E402
+from shmkv.ranks.block_table import KVStore, SharedBlockTables  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import table_workers  # noqa: E402
 from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes  # noqa: E402

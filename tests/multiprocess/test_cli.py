@@ -121,7 +121,7 @@ def test_recover_rebuilds_a_corrupted_pool_and_clears_the_poison(make_pool):
     derived structures from the authoritative ones, says what it found, and the pool is
     READY and valid again."""
     from shmkv import InvariantViolation
-    from shmkv import layout as L
+    from shmkv.pool import layout as L
 
     pool = make_pool(32)
     blocks = pool.get_new_blocks(3)

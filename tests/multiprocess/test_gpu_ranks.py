@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from shmkv import BlockPool, BlockRemoved  # noqa: E402
-from shmkv.block_table import KVStore, SharedBlockTables  # noqa: E402
+from shmkv.ranks.block_table import KVStore, SharedBlockTables  # noqa: E402
 from shmkv.serve.model import TinyModelConfig, TinyTransformer  # noqa: E402
 from shmkv.serve.rank import (  # noqa: E402
     create_rank_channels,

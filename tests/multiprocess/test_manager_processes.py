@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shmkv import BlockPool
-from shmkv.block_pool import _ckernel
+from shmkv.pool.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.multiprocess import kv_manager_workers as manager_workers
 from tests.multiprocess.conftest import run_processes

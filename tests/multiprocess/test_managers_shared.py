@@ -19,10 +19,10 @@ def test_second_process_hits_the_first_ones_blocks(spawn_ctx, kernel):
     """Process B's request, sharing a 32-token system prompt with process A's, gets A's
     cached blocks: all 8 in the full-attention group, the last 2 (window 8) in the
     sliding-window group, null blocks before them."""
-    from shmkv.block_pool import _ckernel
+    from shmkv.pool.block_pool import _ckernel
 
     if kernel == "c" and _ckernel is None:
-        pytest.skip("shmkv._ckernel is not built")
+        pytest.skip("shmkv.pool._ckernel is not built")
     name = unique_pool_name("mgr")
     system = list(range(100, 132))
     with BlockPool.create(name, 64, hash_block_size=4, kernel=kernel) as pool:

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from shmkv import BlockPool
-from shmkv import layout as L
-from shmkv.block_pool import _ckernel
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import FakeRequest
 from tests.multiprocess import workers
@@ -144,7 +144,7 @@ def test_attaching_with_other_expectations_is_refused(spawn_ctx, pool_factory, k
 
 def test_attaching_to_another_layout_version_is_refused(spawn_ctx, pool_factory):
     """A segment whose header says another layout version is refused with both versions."""
-    from shmkv import layout as L
+    from shmkv.pool import layout as L
 
     pool = pool_factory(16)
     pool.layout.view(pool._segment.buf, "header")["layout_version"] = L.LAYOUT_VERSION + 1

@@ -183,7 +183,7 @@ def attach_and_allocate(name: str, num_blocks: int) -> None:
 def attach_with_fault(name: str, fault: str, stuck_after_s: float) -> None:
     """Attach with SHMKV_FAULT-style ``fault`` armed (the parent expects SIGKILL), or, with
     no fault, attach and close: exit 0."""
-    from shmkv import fault as shmkv_fault
+    from shmkv.pool import fault as shmkv_fault
 
     if fault:
         op, n = fault.split(":")

@@ -28,7 +28,7 @@ from shmkv import (
     ShmKVError,
     UsageError,
 )
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from tests.conftest import unique_pool_name
 from tests.helpers import make_request, segment_image
 
@@ -639,7 +639,7 @@ def test_a_call_that_fails_half_way_is_undone(make_pool, monkeypatch, kernel):
     """An exception out of the middle of a mutation (KeyboardInterrupt, MemoryError, a bug)
     does not leave it half done: the words it wrote are put back from the undo journal, as
     if the call had been rejected; calls made before it in the same hold stand."""
-    from shmkv.free_queue import FreeKVCacheBlockQueue
+    from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 
     pool = populate(make_pool(16, enable_kv_cache_events=True))
     pool.take_events()
@@ -720,7 +720,7 @@ def test_reclaim_slot_rejects_what_is_not_another_active_slot(make_pool, slot, m
     ("allocate", True, "must be an int >= 1"),
 ])
 def test_fault_arm_rejects_bad_plans(op, n, match):
-    from shmkv import fault
+    from shmkv.pool import fault
 
     with pytest.raises(ValueError, match=match):
         fault.arm(op, n)
@@ -729,7 +729,7 @@ def test_fault_arm_rejects_bad_plans(op, n, match):
 
 @pytest.mark.parametrize("spec", ["allocate", "allocate:x", "allocate:-2"])
 def test_fault_env_rejects_bad_specs(monkeypatch, spec):
-    from shmkv import fault
+    from shmkv.pool import fault
 
     monkeypatch.setenv(fault.ENV_VAR, spec)
     with pytest.raises(ValueError, match="SHMKV_FAULT"):

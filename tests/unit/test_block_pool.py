@@ -378,7 +378,7 @@ def test_context_manager_creator_unlinks_attacher_does_not(pool_name):
     """The creator's with-block unlinks the segment; an attacher's only closes."""
     import os
 
-    from shmkv.layout import segment_name
+    from shmkv.pool.layout import segment_name
 
     path = f"/dev/shm{segment_name(pool_name)}"
     with BlockPool.create(pool_name, 4) as pool:

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmkv.block_table import (  # noqa: E402
+from shmkv.ranks.block_table import (  # noqa: E402
     BT_HEADER_DTYPE,
     KV_HEADER_DTYPE,
     PAD_SLOT_ID,
@@ -62,7 +62,7 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def test_import_shmkv_does_not_import_torch():
-    code = ("import sys, shmkv, shmkv.cli, shmkv.layout; "
+    code = ("import sys, shmkv, shmkv.cli, shmkv.pool.layout; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -72,7 +72,7 @@ def test_a_scheduler_writes_tables_without_loading_torch(name):
     messages never import torch: a scheduler process does not pay for it."""
     code = f"""
 import sys
-from shmkv.block_table import SharedBlockTables
+from shmkv.ranks.block_table import SharedBlockTables
 from shmkv.serve.config import TinyModelConfig, make_kv_cache_config
 from shmkv.messages import ExecuteModel, ScheduledRequest, encode
 from shmkv.serve.rank import RankClient
@@ -428,7 +428,7 @@ def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
 @pytest.mark.parametrize("row_by_row_max", [24, 0], ids=["row-by-row", "vectorised"])
 def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, row_by_row_max,
                                                          monkeypatch):
-    import shmkv.block_table as bt
+    import shmkv.ranks.block_table as bt
 
     monkeypatch.setattr(bt, "_ROW_BY_ROW_MAX", row_by_row_max)
     tables.add_row(([1, 2], [3]), 3)
@@ -470,7 +470,7 @@ def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
 
 
 def _open_and_fill(handle: bytes, done) -> None:
-    from shmkv.block_table import open_device_tensor
+    from shmkv.ranks.block_table import open_device_tensor
 
     t = open_device_tensor(handle)
     t.fill_(3.0)
@@ -485,7 +485,7 @@ def test_device_tensor_is_shared_through_cuda_ipc():
     device memory and its write shows in the exporter's tensor."""
     import multiprocessing as mp
 
-    from shmkv.block_table import export_device_tensor
+    from shmkv.ranks.block_table import export_device_tensor
 
     ctx = mp.get_context("spawn")
     t = torch.zeros(4, 16, device="cuda")
@@ -504,7 +504,7 @@ def test_device_tensor_is_shared_through_cuda_ipc():
 
 
 def test_export_device_tensor_refuses_a_cpu_tensor():
-    from shmkv.block_table import export_device_tensor
+    from shmkv.ranks.block_table import export_device_tensor
 
     with pytest.raises(UsageError, match="needs a CUDA tensor"):
         export_device_tensor(torch.zeros(2))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from shmkv import OutOfBlocksError, UsageError
-from shmkv.layout import NO_BLOCK
-from shmkv.recovery import collect_violations
+from shmkv.pool.layout import NO_BLOCK
+from shmkv.pool.recovery import collect_violations
 from tests.helpers import segment_image
 
 

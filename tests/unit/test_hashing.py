@@ -1,4 +1,4 @@
-"""shmkv.hashing and shmkv.request: hash functions, the canonical CBOR encoder (fixed vectors
+"""shmkv.hashing and shmkv.core.request: hash functions, the canonical CBOR encoder (fixed vectors
 always, byte-for-byte against cbor2 when it is importable), NONE_HASH, the block-hash chain,
 extra keys (order, cache_salt on block 0 only, multimodal offsets, prompt embeds), event
 extra keys, the request block hasher, the coarse view, and validation errors."""
@@ -38,7 +38,7 @@ from shmkv.hashing import (
     sha256_cbor,
     to_event_extra_keys,
 )
-from shmkv.request import (
+from shmkv.core.request import (
     ConstantList,
     LoRARequest,
     MultiModalFeatureSpec,
@@ -684,7 +684,7 @@ def test_lora_request_fields():
 
 def test_import_does_not_import_torch():
     code = (
-        "import sys, shmkv, shmkv.hashing, shmkv.request; "
+        "import sys, shmkv, shmkv.hashing, shmkv.core.request; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "assert 'cbor2' not in sys.modules, 'cbor2 imported'"
     )

@@ -1,4 +1,4 @@
-"""Tests of the invariant checker itself (shmkv/recovery.py).
+"""Tests of the invariant checker itself (shmkv/pool/recovery.py).
 
 Each test builds a realistic pool with the public API, corrupts one thing in the shared
 arrays on purpose, and asserts that ``check_invariants`` raises ``InvariantViolation`` naming
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-import shmkv.recovery
+import shmkv.pool.recovery
 from shmkv import BlockPool, InvariantViolation, SegmentError
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError
 from tests.helpers import make_request, segment_image
 
@@ -139,7 +139,7 @@ def unchain(scene: Scene, block_id: int) -> int:
 
 def test_catalogue_ids_are_the_ones_tested():
     """The ids in recovery.py's catalogue are exactly the ones this module tests."""
-    assert set(re.findall(r"\*\*(INV-[A-Z]+)\*\*", shmkv.recovery.__doc__)) == ALL_IDS
+    assert set(re.findall(r"\*\*(INV-[A-Z]+)\*\*", shmkv.pool.recovery.__doc__)) == ALL_IDS
 
 
 def test_healthy_scene_passes(scene):

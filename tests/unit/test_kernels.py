@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from shmkv import BlockPool, InvariantViolation, UsageError
-from shmkv.block_pool import _C_GEOMETRY, _ckernel
+from shmkv.pool.block_pool import _C_GEOMETRY, _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import make_request
 
-needs_c = pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")
+needs_c = pytest.mark.skipif(_ckernel is None, reason="shmkv.pool._ckernel is not built")
 
 
 def _state_bytes(pool: BlockPool) -> bytes:

@@ -1,4 +1,4 @@
-"""Specs and configs (shmkv.kv_cache_interface): page sizes, memory bounds, merges, kinds."""
+"""Specs and configs (shmkv.core.kv_cache_interface): page sizes, memory bounds, merges, kinds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -118,6 +118,6 @@ def test_import_does_not_load_torch():
     import subprocess
     import sys
 
-    code = ("import sys, shmkv, shmkv.kv_cache_interface, shmkv.single_type_kv_cache_manager; "
+    code = ("import sys, shmkv, shmkv.core.kv_cache_interface, shmkv.core.single_type_kv_cache_manager; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

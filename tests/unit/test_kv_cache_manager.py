@@ -15,7 +15,7 @@ from shmkv import (
     UsageError,
     get_kv_cache_coordinator,
 )
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

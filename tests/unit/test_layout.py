@@ -8,8 +8,8 @@ import stat
 import numpy as np
 import pytest
 
-from shmkv import layout as L
-from shmkv.layout import REGIONS, Layout, PoolConfig
+from shmkv.pool import layout as L
+from shmkv.pool.layout import REGIONS, Layout, PoolConfig
 
 
 def test_block_row_is_64_bytes_and_fields_are_where_the_fast_paths_read_them():

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from shmkv.liveness import AliveLocks, process_start_ticks
+from shmkv.pool.liveness import AliveLocks, process_start_ticks
 
 
 def _claim_and_wait(path: str, slot: int, ready, release) -> None:

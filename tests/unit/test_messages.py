@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from shmkv import BlockPool
-from shmkv.block_pool import _ckernel
+from shmkv.pool.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import FakeRequest
 
@@ -175,6 +175,6 @@ _SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 PoolMachine.TestCase.settings = _SETTINGS
 CKernelPoolMachine.TestCase.settings = _SETTINGS
 TestPythonKernel = PoolMachine.TestCase
-TestCKernel = pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")(
+TestCKernel = pytest.mark.skipif(_ckernel is None, reason="shmkv.pool._ckernel is not built")(
     CKernelPoolMachine.TestCase
 )

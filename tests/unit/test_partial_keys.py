@@ -14,9 +14,9 @@ import random
 import pytest
 
 from shmkv import BlockPool, InvariantViolation, UsageError
-from shmkv.block_pool import _ckernel
+from shmkv.pool.block_pool import _ckernel
 from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
-from shmkv.recovery import rebuild
+from shmkv.pool.recovery import rebuild
 from tests.conftest import unique_pool_name
 from tests.helpers import make_request, segment_image
 
@@ -263,7 +263,7 @@ def test_pool_without_partial_keys_keeps_own_partial_keys_only(make_pool, caplog
     assert pool.get_cached_block(req.block_hashes[4], [0]) == [blocks[1]]
     pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
     pool.take_events()
-    with caplog.at_level(logging.WARNING, logger="shmkv.block_pool"):
+    with caplog.at_level(logging.WARNING, logger="shmkv.pool.block_pool"):
         key = pool.cache_partial_block(req, blocks[1], 24, 0, BS)  # would be an alias
         pool.cache_partial_block(req, blocks[1], 28, 0, BS)
     assert key == key_of(req.block_hashes[5])
@@ -408,7 +408,7 @@ def _partial_workload(pool: BlockPool, rng: random.Random) -> list:
     return results
 
 
-@pytest.mark.skipif(_ckernel is None, reason="shmkv._ckernel is not built")
+@pytest.mark.skipif(_ckernel is None, reason="shmkv.pool._ckernel is not built")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kernels_write_identical_bytes_with_aliases(seed):
     pools = [
@@ -435,7 +435,7 @@ def test_kernels_write_identical_bytes_with_aliases(seed):
 
 
 def test_layout_of_alias_rows():
-    from shmkv import layout as L
+    from shmkv.pool import layout as L
 
     lay = L.Layout.from_config(L.PoolConfig(num_blocks=10, hash_block_size=HBS, partial_keys=True,
                                             journal_entries=4096))

@@ -14,15 +14,15 @@ import logging
 import pytest
 
 from shmkv import Request
-from shmkv.kv_cache_coordinator import get_kv_cache_coordinator, partial_hash_hits_enabled
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_coordinator import get_kv_cache_coordinator, partial_hash_hits_enabled
+from shmkv.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
     is_mamba_prefill_checkpoint_valid,
 )
-from shmkv.single_type_kv_cache_manager import (
+from shmkv.core.single_type_kv_cache_manager import (
     FullAttentionManager,
     MambaManager,
     SlidingWindowManager,
@@ -203,7 +203,7 @@ def test_hybrid_coordinator_turns_sub_block_hits_on(make_pool, caplog):
     assert all(m.cache_hit_alignment_tokens == HBS for m in coordinator.single_type_managers)
     # A pool without alias rows still works, with a warning that partial keys are dropped.
     plain = make_pool(24, hash_block_size=HBS)
-    with caplog.at_level(logging.WARNING, logger="shmkv.kv_cache_coordinator"):
+    with caplog.at_level(logging.WARNING, logger="shmkv.core.kv_cache_coordinator"):
         get_kv_cache_coordinator(
             config, max_model_len=128, max_in_flight_tokens=128, use_eagle=False,
             enable_caching=True, enable_kv_cache_events=False, dcp_world_size=1, pcp_world_size=1,

@@ -46,7 +46,7 @@ def test_readme_block_table_example_runs():
     import pytest
 
     pytest.importorskip("torch")
-    from shmkv.block_table import SharedBlockTables
+    from shmkv.ranks.block_table import SharedBlockTables
 
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     code = next(b for b in blocks if "SharedBlockTables.create(" in b)

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from shmkv import layout as L
-from shmkv.recovery import RebuildReport, _packed_sort, _place_by_key, _sort_by_key, rebuild
+from shmkv.pool import layout as L
+from shmkv.pool.recovery import RebuildReport, _packed_sort, _place_by_key, _sort_by_key, rebuild
 from tests.helpers import make_request
 
 
@@ -272,8 +272,8 @@ def test_a_rebuild_cut_short_is_done_again_by_the_next_hold(make_pool):
     """rebuild marks the journal overflowed while it works, so a process killed in the
     middle of it leaves the whole rebuild to the next hold (the lock's repair); when it
     finishes, the journal is empty."""
-    from shmkv import layout as L
-    from shmkv.recovery import rebuild
+    from shmkv.pool import layout as L
+    from shmkv.pool.recovery import rebuild
 
     pool = make_pool(64)
     held = pool.get_new_blocks(5)
@@ -293,7 +293,7 @@ def test_a_rebuild_cut_short_is_done_again_by_the_next_hold(make_pool):
 def test_repair_logs_the_keys_a_rebuild_drops_and_bumps_the_epoch(make_pool):
     """repair() on a pool with an invalid hash field rebuilds; the dropped key appears in
     the event log as a BlockRemoved (subscribers must forget it too) and the epoch moves."""
-    from shmkv import layout as L
+    from shmkv.pool import layout as L
     from shmkv.events import BlockRemoved, external_block_hash, use_int_block_hashes
     from tests.helpers import make_request
 

@@ -1,4 +1,4 @@
-"""Single-type managers (shmkv.single_type_kv_cache_manager) over a real shared pool, on both
+"""Single-type managers (shmkv.core.single_type_kv_cache_manager) over a real shared pool, on both
 kernels: hit searches (sliding window from the right, chunked local from the chunk start,
 Mamba's rightmost state), skipped blocks replaced by the null block, demands, Mamba modes,
 cross attention, R-SWA gaps and the factory. Every test ends with ``check_invariants()``.
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from shmkv import Request
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -25,7 +25,7 @@ from shmkv.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
-from shmkv.single_type_kv_cache_manager import (
+from shmkv.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,

@@ -27,7 +27,7 @@ shmkv differences from vLLM:
   bigger than ``hash_block_size`` and every other cacheable group's manager can look up
   hash boundaries inside a block (``enable_partial_hash_hits``; the hit alignment is then
   ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
-  ``partial_keys=True`` (a block may then hold a second key, see ``shmkv/layout.py``); a
+  ``partial_keys=True`` (a block may then hold a second key, see ``shmkv/pool/layout.py``); a
   coordinator whose groups have blocks bigger than ``hash_block_size`` warns when its pool
   has none. Reuse events in "full" report mode are not emitted.
 
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from shmkv.errors import UsageError
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -55,7 +55,7 @@ from shmkv.kv_cache_interface import (
     SlidingWindowSpec,
     cdiv,
 )
-from shmkv.single_type_kv_cache_manager import (
+from shmkv.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,

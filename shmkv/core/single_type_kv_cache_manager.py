@@ -35,7 +35,7 @@ still running on its boundary block moves the block's keys to a copy
 (``num_prefill_checkpoint_blocks > 0``) export the state at the prompt's boundary from a chunk
 that crosses it into a block of its own, keyed there. A pool made without
 ``partial_keys=True`` keeps a block's own partial key but not a second one (see
-``shmkv/layout.py``). The HiSparse and circular-buffer managers are left out.
+``shmkv/pool/layout.py``). The HiSparse and circular-buffer managers are left out.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from shmkv.hashing import BlockHashListWithBlockSize
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,

@@ -24,7 +24,7 @@ import os
 import signal
 
 try:
-    from shmkv import _ckernel
+    from shmkv.pool import _ckernel
 except ImportError:  # pragma: no cover - the C kernel is optional
     _ckernel = None
 

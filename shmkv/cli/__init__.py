@@ -36,11 +36,11 @@ import random
 import sys
 import time
 
-from shmkv import layout as L
-from shmkv.block_pool import BlockPool
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError
-from shmkv.lock import decode_holder
-from shmkv.recovery import collect_violations
+from shmkv.pool.lock import decode_holder
+from shmkv.pool.recovery import collect_violations
 
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
 
@@ -56,7 +56,7 @@ SYSTEM_PROMPTS = {
 def _demo_scheduler(name: str, index: int, num_requests: int, seed: int, first_done,
                     lines) -> None:
     """One scheduler process: serve requests, report each one's prefix hit."""
-    from shmkv.request import Request
+    from shmkv.core.request import Request
     from shmkv.stats import PoolStats
 
     pool = BlockPool.attach(name, label=f"scheduler-{index}")
@@ -371,8 +371,8 @@ def orphaned_pools() -> tuple[list[str], list[str]]:
     layout version). Reads the process tables without attaching (no slot is taken)."""
     import numpy as np
 
-    from shmkv.liveness import AliveLocks, alive_path
-    from shmkv.segment import Segment, read_config
+    from shmkv.pool.liveness import AliveLocks, alive_path
+    from shmkv.pool.segment import Segment, read_config
 
     suffix = f"-v{L.LAYOUT_VERSION}"
     orphans, foreign = [], []
@@ -680,7 +680,7 @@ def _event_line(logged, labels: dict[int, tuple[str, int]]) -> str:
 def cmd_events(args: argparse.Namespace) -> int:
     import msgspec
 
-    from shmkv.event_log import LoggedEvent, decode_event
+    from shmkv.pool.event_log import LoggedEvent, decode_event
 
     pool = BlockPool.attach(args.name, label="shmkv-events")
     try:
@@ -790,8 +790,8 @@ def list_objects() -> list[dict]:
 
     import numpy as np
 
-    from shmkv.liveness import AliveLocks, alive_path
-    from shmkv.segment import Segment, read_config
+    from shmkv.pool.liveness import AliveLocks, alive_path
+    from shmkv.pool.segment import Segment, read_config
 
     def owner_of(st) -> str:
         try:
@@ -931,7 +931,7 @@ def _benchmarks_dir():
 
 
 def _builtin_bench(args: argparse.Namespace) -> int:
-    from shmkv.request import Request
+    from shmkv.core.request import Request
 
     name = f"bench-{os.getpid()}"
     pool = BlockPool.create(name, args.blocks, label="shmkv-bench")

@@ -1,9 +1,9 @@
 /*
- * shmkv._ckernel: the hot loops of BlockPool in C, over the shared segment.
+ * shmkv.pool._ckernel: the hot loops of BlockPool in C, over the shared segment.
  *
  * This is an accelerator, not a second design: it performs exactly the mutations of the
- * pure-Python kernel (shmkv/_pykernel.py), in the same order, with the same checks and the
- * same error messages, on the layout documented in shmkv/layout.py. The test suite runs
+ * pure-Python kernel (shmkv/pool/_pykernel.py), in the same order, with the same checks and the
+ * same error messages, on the layout documented in shmkv/pool/layout.py. The test suite runs
  * against both kernels. The field positions below are checked against layout.py when a
  * kernel is built (Kernel.__init__ receives them and refuses a mismatch).
  *
@@ -11,9 +11,9 @@
  * mmap is closed.
  *
  * Every store to the segment goes through J32/J64, which first appends the word's old value
- * to the undo journal (shmkv/journal.py has the protocol), so a holder killed at any store
+ * to the undo journal (shmkv/pool/journal.py has the protocol), so a holder killed at any store
  * can be rolled back by whoever takes the lock over. FAULT_TICK() before each store is the
- * fault-injection point of shmkv/fault.py.
+ * fault-injection point of shmkv/pool/fault.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -154,7 +154,7 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
  * InvariantViolation instead of crashing the process. */
 #define ROW_OK(k, x) ((x) >= 0 && (Py_ssize_t)(x) < (k)->num_blocks + 2)
 #define BLOCK_OK(k, x) ((x) >= 0 && (Py_ssize_t)(x) < (k)->num_blocks)
-/* Key rows (shmkv/layout.py): block rows [0, n), the two sentinels, then block b's alias
+/* Key rows (shmkv/pool/layout.py): block rows [0, n), the two sentinels, then block b's alias
  * row at ALIAS0 + b; the prefix index links block and alias rows alike. */
 #define ALIAS0(k) ((k)->num_blocks + 2)
 #define NUM_KEY_ROWS(k) ((k)->num_blocks + 2 + (k)->num_alias_rows)
@@ -223,7 +223,7 @@ static int Kernel_init(Kernel *k, PyObject *args, PyObject *kwds) {
     if (same < 0) return -1;
     if (!same) {
         PyErr_SetString(PyExc_ValueError,
-                        "shmkv._ckernel was built for another block layout; rebuild it");
+                        "shmkv.pool._ckernel was built for another block layout; rebuild it");
         return -1;
     }
     if (num_buckets <= 0 || (num_buckets & (num_buckets - 1))) {
@@ -946,7 +946,7 @@ static PyMethodDef Kernel_methods[] = {
 
 static PyTypeObject KernelType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmkv._ckernel.Kernel",
+    .tp_name = "shmkv.pool._ckernel.Kernel",
     .tp_basicsize = sizeof(Kernel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Kernel(buffer, meta_off, idx_off, ledger_off, num_blocks, num_buckets, "
@@ -960,7 +960,7 @@ static PyTypeObject KernelType = {
 
 /* ------------------------------------------------------------------ the pool lock */
 
-/* CLock: the pool lock of shmkv/lock.py (same semaphore, same holder record, same
+/* CLock: the pool lock of shmkv/pool/lock.py (same semaphore, same holder record, same
  * re-entrancy, fencing, lock-phase and take-over rules) with its fast path in C. Re-entrant
  * per thread; other threads of the process wait on the semaphore itself, with the GIL
  * released. Waits are cut in slices; after each empty slice `on_stall()` (Python) may take
@@ -1158,7 +1158,7 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
             return NULL;
         }
     }
-    set_phase(l, PHASE_HOLDING); /* first thing with the unit: see shmkv/takeover.py */
+    set_phase(l, PHASE_HOLDING); /* first thing with the unit: see shmkv/pool/takeover.py */
     int64_t now = now_ns();
     if (fenced(l)) { /* reclaimed while it waited: give the unit back, touch nothing more */
         if (l->enabled) sem_post(l->sem);
@@ -1308,7 +1308,7 @@ static PyMethodDef CLock_methods[] = {
 
 static PyTypeObject CLockType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmkv._ckernel.CLock",
+    .tp_name = "shmkv.pool._ckernel.CLock",
     .tp_basicsize = sizeof(CLock),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "CLock(buffer, sem_name, h_holder, h_incarnation, h_since, holder_word, "
@@ -1334,7 +1334,7 @@ static PyObject *set_errors(PyObject *mod, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"fault_arm", fault_arm, METH_O,
      "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
-    {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/fault.py)"},
+    {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},
@@ -1342,8 +1342,8 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "shmkv._ckernel",
-    "C fast path for BlockPool's hot loops (see shmkv/_pykernel.py for the reference).", -1,
+    PyModuleDef_HEAD_INIT, "shmkv.pool._ckernel",
+    "C fast path for BlockPool's hot loops (see shmkv/pool/_pykernel.py for the reference).", -1,
     module_methods,
 };
 

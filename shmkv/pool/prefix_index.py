@@ -10,13 +10,13 @@ still there: vLLM's ``get_one_block`` rule.
 A block holds at most two keys: its own, stored in its own row (``block_hash``, ``group_id``,
 ``hash_num_tokens``), and an alias (a partial key, vLLM's secondary entry of
 ``cached_block_hashes_by_block``) in its alias row, key row ``num_blocks + 2 + block_id``
-(region ``block_alias``, see ``shmkv/layout.py``). ``hash_num_tokens == NO_HASH_TOKENS``
+(region ``block_alias``, see ``shmkv/pool/layout.py``). ``hash_num_tokens == NO_HASH_TOKENS``
 means the row holds no key. A key row is in a chain exactly when it holds a key (INV-HASH);
 an alias row holds one only while its block's own row does (INV-ALIAS). Lookups answer with
 the block, never the alias row.
 
 NOTE: only this class writes ``index_buckets``, ``index_next`` and the hash fields of a row,
-every write journaled first (``shmkv/journal.py``). Callers hold the pool lock.
+every write journaled first (``shmkv/pool/journal.py``). Callers hold the pool lock.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation
-from shmkv.journal import Journal, JournaledColumn, JournaledView
+from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
 
 _R = L.ROW_I32
 _INEXT = L.F_INDEX_NEXT

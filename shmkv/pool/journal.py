@@ -1,6 +1,6 @@
 """The undo journal: every write under the pool lock first records the old value.
 
-Protocol (region ``journal`` and header word ``journal_len``, see ``shmkv/layout.py``): to
+Protocol (region ``journal`` and header word ``journal_len``, see ``shmkv/pool/layout.py``): to
 write a word, the lock holder stores ``(where, old)`` at ``journal[journal_len]``, then
 bumps ``journal_len``, then writes the word. A kill between any two of those stores leaves
 entries ``[0, journal_len)`` that restore every word the hold changed (an entry written but
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shmkv import fault as _fault
-from shmkv import layout as L
+from shmkv.pool import fault as _fault
+from shmkv.pool import layout as L
 
 _H_LEN = L.H_JOURNAL_LEN
 _OVERFLOWED = L.JOURNAL_OVERFLOWED

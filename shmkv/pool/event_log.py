@@ -9,7 +9,7 @@ the oldest-record pointers in the header move past them, so ``[log_oldest_pos,
 log_write_pos)`` always holds whole, intact records with consecutive sequence numbers
 starting at ``log_oldest_seq``.
 
-Writers append under the pool lock, journaling (``shmkv/journal.py``) the ring bytes and
+Writers append under the pool lock, journaling (``shmkv/pool/journal.py``) the ring bytes and
 header words they overwrite, so a writer killed half way is rolled back whole. Readers keep
 a private cursor ``(seq, pos)`` and copy records out under the lock; a reader that fell
 more than a ring behind is told how many events it lost and continues from the oldest
@@ -25,9 +25,9 @@ from typing import Union
 
 import msgspec
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from shmkv.journal import Journal, JournaledView
+from shmkv.pool.journal import Journal, JournaledView
 
 _RECORD = struct.Struct("<IIQd")
 PAD = 0xFFFF_FFFF

@@ -10,7 +10,7 @@ descriptor of the file never drops a lock by accident.
 
 Byte ``ARBITER_BYTE`` (past every slot) arbitrates the take-over of a dead lock holder:
 the waiters that find the holder dead race for it, non-blocking, and only the winner takes
-over (``shmkv/takeover.py``).
+over (``shmkv/pool/takeover.py``).
 
 Linux only (``fcntl.F_OFD_*``, Linux >= 3.15).
 """
@@ -23,7 +23,7 @@ import os
 import struct
 
 from shmkv.errors import SegmentError
-from shmkv.layout import MAX_PROCESSES
+from shmkv.pool.layout import MAX_PROCESSES
 
 ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
 

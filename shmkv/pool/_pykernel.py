@@ -1,6 +1,6 @@
 """The reference kernel: BlockPool's hot loops in pure Python.
 
-``shmkv/_ckernel.c`` is the same code in C and is used when it is built; this module is
+``shmkv/pool/_ckernel.c`` is the same code in C and is used when it is built; this module is
 the fallback and the reference it is tested against (the test suite runs every pool test
 with both). Both kernels perform the same shared-memory writes in the same order, check
 everything before their first write, and raise the same errors with the same messages.
@@ -25,11 +25,11 @@ from collections import Counter
 
 import numpy as np
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
-from shmkv.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
-from shmkv.journal import Journal, JournaledColumn, JournaledView
-from shmkv.prefix_index import BlockHashToBlockMap
+from shmkv.pool.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
+from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
+from shmkv.pool.prefix_index import BlockHashToBlockMap
 
 _R = L.ROW_I32
 _REF = L.F_REF
@@ -52,7 +52,7 @@ class PyKernel:
 
     Single fields are read and written through per-field strided memoryviews
     (``self._ref[b]`` is block ``b``'s ``ref_cnt``), about twice as fast as indexing the flat
-    int32 view; its writes (and the ledger's) are journaled (``shmkv/journal.py``). Writes to
+    int32 view; its writes (and the ledger's) are journaled (``shmkv/pool/journal.py``). Writes to
     the links and to the index go through the queue and the map, which own them; the kernel
     only reads those fields. :meth:`release` releases every strided view (the queue's and the
     map's too) before the pool releases the views they are cut from.

@@ -68,9 +68,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
-from shmkv.segment import Segment
+from shmkv.pool.segment import Segment
 
 
 class _LazyTorch:

@@ -19,7 +19,7 @@ Catalogue (error messages and tests quote the ids):
   have no cycles and link only key rows; key rows without a key have
   ``index_next == NO_BLOCK`` and group 0; the null block holds no key.
 - **INV-ALIAS**: a block's alias row holds a key only while the block's own row holds one,
-  and a different one (``shmkv/layout.py``, "Alias rows").
+  and a different one (``shmkv/pool/layout.py``, "Alias rows").
 - **INV-LEDGER**: for every block but the null block, ``ref_cnt`` equals the sum of the
   ledger column over the active process slots; ledger entries are ``>= 0``; a free slot's row
   and the null block's column are all zero.
@@ -50,11 +50,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation
 
 if TYPE_CHECKING:
-    from shmkv.block_pool import BlockPool
+    from shmkv.pool.block_pool import BlockPool
 
 
 def _check_header(pool: BlockPool, out: list[str]) -> None:
@@ -310,7 +310,7 @@ def _check_event_log(pool: BlockPool, out: list[str]) -> None:
         return
     if not cap:
         return
-    from shmkv.event_log import EventCursor
+    from shmkv.pool.event_log import EventCursor
 
     try:
         events, lost = log.read(EventCursor(oldest_seq, oldest_pos))

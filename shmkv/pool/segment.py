@@ -13,7 +13,7 @@ import os
 import numpy as np
 import posix_ipc
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, SegmentError, SegmentExistsError, SegmentNotFoundError
 
 SEGMENT_MODE = 0o600

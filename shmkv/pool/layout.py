@@ -2,7 +2,7 @@
 
 One POSIX shared-memory object per pool, named ``/shmkv-<pool name>-v<LAYOUT_VERSION>``,
 plus two siblings: the pool lock, a POSIX semaphore named ``<segment name>.lock``, and the
-liveness lock file ``/dev/shm<segment name>.alive`` (see ``shmkv/liveness.py``). The segment
+liveness lock file ``/dev/shm<segment name>.alive`` (see ``shmkv/pool/liveness.py``). The segment
 holds a fixed header followed by regions at 64-byte aligned offsets. ``REGIONS`` below is the
 table in code; this docstring renders the same table, and a unit test checks that every
 region and every field named in the code appears here.
@@ -19,7 +19,7 @@ Regions
 | 4 | `proc_table`    | PROC_DTYPE    | `[max_processes]`            | attach, close, reap_dead | pool lock | INV-PROC |
 | 5 | `ledger`        | int32         | `[max_processes, num_blocks]`| the kernels (the caller's row); reap_dead | pool lock | INV-LEDGER |
 | 6 | `event_log`     | uint8         | `[event_log_bytes]`          | `EventLog.append` | pool lock | INV-LOG |
-| 7 | `journal`       | JOURNAL_DTYPE | `[journal_entries]`          | every journaled write (`shmkv/journal.py`, `_ckernel.c`) | pool lock | INV-JOURNAL |
+| 7 | `journal`       | JOURNAL_DTYPE | `[journal_entries]`          | every journaled write (`shmkv/pool/journal.py`, `_ckernel.c`) | pool lock | INV-JOURNAL |
 
 Header (little-endian; offsets in bytes)
 ----------------------------------------
@@ -62,7 +62,7 @@ Mutable, written only under the pool lock:
 - `next_event_seq` (i64, 184): the sequence number of the next logged event.
 - `log_write_pos` (i64, 192), `log_oldest_seq` (i64, 200), `log_oldest_pos` (i64, 208):
   the event ring's monotonic byte position of the next record, and the sequence number and
-  position of the oldest record still intact (see ``shmkv/event_log.py``).
+  position of the oldest record still intact (see ``shmkv/pool/event_log.py``).
 - `num_reaped` (i64, 216): processes reaped after dying without ``close()``.
 - `num_events_dropped` (i64, 224): events too large for the ring, not logged.
 - `journal_len` (i64, 232): undo-journal entries of the current hold; 0 when no mutation is
@@ -101,7 +101,7 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
 | `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
-| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/takeover.py``). Written by the slot's owner, outside the journal. |
+| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
 
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
@@ -120,7 +120,7 @@ any instant the entries ``[0, journal_len)`` restore every word the hold has cha
 process that takes the lock over from a dead holder restores them (earliest entry of each
 word wins) and gets the pool exactly as it was before the dead holder's hold began. A hold
 that overflows the journal sets ``journal_len`` to -1 and goes on unjournaled; its repair is
-a rebuild (``shmkv/recovery.py``). Writes of 8 bytes and more (hashes, event records, process
+a rebuild (``shmkv/pool/recovery.py``). Writes of 8 bytes and more (hashes, event records, process
 rows) are journaled as aligned 8-byte words; every word is always journaled with one width.
 
 Alias rows (region 2, ``BLOCK_DTYPE``, one per block with ``FLAG_PARTIAL_KEYS``)
@@ -194,7 +194,7 @@ pool tools (``shmkv cleanup``) parse as ``shmkv-<pool name>-v<LAYOUT_VERSION>``.
 with its own small header and is versioned on its own.
 
 Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables) and
-``kv`` (a pool's KV store); the last two are laid out in ``shmkv/block_table.py``'s docstring.
+``kv`` (a pool's KV store); the last two are laid out in ``shmkv/ranks/block_table.py``'s docstring.
 
 A message channel (kind ``ch``, ``shmkv/messages.py``, version ``CHANNEL_LAYOUT_VERSION``) is
 a single-producer single-consumer byte ring: a 128-byte ``CHANNEL_HEADER_DTYPE`` header, then

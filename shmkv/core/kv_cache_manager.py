@@ -35,7 +35,7 @@ another process's allocation in between could evict and reuse them. Therefore:
 Partial (sub-block) hits, copy-on-write copies (``take_kv_cache_block_copies``) and Mamba
 partial-tail offloads (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``)
 work as in vLLM when the groups' blocks are bigger than ``hash_block_size``; the pool should
-then be created with ``partial_keys=True`` (see ``shmkv/layout.py``).
+then be created with ``partial_keys=True`` (see ``shmkv/pool/layout.py``).
 
 Not ported: ``get_computed_blocks_for_connector`` (needs per-group divergent hits), reuse
 events in "full" report mode and the metrics collector.
@@ -51,8 +51,8 @@ from typing import Any, NamedTuple
 
 from shmkv.errors import UsageError
 from shmkv.events import BlockStored
-from shmkv.kv_cache_coordinator import get_kv_cache_coordinator
-from shmkv.kv_cache_interface import (
+from shmkv.core.kv_cache_coordinator import get_kv_cache_coordinator
+from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -62,7 +62,7 @@ from shmkv.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
-from shmkv.single_type_kv_cache_manager import MambaManager, trim_null_head
+from shmkv.core.single_type_kv_cache_manager import MambaManager, trim_null_head
 
 __all__ = ["KVCacheBlockCopy", "KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 
@@ -181,7 +181,7 @@ class KVCacheManager:
             prefix_cache_retention_interval: overrides the config's / the environment's.
 
         Raises:
-            UsageError: a refused configuration (see ``shmkv.kv_cache_coordinator``), or a
+            UsageError: a refused configuration (see ``shmkv.core.kv_cache_coordinator``), or a
                 negative watermark.
         """
         if watermark < 0.0:

@@ -5,7 +5,7 @@ wait slice (``lock.WAIT_SLICE_S``) and calls :meth:`TakeOver.on_stall`, which re
 situations:
 
 1. **Dead holder.** ``holder`` names a slot whose liveness byte is free (the process is
-   gone; ``shmkv/liveness.py``), or, for a holder without a slot (a process attaching to a
+   gone; ``shmkv/pool/liveness.py``), or, for a holder without a slot (a process attaching to a
    full table), a pid that no longer exists. Unambiguous: the holder writes ``holder`` after
    taking the semaphore and clears it before posting, so the unit died with it.
 2. **Stuck with no holder.** ``holder == 0``, the semaphore at 0 and ``lock_seq`` unchanged
@@ -40,9 +40,9 @@ import time
 import numpy as np
 import posix_ipc
 
-from shmkv import layout as L
-from shmkv.liveness import AliveLocks
-from shmkv.lock import decode_holder, lock_name
+from shmkv.pool import layout as L
+from shmkv.pool.liveness import AliveLocks
+from shmkv.pool.lock import decode_holder, lock_name
 
 DEFAULT_STUCK_AFTER_S = 2.0
 

@@ -20,7 +20,7 @@ queue when the links cannot be trusted (INV-QKEY).
 
 NOTE: only this class writes ``prev``, ``next`` and ``queue_key`` (and the header's
 ``num_free_blocks``, ``queue_head_key``, ``queue_tail_key``), every write journaled first
-(``shmkv/journal.py``). All methods take and return block ids; callers hold the pool lock.
+(``shmkv/pool/journal.py``). All methods take and return block ids; callers hold the pool lock.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shmkv import layout as L
+from shmkv.pool import layout as L
 from shmkv.errors import OutOfBlocksError, UsageError
-from shmkv.journal import Journal, JournaledColumn, JournaledView
+from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
 
 # Below this many blocks a Python loop over the links beats numpy's per-call overhead.
 BULK_MIN_BLOCKS = 24

@@ -12,11 +12,11 @@ a waiter that times out can name the holder, and (in the crash-safety layer) tel
 holder from a slow one. ``holder`` packs ``slot + 1`` in the low 32 bits and the pid in the
 high 32, so one word says "free" (0) or who holds it.
 
-Protocol of one hold, every store in this order (the fault points of ``shmkv/fault.py``):
+Protocol of one hold, every store in this order (the fault points of ``shmkv/pool/fault.py``):
 
 1. acquire: fence check (a reclaimed slot raises ``FencedError`` and writes nothing); own
    ``lock_phase = ACQUIRING``; the semaphore, waited for in slices of ``WAIT_SLICE_S``, with
-   ``on_stall()`` after each (the take-over of a dead holder, ``shmkv/takeover.py``);
+   ``on_stall()`` after each (the take-over of a dead holder, ``shmkv/pool/takeover.py``);
    ``lock_phase = HOLDING`` at once; the holder record; ``lock_seq += 1``; then, if the lock
    was taken over or the undo journal is not empty, ``on_dirty(took_over)``: the repair,
    before the caller's critical section.
@@ -24,7 +24,7 @@ Protocol of one hold, every store in this order (the fault points of ``shmkv/fau
    cleared; the semaphore posted; ``lock_phase = IDLE``.
 
 ``PoolLock`` is the pure-Python implementation; pools on the C kernel use
-``shmkv._ckernel.CLock``, the same protocol with its fast path in C.
+``shmkv.pool._ckernel.CLock``, the same protocol with its fast path in C.
 ``benchmarks/bench_locks.py`` compares them with an OFD lock.
 
 NOTE: a POSIX semaphore is not released when its holder dies; ``lock_phase``, the holder
@@ -40,8 +40,8 @@ from threading import get_ident
 
 import posix_ipc
 
-from shmkv import fault as _fault
-from shmkv import layout as L
+from shmkv.pool import fault as _fault
+from shmkv.pool import layout as L
 from shmkv.errors import FencedError, LockTimeoutError
 
 _H_HOLDER = L.H_HOLDER
@@ -244,7 +244,7 @@ class PoolLock:
                     raise
                 self._waited = _monotonic_ns() - start
                 self.wait_ns_total += self._waited
-        self._set_phase(L.PHASE_HOLDING)  # first thing with the unit: see shmkv/takeover.py
+        self._set_phase(L.PHASE_HOLDING)  # first thing with the unit: see shmkv/pool/takeover.py
         if self._fenced():  # reclaimed while it waited: give the unit back, touch nothing more
             if self._enabled:
                 self._sem.release()

@@ -4,7 +4,7 @@ shared memory.
 Used by one process, it gives the same answers as vLLM 0.33.0's BlockPool call for call: the
 same block ids, the same hits, the same free-queue order, the same usage and the same events.
 What differs is where the state lives: every block's ``ref_cnt``, free-queue links and prefix
-hash sit in the segment described in ``shmkv/layout.py``, so another process that attaches
+hash sit in the segment described in ``shmkv/pool/layout.py``, so another process that attaches
 sees the same pool. ``KVCacheBlock`` objects here are thin handles (pool, block id) whose
 properties read the live shared state.
 
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from shmkv import fault as _fault
-from shmkv import layout as L
-from shmkv._pykernel import PyKernel
+from shmkv.pool import fault as _fault
+from shmkv.pool import layout as L
+from shmkv.pool._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
     InvariantViolation,
@@ -50,7 +50,7 @@ from shmkv.errors import (
     SegmentError,
     UsageError,
 )
-from shmkv.event_log import EventCursor, EventLog, LoggedEvent
+from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -59,7 +59,7 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
-from shmkv.free_queue import FreeKVCacheBlockQueue
+from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     RequestBlockHasher,
     generate_block_hash_extra_keys,
@@ -67,9 +67,9 @@ from shmkv.hashing import (
     none_hash,
     to_event_extra_keys,
 )
-from shmkv.journal import Journal, JournaledColumn, JournaledView, undo
-from shmkv.liveness import AliveLocks, alive_path, process_start_ticks
-from shmkv.lock import (
+from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
+from shmkv.pool.liveness import AliveLocks, alive_path, process_start_ticks
+from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
     WAIT_SLICE_S,
     PoolLock,
@@ -80,14 +80,14 @@ from shmkv.lock import (
     timeout_message,
     unlink_semaphore,
 )
-from shmkv.prefix_index import BlockHashToBlockMap
-from shmkv.segment import Segment, read_config, write_header
-from shmkv.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
+from shmkv.pool.prefix_index import BlockHashToBlockMap
+from shmkv.pool.segment import Segment, read_config, write_header
+from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
 logger = logging.getLogger(__name__)
 
 try:
-    from shmkv import _ckernel
+    from shmkv.pool import _ckernel
 except ImportError:  # not built (no compiler at install time): the Python kernel serves
     _ckernel = None
 else:
@@ -140,7 +140,7 @@ _C_GEOMETRY = (
     L.H_QUEUE_HEAD_KEY, L.H_QUEUE_TAIL_KEY, L.H_JOURNAL_LEN, L.H_LOCK_SEQ, L.GROUP_MIX,
 )
 # A process row's words journaled by attach and close: all but lock_phase, which the lock
-# writes, unjournaled, for the row's owner (shmkv/lock.py).
+# writes, unjournaled, for the row's owner (shmkv/pool/lock.py).
 _PROC_ROW_WORDS = L.P_LOCK_PHASE
 
 
@@ -243,7 +243,7 @@ class BlockPool:
         if self.kernel not in KERNELS:
             raise UsageError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.kernel == "c" and _ckernel is None:
-            raise UsageError("the C kernel (shmkv._ckernel) is not built; use kernel='python'")
+            raise UsageError("the C kernel (shmkv.pool._ckernel) is not built; use kernel='python'")
         label_bytes = label.encode() if isinstance(label, str) else None
         if label_bytes is None or len(label_bytes) > L.MAX_LABEL_BYTES:
             raise UsageError(
@@ -406,11 +406,11 @@ class BlockPool:
             lock_timeout_s: the longest this process waits for the pool lock.
             stuck_after_s: how long the lock must stand taken with no holder recorded
                 before this process takes it over from a dead process that was taking or
-                giving it back (``shmkv/takeover.py``).
+                giving it back (``shmkv/pool/takeover.py``).
             partial_keys: give every block an alias row (64 bytes more per block), so a
                 block can hold a partial prefix-cache key besides its own, as vLLM's can
                 (``cache_partial_block``): wanted when a KV-cache group's blocks are bigger
-                than ``hash_block_size`` (see ``shmkv/layout.py``, "Alias rows").
+                than ``hash_block_size`` (see ``shmkv/pool/layout.py``, "Alias rows").
 
         Raises:
             UsageError: a bad name or config value.
@@ -699,7 +699,7 @@ class BlockPool:
         events it queued, so it changes nothing, as a rejected call. Calls made earlier in
         the same hold stand. If the journal overflowed meanwhile, rebuilds instead (valid,
         not exact)."""
-        from shmkv.recovery import rebuild
+        from shmkv.pool.recovery import rebuild
 
         del self._event_queue[num_events:]
         hdr = self._hdr64
@@ -798,7 +798,7 @@ class BlockPool:
         process, or found the undo journal non-empty: rolls the dead hold back from the
         journal (or, if it overflowed, rebuilds the derived structures), reaps the dead,
         bumps the epoch. Called by the lock, which holds it; ``last_repair`` reports."""
-        from shmkv.recovery import rebuild
+        from shmkv.pool.recovery import rebuild
 
         t0 = time.perf_counter()
         hdr = self._hdr64
@@ -849,14 +849,14 @@ class BlockPool:
         """What ``shmkv recover`` does once attached (attaching already took the lock over
         from a dead holder and rolled its hold back, see ``last_repair``): reaps the dead,
         checks every invariant and, if any is broken, rebuilds the derived structures from
-        the authoritative ones (``shmkv.recovery.rebuild``) and checks again. A POISONED
+        the authoritative ones (``shmkv.pool.recovery.rebuild``) and checks again. A POISONED
         pool that passes is READY again.
 
         Returns:
             a report: processes reaped, references released, violations found and left,
             whether it rebuilt, the epoch.
         """
-        from shmkv.recovery import collect_violations, rebuild
+        from shmkv.pool.recovery import collect_violations, rebuild
 
         with self._lock:
             self._last_reaped_refs = 0
@@ -1166,7 +1166,7 @@ class BlockPool:
 
         shmkv keeps one alias per block (region ``block_alias``): where vLLM would add a
         second alias to a block, the newer replaces the older, with a ``BlockRemoved``. The
-        managers ask for a second one only in a rare case (``shmkv/layout.py``, "Alias
+        managers ask for a second one only in a rare case (``shmkv/pool/layout.py``, "Alias
         rows").
 
         Args:
@@ -1579,7 +1579,7 @@ class BlockPool:
             InvariantViolation: listing every broken invariant (the segment is then marked
                 POISONED).
         """
-        from shmkv.recovery import check_invariants
+        from shmkv.pool.recovery import check_invariants
 
         if self._segment.buf is None:
             raise PoolClosedError("the pool is closed; attach again to use it")
