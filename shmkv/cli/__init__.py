@@ -926,7 +926,7 @@ def add_ls_parser(sub) -> None:
 def _benchmarks_dir():
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
     return here if here.is_dir() else None
 
 
