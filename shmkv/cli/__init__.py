@@ -39,6 +39,7 @@ import time
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError
+from shmkv.plot import PlotUnavailable
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
 
@@ -217,8 +218,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         report.write_json(f, args.json)
         print(f"  figures: {args.json}")
     if args.plot:
-        report.plot_timeline([r.figures for r in results], args.plot)
-        print(f"  plot: {args.plot}")
+        try:
+            report.plot_timeline([r.figures for r in results], args.plot)
+            print(f"  plot: {args.plot}")
+        except PlotUnavailable as e:
+            print(f"  plot: {e}")
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     bad = any(r.problems or r.figures["token_mismatches"]
