@@ -29,29 +29,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     cfg = runner.cfg
     n = cfg.num_schedulers
     finished = [r for r in records.values() if r.result is not None]
-    per = []
-    for i in range(n):
-        mine = [r for r in finished if r.result.scheduler == i]
-        prompt = sum(r.result.num_prompt_tokens for r in mine)
-        hit = sum(r.result.num_cached_tokens for r in mine)
-        st = stats.get(i)
-        per.append({
-            "scheduler": i,
-            "alive_at_end": runner.schedulers[i].exitcode == 0 if runner.schedulers else False,
-            "requests": len(mine),
-            "prompt_tokens": prompt,
-            "prefill_tokens_saved": hit,
-            "prefix_hit_rate": hit / prompt if prompt else 0.0,
-            "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
-            "peak_blocks_held": runner.peak_blocks_held.get(i, 0),
-            "steps": st.num_steps if st else 0,
-            "preemptions": st.num_preemptions if st else 0,
-            "evictions": st.num_evictions if st else 0,
-            "lock_wait_s": st.lock_wait_s if st else 0.0,
-            "lock_hold_s": st.lock_hold_s if st else 0.0,
-            "lock_acquired": st.num_lock_acquired if st else 0,
-            "model_s": st.model_s if st else 0.0,
-        })
+    per = [_scheduler_figures(runner, i, finished, stats.get(i)) for i in range(n)]
     prompt = sum(r.result.num_prompt_tokens for r in finished)
     saved = sum(r.result.num_cached_tokens for r in finished)
     checked = [r for r in finished if r.checked is not None]
@@ -103,6 +81,30 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "timeline": timeline,
         "model": runner.model_dict if hasattr(runner, "model_dict") else None,
         "processes": {p.name: p.pid for p in runner.schedulers + runner.ranks},
+    }
+
+
+def _scheduler_figures(runner, i: int, finished: list, st) -> dict:
+    """Scheduler ``i``'s line of ``per_scheduler``; ``st``: its last ``SchedulerStats``."""
+    mine = [r for r in finished if r.result.scheduler == i]
+    prompt = sum(r.result.num_prompt_tokens for r in mine)
+    hit = sum(r.result.num_cached_tokens for r in mine)
+    return {
+        "scheduler": i,
+        "alive_at_end": runner.schedulers[i].exitcode == 0 if runner.schedulers else False,
+        "requests": len(mine),
+        "prompt_tokens": prompt,
+        "prefill_tokens_saved": hit,
+        "prefix_hit_rate": hit / prompt if prompt else 0.0,
+        "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
+        "peak_blocks_held": runner.peak_blocks_held.get(i, 0),
+        "steps": st.num_steps if st else 0,
+        "preemptions": st.num_preemptions if st else 0,
+        "evictions": st.num_evictions if st else 0,
+        "lock_wait_s": st.lock_wait_s if st else 0.0,
+        "lock_hold_s": st.lock_hold_s if st else 0.0,
+        "lock_acquired": st.num_lock_acquired if st else 0,
+        "model_s": st.model_s if st else 0.0,
     }
 
 
