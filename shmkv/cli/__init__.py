@@ -3,6 +3,8 @@
     shmkv run [--pool shared|private] [--routing R] [--schedulers N] [--trace PATH] ...
                                                 serve a chat workload with N scheduler
                                                 processes (and their model ranks) on one pool
+    shmkv replay --trace PATH [--blocks A,B,C]  the same without a model: the KV-cache layer
+                                                alone; several capacities: a sweep
     shmkv demo [--processes N] [--requests R]   several schedulers share one pool
     shmkv create NAME --blocks N [--events]     create a pool and leave it in /dev/shm
     shmkv inspect NAME                          a live pool: header, usage, processes, invariants
@@ -43,7 +45,7 @@ from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from shmkv.errors import ShmKVError
 
 # the order `shmkv --help` lists them in
-_ORDER = ("run", "demo", "inspect", "recover", "unlink", "cleanup", "create", "stats",
+_ORDER = ("run", "replay", "demo", "inspect", "recover", "unlink", "cleanup", "create", "stats",
           "events", "publish", "metrics", "ls", "bench", "index", "route")
 
 

@@ -1,5 +1,8 @@
 """``shmkv run``: serve a workload with scheduler processes and their model ranks on one
-pool (or private pools), check the tokens, report."""
+pool (or private pools), check the tokens, report. ``shmkv replay`` (``shmkv run --model
+none``): the same without ranks or a model (``shmkv/serve/replay.py``). ``--blocks
+A,B,C``: a capacity sweep (``shmkv/serve/sweep.py``). ``--trace-format mooncake``: the
+Mooncake traces (``shmkv/serve/trace.py``)."""
 
 from __future__ import annotations
 
@@ -11,26 +14,51 @@ from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM
 from shmkv.plot import PlotUnavailable
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    if (args.schedulers < 1 or args.blocks < 16 or args.conversations < 1
-            or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1):
-        print("shmkv run: --schedulers, --conversations, --max-num-seqs and "
-              "--max-num-batched-tokens must be >= 1, --blocks >= 16", file=sys.stderr)
-        return EXIT_ERROR
+def _capacities(text: str) -> list[int] | None:
     try:
-        import torch  # noqa: F401  (the model's ranks and the reference check need it)
-    except ImportError:
-        print("shmkv run: needs torch (pip install 'shmkv[torch]', or any torch 2.4..2.14)",
+        caps = [int(c) for c in str(text).split(",") if c.strip()]
+    except ValueError:
+        return None
+    return caps or None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    name = "shmkv replay" if args.model == "none" else "shmkv run"
+    caps = _capacities(args.blocks)
+    if (caps is None or args.schedulers < 1 or min(caps) < 16 or args.conversations < 1
+            or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1
+            or args.trace_block_tokens < 1 or args.time_scale < 0):
+        print(f"{name}: --schedulers, --conversations, --max-num-seqs, "
+              "--max-num-batched-tokens and --trace-block-tokens must be >= 1, --blocks a "
+              "number >= 16 (or several, comma-separated), --time-scale >= 0",
               file=sys.stderr)
         return EXIT_ERROR
+    if args.trace_format and not args.trace:
+        print(f"{name}: --trace-format needs --trace", file=sys.stderr)
+        return EXIT_ERROR
+    model_free = args.model == "none"
+    if not model_free:
+        try:
+            import torch  # noqa: F401  (the model's ranks and the reference check need it)
+        except ImportError:
+            print("shmkv run: needs torch (pip install 'shmkv[torch]', or any torch "
+                  "2.4..2.14); shmkv replay (--model none) does not", file=sys.stderr)
+            return EXIT_ERROR
     from shmkv.serve import report
-    from shmkv.serve.model import TinyModelConfig
+    from shmkv.serve.config import TinyModelConfig
     from shmkv.serve.runner import RunConfig, Runner
-    from shmkv.serve.workload import ChatWorkloadConfig, chat_workload, read_trace, write_trace
+    from shmkv.serve.trace import load_trace
+    from shmkv.serve.workload import ChatWorkloadConfig, chat_workload, write_trace
 
     model = TinyModelConfig()
+    trace_info = None
     if args.trace:
-        workload = read_trace(args.trace, vocab_size=model.vocab_size)
+        workload, trace_info = load_trace(
+            args.trace, args.trace_format, block_size=args.block_size,
+            vocab_size=model.vocab_size, max_model_len=args.max_model_len,
+            trace_block_tokens=args.trace_block_tokens)
+        if len(caps) > 1:  # (a single run's report says it)
+            print(f"trace: {trace_info.text()}", flush=True)
     else:
         workload = chat_workload(ChatWorkloadConfig(
             num_conversations=args.conversations, seed=args.seed,
@@ -38,15 +66,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.write_trace:
         write_trace(args.write_trace, workload)
     cfg = RunConfig(num_schedulers=args.schedulers, pool=args.pool, routing=args.routing,
-                    num_blocks=args.blocks, block_size=args.block_size,
+                    num_blocks=caps[0], block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, concurrency=args.concurrency,
                     kill_one=args.kill_one,
-                    check_tokens=not args.no_check, timeout_s=args.timeout, model=model)
+                    check_tokens=not args.no_check, timeout_s=args.timeout, model=model,
+                    model_free=model_free, time_scale=args.time_scale)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    trace = None if trace_info is None else dict(trace_info.to_dict(),
+                                                 summary=trace_info.text())
+    if len(caps) > 1:
+        return _sweep(args, cfg, workload, caps, trace, progress)
     result = Runner(cfg, workload, progress=progress).run()
     f = result.figures
+    if trace:
+        f["trace"] = trace
     print(report.report_text(f))
     results = [result]
     if args.compare and not result.interrupted:
@@ -78,12 +113,58 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  plot: {args.plot}")
         except PlotUnavailable as e:
             print(f"  plot: {e}")
+    return _exit_code(results)
+
+
+def _exit_code(results) -> int:
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     bad = any(r.problems or r.figures["token_mismatches"]
               or r.figures["requests"] < r.figures["requests_total"]
               or not r.figures["pool_valid"] for r in results)
     return EXIT_PROBLEM if bad else EXIT_OK
+
+
+def _sweep(args, cfg, workload, caps: list[int], trace: dict | None, progress: bool) -> int:
+    """``--blocks A,B,C``: every configuration at every capacity, one table, the bound,
+    the plot and the JSON (shmkv/serve/sweep.py)."""
+    from shmkv.serve import report, sweep
+    from shmkv.serve.runner import Runner
+
+    configs = sweep.configurations(args.pool, args.routing)
+    for pool, routing in configs:  # refuse a capacity too small before anything starts
+        for c in caps:
+            sweep.with_capacity(cfg, pool, routing, c).validate()
+    results, rows, bound = [], [], None
+    for c in caps:
+        for pool, routing in configs:
+            print(f"\n{pool} pool(s), {routing}, {c:,} blocks:", flush=True)
+            runner = Runner(sweep.with_capacity(cfg, pool, routing, c), workload,
+                            progress=progress)
+            result = runner.run()
+            results.append(result)
+            print(report.report_text(result.figures), flush=True)
+            if result.interrupted:
+                break
+            if bound is None:
+                bound = sweep.bound_for(workload, cfg.block_size,
+                                        getattr(runner, "records", None))
+            rows.append(sweep.row(result.figures, bound))
+        if results[-1].interrupted:
+            break
+    if rows:
+        print()
+        print(sweep.sweep_table(rows, bound))
+        if args.json:
+            sweep.sweep_json(rows, bound, trace, args.json)
+            print(f"  figures: {args.json}")
+        if args.plot:
+            try:
+                sweep.plot_sweep(rows, bound, args.plot)
+                print(f"  plot: {args.plot}")
+            except PlotUnavailable as e:
+                print(f"  plot: {e}")
+    return _exit_code(results)
 
 
 def add_run_parser(sub) -> None:
@@ -95,14 +176,35 @@ def add_run_parser(sub) -> None:
         "instead (what vLLM, SGLang and TensorRT-LLM do per data-parallel rank). Every "
         "generated token is checked against the model's no-cache reference. Exit 1 if a "
         "request did not finish, a token differed or the pool is not valid afterwards.")
+    _add_run_arguments(run, replay=False)
+
+
+def add_replay_parser(sub) -> None:
+    replay = sub.add_parser(
+        "replay", help="replay a trace on the KV-cache layer alone (no model)",
+        description="shmkv run --model none: the same front end, routing, scheduler "
+        "processes, KVCacheManagers and pool(s), but no rank processes and no model (a "
+        "step's tokens are a deterministic function of the request), so what is measured "
+        "is the KV-cache layer alone. --blocks A,B,C sweeps capacities. Exit 1 if a "
+        "request did not finish or the pool is not valid afterwards.")
+    _add_run_arguments(replay, replay=True)
+
+
+def _add_run_arguments(run, replay: bool) -> None:
+    run.add_argument("--model", choices=["tiny", "none"], default="none" if replay else "tiny",
+                     help="the tiny model on rank processes, or none: a model-free replay "
+                     f"({'none' if replay else 'tiny'})")
     run.add_argument("--pool", choices=["shared", "private"], default="shared",
                      help="one pool for all schedulers, or one private pool each (shared)")
     run.add_argument("--routing", choices=["round-robin", "least-loaded", "prefix-aware"],
                      default="round-robin", help="how the front end picks a scheduler "
                      "(round-robin)")
     run.add_argument("--schedulers", type=int, default=4, help="scheduler processes (4)")
-    run.add_argument("--blocks", type=int, default=512,
-                     help="KV-cache blocks in all, split evenly between private pools (512)")
+    run.add_argument("--blocks", default="512", metavar="N[,N...]",
+                     help="KV-cache blocks in all, split evenly between private pools "
+                     "(512); several (2048,8192,32768): run every configuration (as "
+                     "--compare) at each, one table with the infinite-cache bound, the plot "
+                     "of hit rate against capacity, --json of every run")
     run.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     run.add_argument("--max-num-seqs", type=int, default=8,
                      help="requests a scheduler runs at once (8)")
@@ -114,13 +216,24 @@ def add_run_parser(sub) -> None:
                      help="requests in flight at once, in all: the users waiting for an "
                      "answer (16)")
     run.add_argument("--trace", metavar="PATH", help="a JSONL workload (see "
-                     "shmkv/serve/workload.py) instead of the built-in chat workload")
+                     "shmkv/serve/workload.py and shmkv/serve/trace.py) instead of the "
+                     "built-in chat workload")
+    run.add_argument("--trace-format", choices=["shmkv", "mooncake"], default=None,
+                     help="the trace's format (default: from its first line)")
+    run.add_argument("--trace-block-tokens", type=int, default=512,
+                     help="mooncake: tokens per hash id in the trace; each id becomes one "
+                     "--block-size block, lengths scale by block size / this (512)")
+    run.add_argument("--time-scale", type=float, default=0.0, metavar="X",
+                     help="send a request no sooner than X times its trace timestamp after "
+                     "the first (1: real time, 0.1: ten times faster; 0: as fast as "
+                     "--concurrency allows) (0)")
     run.add_argument("--write-trace", metavar="PATH", help="write the workload as JSONL")
     run.add_argument("--conversations", type=int, default=90,
                      help="conversations of the built-in workload (90: about 200 requests)")
     run.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     run.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    run.add_argument("--plot", metavar="PATH", default="shmkv-run.png",
+    run.add_argument("--plot", metavar="PATH",
+                     default="shmkv-replay.png" if replay else "shmkv-run.png",
                      help="PNG of hit rate and pool usage over time (shmkv-run.png; '' for "
                      "none)")
     run.add_argument("--compare", action="store_true",
@@ -139,4 +252,5 @@ def add_run_parser(sub) -> None:
 
 COMMANDS = {
     "run": add_run_parser,
+    "replay": add_replay_parser,
 }

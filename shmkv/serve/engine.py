@@ -29,7 +29,7 @@ def model_config_to_dict(config) -> dict:
 
 
 def model_config_from_dict(d: dict):
-    from shmkv.serve.model import TinyModelConfig
+    from shmkv.serve.config import TinyModelConfig  # (not .model: a replay has no torch)
 
     d = dict(d)
     d["sliding_window"] = tuple(d["sliding_window"])
@@ -38,7 +38,7 @@ def model_config_from_dict(d: dict):
 
 def build_kv_cache_manager(pool, cfg) -> KVCacheManager:
     """The scheduler's manager: the model's KV-cache groups over ``pool``'s blocks."""
-    from shmkv.serve.model import make_kv_cache_config
+    from shmkv.serve.config import make_kv_cache_config
 
     model = model_config_from_dict(cfg.model)
     bs = pool.hash_block_size

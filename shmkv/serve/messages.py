@@ -45,6 +45,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     block_tables_name: str
     stats_interval_s: float = 0.1
     rank_timeout_s: float = 60.0
+    model_free: bool = False  # a replay: tokens without a model, no rank, no block tables
 
 
 @message
@@ -91,6 +92,7 @@ class TokensGenerated(Message):
     num_preemptions: int
     first_token_s: float
     finished_s: float
+    first_token_steps: int = 0  # its scheduler's steps from its arrival to its first token
 
 
 @message

@@ -12,6 +12,8 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
 - ``peak_blocks_held`` (per scheduler): the most blocks its running requests held at once,
   as its ``SchedulerStats`` (a few a second) saw it; ``ttft_*`` / ``latency_*``: seconds
   from a request's arrival at its scheduler to its first token / its last;
+  ``ttft_steps_*``: the same wait counted in its scheduler's steps (the TTFT proxy of a
+  model-free replay, where seconds measure only the KV-cache layer);
 - ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
   no-cache greedy reference, and how many differed (counting from the first wrong token
   of each request).
@@ -38,9 +40,11 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     generated = sum(len(r.result.output_token_ids) for r in finished)
     killed = getattr(runner, "killed_at", None)
     ttft = sorted(r.result.first_token_s for r in finished)
+    ttft_steps = sorted(r.result.first_token_steps for r in finished)
     latency = sorted(r.result.finished_s for r in finished)
     return {
         "pool": cfg.pool,
+        "model_free": cfg.model_free,
         "schedulers": n,
         "routing": cfg.routing,
         "num_blocks": cfg.num_blocks,
@@ -64,6 +68,9 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "ttft_p50_s": _quantile(ttft, 0.5),
         "ttft_p99_s": _quantile(ttft, 0.99),
         "latency_p50_s": _quantile(latency, 0.5),
+        "ttft_steps_mean": sum(ttft_steps) / len(ttft_steps) if ttft_steps else 0.0,
+        "ttft_steps_p50": _quantile(ttft_steps, 0.5),
+        "ttft_steps_p99": _quantile(ttft_steps, 0.99),
         "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
         "evictions": sum(p["evictions"] for p in per),
         "preemptions": sum(p["preemptions"] for p in per),
@@ -122,22 +129,28 @@ def report_text(f: dict) -> str:
     pool = (f"one shared pool of {_int(f['num_blocks'])} blocks" if f["pool"] == "shared"
             else f"{f['schedulers']} private pools of {_int(f['blocks_per_pool'])} blocks")
     lines = [
-        f"shmkv run: {f['schedulers']} schedulers, {pool} ({f['block_size']} tokens each), "
-        f"routing {f['routing']}",
+        f"shmkv {'replay' if f.get('model_free') else 'run'}: {f['schedulers']} schedulers, "
+        f"{pool} ({f['block_size']} tokens each), routing {f['routing']}",
         f"  requests           {f['requests']} of {f['requests_total']} finished in "
         f"{f['wall_s']:.1f} s ({f['requests_per_s']:.1f}/s; start-up {f['startup_s']:.1f} s)"
         + (f", {f['requests_failed']} not served" if f["requests_failed"] else ""),
         f"  prompt tokens      {_int(f['prompt_tokens'])}",
         f"  prefix hit rate    {f['prefix_hit_rate']:.1%}  ({_int(f['prefill_tokens_saved'])} "
         "prefill tokens saved)",
-        f"  generated tokens   {_int(f['generated_tokens'])}; checked against the no-cache "
-        f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}",
+        (f"  generated tokens   {_int(f['generated_tokens'])}; model-free replay (no model, "
+         "tokens not checked)" if f.get("model_free") else
+         f"  generated tokens   {_int(f['generated_tokens'])}; checked against the no-cache "
+         f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}"),
         f"  latency            first token p50 {f['ttft_p50_s'] * 1e3:.0f} ms, p99 "
-        f"{f['ttft_p99_s'] * 1e3:.0f} ms; request p50 {f['latency_p50_s'] * 1e3:.0f} ms",
+        f"{f['ttft_p99_s'] * 1e3:.0f} ms; request p50 {f['latency_p50_s'] * 1e3:.0f} ms; "
+        f"steps waited for the first token mean {f.get('ttft_steps_mean', 0.0):.1f}, p99 "
+        f"{f.get('ttft_steps_p99', 0)}",
         f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
         f"evictions, {f['preemptions']} preemptions, lock wait "
         f"{f['lock_wait_s'] * 1e3:.1f} ms in all",
     ]
+    if f.get("trace"):
+        lines.insert(1, f"  trace              {f['trace']['summary']}")
     if f["killed_scheduler"]:
         k = f["killed_scheduler"]
         lines.append(f"  --kill-one         scheduler-{k['scheduler']} killed at "

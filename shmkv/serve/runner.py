@@ -93,6 +93,12 @@ class RunConfig:
     timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
     model: object = None  # a TinyModelConfig (default: TinyModelConfig())
+    # A replay (shmkv/serve/replay.py): no ranks, no model, no token checks; the KV-cache
+    # groups are still the model's.
+    model_free: bool = False
+    # > 0: a request with an arrival_s is sent no sooner than arrival_s * time_scale after
+    # the first (0: as fast as the concurrency allows).
+    time_scale: float = 0.0
 
     def validate(self) -> None:
         if self.pool not in ("shared", "private"):
@@ -110,6 +116,8 @@ class RunConfig:
             raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.kill_one and self.num_schedulers < 2:
             raise UsageError("--kill-one needs at least 2 schedulers")
+        if self.time_scale < 0:
+            raise UsageError(f"--time-scale must be >= 0, got {self.time_scale}")
 
 
 @dataclass
@@ -196,9 +204,11 @@ class Runner:
 
     def __init__(self, cfg: RunConfig, workload: list[TraceRequest], *,
                  progress: bool = False, log=None) -> None:
-        from shmkv.serve.model import TinyModelConfig
+        from shmkv.serve.config import TinyModelConfig
 
         cfg.model = cfg.model or TinyModelConfig()
+        if cfg.model_free:
+            cfg.check_tokens = False
         cfg.validate()
         vocab = cfg.model.vocab_size
         for t in workload:
@@ -249,6 +259,8 @@ class Runner:
             self.pools.append(BlockPool.create(
                 pool_name, per_pool, hash_block_size=cfg.block_size,
                 enable_kv_cache_events=True, max_processes=n + 4, label="front-end"))
+            if cfg.model_free:
+                continue
             self.kv_store_names.append(pool_name)
             self.kv_stores.append(engine.create_kv_store(pool_name, model, per_pool,
                                                          cfg.block_size))
@@ -267,16 +279,17 @@ class Runner:
             self.inboxes.append(Channel.open(names["inbox"]))
             self.outboxes.append(Channel.open(names["outbox"]))
             tables_name = f"{self.name}-s{i}"
-            self.table_names.append(tables_name)
-            self.tables.append(engine.create_block_tables(
-                tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size))
             pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
-            rank = ctx.Process(target=engine.rank_main, name=f"rank-{i}", daemon=True,
-                               args=(tables_name, pool_name, names["to_rank"],
-                                     names["from_rank"], self.model_dict, os.getpid()))
+            if not cfg.model_free:
+                self.table_names.append(tables_name)
+                self.tables.append(engine.create_block_tables(
+                    tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size))
+                self.ranks.append(ctx.Process(
+                    target=engine.rank_main, name=f"rank-{i}", daemon=True,
+                    args=(tables_name, pool_name, names["to_rank"], names["from_rank"],
+                          self.model_dict, os.getpid())))
             sched = ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}", daemon=True,
                                 args=(i, names, os.getpid()))
-            self.ranks.append(rank)
             self.schedulers.append(sched)
         self.channels = self.inboxes + self.outboxes
         for p in self.ranks + self.schedulers:
@@ -286,7 +299,8 @@ class Runner:
             self.inboxes[i].send(AttachScheduler(scheduler=i, config=SchedulerConfig(
                 pool_name=pool_name, model=self.model_dict, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_model_len=cfg.max_model_len, block_tables_name=f"{self.name}-s{i}")))
+                max_model_len=cfg.max_model_len, block_tables_name=f"{self.name}-s{i}",
+                model_free=cfg.model_free)))
 
     def _doorbell(self, name: str) -> str:
         bell = create_doorbell(name)
@@ -337,7 +351,7 @@ class Runner:
         signals = {signal.SIGINT, signal.SIGTERM}
         # multiprocessing unblocks both when it starts its helper processes (the resource
         # tracker, the fork server): start them first, so the mask below stays.
-        self.ctx = _context()
+        self.ctx = _context(self.cfg.model_free)
         _start_helpers(self.ctx)
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
@@ -394,25 +408,29 @@ class Runner:
         """Schedulers that died (or whose rank died) since the last look."""
         sentinels = {}
         for i in live:
-            sentinels[self.schedulers[i].sentinel] = i
-            sentinels[self.ranks[i].sentinel] = i
+            for p in self._processes_of(i):
+                sentinels[p.sentinel] = i
         ready = multiprocessing.connection.wait(list(sentinels), timeout=0)
         dead = sorted({sentinels[s] for s in ready})
         for i in dead:
-            sched, rank = self.schedulers[i], self.ranks[i]
-            who = sched if not sched.is_alive() else rank
+            procs = self._processes_of(i)
+            who = next((p for p in procs if not p.is_alive()), procs[0])
             who.join(1)
             if starting:
                 raise ShmKVError(f"{who.name} exited with code {who.exitcode} while starting")
             where = self.notes if i in self.killed else self.problems
             where.append(f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}"
                          + (" (--kill-one)" if i in self.killed else ""))
-            for p in (sched, rank):
+            for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join(JOIN_TIMEOUT_S)
             live.discard(i)
         return dead
+
+    def _processes_of(self, i: int) -> list:
+        """Scheduler ``i`` and its rank (a replay has no ranks)."""
+        return [self.schedulers[i]] + ([self.ranks[i]] if self.ranks else [])
 
     def _serve(self) -> RunResult:
         cfg = self.cfg
@@ -489,9 +507,14 @@ class Runner:
             return
         cfg = self.cfg
         skipped = []
+        due = (time.monotonic() - st.t_serve) / cfg.time_scale if cfg.time_scale > 0 else None
         while st.pending and len(st.in_flight) < self.max_in_flight:
             rid = st.pending.popleft()
             rec = st.records[rid]
+            if due is not None and rec.trace.arrival_s is not None and (
+                    rec.trace.arrival_s > due and rec.num_sends == 0):
+                st.pending.appendleft(rid)  # not arrived yet (the trace is in time order)
+                break
             conv = rec.trace.conversation
             if conv is not None and conv in st.busy_conversations and rec.num_sends == 0:
                 skipped.append(rid)
@@ -632,7 +655,7 @@ class Runner:
                     waiting.discard(i)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for i in sorted(live):
-            for p in (self.schedulers[i], self.ranks[i]):
+            for p in self._processes_of(i):
                 p.join(max(deadline - time.monotonic(), 0.1))
                 if p.is_alive():
                     self.problems.append(f"{p.name} did not exit in {STOP_TIMEOUT_S} s: killed")
@@ -723,7 +746,7 @@ def _check_tokens(model, rec: RequestRecord) -> None:
     rec.checked = len(out)
 
 
-def _context():
+def _context(model_free: bool = False):
     """Children start from a fork server that imported torch and the serving modules once
     (a fresh process, not a fork of the front end, so they inherit none of its state, as
     with spawn); each child then costs a fork rather than a Python start and a torch import.
@@ -733,8 +756,10 @@ def _context():
         raise UsageError(f"SHMKV_RUN_START_METHOD must be forkserver or spawn, got {method!r}")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "shmkv.ranks.block_table", "shmkv.serve.engine",
-                                    "shmkv.serve.rank", "shmkv.serve.scheduler"])
+        ctx.set_forkserver_preload(
+            ["shmkv.serve.engine", "shmkv.serve.scheduler"] if model_free else
+            ["torch", "shmkv.ranks.block_table", "shmkv.serve.engine", "shmkv.serve.rank",
+             "shmkv.serve.scheduler"])
     return ctx
 
 

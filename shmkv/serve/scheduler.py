@@ -69,6 +69,8 @@ class ServingRequest:
     num_cached_tokens: int = -1  # prefix hit of its first scheduling (-1: not yet)
     first_token: float = 0.0
     num_preemptions: int = 0
+    arrival_step: int = 0  # the scheduler's step count when it arrived
+    first_token_step: int = 0  # ... when its first token came (steps waited: the difference)
 
     @property
     def request_id(self) -> str:
@@ -127,7 +129,8 @@ class Scheduler:
                 f"tokens exceed max_model_len {self.max_model_len}")
         req = Request(request_id, prompt_token_ids, block_hasher=self.hasher,
                       cache_salt=cache_salt)
-        self.waiting.append(ServingRequest(req, max_tokens, time.monotonic()))
+        self.waiting.append(ServingRequest(req, max_tokens, time.monotonic(),
+                                           arrival_step=self.counters.num_steps))
 
     @property
     def has_work(self) -> bool:
@@ -220,15 +223,20 @@ class Scheduler:
             return []
         c = self.counters
         c.num_steps += 1
-        messages, block_ids = [], []
-        for sr, n in batch:
-            req = sr.request
-            start = req.num_computed_tokens
-            messages.append(ScheduledRequest(req.request_id, sr.row,
-                                             list(req.all_token_ids[start:start + n]), start))
-            block_ids.append(self.kvm.get_block_ids(req.request_id))
         t0 = time.monotonic()
-        sampled = self.execute(c.num_steps, messages, block_ids)
+        model_free = getattr(self.execute, "tokens_for", None)  # a replay: no rank
+        if model_free is not None:
+            sampled = model_free(batch)
+        else:
+            messages, block_ids = [], []
+            for sr, n in batch:
+                req = sr.request
+                start = req.num_computed_tokens
+                messages.append(ScheduledRequest(req.request_id, sr.row,
+                                                 list(req.all_token_ids[start:start + n]),
+                                                 start))
+                block_ids.append(self.kvm.get_block_ids(req.request_id))
+            sampled = self.execute(c.num_steps, messages, block_ids)
         now = time.monotonic()
         c.model_s += now - t0
         if len(sampled) != len(batch):
@@ -246,6 +254,7 @@ class Scheduler:
                 continue  # a chunk of a longer prefill: no token yet
             if req.num_output_tokens == 0:
                 sr.first_token = now
+                sr.first_token_step = c.num_steps
             req.append_output_token_ids(int(token))  # hashes a block it completes
             c.num_generated_tokens += 1
             if sr.done:
@@ -378,9 +387,14 @@ class SchedulerProcess:
         cfg = msg.config
         self.pool = BlockPool.attach(cfg.pool_name, label=f"scheduler-{self.index}")
         kvm = build_kv_cache_manager(self.pool, cfg)
-        self.tables = open_block_tables(cfg)
-        execute = RankStep(self.to_rank, self.from_rank, self.tables, cfg.rank_timeout_s,
-                             self)
+        if cfg.model_free:  # a replay: no rank, no block tables
+            from shmkv.serve.replay import ModelFreeStep
+
+            execute = ModelFreeStep(cfg.model["vocab_size"])
+        else:
+            self.tables = open_block_tables(cfg)
+            execute = RankStep(self.to_rank, self.from_rank, self.tables, cfg.rank_timeout_s,
+                               self)
         self.scheduler = Scheduler(kvm, self.pool.make_block_hasher(), execute,
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -438,6 +452,7 @@ class SchedulerProcess:
                         num_cached_tokens=sr.num_cached_tokens,
                         num_preemptions=sr.num_preemptions,
                         first_token_s=sr.first_token - sr.arrival,
+                        first_token_steps=sr.first_token_step - sr.arrival_step,
                         finished_s=time.monotonic() - sr.arrival))
             else:
                 if self.draining and not drained_sent:
@@ -450,7 +465,8 @@ class SchedulerProcess:
             if now - self.last_stats >= self.stats_interval_s:
                 self.outbox.send(self.stats())
                 self.last_stats = now
-        self.to_rank.send(Shutdown(reason="scheduler stopping"), timeout_s=1.0)
+        if self.tables is not None:  # a replay has no rank
+            self.to_rank.send(Shutdown(reason="scheduler stopping"), timeout_s=1.0)
         self.outbox.send(SchedulerStopped(scheduler=self.index, stats=self.stats()))
 
     def close(self) -> None:

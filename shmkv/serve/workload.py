@@ -12,6 +12,8 @@ A workload is a list of :class:`TraceRequest`, one per line of a trace file::
   order. Without a ``conversation`` the request stands alone.
 - ``max_tokens``: tokens to generate (greedy), at least 1.
 - ``cache_salt``: isolates a tenant's prefix cache (hashed into the first block), or null.
+- ``arrival_s`` (optional): when the request arrives, in seconds after the first; honoured
+  with ``--time-scale`` (``shmkv/serve/trace.py`` reads the Mooncake format into these).
 
 Unknown fields, a missing field, a token outside the model's vocabulary or a prompt longer
 than the model allows are errors naming the line (:class:`~shmkv.errors.UsageError`).
@@ -36,7 +38,8 @@ from shmkv.errors import UsageError
 __all__ = ["ChatWorkloadConfig", "TraceRequest", "chat_workload", "read_trace", "write_trace"]
 
 
-class TraceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TraceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
+                   omit_defaults=True):
     """One request of a workload (one line of a JSONL trace)."""
 
     request_id: str
@@ -44,6 +47,7 @@ class TraceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int = 16
     cache_salt: str | None = None
     conversation: str | None = None
+    arrival_s: float | None = None  # seconds after the start (honoured with --time-scale)
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,8 @@ def _check(req: TraceRequest, where: str, vocab_size: int | None) -> None:
         raise UsageError(f"{where}: max_tokens must be >= 1, got {req.max_tokens}")
     if not req.prompt_token_ids:
         raise UsageError(f"{where}: prompt_token_ids is empty")
+    if req.arrival_s is not None and req.arrival_s < 0:
+        raise UsageError(f"{where}: arrival_s must be >= 0, got {req.arrival_s}")
     if vocab_size is not None:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
