@@ -1,0 +1,250 @@
+"""``shmkv replay`` and ``shmkv run --trace`` on traces the tests write, in both formats, as
+a user runs them (the real command in a subprocess): hand-checked Mooncake hits in one pool
+and in private pools, the capacity sweep's JSON and plot, the infinite-cache bound,
+malformed lines refused before anything starts, the replay against the run with the
+model, ``--time-scale``, Ctrl-C, and ``benchmarks/bench_replay.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def _leftovers(pid: int) -> list[str]:
+    return sorted(e for e in os.listdir("/dev/shm") if f"run{pid}-" in e)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _shmkv(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid
+
+
+def _mooncake(path: Path, requests) -> Path:
+    """``requests``: (hash_ids, output_length[, timestamp_ms]); 16 tokens an id."""
+    with open(path, "w") as f:
+        for k, r in enumerate(requests):
+            ids, out = r[0], r[1]
+            ts = r[2] if len(r) > 2 else k
+            f.write(json.dumps({"timestamp": ts, "input_length": 16 * len(ids),
+                                "output_length": out, "hash_ids": ids}) + "\n")
+    return path
+
+
+def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
+    """Three requests of five ids sharing their k = 3 leading ids, one at a time
+    (--concurrency 1), 3 schedulers: the prefix rule says the 2nd and 3rd hit 3 blocks
+    (48 tokens) each when they meet the 1st's blocks: in one pool (any routing) and in
+    private pools with prefix-aware routing; never in private pools round-robin (each
+    request lands on a pool of its own). The same at both capacities, and the bound."""
+    trace = _mooncake(tmp_path / "three.jsonl", [([1, 2, 3, 10, 11], 16),
+                                                 ([1, 2, 3, 20, 21], 16),
+                                                 ([1, 2, 3, 30, 31], 16)])
+    done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens",
+                       "16", "--schedulers", "3", "--concurrency", "1", "--blocks",
+                       "192,384", "--max-model-len", "128", "--json", "sweep.json",
+                       "--plot", "sweep.png")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Mooncake trace, 3 requests" in done.stdout and "16/16 = 1" in done.stdout
+    got = json.loads((tmp_path / "sweep.json").read_text())
+    assert got["infinite_cache_bound"] == {"prompt_tokens": 240,
+                                           "prefill_tokens_saved": 96,
+                                           "prefix_hit_rate": 0.4}
+    assert got["trace"]["format"] == "mooncake" and got["trace"]["capped"] == 0
+    saved = {(r["pool"], r["routing"], r["num_blocks"]): r["prefill_tokens_saved"]
+             for r in got["runs"]}
+    assert saved == {("shared", "round-robin", 192): 96,
+                     ("private", "round-robin", 192): 0,
+                     ("private", "prefix-aware", 192): 96,
+                     ("shared", "round-robin", 384): 96,
+                     ("private", "round-robin", 384): 0,
+                     ("private", "prefix-aware", 384): 96}
+    for r in got["runs"]:
+        assert r["model_free"] and r["requests"] == 3 and r["prompt_tokens"] == 240
+        assert r["ttft_steps_mean"] >= 1
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "infinite cache (bound)" in done.stdout
+    assert _leftovers(pid) == []
+
+
+def test_shmkv_trace_with_conversations_replay_meets_the_bound(tmp_path):
+    """A shmkv-format trace (conversations resend their history): one request at a time,
+    one pool with room for everything: the replay hits exactly the infinite-cache bound."""
+    lines = []
+    for c in range(4):
+        for t in range(3):
+            prompt = ([5] * 40 if t == 0 else []) + [(c * 7 + t * 3 + k) % 90 + 1
+                                                     for k in range(10)]
+            lines.append({"request_id": f"c{c}-t{t}", "conversation": f"c{c}",
+                          "prompt_token_ids": prompt, "max_tokens": 5})
+    trace = tmp_path / "conv.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--schedulers", "2",
+                       "--concurrency", "1", "--blocks", "512,1024", "--json", "s.json",
+                       "--plot", "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads((tmp_path / "s.json").read_text())
+    bound = got["infinite_cache_bound"]["prefill_tokens_saved"]
+    assert bound > 0
+    shared = [r for r in got["runs"] if r["pool"] == "shared"]
+    assert len(shared) == 2 and all(r["prefill_tokens_saved"] == bound for r in shared)
+    assert all(r["prefill_tokens_saved"] <= bound for r in got["runs"])
+    assert _leftovers(pid) == []
+
+
+BAD_LINES = [
+    ('{"timestamp": 0, "input_length": 32, "output_length": 1}', "field hash_ids is missing"),
+    ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": [1]}',
+     "field input_length must be >= 1"),
+    ('{"timestamp": 0, "input_length": 48, "output_length": 1, "hash_ids": [1, 2]}',
+     "field hash_ids has 2 ids, input_length 48 needs 3"),
+    ('{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, "two"]}',
+     "field hash_ids[1]"),
+]
+
+
+@pytest.mark.parametrize("command", ["replay", "run"])
+def test_malformed_lines_refused_before_anything_starts(tmp_path, command):
+    good = '{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}'
+    for line, field in BAD_LINES if command == "replay" else BAD_LINES[-1:]:
+        trace = tmp_path / "bad.jsonl"
+        trace.write_text(good + "\n" + line + "\n")
+        done, pid = _shmkv(tmp_path, command, "--trace", str(trace), "--trace-block-tokens",
+                           "16", "--schedulers", "2", "--blocks", "256")
+        assert done.returncode == 2, (line, done.stdout, done.stderr)
+        assert f"bad.jsonl:2: " in done.stderr and field in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+        assert "requests" not in done.stdout  # no run, no report
+        assert _leftovers(pid) == []
+
+
+def test_replay_and_run_with_the_model_agree_on_hits(tmp_path):
+    """The same Mooncake trace and routing, one request at a time: the replay and the run
+    with the model give the same hits in every configuration of --compare (a Mooncake
+    request's prompt is the trace's, not the model's output, and in this order who cached
+    what first is fixed)."""
+    reqs = []
+    for k in range(16):
+        shared = [1, 2, 3] if k % 2 else [7, 8]
+        reqs.append((shared + [100 + k * 3, 101 + k * 3, 102 + k * 3][: 1 + k % 3], 32))
+    trace = _mooncake(tmp_path / "agree.jsonl", reqs)
+    common = ["--trace", str(trace), "--trace-block-tokens", "16", "--schedulers", "2",
+              "--concurrency", "1", "--blocks", "128", "--max-model-len", "128",
+              "--compare", "--plot", ""]
+    replay, pid1 = _shmkv(tmp_path, "replay", *common, "--json", "replay.json")
+    model, pid2 = _shmkv(tmp_path, "run", *common, "--json", "model.json")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert model.returncode == 0, model.stdout + model.stderr
+    r = json.loads((tmp_path / "replay.json").read_text())
+    m = json.loads((tmp_path / "model.json").read_text())
+    assert r["model_free"] and not m["model_free"] and m["tokens_checked"] > 0
+    assert m["token_mismatches"] == 0
+    hits = [(f["pool"], f["routing"], f["prefill_tokens_saved"], f["evictions"])
+            for f in [r, *r["compare"]]]
+    assert hits == [(f["pool"], f["routing"], f["prefill_tokens_saved"], f["evictions"])
+                    for f in [m, *m["compare"]]]
+    assert hits[0][2] > 0
+    assert _leftovers(pid1) == [] and _leftovers(pid2) == []
+
+
+def test_time_scale_honours_timestamps(tmp_path):
+    trace = _mooncake(tmp_path / "t.jsonl", [([1], 1, 0), ([2], 1, 0), ([3], 1, 3000)])
+    done, _ = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens", "16",
+                     "--schedulers", "1", "--blocks", "256", "--time-scale", "0.4",
+                     "--json", "t.json", "--plot", "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["wall_s"] >= 1.2
+    done, _ = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens", "16",
+                     "--schedulers", "1", "--blocks", "256", "--json", "t.json", "--plot", "")
+    assert json.loads((tmp_path / "t.json").read_text())["wall_s"] < 1.2
+
+
+def test_ctrl_c_of_a_replay_leaves_nothing(tmp_path):
+    """SIGINT to the process group in the middle of a replay: exit 130, the JSON says
+    interrupted, no process left, nothing of the run in /dev/shm."""
+    trace = _mooncake(tmp_path / "long.jsonl",
+                      [([k % 50, 1000 + k, 2000 + k, 3000 + k], 64) for k in range(60000)])
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "replay", "--trace",
+                             str(trace), "--trace-block-tokens", "16", "--schedulers", "2",
+                             "--blocks", "512", "--progress", "--json", "c.json",
+                             "--plot", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            cwd=tmp_path, start_new_session=True)
+    seen = threading.Event()
+    chunks: list[bytes] = []
+
+    def read_stderr():
+        while True:
+            b = proc.stderr.read1(4096)
+            if not b:
+                return
+            chunks.append(b)
+            if b"requests" in b"".join(chunks):
+                seen.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(TIMEOUT_S), b"".join(chunks).decode()
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    reader.join(10)
+    stderr = b"".join(chunks).decode()
+    assert proc.returncode == 130, stdout.decode() + stderr
+    assert "Traceback" not in stderr
+    f = json.loads((tmp_path / "c.json").read_text())
+    assert any(p.startswith("interrupted") for p in f["problems"])
+    assert f["requests"] < f["requests_total"]
+    assert _leftovers(proc.pid) == []
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in f["processes"].values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in f["processes"].values())
+
+
+def test_bench_replay_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_replay.py"),
+                          "--requests", "300", "--schedulers", "1,2", "--blocks", "1024"],
+                         capture_output=True, text=True, env=_env(), cwd=tmp_path,
+                         timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [x["schedulers"] for x in lines] == [1, 2]
+    assert all(x["requests"] == 300 and x["requests_per_s"] > 0 for x in lines)
+    assert "requests/s" in out.stdout
