@@ -114,8 +114,12 @@ def plot_sweep(rows: list[dict], bound: dict, path: str) -> None:
     first = rows[0]
     fig, (ax,) = figure(title=f"prefix hit rate against capacity: {first['schedulers']} "
                         f"schedulers, {first['block_size']}-token blocks")
+    top = max([100 * bound["prefix_hit_rate"]] + [y for _, ys in series.values() for y in ys])
     draw_lines(ax, series, x_label="KV-cache blocks in all", y_label="prefix hit rate (%)",
-               x_ticks=caps, log_x=len(caps) > 1, y_lim=(0, 105))
+               x_ticks=caps, log_x=len(caps) > 1, y_lim=(0, min(100.0, top * 1.2 + 2)))
+    for k, line in enumerate(ax.get_lines()):  # lines that coincide stay told apart
+        line.set_marker("osD^v<>"[k % 7])
+        line.set_markersize(9 - 2 * (k % 3))
     ax.axhline(100 * bound["prefix_hit_rate"], linestyle="--", color="black", linewidth=1.5,
                label="infinite cache (bound)")
     ax.legend(loc="best", fontsize="small", framealpha=0.9)
