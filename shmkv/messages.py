@@ -40,6 +40,7 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
+from shmkv.pool.liveness import pid_alive
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
@@ -371,7 +372,7 @@ class Channel:
                 raise ChannelFullError(
                     f"channel {self.name!r} stayed full for {timeout_s} s "
                     f"({tail - int(self._head[0])} of {cap} bytes unread); its consumer "
-                    f"(pid {pid}) is {'alive' if _pid_alive(pid) else 'gone'}"
+                    f"(pid {pid}) is {'alive' if pid_alive(pid) else 'gone'}"
                 )
             time.sleep(_SEND_POLL_S)
         data = self._data
@@ -500,18 +501,6 @@ def unlink_doorbell(bell: str) -> bool:
 
 def _field(name: str) -> int:
     return L.CHANNEL_HEADER_DTYPE.fields[name][1]
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = [

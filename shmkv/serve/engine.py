@@ -85,7 +85,7 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
     """Entry point of a rank process of ``shmkv run``: the run's child set-up, then
     ``shmkv.serve.rank.rank_main`` (which answers ``ExecuteModel`` steps until
     ``Shutdown``, dropping bad frames)."""
-    from shmkv.serve.scheduler import child_setup
+    from shmkv.serve.child import child_setup
 
     child_setup(front_end_pid)
     from shmkv.serve.rank import rank_main as run_rank

@@ -14,7 +14,7 @@ front end's state; ``SHMKV_RUN_START_METHOD=spawn`` spawns them):
 Every segment (pools, KV stores, block tables, channels and their doorbells) is made here
 and removed in a ``finally``, whatever happened. Children ignore SIGINT (the terminal sends
 it to the whole process group: the front end alone decides), end when the front end does
-(``scheduler.child_setup``), and are joined with timeouts, then killed. The front end itself blocks
+(``child.child_setup``), and are joined with timeouts, then killed. The front end itself blocks
 SIGINT and SIGTERM for the run and takes them in a watcher thread, so a signal never breaks
 a semaphore wait (EINTR) in the middle of a pool call; it then stops everything and exits.
 
