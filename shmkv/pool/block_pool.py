@@ -81,6 +81,7 @@ from shmkv.pool.lock import (
     unlink_semaphore,
 )
 from shmkv.pool.prefix_index import BlockHashToBlockMap
+from shmkv.pool.recovery import SegmentViews, check_invariants, collect_violations, rebuild
 from shmkv.pool.segment import Segment, read_config, write_header
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
@@ -304,6 +305,11 @@ class BlockPool:
             self._journal,
         )
         self._log = EventLog(buf, self._hdr64, layout, self._journal)
+        self._segment_views = SegmentViews(
+            buf=buf, layout=layout, hdr64=self._hdr64, blocks=self._blocks,
+            key_rows=self._key_rows, index=self._index, procs=self._procs,
+            ledger=self._ledger, log=self._log,
+        )
         self.last_repair: RepairReport | None = None
         self._warned_no_aliases = False
         self._last_reaped_refs = 0
@@ -630,6 +636,7 @@ class BlockPool:
     def _release_views(self) -> None:
         self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED
         self.free_block_queue = self._index = self._log = _CLOSED  # type: ignore[assignment]
+        self._segment_views = _CLOSED  # type: ignore[assignment]
         self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
         self._key_rows = _CLOSED  # type: ignore[assignment]
         self._ref_col_w = self._journal = _CLOSED  # type: ignore[assignment]
@@ -699,8 +706,6 @@ class BlockPool:
         events it queued, so it changes nothing, as a rejected call. Calls made earlier in
         the same hold stand. If the journal overflowed meanwhile, rebuilds instead (valid,
         not exact)."""
-        from shmkv.pool.recovery import rebuild
-
         del self._event_queue[num_events:]
         hdr = self._hdr64
         if hdr[L.H_JOURNAL_LEN] == mark:
@@ -708,7 +713,7 @@ class BlockPool:
         if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
             undo(self._segment.buf, self._layout, hdr, start=mark)
         else:
-            rebuild(self)
+            rebuild(self._segment_views)
 
     def _log_dropped_keys(self, keys: list[tuple[bytes, int]]) -> None:
         """A rebuild dropped these keys: event subscribers must forget them too."""
@@ -798,8 +803,6 @@ class BlockPool:
         process, or found the undo journal non-empty: rolls the dead hold back from the
         journal (or, if it overflowed, rebuilds the derived structures), reaps the dead,
         bumps the epoch. Called by the lock, which holds it; ``last_repair`` reports."""
-        from shmkv.pool.recovery import rebuild
-
         t0 = time.perf_counter()
         hdr = self._hdr64
         cause = self._takeover.victim if took_over else (
@@ -811,7 +814,7 @@ class BlockPool:
             if pending > 0:
                 undone = undo(self._segment.buf, self._layout, hdr)
             elif pending < 0:
-                report = rebuild(self)  # empties the journal when it is done
+                report = rebuild(self._segment_views)  # empties the journal when it is done
                 self._log_dropped_keys(report.dropped_keys)
                 rebuilt = True
             if took_over:
@@ -856,19 +859,17 @@ class BlockPool:
             a report: processes reaped, references released, violations found and left,
             whether it rebuilt, the epoch.
         """
-        from shmkv.pool.recovery import collect_violations, rebuild
-
         with self._lock:
             self._last_reaped_refs = 0
             reaped = self._reap_dead_locked()
-            found = collect_violations(self)
+            found = collect_violations(self._segment_views)
             rebuilt = None
             if found:
-                rebuilt = rebuild(self)  # a repairer killed in it leaves it to the next
+                rebuilt = rebuild(self._segment_views)  # a repairer killed in it leaves it to the next
                 self._log_dropped_keys(rebuilt.dropped_keys)
                 if self._header["state"][0] == L.STATE_POISONED:
                     self._header["state"] = L.STATE_READY
-            left = collect_violations(self) if found else []
+            left = collect_violations(self._segment_views) if found else []
             return {
                 "processes_reaped": reaped,
                 "references_released": self._last_reaped_refs,
@@ -1554,6 +1555,13 @@ class BlockPool:
     def layout(self) -> L.Layout:
         return self._layout
 
+    @property
+    def segment_views(self) -> SegmentViews:
+        """The segment's structured views (header words, block rows, process table,
+        ledger...), as ``shmkv.pool.recovery`` reads them; raw shared state, for recovery
+        and tools, not for the hot paths' callers. Raises PoolClosedError once closed."""
+        return self._segment_views
+
     def cached_keys_by_group(self) -> dict[int, list[bytes]]:
         """The prefix cache's keys: for each KV-cache group, the hash of every block cached
         in it, in block-id order (a key several blocks hold comes once per block)."""
@@ -1579,9 +1587,7 @@ class BlockPool:
             InvariantViolation: listing every broken invariant (the segment is then marked
                 POISONED).
         """
-        from shmkv.pool.recovery import check_invariants
-
         if self._segment.buf is None:
             raise PoolClosedError("the pool is closed; attach again to use it")
         with self._lock:
-            check_invariants(self)
+            check_invariants(self._segment_views)
