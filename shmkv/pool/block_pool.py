@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ from shmkv.hashing import (
     to_event_extra_keys,
 )
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
-from shmkv.pool.liveness import AliveLocks, alive_path, process_start_ticks
+from shmkv.pool.liveness import AliveLocks, alive_path
 from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
     WAIT_SLICE_S,
@@ -81,7 +80,9 @@ from shmkv.pool.lock import (
     unlink_semaphore,
 )
 from shmkv.pool.prefix_index import BlockHashToBlockMap
-from shmkv.pool.recovery import SegmentViews, check_invariants, collect_violations, rebuild
+from shmkv.pool.process_table import ProcessTable
+from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
+from shmkv.pool.repair import RepairReport, Repairer
 from shmkv.pool.segment import Segment, read_config, write_header
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
@@ -140,23 +141,6 @@ _C_GEOMETRY = (
     L.F_HASH_TOKENS, L.F_QUEUE_KEY, L.HASH_BYTE_OFFSET, L.BLOCK_HASH_BYTES, L.H_NUM_FREE,
     L.H_QUEUE_HEAD_KEY, L.H_QUEUE_TAIL_KEY, L.H_JOURNAL_LEN, L.H_LOCK_SEQ, L.GROUP_MIX,
 )
-# A process row's words journaled by attach and close: all but lock_phase, which the lock
-# writes, unjournaled, for the row's owner (shmkv/pool/lock.py).
-_PROC_ROW_WORDS = L.P_LOCK_PHASE
-
-
-@dataclass
-class RepairReport:
-    """What the repair at the start of a hold found and did (``BlockPool.last_repair``)."""
-
-    cause: str  # whom the lock was taken over from, or why the journal was not empty
-    took_over: bool
-    journal_entries_undone: int
-    rebuilt: bool  # the journal had overflowed: derived structures rebuilt instead
-    processes_reaped: int
-    references_released: int
-    seconds: float
-    epoch: int
 
 
 class KVCacheBlock:
@@ -310,9 +294,7 @@ class BlockPool:
             key_rows=self._key_rows, index=self._index, procs=self._procs,
             ledger=self._ledger, log=self._log,
         )
-        self.last_repair: RepairReport | None = None
         self._warned_no_aliases = False
-        self._last_reaped_refs = 0
         # Handles are made on first use: a million up front would cost a second per attach.
         self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
         self.blocks = BlockHandles(self)
@@ -330,21 +312,30 @@ class BlockPool:
             segment.shm_name, self._hdr64, self._procs, self._alive,
             lambda: self._my_holder_word, stuck_after_s,
         )
+        self.process_table = ProcessTable(
+            self.pool_name, layout, self._procs, self._ledger, self._alive, self._journal,
+            self._hdr_w, self._ref_col, self._ref_col_w, self._htok_col, self.free_block_queue,
+            self.enable_caching,
+        )
+        self._repairer = Repairer(
+            self.pool_name, self._segment_views, self._hdr_w, self._header,
+            self.process_table, self._takeover, self._log_dropped_keys,
+        )
         if self.kernel == "c":  # the same lock, with its fast path in C
             self._lock = _ckernel.CLock(
                 buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
                 L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
                 WAIT_SLICE_S, _lock_enabled,
                 lambda: timeout_message(self._hdr64, self._lock.timeout_s,
-                                        self._describe_holder),
-                self._takeover.on_stall, self._repair_locked,
+                                        self.process_table.describe_holder),
+                self._takeover.on_stall, self._repairer.on_dirty,
             )
         else:
             self._lock = PoolLock(
                 segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
-                timeout_s=lock_timeout_s, describe_holder=self._describe_holder,
+                timeout_s=lock_timeout_s, describe_holder=self.process_table.describe_holder,
                 enabled=_lock_enabled, on_stall=self._takeover.on_stall,
-                on_dirty=self._repair_locked,
+                on_dirty=self._repairer.on_dirty,
             )
         try:
             self._claim_slot(label_bytes)
@@ -530,61 +521,32 @@ class BlockPool:
         then dies; the repair at the start of this process's hold puts the dead process's
         row back. So the choice is checked again under the lock.
         """
-        slot = self._claim_free_slot()
+        table = self.process_table
+        slot = table.claim_free_slot()
         if slot is not None:
             self._set_lock_identity(slot, None)
         counting = _fault.planned is not None and _fault.begin("attach")
         try:
             with self._lock:
-                if slot is not None and not self._slot_is_free_locked(slot):
-                    # Not ours after all: leave the row as the repair restored it (its
-                    # process is dead; the reap below, or a later one, gives it back).
-                    self._procs["lock_phase"][slot] = L.PHASE_IDLE  # our marks, not its
-                    self._alive.release(slot)
+                if slot is not None and not table.slot_is_free(slot):
+                    table.give_up_claim(slot)  # not ours after all
                     slot = None
                 if slot is None:  # no usable slot yet: reap the dead, under the lock
-                    self._reap_dead_locked()
-                    slot = self._claim_free_slot()
+                    table.reap_dead()
+                    slot = table.claim_free_slot()
                     if slot is None:
-                        live = [int(p) for p in self._procs["pid"][self._procs["state"] != 0]]
                         raise PoolFullError(
                             f"pool {self.pool_name}: all {self.max_processes} process slots "
-                            f"are held by live processes (pids {live})"
+                            f"are held by live processes (pids {table.live_pids()})"
                         )
                     self._set_lock_identity(slot, None)
-                incarnation = secrets.randbits(63) | 1
-                self._save_proc_row(slot, _PROC_ROW_WORDS)
-                row = self._procs[slot]
-                row["pid"] = self.pid
-                row["incarnation"] = incarnation
-                row["start_ticks"] = process_start_ticks(self.pid)
-                row["attach_ns"] = time.time_ns()
-                row["label"] = label
-                row["state"] = L.SLOT_ACTIVE
+                incarnation = table.fill_row(slot, self.pid, label)
                 self.slot = slot
                 self._incarnation = incarnation
                 self._set_lock_identity(slot, incarnation)
         finally:
             if counting:
                 _fault.end()
-
-    def _slot_is_free_locked(self, slot: int) -> bool:
-        return (self._procs["state"][slot] == L.SLOT_FREE
-                and not self._ledger[slot].any())
-
-    def _claim_free_slot(self) -> int | None:
-        """A FREE slot whose liveness byte this process could take, or None. A free row
-        still marked ACQUIRING or RELEASING is skipped: its process died taking or giving
-        back the lock (maybe holding the semaphore), and the mark is how a waiter finds out;
-        the repair clears it."""
-        procs = self._procs
-        usable = (procs["state"] == L.SLOT_FREE) & (procs["lock_phase"] == L.PHASE_IDLE)
-        for slot in np.flatnonzero(usable).tolist():
-            if self._alive.claim(slot):
-                if self._procs[slot]["state"] == L.SLOT_FREE:
-                    return slot
-                self._alive.release(slot)  # filled in by a process that has since died
-        return None
 
     def _set_lock_identity(self, slot: int, incarnation: int | None) -> None:
         """Points the lock at this process's row: ``holder`` word, ``lock_phase`` and, once
@@ -603,11 +565,6 @@ class BlockPool:
                 -1 if fence_index is None else base + 8 * fence_index, base + 8 * phase_index,
             )
 
-    def _save_proc_row(self, slot: int, words: int) -> None:
-        """Journals the first ``words`` int64 words of a process row before they change."""
-        base = self._layout.offsets["proc_table"] + slot * L.PROC_DTYPE.itemsize
-        self._journal.save_many(np.arange(base, base + 8 * words, 8, dtype=np.int64), 8)
-
     def close(self) -> None:
         """Gives back every reference this process holds and its process-table slot, then
         unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
@@ -616,7 +573,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
-                self._release_slot_locked(self.slot)
+                self.process_table.release_slot(self.slot)
         except (FencedError, PoolClosedError):
             pass  # the slot is no longer ours: nothing of it to give back
         finally:
@@ -641,6 +598,7 @@ class BlockPool:
         self._key_rows = _CLOSED  # type: ignore[assignment]
         self._ref_col_w = self._journal = _CLOSED  # type: ignore[assignment]
         self._procs = self._ledger = self._header = _CLOSED  # type: ignore[assignment]
+        self.process_table = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
             view.release()
         self._views = []
@@ -720,120 +678,6 @@ class BlockPool:
         if keys and self.enable_kv_cache_events:
             self._record_removed(keys)
 
-    def _describe_holder(self, slot: int, pid: int) -> str:
-        if not 0 <= slot < self.max_processes:
-            return "not a process-table slot"
-        if self._alive.is_alive(slot):
-            return "that process is alive (a long hold, or it is stopped)"
-        return "that process is dead: it died holding the lock"
-
-    def _release_slot_locked(self, slot: int) -> int:
-        """Gives back every reference of ``slot``'s ledger row, frees the slot; returns the
-        number of references released. Caller holds the lock. Every write is journaled.
-
-        Blocks whose count reaches 0 return to the free queue as ``free_blocks`` would put
-        them, highest block id first: unhashed ones to the front, hashed ones to the back.
-        A dead process's ``lock_phase`` is cleared with its row; this process's own (in
-        ``close``) is left to the lock, which still writes it until the hold ends.
-        """
-        row = self._ledger[slot]
-        held = np.flatnonzero(row)
-        released = int(row[held].sum())
-        # Per block: ref_cnt, the ledger entry, and up to prev, next and queue_key.
-        self._journal.reserve(5 * len(held) + 2 * L.PROC_I64 + 8)
-        if len(held):
-            refs = self._ref_col[held] - row[held]
-            self._ref_col_w[held] = refs
-            row_offset = self._layout.offsets["ledger"] + slot * self.num_gpu_blocks * 4
-            JournaledColumn(row, self._journal, row_offset)[held] = 0
-            zero = held[refs == 0][::-1]
-            if self.enable_caching:
-                hashed = self._htok_col[zero] != _NO_HASH_TOKENS
-                first, last = zero[~hashed], zero[hashed]
-            else:
-                first, last = zero, zero[:0]
-            if len(first):
-                self.free_block_queue.prepend_n(first)
-            if len(last):
-                self.free_block_queue.append_n(last)
-        own = slot == self.slot
-        self._save_proc_row(slot, _PROC_ROW_WORDS if own else L.PROC_I64)
-        proc = self._procs[slot]
-        proc["state"] = L.SLOT_FREE
-        proc["pid"] = 0
-        proc["incarnation"] = 0
-        proc["start_ticks"] = 0
-        proc["attach_ns"] = 0
-        proc["label"] = b""
-        if not own:
-            proc["lock_phase"] = L.PHASE_IDLE
-        return released
-
-    def _reap_dead_locked(self) -> int:
-        reaped = 0
-        for slot in np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist():
-            if slot != self.slot and not self._alive.is_alive(slot):
-                pid = int(self._procs[slot]["pid"])
-                released = self._release_slot_locked(slot)
-                reaped += 1
-                self._last_reaped_refs += released
-                logger.warning(
-                    "pool %s: reaped slot %d (pid %d, dead without close()): %d block "
-                    "references released", self.pool_name, slot, pid, released,
-                )
-        if reaped:
-            self._hdr_w[L.H_NUM_REAPED] += reaped
-        self._clear_dead_phases_locked()
-        return reaped
-
-    def _clear_dead_phases_locked(self) -> None:
-        """Sets ``lock_phase`` back to IDLE in free rows whose process died taking or giving
-        back the lock (one that died attaching, or closing): nobody else would, and a stale
-        mark would make a later stuck lock look like its doing."""
-        phases = self._procs["lock_phase"]
-        stale = np.flatnonzero((phases != L.PHASE_IDLE) & (self._procs["state"] == L.SLOT_FREE))
-        base = self._layout.offsets["proc_table"] + 8 * L.P_LOCK_PHASE
-        for slot in stale.tolist():
-            if slot != self.slot and not self._alive.is_alive(slot):
-                self._journal.save(base + slot * L.PROC_DTYPE.itemsize, 8)
-                phases[slot] = L.PHASE_IDLE
-
-    def _repair_locked(self, took_over: bool) -> None:
-        """Repairs the pool at the start of a hold that took the lock over from a dead
-        process, or found the undo journal non-empty: rolls the dead hold back from the
-        journal (or, if it overflowed, rebuilds the derived structures), reaps the dead,
-        bumps the epoch. Called by the lock, which holds it; ``last_repair`` reports."""
-        t0 = time.perf_counter()
-        hdr = self._hdr64
-        cause = self._takeover.victim if took_over else (
-            "the previous hold left its undo journal unfinished"
-        )
-        try:
-            pending = hdr[L.H_JOURNAL_LEN]
-            undone, rebuilt = 0, False
-            if pending > 0:
-                undone = undo(self._segment.buf, self._layout, hdr)
-            elif pending < 0:
-                report = rebuild(self._segment_views)  # empties the journal when it is done
-                self._log_dropped_keys(report.dropped_keys)
-                rebuilt = True
-            if took_over:
-                self._hdr_w[L.H_NUM_TAKEOVERS] += 1
-            self._last_reaped_refs = 0
-            reaped = self._reap_dead_locked()
-            self._hdr_w[L.H_EPOCH] += 1
-        except BaseException:
-            self._header["state"] = L.STATE_POISONED
-            logger.error("pool %s: repair failed; the pool is marked POISONED", self.pool_name)
-            raise
-        self.last_repair = RepairReport(
-            cause=cause, took_over=took_over, journal_entries_undone=undone, rebuilt=rebuilt,
-            processes_reaped=reaped, references_released=self._last_reaped_refs,
-            seconds=time.perf_counter() - t0, epoch=int(hdr[L.H_EPOCH]),
-        )
-        logger.warning("pool %s: repaired after a dead hold: %s", self.pool_name,
-                       self.last_repair)
-
     def reap_dead(self) -> int:
         """Releases the references and slots of processes that died without ``close()``.
 
@@ -843,7 +687,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("reap")
         try:
             with self._lock:
-                return self._reap_dead_locked()
+                return self.process_table.reap_dead()[0]
         finally:
             if counting:
                 _fault.end()
@@ -860,24 +704,7 @@ class BlockPool:
             whether it rebuilt, the epoch.
         """
         with self._lock:
-            self._last_reaped_refs = 0
-            reaped = self._reap_dead_locked()
-            found = collect_violations(self._segment_views)
-            rebuilt = None
-            if found:
-                rebuilt = rebuild(self._segment_views)  # a repairer killed in it leaves it to the next
-                self._log_dropped_keys(rebuilt.dropped_keys)
-                if self._header["state"][0] == L.STATE_POISONED:
-                    self._header["state"] = L.STATE_READY
-            left = collect_violations(self._segment_views) if found else []
-            return {
-                "processes_reaped": reaped,
-                "references_released": self._last_reaped_refs,
-                "violations_found": found,
-                "rebuilt": rebuilt,
-                "violations_left": left,
-                "epoch": int(self._hdr64[L.H_EPOCH]),
-            }
+            return self._repairer.repair()
 
     def reclaim_slot(self, slot: int) -> int:
         """Takes a process-table slot away from its process, dead or alive: releases every
@@ -892,16 +719,16 @@ class BlockPool:
             raise UsageError(f"reclaim_slot(): slot must be an int, got {slot!r}")
         with self._lock:
             if not 0 <= slot < self.max_processes or (
-                self._procs[slot]["state"] != L.SLOT_ACTIVE
+                slot not in self.process_table.active_slots()
             ):
                 raise UsageError(f"reclaim_slot(): slot {slot} is not an active slot")
             if slot == self.slot:
                 raise UsageError("reclaim_slot(): that is this process's own slot; close() it")
             pid = int(self._procs[slot]["pid"])
-            released = self._release_slot_locked(slot)
+            released = self.process_table.release_slot(slot)
             logger.warning("pool %s: reclaimed slot %d (pid %d, %s): %d block references "
                            "released", self.pool_name, slot, pid,
-                           "alive" if self._alive.is_alive(slot) else "dead", released)
+                           "alive" if self.process_table.is_alive(slot) else "dead", released)
             return released
 
     def lock(self):
@@ -942,19 +769,13 @@ class BlockPool:
         """The process table: one dict per attached process (slot, pid, label, alive,
         references held, attach time)."""
         with self._lock:
-            out = []
-            for slot in np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist():
-                row = self._procs[slot]
-                out.append({
-                    "slot": slot,
-                    "pid": int(row["pid"]),
-                    "label": bytes(row["label"]).decode(errors="replace"),
-                    "alive": self._alive.is_alive(slot),
-                    "references": int(self._ledger[slot].sum()),
-                    "attach_ns": int(row["attach_ns"]),
-                    "self": slot == self.slot,
-                })
-            return out
+            return self.process_table.rows()
+
+    @property
+    def last_repair(self) -> RepairReport | None:
+        """What the last repair at the start of one of this process's holds did (a dead
+        holder's hold rolled back, the dead reaped), or None if none was needed."""
+        return self._repairer.last_repair
 
     def holder(self) -> tuple[int, int] | None:
         """(slot, pid) of the process holding the pool lock now, or None."""
@@ -1383,7 +1204,7 @@ class BlockPool:
         mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
         try:
             if num_blocks > self._hdr64[_H_NUM_FREE]:
-                self._reap_dead_locked()  # a dead process's blocks may be the missing ones
+                self.process_table.reap_dead()  # a dead process's blocks may be the missing ones
                 mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)  # the reap stands
             blocks = self._kernel.allocate(
                 num_blocks, self.enable_caching, self._handles, self._handle, evicted

@@ -57,7 +57,7 @@ from shmkv.pool.event_log import EventCursor, EventLog
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # a repr would read the arrays, maybe unmapped by now
 class SegmentViews:
     """The views of one attached segment that the checks and the rebuild read and write.
 
@@ -79,6 +79,9 @@ class SegmentViews:
     @property
     def num_blocks(self) -> int:
         return self.layout.config.num_blocks
+
+    def __repr__(self) -> str:
+        return f"SegmentViews(<{self.num_blocks} blocks>)"
 
 
 def _views_of(pool: Any) -> SegmentViews:
