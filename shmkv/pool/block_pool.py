@@ -112,7 +112,6 @@ _HASH_BYTES = L.BLOCK_HASH_BYTES
 _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _H_NUM_FREE = L.H_NUM_FREE
-_H_JOURNAL_LEN = L.H_JOURNAL_LEN
 
 
 class _Closed:
@@ -337,6 +336,8 @@ class BlockPool:
                 enabled=_lock_enabled, on_stall=self._takeover.on_stall,
                 on_dirty=self._repairer.on_dirty,
             )
+        # Every mutating call runs through self._lock.mutate(): this is how it rolls back.
+        self._lock.set_savepoint(self._event_queue, self._undo_since)
         try:
             self._claim_slot(label_bytes)
         except BaseException:
@@ -905,32 +906,26 @@ class BlockPool:
                 f"{hbs} tokens, {len(fine_hashes) // ratio} at block size {block_size}; "
                 f"{num_full_blocks} are needed"
             )
+        self._lock.mutate("cache", self._cache_locked, request, new_full, fine_hashes,
+                          num_cached_blocks, num_full_blocks, ratio, block_size,
+                          kv_cache_group_id, block_mask)
+
+    def _cache_locked(self, request, new_full, fine_hashes, num_cached_blocks,
+                      num_full_blocks, ratio, block_size, group_id, block_mask) -> None:
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
-        counting = _fault.planned is not None and _fault.begin("cache")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            cached = self._kernel.cache(
-                new_full, fine_hashes, num_cached_blocks, ratio, block_size,
-                kv_cache_group_id, block_mask, evicted,
-            )
-            if evicted:  # shorter keys the blocks held gave way to the full ones
-                self._record_removed(evicted)
-            if self.enable_kv_cache_events:
-                self._log_events([
-                    self._block_stored_event(
-                        request, cached, num_cached_blocks, num_full_blocks, block_size,
-                        kv_cache_group_id, fine_hashes, ratio,
-                    )
-                ])
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        cached = self._kernel.cache(
+            new_full, fine_hashes, num_cached_blocks, ratio, block_size, group_id, block_mask,
+            evicted,
+        )
+        if evicted:  # shorter keys the blocks held gave way to the full ones
+            self._record_removed(evicted)
+        if self.enable_kv_cache_events:
+            self._log_events([
+                self._block_stored_event(
+                    request, cached, num_cached_blocks, num_full_blocks, block_size,
+                    group_id, fine_hashes, ratio,
+                )
+            ])
 
     def _block_stored_event(self, request, cached, num_cached_blocks, num_full_blocks,
                             block_size, group_id, fine_hashes, ratio) -> BlockStored:
@@ -1040,37 +1035,29 @@ class BlockPool:
                 f"cache_partial_block(): block hash {num_hash_blocks - 1} must be "
                 f"{L.BLOCK_HASH_BYTES} bytes"
             )
-        key = (block_hash, kv_cache_group_id)
-        counting = _fault.planned is not None and _fault.begin("partial")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            index = self._index
-            already_cached = index.block_key(block_id) == key or index.alias_key(block_id) == key
-            removed: list[tuple[bytes, int]] = []
-            held = self._i32[block_id * _R + _HTOK]
-            if replace_existing_hashes:
-                removed = index.pop_all(block_id)
-                already_cached = False
-            elif not already_cached and held != _NO_HASH_TOKENS and held < num_tokens:
-                removed = index.pop_all(block_id)  # a shorter key gives way
-            if not already_cached:
-                self._add_key_locked(block_id, block_hash, kv_cache_group_id, num_tokens,
-                                     removed)
-            if removed and self.enable_kv_cache_events:
-                self._record_removed(removed)
-            if self.enable_kv_cache_events and not already_cached:
-                self._log_events([self._partial_stored_event(
-                    request, block_hash, num_tokens, kv_cache_group_id)])
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("partial", self._partial_locked, request, block_id, block_hash,
+                          num_tokens, kv_cache_group_id, replace_existing_hashes)
         return block_hash + kv_cache_group_id.to_bytes(4, "big")
+
+    def _partial_locked(self, request, block_id: int, block_hash: bytes, num_tokens: int,
+                        group_id: int, replace_existing_hashes: bool) -> None:
+        index = self._index
+        key = (block_hash, group_id)
+        already_cached = index.block_key(block_id) == key or index.alias_key(block_id) == key
+        removed: list[tuple[bytes, int]] = []
+        held = self._i32[block_id * _R + _HTOK]
+        if replace_existing_hashes:
+            removed = index.pop_all(block_id)
+            already_cached = False
+        elif not already_cached and held != _NO_HASH_TOKENS and held < num_tokens:
+            removed = index.pop_all(block_id)  # a shorter key gives way
+        if not already_cached:
+            self._add_key_locked(block_id, block_hash, group_id, num_tokens, removed)
+        if removed and self.enable_kv_cache_events:
+            self._record_removed(removed)
+        if self.enable_kv_cache_events and not already_cached:
+            self._log_events([self._partial_stored_event(
+                request, block_hash, num_tokens, group_id)])
 
     def _check_block_arg(self, block: Any, what: str) -> int:
         try:
@@ -1146,35 +1133,23 @@ class BlockPool:
         """
         src = self._check_block_arg(src_block, "move_block_hashes")
         dst = self._check_block_arg(dst_block, "move_block_hashes")
-        counting = _fault.planned is not None and _fault.begin("move")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            index = self._index
-            if (dst == _NULL or index.block_key(dst) is not None
-                    or index.alias_key(dst) is not None):
-                raise UsageError(
-                    f"move_block_hashes(): the destination block {dst} must hold no key"
-                )
-            htok = self._index._htok_raw
-            moved = []
-            for row in (src, index.alias0 + src):
-                key = index.block_key(row)
-                if key is not None:
-                    moved.append((bytes(key[0]), key[1], htok[row]))
-            if moved:
-                index.pop_all(src)
-                index.insert(moved[0][0], moved[0][1], dst, moved[0][2])
-                for block_hash, group_id, num_tokens in moved[1:]:
-                    index.insert(block_hash, group_id, index.alias0 + dst, num_tokens)
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("move", self._move_locked, src, dst)
+
+    def _move_locked(self, src: int, dst: int) -> None:
+        index = self._index
+        if dst == _NULL or index.block_key(dst) is not None or index.alias_key(dst) is not None:
+            raise UsageError(f"move_block_hashes(): the destination block {dst} must hold no key")
+        htok = self._index._htok_raw
+        moved = []
+        for row in (src, index.alias0 + src):
+            key = index.block_key(row)
+            if key is not None:
+                moved.append((bytes(key[0]), key[1], htok[row]))
+        if moved:
+            index.pop_all(src)
+            index.insert(moved[0][0], moved[0][1], dst, moved[0][2])
+            for block_hash, group_id, num_tokens in moved[1:]:
+                index.insert(block_hash, group_id, index.alias0 + dst, num_tokens)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pops ``num_blocks`` blocks from the head of the free queue, evicting their hashes.
@@ -1197,28 +1172,19 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
+        return self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+
+    def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self._hdr64[_H_NUM_FREE]:
+            self.process_table.reap_dead()  # a dead process's blocks may be the missing ones
+            self._lock.savepoint()  # the reap stands, even if the allocation then fails
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
-        counting = _fault.planned is not None and _fault.begin("allocate")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            if num_blocks > self._hdr64[_H_NUM_FREE]:
-                self.process_table.reap_dead()  # a dead process's blocks may be the missing ones
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)  # the reap stands
-            blocks = self._kernel.allocate(
-                num_blocks, self.enable_caching, self._handles, self._handle, evicted
-            )
-            if evicted:
-                self._record_removed(evicted)
-            return blocks
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        blocks = self._kernel.allocate(
+            num_blocks, self.enable_caching, self._handles, self._handle, evicted
+        )
+        if evicted:
+            self._record_removed(evicted)
+        return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Adds a reference to each block (a prefix-cache hit), taking blocks with
@@ -1227,19 +1193,7 @@ class BlockPool:
         Raises:
             UsageError: a block id out of range.
         """
-        counting = _fault.planned is not None and _fault.begin("touch")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            self._kernel.touch(blocks)
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("touch", self._kernel.touch, blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
@@ -1251,19 +1205,7 @@ class BlockPool:
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
-        counting = _fault.planned is not None and _fault.begin("free")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            self._kernel.free(ordered_blocks, self.enable_caching)
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the prefix-cache entries of the given blocks (a KV connector failed to load
@@ -1280,19 +1222,11 @@ class BlockPool:
                 raise UsageError(
                     f"evict_blocks(): block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
                 )
-        counting = _fault.planned is not None and _fault.begin("evict")
-        try:
-            with self._lock:
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-                try:
-                    for block_id in ids:
-                        self._evict_cached(int(block_id))
-                except BaseException:
-                    self._undo_since(*mark)
-                    raise
-        finally:
-            if counting:
-                _fault.end()
+        self._lock.mutate("evict", self._evict_ids_locked, ids)
+
+    def _evict_ids_locked(self, ids: list) -> None:
+        for block_id in ids:
+            self._evict_cached(int(block_id))
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drops every prefix-cache key of one block (its own, then its alias), a
@@ -1306,18 +1240,7 @@ class BlockPool:
             UsageError: a bad handle; nothing is changed.
         """
         block_id = self._check_block_arg(block, "_maybe_evict_cached_block")
-        counting = _fault.planned is not None and _fault.begin("evict")
-        try:
-            with self._lock:
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-                try:
-                    return self._evict_cached(block_id)
-                except BaseException:
-                    self._undo_since(*mark)
-                    raise
-        finally:
-            if counting:
-                _fault.end()
+        return self._lock.mutate("evict", self._evict_cached, block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, if no block but the null block is in use.
@@ -1325,28 +1248,20 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        counting = _fault.planned is not None and _fault.begin("reset")
-        try:
-            with self._lock:
-                num_used = self.num_gpu_blocks - self.get_num_free_blocks()
-                if num_used != 1:
-                    logger.warning(
-                        "Failed to reset prefix cache because some blocks (%d) are not freed "
-                        "yet", num_used - 1,
-                    )
-                    return False
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-                try:
-                    self._index.clear()
-                    if self.enable_kv_cache_events:
-                        self._log_events([AllBlocksCleared()])
-                except BaseException:
-                    self._undo_since(*mark)
-                    raise
-                return True
-        finally:
-            if counting:
-                _fault.end()
+        return self._lock.mutate("reset", self._reset_locked)
+
+    def _reset_locked(self) -> bool:
+        num_used = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used != 1:
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                num_used - 1,
+            )
+            return False
+        self._index.clear()
+        if self.enable_kv_cache_events:
+            self._log_events([AllBlocksCleared()])
+        return True
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached ones with ``ref_cnt == 0`` included)."""
@@ -1363,7 +1278,9 @@ class BlockPool:
         """Returns the events recorded since the last call and clears them ([] if off)."""
         if not self.enable_kv_cache_events:
             return []
-        events, self._event_queue = self._event_queue, []
+        # The same list stays queued: the lock's savepoint counts its entries.
+        events = self._event_queue.copy()
+        self._event_queue.clear()
         return events
 
     # ------------------------------------------------------------------ shmkv extras
