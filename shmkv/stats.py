@@ -180,7 +180,7 @@ class PoolStats:
     def time_lock(self) -> None:
         """Times every hold of the pool lock from now on (idempotent)."""
         if self._timed is None:
-            lock = self._pool._lock
+            lock = self._pool.lock()
             if lock.record is not None:
                 raise UsageError("the pool lock's record is in use already (another "
                                  "PoolStats, or a benchmark)")

@@ -1294,6 +1294,33 @@ class BlockPool:
         return self._layout
 
     @property
+    def segment_name(self) -> str:
+        """The POSIX name of the pool's segment (``/shmkv-<name>-v<layout>``); the file is
+        ``/dev/shm`` + this."""
+        return self._segment.shm_name
+
+    @property
+    def event_log(self) -> EventLog:
+        """The pool's global event ring (``capacity`` 0 when events are off). Read it
+        under ``pool.lock()``: ``event_log.read_raw(cursor, limit)``."""
+        return self._log
+
+    def header_snapshot(self) -> np.void:
+        """A copy of the segment header, one structured record (``shmkv/pool/layout.py``,
+        the header table: ``creator_pid``, ``none_hash``, ``epoch``, ``num_reaped``,
+        ``num_takeovers``, ``lock_seq``, ``next_event_seq``...).
+
+        Takes no lock (so it never counts in ``lock_seq``): hold ``pool.lock()`` around it
+        for fields that agree with each other.
+
+        Raises:
+            PoolClosedError: the pool is closed.
+        """
+        if self._segment.buf is None:
+            raise PoolClosedError("the pool is closed; attach again to use it")
+        return self._header[0].copy()
+
+    @property
     def segment_views(self) -> SegmentViews:
         """The segment's structured views (header words, block rows, process table,
         ledger...), as ``shmkv.pool.recovery`` reads them; raw shared state, for recovery
