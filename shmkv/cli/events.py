@@ -46,7 +46,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
     pool = BlockPool.attach(args.name, label="shmkv-events")
     try:
-        if not pool._log.capacity:
+        if not pool.event_log.capacity:
             print(f"shmkv events: pool {args.name} has no event log (created without "
                   "events)", file=sys.stderr)
             return EXIT_ERROR
@@ -60,7 +60,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         while not stop.stopped and (args.count is None or printed < args.count):
             limit = 64 if args.count is None else min(64, args.count - printed)
             with pool.lock():  # copy a few records under the lock, decode after
-                records, lost = pool._log.read_raw(cursor, limit)
+                records, lost = pool.event_log.read_raw(cursor, limit)
             events = [LoggedEvent(seq, slot, ts, decode_event(body))
                       for seq, slot, ts, body in records]
             if lost:

@@ -15,6 +15,7 @@ from shmkv.cli.common import EXIT_ERROR, EXIT_OK, EXIT_PROBLEM, StopOnSignals
 from shmkv.errors import ShmKVError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.liveness import pid_alive
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
 
@@ -73,7 +74,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     pool = BlockPool.create(name, args.blocks, enable_kv_cache_events=True,
                             max_processes=args.processes + 2, label="demo")
     print(f"pool {name}: {args.blocks} blocks of {pool.hash_block_size} tokens in "
-          f"/dev/shm{pool._segment.shm_name}; {args.processes} scheduler processes, "
+          f"/dev/shm{pool.segment_name}; {args.processes} scheduler processes, "
           f"{args.requests} requests each")
     lines = ctx.Queue()
     first_done = ctx.Event()
@@ -151,10 +152,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pool = BlockPool.attach(args.name, label="shmkv-inspect")
     try:
         with pool.lock():
-            hdr = pool.layout.view(pool._segment.buf, "header")[0].copy()  # as of this hold
+            hdr = pool.header_snapshot()  # as of this hold
             holder = decode_holder(int(hdr["holder"]))
             violations = collect_violations(pool)
-        print(f"pool {args.name}  segment {pool._segment.shm_name}  "
+        print(f"pool {args.name}  segment {pool.segment_name}  "
               f"({pool.layout.total_bytes:,} bytes, layout v{L.LAYOUT_VERSION})")
         for field in L.HEADER_DTYPE.names:
             value = hdr[field]
@@ -367,7 +368,7 @@ def stale_run_segments() -> list[str]:
     out = []
     for entry in sorted(os.listdir("/dev/shm")):
         m = pattern.match(entry)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+        if m and not pid_alive(int(m.group(1))):
             out.append(entry)
     return out
 
@@ -440,7 +441,7 @@ def cmd_create(args: argparse.Namespace) -> int:
                             **kwargs)
     try:
         print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens, "
-              f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool._segment.shm_name}, "
+              f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool.segment_name}, "
               f"events {'on' if args.events else 'off'}, "
               f"{pool.layout.config.max_processes} process slots")
     finally:
