@@ -31,7 +31,6 @@ import operator
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

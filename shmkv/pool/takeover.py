@@ -28,7 +28,8 @@ situations:
 Exactly one waiter takes over: the candidates race for an OFD lock on the arbiter byte of
 the liveness file; the winner re-reads the lock's state under it, writes its own holder
 record if nothing moved, and owns the semaphore unit the dead process took. The lock then
-calls the pool's repair (``BlockPool._repair_locked``) before anything else.
+calls the pool's repair (``Repairer.on_dirty``, ``shmkv/pool/repair.py``) before anything
+else.
 """
 
 from __future__ import annotations
