@@ -3,8 +3,9 @@
 block every mutating method had before it (fault count, acquire, savepoint, the work,
 undo on error, release), in the same process on the same pool, both kernels.
 
-Measured: ``pool.touch([])`` (the lock and the savepoint, almost nothing else) and
-``get_new_blocks(1)`` + ``free_blocks`` of that block. The ``inline`` variants are the old
+Measured: ``pool.touch([])`` (the lock and the savepoint, almost nothing else),
+``get_new_blocks(1)`` + ``free_blocks`` of that block, ``evict_blocks([])`` (a Python body
+called by ``mutate``), and an empty body of nine arguments (``cache_full_blocks``'s). The ``inline`` variants are the old
 method bodies, copied here; the calls alternate, and each figure is the median over
 ``--repeats`` timings of ``--number`` calls. Prints one JSON line per (kernel, call), with
 ``extra_ns`` = mutate - inline.
@@ -91,6 +92,49 @@ def allocate_inline(pool: BlockPool, num_blocks: int):
             _fault.end()
 
 
+def evict_inline(pool: BlockPool, block_ids) -> None:
+    """``BlockPool.evict_blocks`` before ``lock.mutate`` (its argument checks included)."""
+    ids = list(block_ids)
+    for block_id in ids:
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise TypeError(block_id)
+    counting = _fault.planned is not None and _fault.begin("evict")
+    try:
+        with pool._lock:
+            mark = pool._hdr64[_H_JOURNAL_LEN], len(pool._event_queue)
+            try:
+                for block_id in ids:
+                    pool._evict_cached(int(block_id))
+            except BaseException:
+                pool._undo_since(*mark)
+                raise
+    finally:
+        if counting:
+            _fault.end()
+
+
+def nine_inline(pool: BlockPool, *args) -> None:
+    """The old inline block around a body of nothing (as ``cache_full_blocks``'s body, which
+    takes nine arguments through ``mutate``)."""
+    counting = _fault.planned is not None and _fault.begin("cache")
+    lock = pool._lock
+    lock.acquire()
+    mark = pool._hdr64[_H_JOURNAL_LEN], len(pool._event_queue)
+    try:
+        pass
+    except BaseException:
+        pool._undo_since(*mark)
+        raise
+    finally:
+        lock.release()
+        if counting:
+            _fault.end()
+
+
+def _nine(a, b, c, d, e, f, g, h, i) -> None:
+    pass
+
+
 def measure(kernel: str, repeats: int, number: int) -> list[dict]:
     name = f"bench-mutate-{os.getpid()}-{kernel}"
     with BlockPool.create(name, 64, kernel=kernel) as pool:
@@ -105,6 +149,11 @@ def measure(kernel: str, repeats: int, number: int) -> list[dict]:
         calls = {
             "touch([])": (lambda: pool.touch(none), lambda: touch_inline(pool, none)),
             "get_new_blocks(1)+free_blocks": (alloc_free_mutate, alloc_free_inline),
+            "evict_blocks([])": (lambda: pool.evict_blocks(none),
+                                 lambda: evict_inline(pool, none)),
+            "a 9-argument Python body": (
+                lambda: pool.lock().mutate("cache", _nine, 1, 2, 3, 4, 5, 6, 7, 8, 9),
+                lambda: nine_inline(pool, 1, 2, 3, 4, 5, 6, 7, 8, 9)),
         }
         out = []
         for call, (new, old) in calls.items():
