@@ -990,7 +990,6 @@ typedef struct {
     PyObject *on_stall;   /* callable() -> True if it took the lock over */
     PyObject *on_dirty;   /* callable(took_over) -> None: repair under the lock */
     /* The savepoint of the call running under mutate() (see CLock_mutate). */
-    PyObject *fault;      /* the module shmkv.pool.fault */
     PyObject *events;     /* the pool's list of queued events */
     PyObject *undo;       /* callable(journal_len, num_events): roll back to a savepoint */
     int64_t mark;
@@ -1042,7 +1041,6 @@ static void CLock_dealloc(CLock *l) {
     Py_XDECREF(l->on_timeout);
     Py_XDECREF(l->on_stall);
     Py_XDECREF(l->on_dirty);
-    Py_XDECREF(l->fault);
     Py_XDECREF(l->events);
     Py_XDECREF(l->undo);
     Py_TYPE(l)->tp_free((PyObject *)l);
@@ -1251,6 +1249,14 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
 /* ---------------------------------------------------------------- one call's hold */
 
 static PyObject *str_planned = NULL, *str_begin = NULL, *str_end = NULL;
+/* shmkv.pool.fault, which hands itself over when it imports this module (set_fault): the
+ * kernel never imports it back. */
+static PyObject *fault_module = NULL;
+
+static PyObject *set_fault(PyObject *mod, PyObject *arg) {
+    Py_XSETREF(fault_module, Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
 
 /* An error is set and (t, v, tb) was being handled when it was raised: Python's rule, the
  * new error wins with the old one as its __context__. */
@@ -1270,9 +1276,6 @@ static void chain_handled(PyObject *t, PyObject *v, PyObject *tb) {
 static PyObject *CLock_set_savepoint(CLock *l, PyObject *args) {
     PyObject *events, *undo;
     if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &events, &undo)) return NULL;
-    PyObject *fault = PyImport_ImportModule("shmkv.pool.fault");
-    if (!fault) return NULL;
-    Py_XSETREF(l->fault, fault);
     Py_XSETREF(l->events, Py_NewRef(events));
     Py_XSETREF(l->undo, Py_NewRef(undo));
     Py_RETURN_NONE;
@@ -1297,17 +1300,20 @@ static PyObject *CLock_mutate(CLock *l, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "mutate(op, fn, *args) takes at least 2 arguments");
         return NULL;
     }
-    if (!l->fault) {
+    if (!l->events) {
         PyErr_SetString(PyExc_RuntimeError, "mutate() before set_savepoint()");
         return NULL;
     }
     int counting = 0;
-    PyObject *planned = PyObject_GetAttr(l->fault, str_planned);
-    if (!planned) return NULL;
-    int is_planned = planned != Py_None;
-    Py_DECREF(planned);
-    if (is_planned) {
-        PyObject *r = PyObject_CallMethodOneArg(l->fault, str_begin, args[0]);
+    PyObject *fault = fault_module;
+    if (fault) {
+        PyObject *planned = PyObject_GetAttr(fault, str_planned);
+        if (!planned) return NULL;
+        counting = planned != Py_None; /* a plan is waiting: does this call start it? */
+        Py_DECREF(planned);
+    }
+    if (counting) {
+        PyObject *r = PyObject_CallMethodOneArg(fault, str_begin, args[0]);
         if (!r) return NULL;
         counting = PyObject_IsTrue(r);
         Py_DECREF(r);
@@ -1348,7 +1354,7 @@ static PyObject *CLock_mutate(CLock *l, PyObject *const *args, Py_ssize_t nargs)
     if (counting) {
         PyObject *t = NULL, *v = NULL, *tb = NULL;
         if (!result) PyErr_Fetch(&t, &v, &tb);
-        PyObject *e = PyObject_CallMethodNoArgs(l->fault, str_end);
+        PyObject *e = PyObject_CallMethodNoArgs(fault, str_end);
         if (e) {
             Py_DECREF(e);
             if (!result) PyErr_Restore(t, v, tb);
@@ -1462,6 +1468,8 @@ static PyMethodDef module_methods[] = {
     {"fault_arm", fault_arm, METH_O,
      "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},
+    {"set_fault", set_fault, METH_O,
+     "set_fault(module): shmkv.pool.fault, whose plan mutate() counts stores for"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},
