@@ -41,21 +41,22 @@ def build_kv_cache_manager(pool, cfg) -> KVCacheManager:
 
 
 def create_block_tables(name: str, model_config, max_num_seqs: int, max_model_len: int,
-                        block_size: int):
+                        block_size: int, pool: str | None = None):
     from shmkv.ranks.block_table import SharedBlockTables
 
     num_groups = len(model_config.group_windows())
     return SharedBlockTables.create(name, max_num_reqs=max_num_seqs,
                                     max_model_len=max_model_len,
-                                    block_sizes=[block_size] * num_groups)
+                                    block_sizes=[block_size] * num_groups, pool=pool)
 
 
-def create_kv_store(name: str, model_config, num_blocks: int, block_size: int):
+def create_kv_store(name: str, model_config, num_blocks: int, block_size: int,
+                    pool: str | None = None):
     from shmkv.ranks.block_table import KVStore
 
     return KVStore.create(name, num_layers=model_config.num_layers, num_blocks=num_blocks,
                           block_size=block_size, num_kv_heads=model_config.num_kv_heads,
-                          head_size=model_config.head_size, dtype="float32")
+                          head_size=model_config.head_size, dtype="float32", pool=pool)
 
 
 class BlockTablesWriter:

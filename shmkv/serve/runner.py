@@ -225,26 +225,27 @@ class Runner:
                 enable_kv_cache_events=True, max_processes=n + 4, label="front-end"))
             self.kv_store_names.append(pool_name)
             self.kv_stores.append(engine.create_kv_store(pool_name, model, per_pool,
-                                                         cfg.block_size))
+                                                         cfg.block_size, pool=pool_name))
         self.front_bell = self._doorbell(f"{self.name}-fe")
         self.outboxes, self.inboxes = [], []
         ctx = self.ctx
         self.model_dict = engine.model_config_to_dict(model)
         for i in range(n):
             bell = self._doorbell(f"{self.name}-s{i}")
+            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
             names = {
-                "inbox": self._channel(f"{self.name}-s{i}-in", bell),
-                "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell),
-                "to_rank": self._channel(f"{self.name}-s{i}-rank", None),
-                "from_rank": self._channel(f"{self.name}-s{i}-res", bell),
+                "inbox": self._channel(f"{self.name}-s{i}-in", bell, pool_name),
+                "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell, pool_name),
+                "to_rank": self._channel(f"{self.name}-s{i}-rank", None, pool_name),
+                "from_rank": self._channel(f"{self.name}-s{i}-res", bell, pool_name),
             }
             self.inboxes.append(Channel.open(names["inbox"]))
             self.outboxes.append(Channel.open(names["outbox"]))
             tables_name = f"{self.name}-s{i}"
             self.table_names.append(tables_name)
             self.tables.append(engine.create_block_tables(
-                tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size))
-            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
+                tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
+                pool=pool_name))
             rank = ctx.Process(target=engine.rank_main, name=f"rank-{i}", daemon=True,
                                args=(tables_name, pool_name, names["to_rank"],
                                      names["from_rank"], self.model_dict, os.getpid()))
@@ -267,8 +268,8 @@ class Runner:
         self.doorbells.append(bell)
         return bell
 
-    def _channel(self, name: str, bell: str | None) -> str:
-        Channel.create(name, CHANNEL_BYTES, doorbell=bell).close()
+    def _channel(self, name: str, bell: str | None, pool: str) -> str:
+        Channel.create(name, CHANNEL_BYTES, doorbell=bell, pool=pool).close()
         self.channel_names.append(name)
         return name
 

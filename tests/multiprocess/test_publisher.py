@@ -534,4 +534,4 @@ def test_shmkv_publish_errors(events_pool, pool_name):
         assert "Traceback" not in out.stderr
     ok = shmkv("publish", pool_name, "--endpoint", "tcp://127.0.0.1:0", "--duration", "0.2")
     assert ok.returncode == 0, ok.stderr
-    assert os.path.exists(f"/dev/shm/shmkv_pub-{pool_name}-v1")
+    assert os.path.exists(f"/dev/shm/shmkv_pub-{pool_name}-v2")
