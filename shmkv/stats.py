@@ -16,9 +16,10 @@ stats.add_prefix_cache_stats(kv_cache_manager.make_prefix_cache_stats())  # each
 Layout (little-endian): a 192-byte header (``magic``, ``version``, ``max_processes``,
 ``num_buckets``; at byte 64 the owner record of ``shmkv/pool/layout.py``, "Sibling segments":
 the pool, no creator, for the segment lives as long as its pool), then one ``ROW_DTYPE`` row
-per process-table slot of the pool. A row is written only by the process attached in that slot (no lock: one writer, aligned 8-byte
-stores) and is never reset: a process that later takes the slot adds to it, so every
-figure is a monotonic counter for the life of the segment, summed per slot.
+per process-table slot of the pool. A row is written only by the process attached in that
+slot (no lock: one writer, aligned 8-byte stores) and is never reset: a process that later
+takes the slot adds to it, so every figure is a monotonic counter for the life of the
+segment, summed per slot.
 
 Lock timing (``time_lock=True``) uses the record the pool's lock keeps when asked to (the
 C and the Python lock both append ``(wait_ns, hold_ns)`` for every outermost hold):
