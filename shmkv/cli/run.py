@@ -8,6 +8,7 @@ import dataclasses
 import sys
 
 from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM
+from shmkv.plot import PlotUnavailable
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -72,8 +73,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         report.write_json(f, args.json)
         print(f"  figures: {args.json}")
     if args.plot:
-        report.plot_timeline([r.figures for r in results], args.plot)
-        print(f"  plot: {args.plot}")
+        try:
+            report.plot_timeline([r.figures for r in results], args.plot)
+            print(f"  plot: {args.plot}")
+        except PlotUnavailable as e:
+            print(f"  plot: {e}")
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     bad = any(r.problems or r.figures["token_mismatches"]
