@@ -454,7 +454,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(("\033[H\033[J" if clear else "") + text, flush=True)
             prev, t_prev = snap, now
             shown += 1
-        return EXIT_OK
+        return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
     finally:
         pool.close()
 

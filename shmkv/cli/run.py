@@ -78,6 +78,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  plot: {args.plot}")
         except PlotUnavailable as e:
             print(f"  plot: {e}")
+    stopped = next((r.exit_signal for r in results if r.interrupted), None)
+    if stopped is not None:
+        return 128 + stopped  # 143 for SIGTERM, 130 for Ctrl-C: everything was removed
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     bad = any(r.problems or r.figures["token_mismatches"]

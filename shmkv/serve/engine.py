@@ -100,10 +100,25 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
              model_config_from_dict(model))
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM, cleanly
+_terminated = threading.Event()
+
+
+def terminated() -> bool:
+    """Whether this child was sent SIGTERM: its loop then stops at its next look (never in
+    the middle of a pool call or a step), closes what it opened and exits 143."""
+    return _terminated.is_set()
+
+
+def _on_sigterm(signum, frame) -> None:  # noqa: ARG001
+    _terminated.set()  # a second one changes nothing: the stop under way goes on
+
+
 def child_setup(front_end_pid: int | None) -> None:
     """What every child of the run does first: leave Ctrl-C to the front end (the terminal
     sends it to the whole process group), take back the signals the front end blocks while
-    it runs (a child inherits its mask), and die with the front end.
+    it runs (a child inherits its mask), make SIGTERM a clean stop (``terminated``), and die
+    with the front end.
 
     Dying with it takes two mechanisms: ``PR_SET_PDEATHSIG`` fires when the *parent* dies,
     but a child made by the fork server has the fork server as parent, and the fork server
@@ -112,6 +127,7 @@ def child_setup(front_end_pid: int | None) -> None:
     and ends the process when it exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         import ctypes

@@ -135,6 +135,14 @@ class RunResult:
     def interrupted(self) -> bool:
         return any(p.startswith("interrupted") for p in self.problems)
 
+    @property
+    def exit_signal(self) -> int | None:
+        """The signal that stopped the run (SIGTERM or SIGINT), if one did."""
+        for p in self.problems:
+            if p.startswith("interrupted (") and p.endswith(")"):
+                return int(signal.Signals[p[len("interrupted ("):-1]])
+        return None
+
 
 @dataclass
 class _Serving:

@@ -505,7 +505,7 @@ def test_shmkv_publish_restart_after_sigkill_resumes_without_gap_or_duplicate(ev
             catch_up(sub, pool, hasher, r, got)
             assert sub.unfilled == 0
         out = stop(proc)
-        assert proc.returncode == 0, out
+        assert proc.returncode == 143, out  # SIGTERM: a clean stop
         assert "published" in out
     finally:
         if proc.poll() is None:
