@@ -12,8 +12,9 @@ class StopOnSignals:
     """SIGTERM/SIGINT end a long-running command cleanly: the handler only sets a flag,
     which the command's loop checks between steps, so no step (a pool call, a send and the
     save of its position) is cut in the middle; the command then detaches and exits
-    ``exit_code`` (143 after SIGTERM, 130 after SIGINT). A second signal during that stop
-    changes nothing."""
+    ``exit_code`` (143 after SIGTERM, 130 after SIGINT). From the first signal on, both are
+    ignored, so a second one cannot cut the stop (nor the interpreter's exit, where Python
+    puts the default actions back) half way."""
 
     def __init__(self) -> None:
         import signal
@@ -25,9 +26,18 @@ class StopOnSignals:
             self.stopped = True
             if self.signum is None:
                 self.signum = signum
+            self.ignore()
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+
+    @staticmethod
+    def ignore() -> None:
+        """SIGTERM and SIGINT are ignored from now on (the command is on its way out)."""
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     @property
     def exit_code(self) -> int:

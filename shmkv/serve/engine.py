@@ -16,6 +16,7 @@ import threading
 import time
 
 from shmkv.core.kv_cache_manager import KVCacheManager
+from shmkv.serve import stopping
 
 __all__ = [
     "BlockTablesWriter", "build_kv_cache_manager", "child_setup", "create_block_tables",
@@ -100,24 +101,10 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
              model_config_from_dict(model))
 
 
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM, cleanly
-_terminated = threading.Event()
-
-
-def terminated() -> bool:
-    """Whether this child was sent SIGTERM: its loop then stops at its next look (never in
-    the middle of a pool call or a step), closes what it opened and exits 143."""
-    return _terminated.is_set()
-
-
-def _on_sigterm(signum, frame) -> None:  # noqa: ARG001
-    _terminated.set()  # a second one changes nothing: the stop under way goes on
-
-
 def child_setup(front_end_pid: int | None) -> None:
     """What every child of the run does first: leave Ctrl-C to the front end (the terminal
     sends it to the whole process group), take back the signals the front end blocks while
-    it runs (a child inherits its mask), make SIGTERM a clean stop (``terminated``), and die
+    it runs (a child inherits its mask), make SIGTERM a clean stop (``shmkv/serve/stopping.py``), and die
     with the front end.
 
     Dying with it takes two mechanisms: ``PR_SET_PDEATHSIG`` fires when the *parent* dies,
@@ -127,7 +114,7 @@ def child_setup(front_end_pid: int | None) -> None:
     and ends the process when it exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    stopping.install()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         import ctypes

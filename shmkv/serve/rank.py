@@ -30,7 +30,7 @@ from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indi
 from shmkv.errors import ProtocolError, UsageError
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, ScheduledRequest, Shutdown
 from shmkv.serve.config import TinyModelConfig
-from shmkv.serve.engine import EXIT_TERMINATED, terminated
+from shmkv.serve.stopping import EXIT_TERMINATED, terminated
 
 _TERM_POLL_S = 0.25  # how often a waiting rank looks whether it was sent SIGTERM
 

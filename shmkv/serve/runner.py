@@ -351,7 +351,7 @@ class Runner:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
         def on_signal(signum, frame):  # a thread made before the mask (torch's) took it
-            self.interrupted = signal.Signals(signum).name
+            self.interrupted = self.interrupted or signal.Signals(signum).name  # the first
 
         old_handlers = {s: signal.signal(s, on_signal) for s in signals}
         stop = threading.Event()
@@ -359,8 +359,8 @@ class Runner:
         def watch() -> None:
             while not stop.is_set():
                 got = signal.sigtimedwait(signals, 0.1)
-                if got is not None:
-                    self.interrupted = signal.Signals(got.si_signo).name
+                if got is not None:  # a later one changes nothing: the stop goes on
+                    self.interrupted = self.interrupted or signal.Signals(got.si_signo).name
 
         watcher = threading.Thread(target=watch, name="shmkv-run-signals", daemon=True)
         watcher.start()
@@ -647,6 +647,8 @@ class Runner:
                     self.problems.append(f"{p.name} did not exit in {STOP_TIMEOUT_S} s: killed")
                     p.kill()
                     p.join(JOIN_TIMEOUT_S)
+                elif p.exitcode == 128 + signal.SIGTERM and self.interrupted:
+                    self.notes.append(f"{p.name} stopped by SIGTERM too (exit 143)")
                 elif p.exitcode != 0:
                     self.problems.append(f"{p.name} exited with code {p.exitcode}")
 
@@ -743,7 +745,8 @@ def _context():
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "shmkv.ranks.block_table", "shmkv.serve.engine",
-                                    "shmkv.serve.rank", "shmkv.serve.scheduler"])
+                                    "shmkv.serve.rank", "shmkv.serve.scheduler",
+                                    "shmkv.serve.forkserver_signals"])
     return ctx
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from shmkv.errors import ProtocolError, ShmKVError
 from shmkv.events import BlockRemoved
 from shmkv.messages import Channel, ScheduledRequest, Shutdown, recv_any
-from shmkv.serve.engine import terminated
+from shmkv.serve.stopping import EXIT_TERMINATED, terminated
 from shmkv.core.request import Request
 from shmkv.serve.messages import (
     AttachScheduler,
@@ -467,7 +467,7 @@ class SchedulerProcess:
 def scheduler_main(index: int, channel_names: dict[str, str],
                    front_end_pid: int | None = None) -> None:
     """Entry point of a scheduler process (started by the runner)."""
-    from shmkv.serve.engine import EXIT_TERMINATED, child_setup
+    from shmkv.serve.engine import child_setup
 
     child_setup(front_end_pid)
     proc = SchedulerProcess(index, channel_names)

@@ -198,16 +198,17 @@ def test_foreign_and_corrupt_objects_are_listed_and_left_alone(spawn_ctx, name):
         BlockPool.unlink(f"{name}-theirs")
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGTERM to the group", "SIGKILL"])
 def test_a_run_stopped_half_way_leaves_nothing_after_cleanup(tmp_path, how):
-    """`shmkv run` (2 schedulers, 2 ranks) stopped half way: by SIGTERM it removes
-    everything itself (exit 143); by SIGKILL `shmkv cleanup` does. Nothing of the run is
-    left in /dev/shm either way."""
+    """`shmkv run` (2 schedulers, 2 ranks) stopped half way: by SIGTERM to the front end, or
+    to every process of the run at once (a CI time limit), it removes everything itself and
+    exits 143; by SIGKILL `shmkv cleanup` does. Nothing of the run is left in /dev/shm."""
     pytest.importorskip("torch")
     proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", "--schedulers", "2",
                              "--conversations", "6", "--blocks", "256", "--progress",
-                             "--plot", ""], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env=_env(), cwd=tmp_path)
+                             "--plot", ""], stdout=(tmp_path / "out.txt").open("wb"),
+                            stderr=subprocess.PIPE, env=_env(), cwd=tmp_path,
+                            start_new_session=True)
     mark = f"run{proc.pid}-"
     try:
         seen, deadline = b"", time.monotonic() + 240
@@ -218,10 +219,25 @@ def test_a_run_stopped_half_way_leaves_nothing_after_cleanup(tmp_path, how):
             seen += chunk
         assert b"requests" in seen, seen.decode(errors="replace")
         assert _objects(mark)
-        proc.send_signal(getattr(signal, how))
+        if how == "SIGTERM to the group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(getattr(signal, how))
+        if how == "SIGTERM":  # more signals during the stop: it still finishes it
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-        if how == "SIGTERM":
-            assert code == 143, (code, proc.stderr.read().decode(errors="replace"))
+        if how.startswith("SIGTERM"):
+            err = proc.stderr.read().decode(errors="replace")
+            assert code == 143, (code, err)
+            assert _objects(mark) == [], err  # it removed everything itself
+            assert "dead without close()" not in err, err  # every scheduler detached
+            if how == "SIGTERM to the group":  # its children stopped cleanly too
+                out = (tmp_path / "out.txt").read_text()
+                # each exits 143, or 0 when its scheduler's Shutdown came first
+                assert "scheduler-0 stopped by SIGTERM too (exit 143)" in out, out
+                assert "problem: scheduler" not in out and "problem: rank" not in out, out
         else:
             assert code == -signal.SIGKILL
             deadline = time.monotonic() + 30  # its children notice and end
@@ -234,7 +250,7 @@ def test_a_run_stopped_half_way_leaves_nothing_after_cleanup(tmp_path, how):
         assert _objects(mark) == [], out.stdout
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         proc.stderr.close()
         _remove_all(mark)
