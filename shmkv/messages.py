@@ -41,6 +41,7 @@ import posix_ipc
 
 from shmkv.pool import layout as L
 from shmkv.pool.liveness import pid_alive
+from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
@@ -223,7 +224,7 @@ class Channel:
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
-               doorbell: str | None = None) -> Channel:
+               doorbell: str | None = None, pool: str | None = None) -> Channel:
         """Makes a new, empty channel.
 
         Args:
@@ -231,6 +232,8 @@ class Channel:
             capacity_bytes: ring size; the largest frame is half of it.
             doorbell: the name returned by :func:`create_doorbell`, to share one doorbell
                 with other channels; None makes the channel's own.
+            pool: the pool the channel serves, recorded with this process as its owner
+                (``shmkv cleanup`` keeps it, and its doorbell, while either lives).
 
         Raises:
             UsageError: a bad name or capacity. SegmentExistsError: the name is taken.
@@ -243,6 +246,7 @@ class Channel:
                 f"{MAX_CAPACITY_BYTES}, got {capacity_bytes!r}"
             )
         shm_name = channel_segment_name(name)
+        owner = owner_record(pool)
         own_bell = doorbell is None
         bell = create_doorbell(name) if own_bell else doorbell
         if len(bell.encode()) > L.MAX_DOORBELL_NAME_BYTES:
@@ -265,6 +269,7 @@ class Channel:
         hdr[0]["capacity_bytes"] = capacity_bytes
         hdr[0]["version"] = L.CHANNEL_LAYOUT_VERSION
         hdr[0]["doorbell"] = bell.encode()
+        write_owner(mapping, L.CHANNEL_OWNER_OFFSET, owner)
         hdr[0]["magic"] = L.CHANNEL_MAGIC  # last: a half-made channel fails open()
         del hdr
         return cls(name, mapping)

@@ -62,6 +62,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
 from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
+from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -89,8 +90,8 @@ def pool_identity(pool: BlockPool) -> str:
     hdr = pool.header_snapshot()
     return f"{pool.pool_name}:{int(hdr['creator_pid'])}:{bytes(hdr['none_hash'])[:4].hex()}"
 
-PUBLISHER_STATE_VERSION = 1
-_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
+PUBLISHER_STATE_VERSION = L.PUBLISHER_STATE_VERSION
+_STATE_MAGIC = L.PUBLISHER_STATE_MAGIC
 _STATE_DTYPE = np.dtype(
     [
         ("magic", "<u8"),
@@ -107,10 +108,10 @@ _STATE_DTYPE = np.dtype(
         ("lost", "<i8"),           # events overwritten before they were sent
     ]
 )
-_STATE_BYTES = 128
+_STATE_BYTES = L.PUBLISHER_OWNER_OFFSET + 128  # the fields, then the owner record
 _W_NEXT_SEQ = _STATE_DTYPE.fields["next_seq"][1] // 8
 _W_PUBLISHED = _STATE_DTYPE.fields["published"][1] // 8
-assert _STATE_DTYPE.itemsize <= _STATE_BYTES
+assert _STATE_DTYPE.itemsize <= L.PUBLISHER_OWNER_OFFSET
 
 
 class PublisherError(ShmKVError):
@@ -129,7 +130,7 @@ def require_zmq():
 
 
 def state_segment_name(pool_name: str) -> str:
-    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v1``."""
+    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v2``."""
     return L.sibling_segment_name("pub", pool_name, PUBLISHER_STATE_VERSION)
 
 
@@ -189,6 +190,7 @@ class _PublisherState:
 
     def __init__(self, pool: BlockPool) -> None:
         self.name = state_segment_name(pool.pool_name)
+        self._pool_name = pool.pool_name
         shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREAT, mode=0o600,
                                      size=_STATE_BYTES)
         self._fd = os.dup(shm.fd)
@@ -236,6 +238,8 @@ class _PublisherState:
             row["base_seq"][0] = cursor.seq
             row["base_pos"][0] = cursor.pos
             row["next_seq"] = cursor.seq
+            write_owner(self._map, L.PUBLISHER_OWNER_OFFSET,
+                        owner_record(self._pool_name, creator=False))
             row["magic"] = _STATE_MAGIC
         row["pid"] = os.getpid()
         other = 1 - (int(row["base_which"]) & 1)

@@ -104,17 +104,22 @@ class AliveLocks:
             self.held_slot = None
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (``kill(pid, 0)``; a zombie counts).
+def pid_alive(pid: int, start_ticks: int = 0) -> bool:
+    """Whether a process with this pid exists (``kill(pid, 0)``; a zombie counts), and, when
+    ``start_ticks`` is given, whether it is the process that started then.
 
-    The one pid test of the package. A pid can be reused, so this only says that *some*
-    process has the pid now; slots of the process table are tested with ``AliveLocks``.
+    The one pid test of the package. Without ``start_ticks`` a reused pid reads as alive, so
+    this only says that *some* process has the pid now; slots of the process table are tested
+    with ``AliveLocks``.
 
     Args:
         pid: the process id; 0 and negative ids (process groups to ``kill``) are no process.
+        start_ticks: the process's start time as ``process_start_ticks`` read it when the pid
+            was recorded; 0 if unknown (then any process with the pid counts).
 
     Returns:
-        True if the process exists, also when it belongs to another user (``EPERM``).
+        True if the process exists, also when it belongs to another user (``EPERM``), and,
+        with ``start_ticks``, started at that tick.
     """
     if pid <= 0:
         return False
@@ -123,7 +128,10 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    if start_ticks:
+        ticks = process_start_ticks(pid)
+        return ticks == 0 or ticks == start_ticks  # 0: /proc unreadable, trust the pid
     return True
 
 
