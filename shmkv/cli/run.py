@@ -10,7 +10,8 @@ import argparse
 import dataclasses
 import sys
 
-from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM
+from shmkv.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM,
+                               StopOnSignals)
 from shmkv.plot import PlotUnavailable
 
 
@@ -76,15 +77,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     trace = None if trace_info is None else dict(trace_info.to_dict(),
                                                  summary=trace_info.text())
+    # Between and after the runs (each takes the signals itself while it runs), a signal
+    # only marks the command stopped: the report and the exit code are never cut short.
+    stop = StopOnSignals()
     if len(caps) > 1:
-        return _sweep(args, cfg, workload, caps, trace, progress)
+        return _sweep(args, cfg, workload, caps, trace, progress, stop)
     result = Runner(cfg, workload, progress=progress).run()
+    if result.interrupted:
+        stop.ignore()  # on its way out: later signals change neither the report nor the code
     f = result.figures
     if trace:
         f["trace"] = trace
     print(report.report_text(f))
     results = [result]
-    if args.compare and not result.interrupted:
+    if args.compare and not result.interrupted and not stop.stopped:
         # The same workload on private pools of 1/N the blocks: with the same routing, and
         # with prefix-aware routing (the best a router can do for them).
         others = [("private", args.routing)]
@@ -98,7 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                            workload, progress=progress).run()
             results.append(other)
             print(report.report_text(other.figures))
-            if other.interrupted:
+            if other.interrupted or stop.stopped:
+                stop.ignore()
                 break
         print()
         print(report.comparison_text([r.figures for r in results]))
@@ -113,10 +120,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  plot: {args.plot}")
         except PlotUnavailable as e:
             print(f"  plot: {e}")
-    return _exit_code(results)
+    return _exit_code(results, stop)
 
 
-def _exit_code(results) -> int:
+def _exit_code(results, stop) -> int:
+    stopped = next((r.exit_signal for r in results if r.interrupted), None)
+    if stopped is not None:
+        return 128 + stopped  # 143 for SIGTERM, 130 for Ctrl-C: everything was removed
+    if stop.stopped:
+        return stop.exit_code
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     bad = any(r.problems or r.figures["token_mismatches"]
@@ -125,7 +137,8 @@ def _exit_code(results) -> int:
     return EXIT_PROBLEM if bad else EXIT_OK
 
 
-def _sweep(args, cfg, workload, caps: list[int], trace: dict | None, progress: bool) -> int:
+def _sweep(args, cfg, workload, caps: list[int], trace: dict | None, progress: bool,
+           stop) -> int:
     """``--blocks A,B,C``: every configuration at every capacity, one table, the bound,
     the plot and the JSON (shmkv/serve/sweep.py)."""
     from shmkv.serve import report, sweep
@@ -144,13 +157,14 @@ def _sweep(args, cfg, workload, caps: list[int], trace: dict | None, progress: b
             result = runner.run()
             results.append(result)
             print(report.report_text(result.figures), flush=True)
-            if result.interrupted:
+            if result.interrupted or stop.stopped:
+                stop.ignore()  # on its way out: the table and the code are not cut short
                 break
             if bound is None:
                 bound = sweep.bound_for(workload, cfg.block_size,
                                         getattr(runner, "records", None))
             rows.append(sweep.row(result.figures, bound))
-        if results[-1].interrupted:
+        if results[-1].interrupted or stop.stopped:
             break
     if rows:
         print()
@@ -164,7 +178,7 @@ def _sweep(args, cfg, workload, caps: list[int], trace: dict | None, progress: b
                 print(f"  plot: {args.plot}")
             except PlotUnavailable as e:
                 print(f"  plot: {e}")
-    return _exit_code(results)
+    return _exit_code(results, stop)
 
 
 def add_run_parser(sub) -> None:
