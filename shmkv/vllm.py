@@ -64,9 +64,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     LoadStoreSpec,
@@ -86,7 +83,6 @@ from vllm.v1.kv_offload.cpu.common import (
     CPUOffloadingMetrics,
 )
 from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from shmkv import (
@@ -859,9 +855,14 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 event = replace(event, keys=keys)
             yield event
 
-    def get_stats(self) -> OffloadingConnectorStats | None:
+    def get_stats(self) -> OffloadingConnectorStats | None:  # noqa: F821
         """vLLM's CPU-tier gauges, node-wide: the fraction of chunks held (pinned or being
         stored) and of chunks being stored; this process's allocation sizes."""
+        # NOTE: imported here: vllm.distributed costs a scheduler process seconds to import.
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
         stats = OffloadingConnectorStats()
         with self._lock:
             rows = self._pool.block_rows()
@@ -958,105 +959,122 @@ KNOWN_EXTRA_CONFIG_KEYS = frozenset({
 })
 
 
-class SharedCPUOffloadingSpec(CPUOffloadingSpec):
-    """vLLM's CPU offloading spec with one node-wide tier: ``get_manager()`` returns a
-    :class:`SharedCPUOffloadingManager` on the pool named by ``shmkv_pool``, and the worker
-    side maps the data region named after that pool (vLLM's own region and transfer code,
-    with the pool's name as engine id and no unlink-after-barrier, so replicas that start
-    later map the same bytes).
 
-    Raises (at construction):
-        UsageError: ``shmkv_pool`` missing, an unknown ``kv_connector_extra_config`` key, or
-            a cache policy the shared tier does not offer.
-    """
+def _define_spec() -> type:
+    """Builds the spec class. NOTE: on first access of ``shmkv.vllm.SharedCPUOffloadingSpec``
+    only (module ``__getattr__``): vLLM's CPU spec module pulls in its platform and worker
+    code, which a process that only needs the manager should not pay for."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    def __init__(self, config) -> None:
-        extra = dict(config.extra_config)
-        unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
-        if unknown:
-            raise UsageError(
-                f"unknown kv_connector_extra_config keys {unknown}; "
-                f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
-            )
-        pool = extra.get("shmkv_pool")
-        if not pool:
-            raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
-        L.validate_pool_name(pool)
-        policy = extra.get("eviction_policy", "lru")
-        if policy != "lru":
-            raise UsageError(
-                f"eviction_policy {policy!r} is not supported by the shared offload tier "
-                "(ARC's ghost lists are not shared); use 'lru'"
-            )
-        super().__init__(config)
-        self.shmkv_pool: str = pool
-        self.shmkv_max_processes = int(extra.get("shmkv_max_processes", 16))
+    class SharedCPUOffloadingSpec(CPUOffloadingSpec):
+        """vLLM's CPU offloading spec with one node-wide tier: ``get_manager()`` returns a
+        :class:`SharedCPUOffloadingManager` on the pool named by ``shmkv_pool``, and the worker
+        side maps the data region named after that pool (vLLM's own region and transfer code,
+        with the pool's name as engine id and no unlink-after-barrier, so replicas that start
+        later map the same bytes).
 
-    def replica_config(self) -> dict[str, Any]:
-        """What every replica sharing the tier must agree on: model, KV dtype and layout,
-        chunk geometry and size, worker count."""
-        cfg = self.config
-        return {
-            "model": cfg.model.name,
-            "kv_dtype": cfg.model.dtype,
-            "kv_cache_layout": cfg.kv_cache_layout,
-            "canonical_layout": cfg.canonical_layout,
-            "replicated_layout": self.replicated_layout,
-            "tokens_per_block": list(self.tokens_per_block),
-            "tokens_per_hash": self.tokens_per_hash,
-            "blocks_per_chunk": self.blocks_per_chunk,
-            "kv_bytes_per_chunk": self.kv_bytes_per_chunk,
-            "cpu_page_size_per_worker": self.cpu_page_size_per_worker,
-            "world_size": cfg.parallel.world_size,
-            "num_chunks": self.num_chunks,
-        }
-
-    def get_manager(self) -> OffloadingManager:
-        """The shared manager (made on first call), after checking this replica's config
-        against the pool's.
-
-        Raises:
-            LayoutMismatchError: this replica's model, KV layout or chunk size differs from
-                the pool's (the field is named), or ``num_chunks`` differs.
+        Raises (at construction):
+            UsageError: ``shmkv_pool`` missing, an unknown ``kv_connector_extra_config`` key, or
+                a cache policy the shared tier does not offer.
         """
-        if not self._manager:
-            store_threshold = int(self.extra_config.get("store_threshold", 0))
-            manager = SharedCPUOffloadingManager(
-                self.shmkv_pool, self.num_chunks,
-                enable_events=self.kv_events_config.enable_kv_cache_events,
-                store_threshold=min(store_threshold, 1) if store_threshold < 2
-                else store_threshold,
-                info=self.cpu_info, max_processes=self.shmkv_max_processes,
-            )
+
+        def __init__(self, config) -> None:
+            extra = dict(config.extra_config)
+            unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
+            if unknown:
+                raise UsageError(
+                    f"unknown kv_connector_extra_config keys {unknown}; "
+                    f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
+                )
+            pool = extra.get("shmkv_pool")
+            if not pool:
+                raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
+            L.validate_pool_name(pool)
+            policy = extra.get("eviction_policy", "lru")
+            if policy != "lru":
+                raise UsageError(
+                    f"eviction_policy {policy!r} is not supported by the shared offload tier "
+                    "(ARC's ghost lists are not shared); use 'lru'"
+                )
+            super().__init__(config)
+            self.shmkv_pool: str = pool
+            self.shmkv_max_processes = int(extra.get("shmkv_max_processes", 16))
+
+        def replica_config(self) -> dict[str, Any]:
+            """What every replica sharing the tier must agree on: model, KV dtype and layout,
+            chunk geometry and size, worker count."""
+            cfg = self.config
+            return {
+                "model": cfg.model.name,
+                "kv_dtype": cfg.model.dtype,
+                "kv_cache_layout": cfg.kv_cache_layout,
+                "canonical_layout": cfg.canonical_layout,
+                "replicated_layout": self.replicated_layout,
+                "tokens_per_block": list(self.tokens_per_block),
+                "tokens_per_hash": self.tokens_per_hash,
+                "blocks_per_chunk": self.blocks_per_chunk,
+                "kv_bytes_per_chunk": self.kv_bytes_per_chunk,
+                "cpu_page_size_per_worker": self.cpu_page_size_per_worker,
+                "world_size": cfg.parallel.world_size,
+                "num_chunks": self.num_chunks,
+            }
+
+        def get_manager(self) -> OffloadingManager:
+            """The shared manager (made on first call), after checking this replica's config
+            against the pool's.
+
+            Raises:
+                LayoutMismatchError: this replica's model, KV layout or chunk size differs from
+                    the pool's (the field is named), or ``num_chunks`` differs.
+            """
+            if not self._manager:
+                store_threshold = int(self.extra_config.get("store_threshold", 0))
+                manager = SharedCPUOffloadingManager(
+                    self.shmkv_pool, self.num_chunks,
+                    enable_events=self.kv_events_config.enable_kv_cache_events,
+                    store_threshold=min(store_threshold, 1) if store_threshold < 2
+                    else store_threshold,
+                    info=self.cpu_info, max_processes=self.shmkv_max_processes,
+                )
+                try:
+                    manager.check_replica_config(self.replica_config())
+                except BaseException:
+                    manager.close()
+                    raise
+                self._manager = manager
+            return self._manager
+
+        def create_worker(self, kv_caches):
+            """vLLM's CPU worker over ONE region per pool (``data_region_engine_id``)."""
+            from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+            from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+            mmap_region = None
+            if self._uses_shared_region() and self.num_chunks > 0:
+                mmap_region = SharedOffloadRegion(
+                    engine_id=data_region_engine_id(self.shmkv_pool),
+                    num_chunks=self.num_chunks,
+                    rank=0 if self.replicated_layout else self.config.parallel.rank,
+                    kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                    cpu_page_size=self.cpu_page_size_per_worker,
+                    barrier=None,  # no unlink: replicas that start later must map these bytes
+                )
             try:
-                manager.check_replica_config(self.replica_config())
-            except BaseException:
-                manager.close()
+                return CPUOffloadingWorker(
+                    kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
+                    num_cpu_chunks=self.num_chunks, mmap_region=mmap_region,
+                )
+            except Exception:
+                if mmap_region is not None:
+                    mmap_region.cleanup()
                 raise
-            self._manager = manager
-        return self._manager
 
-    def create_worker(self, kv_caches):
-        """vLLM's CPU worker over ONE region per pool (``data_region_engine_id``)."""
-        from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
-        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    return SharedCPUOffloadingSpec
 
-        mmap_region = None
-        if self._uses_shared_region() and self.num_chunks > 0:
-            mmap_region = SharedOffloadRegion(
-                engine_id=data_region_engine_id(self.shmkv_pool),
-                num_chunks=self.num_chunks,
-                rank=0 if self.replicated_layout else self.config.parallel.rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
-                barrier=None,  # no unlink: replicas that start later must map these bytes
-            )
-        try:
-            return CPUOffloadingWorker(
-                kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
-                num_cpu_chunks=self.num_chunks, mmap_region=mmap_region,
-            )
-        except Exception:
-            if mmap_region is not None:
-                mmap_region.cleanup()
-            raise
+
+def __getattr__(name: str):
+    if name == "SharedCPUOffloadingSpec":
+        spec_cls = _define_spec()
+        globals()[name] = spec_cls
+        return spec_cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
