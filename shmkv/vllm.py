@@ -495,6 +495,11 @@ class SharedCPUOffloadingManager(OffloadingManager):
             raise UsageError(f"offload key position {position} is not in [0, {MAX_POSITION}]")
         return position
 
+    def _check_positions(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            self._encode(key)
+            self._position(req_context, key)
+
     def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         request_rank = self._request_rank(req_context)
         ranks = self._ranks
@@ -573,9 +578,11 @@ class SharedCPUOffloadingManager(OffloadingManager):
             a ``CPULoadStoreSpec`` of their chunk ids.
 
         Raises:
-            UsageError: a key that is not stored, or still being stored; nothing is pinned.
+            UsageError: a key that is not stored, or still being stored, or a bad key or
+                position; nothing is pinned.
         """
         keys = list(keys)
+        self._check_positions(keys, req_context)
         with self._lock:
             block_ids = []
             for i, key in enumerate(keys):
@@ -639,11 +646,11 @@ class SharedCPUOffloadingManager(OffloadingManager):
             can be freed (nothing changes then).
 
         Raises:
-            UsageError: a key the tier cannot hold; nothing changes.
+            UsageError: a key the tier cannot hold, or a key position out of range;
+                nothing changes.
         """
         keys = list(keys)
-        for key in keys:
-            self._encode(key)
+        self._check_positions(keys, req_context)
         with self._lock:
             keys_to_store: list[OffloadKey] = []
             ready_existing: list[OffloadKey] = []
@@ -1044,21 +1051,52 @@ def _define_spec() -> type:
                 self._manager = manager
             return self._manager
 
-        def create_worker(self, kv_caches):
-            """vLLM's CPU worker over ONE region per pool (``data_region_engine_id``)."""
-            from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+        def open_data_region(self, rank: int | None):
+            """Maps the tier's ONE data region (``/dev/shm/vllm_offload_<engine id>.mmap``,
+            the engine id named after the pool) with vLLM's ``SharedOffloadRegion``. The
+            file is made here, at its full size, before vLLM's class opens it, so vLLM
+            always joins it and never unlinks it: the bytes live as long as the pool's
+            metadata (``SharedCPUOffloadingManager.unlink`` removes both).
+
+            Raises:
+                LayoutMismatchError: the region exists with another size (the pool was made
+                    for another chunk size or count).
+            """
             from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+            engine_id = data_region_engine_id(self.shmkv_pool)
+            path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+            size = self.num_chunks * self.kv_bytes_per_chunk
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                found = os.stat(path).st_size
+                if found not in (0, size):  # 0: its maker is sizing it right now
+                    raise LayoutMismatchError(
+                        f"pool {self.shmkv_pool!r}: data region {path} is {found} bytes, this "
+                        f"replica needs {self.num_chunks} chunks x {self.kv_bytes_per_chunk} "
+                        f"bytes = {size}"
+                    ) from None
+            else:
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            return SharedOffloadRegion(
+                engine_id=engine_id, num_chunks=self.num_chunks, rank=rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+                barrier=None,  # no unlink: replicas that start later map these bytes
+            )
+
+        def create_worker(self, kv_caches):
+            """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`)."""
+            from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 
             mmap_region = None
             if self._uses_shared_region() and self.num_chunks > 0:
-                mmap_region = SharedOffloadRegion(
-                    engine_id=data_region_engine_id(self.shmkv_pool),
-                    num_chunks=self.num_chunks,
-                    rank=0 if self.replicated_layout else self.config.parallel.rank,
-                    kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                    cpu_page_size=self.cpu_page_size_per_worker,
-                    barrier=None,  # no unlink: replicas that start later must map these bytes
-                )
+                mmap_region = self.open_data_region(
+                    0 if self.replicated_layout else self.config.parallel.rank)
             try:
                 return CPUOffloadingWorker(
                     kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
