@@ -120,6 +120,7 @@ _T_CONFIG_MAX = TIER_HEADER_BYTES - _T_CONFIG_OFFSET
 _MINOR_SPAN = 1 << 26
 MAX_POSITION = _MINOR_SPAN - 1
 
+ENCODE_CACHE_ENTRIES = 1 << 16
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
 ATTACH_TIMEOUT_S = 10.0  # how long an attacher waits for the creator to finish
 
@@ -255,6 +256,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._pending: dict[OffloadKey, int] = {}  # keys this process is storing -> block
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> [block, pins of this process]
         self._last_reap = 0.0
+        self._encoded: dict[OffloadKey, tuple[bytes, int]] = {}
         self._as_int = use_int_block_hashes()
         self._pool, created = self._open_pool(pool, num_chunks, max_processes,
                                               event_log_bytes, label)
@@ -415,9 +417,20 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ keys and state
 
+    def _encode(self, key: OffloadKey) -> tuple[bytes, int]:
+        """(pool hash, ready group id) of an offload key (memoised: a scheduler asks
+        about the same keys again and again)."""
+        enc = self._encoded.get(key)
+        if enc is not None:
+            return enc
+        enc = self._encode_key(key)
+        if len(self._encoded) >= ENCODE_CACHE_ENTRIES:
+            self._encoded.clear()
+        self._encoded[key] = enc
+        return enc
+
     @staticmethod
-    def _encode(key: OffloadKey) -> tuple[bytes, int]:
-        """(pool hash, ready group id) of an offload key."""
+    def _encode_key(key: OffloadKey) -> tuple[bytes, int]:
         if not isinstance(key, bytes):
             raise UsageError(f"an offload key must be bytes, got {type(key).__name__}")
         num_hash = len(key) - 4
@@ -500,14 +513,16 @@ class SharedCPUOffloadingManager(OffloadingManager):
             self._encode(key)
             self._position(req_context, key)
 
-    def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+    def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext,
+                           known: dict[OffloadKey, tuple[int, int]]) -> None:
         request_rank = self._request_rank(req_context)
         ranks = self._ranks
         for key in keys:
             position = self._position(req_context, key)
             if position is None:
                 continue
-            state, block_id = self._status(key)
+            status = known.get(key)
+            state, block_id = status if status is not None else self._status(key)
             if state == _MISS:
                 continue
             rank = _pack_rank(request_rank, -position)
@@ -516,7 +531,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
             ranks[block_id] = rank
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
+                       known: dict[OffloadKey, tuple[int, int]],
                        reused_keys: Iterable[OffloadKey] = ()) -> None:
+        """vLLM's request access record; ``known`` holds the (state, block) of keys this
+        call has just looked up (under the same hold of the lock)."""
         state = self._request_access(req_context)
         new_keys = []
         for key in keys:
@@ -528,7 +546,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
             state.seen_keys.add(key)
             new_keys.append(key)
         if new_keys:
-            self._on_request_access(new_keys, req_context)
+            self._on_request_access(new_keys, req_context, known)
         state.reused_keys.update(k for k in reused_keys if k not in state.inserted_keys)
 
     def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
@@ -585,8 +603,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._check_positions(keys, req_context)
         with self._lock:
             block_ids = []
+            known: dict[OffloadKey, tuple[int, int]] = {}
             for i, key in enumerate(keys):
                 state, block_id = self._status(key)
+                known[key] = (state, block_id)
                 if state != _READY:
                     raise UsageError(
                         f"prepare_load(): key {i} of {len(keys)} ({key.hex()}) is "
@@ -602,7 +622,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
                     pins[key] = [block_id, 1]
                 else:
                     pin[1] += 1
-            self._record_access(keys, req_context, reused_keys=keys)
+            self._record_access(keys, req_context, known, reused_keys=keys)
         return CPULoadStoreSpec([b - 1 for b in block_ids])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -655,8 +675,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
             keys_to_store: list[OffloadKey] = []
             ready_existing: list[OffloadKey] = []
             queued: set[OffloadKey] = set()
+            known: dict[OffloadKey, tuple[int, int]] = {}
             for key in keys:
-                state, _ = self._status(key)
+                state, _ = known[key] = self._status(key)
                 if state == _MISS:
                     if key not in queued:
                         keys_to_store.append(key)
@@ -666,13 +687,14 @@ class SharedCPUOffloadingManager(OffloadingManager):
             access = self._request_access(req_context)
             access.store_miss_keys.update(keys_to_store)  # an LRU store miss moves no rank
             recorded = queued.union(ready_existing)
-            self._record_access([k for k in keys if k in recorded], req_context,
+            self._record_access([k for k in keys if k in recorded], req_context, known,
                                 reused_keys=ready_existing)
             if not keys_to_store:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]),
                                           evicted_keys=[])
             self._allocation_sizes.append(len(keys_to_store))
-            chosen = self._choose_chunks(len(keys_to_store), set(keys))
+            chosen = self._choose_chunks(len(keys_to_store),
+                                         [known[k][1] for k in ready_existing])
             if chosen is None:
                 return None
             fresh, victims = chosen
@@ -697,57 +719,56 @@ class SharedCPUOffloadingManager(OffloadingManager):
                                   store_spec=CPULoadStoreSpec([b - 1 for b in block_ids]),
                                   evicted_keys=evicted_keys)
 
-    def _choose_chunks(self, num: int, protected: set[OffloadKey]
+    def _choose_chunks(self, num: int, protected_ids: list[int]
                        ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:
-        """(free blocks, (key, block) victims) for ``num`` new chunks, or None."""
+        """(free blocks, (key, block) victims) for ``num`` new chunks, or None.
+        ``protected_ids``: the blocks of the call's own ready keys, never evicted."""
         for attempt in (0, 1):
             rows = self._pool.block_rows()
-            ref, gid, htok = rows["ref_cnt"], rows["group_id"], rows["hash_num_tokens"]
+            ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
             idle = ref == 0
             idle[0] = False  # the null block
-            hashed = htok != L.NO_HASH_TOKENS
-            pending = (gid & PENDING_BIT) != 0
-            free = np.flatnonzero(idle & (~hashed | pending))  # unused, or orphans
+            free = np.flatnonzero(idle & (htok == L.NO_HASH_TOKENS))
+            if len(free) >= num:  # the common case until the tier fills up
+                del rows, ref, htok
+                return free[:num].tolist(), []
+            hashed = idle & (htok != L.NO_HASH_TOKENS)
+            pending = (rows["group_id"] & PENDING_BIT) != 0
+            orphans = np.flatnonzero(hashed & pending)  # stores of the dead: free too
+            free = np.sort(np.concatenate([free, orphans])) if len(orphans) else free
             num_evict = num - len(free)
-            victims: list[tuple[OffloadKey, int]] = []
-            if num_evict > 0:
-                evictable = np.flatnonzero(idle & hashed & ~pending)
-                picked = (self._pick_victims(num_evict, protected, evictable, rows)
-                          if num_evict <= len(evictable) else None)
-                if picked is None:
-                    del rows, ref, gid, htok
-                    if attempt == 0 and self._pool.reap_dead():
-                        continue  # a dead process's pins may be what is missing
-                    return None
-                victims = picked
-            fresh = free[:num - len(victims)].tolist()
-            del rows, ref, gid, htok
-            return fresh, victims
+            victims = None
+            if num_evict <= 0:
+                victims = []
+            else:
+                evictable = np.flatnonzero(hashed & ~pending)
+                if protected_ids:
+                    evictable = evictable[~np.isin(evictable, protected_ids)]
+                if num_evict <= len(evictable):
+                    victims = self._pick_victims(num_evict, evictable, rows)
+            del rows, ref, htok, hashed, pending
+            if victims is None:
+                if attempt == 0 and self._pool.reap_dead():
+                    continue  # a dead process's pins may be what is missing
+                return None
+            return free[:num - len(victims)].tolist(), victims
         return None
 
-    def _pick_victims(self, num: int, protected: set[OffloadKey], evictable: np.ndarray,
-                      rows: np.ndarray) -> list[tuple[OffloadKey, int]] | None:
-        """The ``num`` evictable chunks of smallest (rank, key) whose key is not protected
-        (vLLM's heap order), or None if fewer qualify."""
+    def _pick_victims(self, num: int, evictable: np.ndarray,
+                      rows: np.ndarray) -> list[tuple[OffloadKey, int]]:
+        """The ``num`` evictable chunks of smallest (rank, key), in that order (vLLM's
+        heap order); ``len(evictable) >= num``."""
         ranks = self._rank_array[evictable]
-        k = min(len(evictable), num + len(protected))
-        if k < len(evictable):
-            part = np.argpartition(ranks, k - 1)[:k]
-            evictable = evictable[ranks <= ranks[part].max()]  # ties at the edge included
-            ranks = self._rank_array[evictable]
+        if num < len(evictable):
+            part = np.argpartition(ranks, num - 1)[:num]
+            keep = ranks <= ranks[part].max()  # ties at the edge kept: keys decide them
+            evictable, ranks = evictable[keep], ranks[keep]
         hashes, gids = rows["block_hash"], rows["group_id"]
         items = sorted(
             (rank, self._decode(bytes(hashes[b]), int(gids[b])), b)
             for rank, b in zip(ranks.tolist(), evictable.tolist())
         )
-        out = []
-        for _, key, block_id in items:
-            if key in protected:
-                continue
-            out.append((key, block_id))
-            if len(out) == num:
-                return out
-        return None
+        return [(key, block_id) for _, key, block_id in items[:num]]
 
     def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
         """Holds the blocks (this process's ledger), drops their old keys and caches them
