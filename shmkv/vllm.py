@@ -97,7 +97,9 @@ from shmkv import (
 )
 from shmkv.events import external_block_hash, use_int_block_hashes
 from shmkv.pool import layout as L
+from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
+from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 
 __all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]
 
@@ -204,6 +206,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
         max_processes: int = 16,
         event_log_bytes: int | None = None,
         label: str = "vllm-offload",
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
     ) -> None:
         """Creates the pool ``pool`` of ``num_chunks`` chunks, or attaches to it.
 
@@ -219,6 +223,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
             event_log_bytes: size of the pool's global event log, which receives every
                 store and eviction of the tier (creator only; default 4 MiB, 0: none).
             label: this process's name in the pool's process table.
+            lock_timeout_s: the longest this process waits for the pool lock.
+            stuck_after_s: how long the lock may stand taken with no holder recorded
+                before this process takes it over (``BlockPool.create``).
 
         Raises:
             UsageError: a bad argument, or an unsupported policy or threshold.
@@ -258,8 +265,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._last_reap = 0.0
         self._encoded: dict[OffloadKey, tuple[bytes, int]] = {}
         self._as_int = use_int_block_hashes()
-        self._pool, created = self._open_pool(pool, num_chunks, max_processes,
-                                              event_log_bytes, label)
+        self._pool, created = self._open_pool(
+            pool, num_chunks, max_processes, event_log_bytes,
+            {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})
         try:
             self._tier = self._open_tier(created)
         except BaseException:
@@ -279,7 +287,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _open_pool(pool: str, num_chunks: int, max_processes: int,
-                   event_log_bytes: int | None, label: str) -> tuple[BlockPool, bool]:
+                   event_log_bytes: int | None, process: dict) -> tuple[BlockPool, bool]:
         if event_log_bytes is None:
             event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES
         deadline = time.monotonic() + ATTACH_TIMEOUT_S
@@ -288,12 +296,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 return BlockPool.create(
                     pool, num_chunks + 1, enable_caching=True, hash_block_size=1,
                     enable_kv_cache_events=False, medium=MEDIUM, max_processes=max_processes,
-                    event_log_bytes=event_log_bytes, label=label,
+                    event_log_bytes=event_log_bytes, **process,
                 ), True
             except SegmentExistsError:
                 pass
             try:
-                bp = BlockPool.attach(pool, label=label)
+                bp = BlockPool.attach(pool, **process)
             except SegmentNotFoundError:
                 continue  # its creator failed and removed it: create it ourselves
             except SegmentError as exc:
