@@ -101,7 +101,7 @@ from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 
-__all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]
+__all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]  # noqa: F822 (lazy)
 
 MEDIUM = "CPU"
 PENDING_BIT = 1 << 30  # group-id bit of a chunk whose store is in flight
@@ -624,7 +624,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
             blocks = self._blocks
             self._pool.touch([blocks[b] for b in block_ids])
             pins = self._pins
-            for key, block_id in zip(keys, block_ids):
+            for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
                 if pin is None:
                     pins[key] = [block_id, 1]
@@ -710,7 +710,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
             block_ids = fresh + [b for _, b in victims]
             self._take_chunks(block_ids, keys_to_store)
             ranks = self._ranks
-            for key, block_id in zip(keys_to_store, block_ids):
+            for key, block_id in zip(keys_to_store, block_ids, strict=True):
                 position = self._position(req_context, key)
                 if position is None:
                     ranks[block_id] = self._new_rank()
@@ -774,7 +774,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         hashes, gids = rows["block_hash"], rows["group_id"]
         items = sorted(
             (rank, self._decode(bytes(hashes[b]), int(gids[b])), b)
-            for rank, b in zip(ranks.tolist(), evictable.tolist())
+            for rank, b in zip(ranks.tolist(), evictable.tolist(), strict=True)
         )
         return [(key, block_id) for _, key, block_id in items[:num]]
 
@@ -789,7 +789,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def _cache(self, handles: list, keys: list[OffloadKey], flag: int) -> None:
         by_group: dict[int, tuple[list, list[bytes]]] = {}
-        for handle, key in zip(handles, keys):
+        for handle, key in zip(handles, keys, strict=True):
             block_hash, gid = self._encode(key)
             entry = by_group.setdefault(gid | flag, ([], []))
             entry[0].append(handle)

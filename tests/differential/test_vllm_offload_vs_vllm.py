@@ -108,7 +108,7 @@ def _run(seed: int, num_chunks: int, num_ops: int, *, key_width: int = 32) -> No
                 if out_ref is not None:
                     assert out_ref.keys_to_store == out_ours.keys_to_store, label
                     assert out_ref.evicted_keys == out_ours.evicted_keys, label
-                    for c, out in zip(chunks, (out_ref, out_ours)):
+                    for c, out in zip(chunks, (out_ref, out_ours), strict=True):
                         c.stored(out.keys_to_store, out.store_spec, out.evicted_keys)
                     if out_ref.keys_to_store:
                         stores.append(out_ref.keys_to_store)

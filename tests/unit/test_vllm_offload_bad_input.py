@@ -111,7 +111,8 @@ def test_corrupt_tier_table_is_refused(tier):
     seg.buf[0:8] = (0x1234).to_bytes(8, "little")
     seg.close()
     before = _image(tier)
-    with pytest.raises(LayoutMismatchError, match="magic expected 0x5ec70ff10ad32b61, found 0x1234"):
+    with pytest.raises(LayoutMismatchError,
+                       match="magic expected 0x5ec70ff10ad32b61, found 0x1234"):
         SharedCPUOffloadingManager(tier.pool_name, 4)
     assert _image(tier) == before
 
@@ -291,7 +292,8 @@ def test_bad_extra_config_is_refused(spec_pool):
     any pool is made."""
     from shmkv.vllm import SharedCPUOffloadingSpec
 
-    with pytest.raises(UsageError, match=r"unknown kv_connector_extra_config keys \['shmkv_poool'\]"):
+    with pytest.raises(UsageError,
+                       match=r"unknown kv_connector_extra_config keys \['shmkv_poool'\]"):
         SharedCPUOffloadingSpec(make_config(spec_pool, shmkv_poool="x"))
     with pytest.raises(UsageError, match="needs 'shmkv_pool'"):
         SharedCPUOffloadingSpec(make_config(None))
