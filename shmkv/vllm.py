@@ -579,8 +579,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT if the key is stored and complete (by any process), HIT_PENDING if a live
-        process is storing it, MISS otherwise.
+        """HIT if the key is stored and complete (by any process), HIT_PENDING if a
+        process is storing it, MISS otherwise. A store of a process that died reads
+        HIT_PENDING until this process next reaps the dead (at most ``REAP_INTERVAL_S``
+        later), then MISS.
 
         Raises:
             UsageError: a key the tier cannot hold (hash longer than 32 bytes).

@@ -19,7 +19,7 @@ pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 
-from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
+from shmkv.vllm import REAP_INTERVAL_S, SharedCPUOffloadingManager  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
 from tests.multiprocess.offload_workers import (  # noqa: E402
@@ -99,7 +99,9 @@ def test_one_cache_dedup_pins_and_a_killed_peer(spawn_ctx, tier_name):
         manager.complete_store(out.keys_to_store, ctx)
         os.kill(peer.pid, signal.SIGKILL)
         assert join_processes([peer]) == [SIGKILLED]
-        # The dead peer's store in flight is gone, and its pin no longer protects.
+        # The dead peer's store in flight is gone (at the first lookup after the reap
+        # interval), and its pin no longer protects.
+        time.sleep(2 * REAP_INTERVAL_S)
         assert manager.lookup(prompt_key(0, 3), ctx) == LookupResult.MISS
         out = manager.prepare_store([_fresh_key(200 + i) for i in range(2)], ctx)
         assert out is not None and prompt_key(0, 0) in out.evicted_keys
