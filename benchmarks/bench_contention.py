@@ -14,8 +14,9 @@ Every process runs the same scheduler-like loop for ``--seconds``:
 Reported per configuration: aggregate requests per second over all processes, the speedup
 over one process, and the p50 / p99 of the lock wait and hold times (every hold of every
 process, measured by ``PoolLock.record``). Output: one JSON line per configuration on stdout,
-then a readable table, then the path of a PNG plot (throughput and p99 wait against the
-number of processes). ``--json PATH`` also writes the JSON lines to a file.
+then a readable table, then the path of a PNG plot (throughput and lock wait against the
+number of processes; drawn with matplotlib, or one line saying it is not installed).
+``--json PATH`` also writes the JSON lines to a file.
 
     python benchmarks/bench_contention.py                  # 1,2,4,8 processes, 3 rounds
     python benchmarks/bench_contention.py --quick          # one round of 1 s runs
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from shmkv import BlockPool, Request
+from shmkv.plot import PlotUnavailable
 from shmkv.pool.block_pool import default_kernel
 
 HERE = Path(__file__).resolve().parent
@@ -146,23 +148,25 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    from shmkv.plot import line_chart
+    """Two panels against the number of processes: aggregate requests/s (with one process's
+    rate times N, the ideal), and the p50 / p99 lock wait."""
+    from shmkv.plot import draw_lines, figure, save
 
     procs = [r["processes"] for r in rows]
-    base = rows[0]["requests_per_s"]
-    line_chart(
-        path,
-        title=f"shmkv: {rows[0]['kernel']} kernel, {os.cpu_count()} cores",
-        x_label="scheduler processes on one pool",
-        y_label="speedup / p99 lock wait (x 100 us)",
-        series={
-            "aggregate requests/s, x one process": (procs, [r["requests_per_s"] / base
-                                                              for r in rows]),
-            "p99 lock wait, x 100 us": (procs, [r["wait_p99_us"] / 100 for r in rows]),
-        },
-        x_ticks=procs,
-        log_x=True,
-    )
+    fig, (left, right) = figure(2, title=f"shmkv contention: one pool, {rows[0]['kernel']} "
+                                f"kernel, {os.cpu_count()} cores")
+    base = rows[0]["requests_per_s"] / rows[0]["processes"]
+    draw_lines(left, {"measured": (procs, [r["requests_per_s"] / 1e3 for r in rows]),
+                      "linear (one process x N)": (procs, [base * n / 1e3 for n in procs])},
+               x_label="scheduler processes", y_label="requests/s, all processes (thousands)",
+               title="throughput", x_ticks=procs, log_x=True)
+    left.get_lines()[1].set(linestyle="--", color="0.55", marker="")
+    left.legend(loc="best", fontsize="small")
+    draw_lines(right, {"p99": (procs, [r["wait_p99_us"] for r in rows]),
+                       "p50": (procs, [r["wait_p50_us"] for r in rows])},
+               x_label="scheduler processes", y_label="lock wait (µs)",
+               title="time to take the pool lock", x_ticks=procs, log_x=True, log_y=True)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     plot_path = Path(args.plot)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(rows, plot_path)
-    print(f"plot: {plot_path}")
+    try:
+        plot(rows, plot_path)
+        print(f"plot: {plot_path}")
+    except PlotUnavailable as e:
+        print(f"plot: {e}")
     return 0
 
 

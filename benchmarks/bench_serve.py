@@ -6,7 +6,7 @@ serving everything. Same workload, same total number of blocks, same model in ev
 Prints one JSON line per run (the figures of ``shmkv run --json`` less the timeline), then a
 table (with ``--repeats N``: each row's median hit rate over N runs, and its range; the
 schedulers' timing makes a shared pool's hits vary by a point or two between runs);
-``--plot`` draws the hit rates as bars.
+``--plot`` draws the hit rates as bars (with matplotlib; without it, one line says so).
 
     python benchmarks/bench_serve.py [--schedulers 4] [--blocks 512] [--conversations 90]
         [--rows shared:round-robin,private:prefix-aware,...] [--repeats N] [--plot PATH]
@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shmkv.plot import PlotUnavailable  # noqa: E402
 from shmkv.serve.model import TinyModelConfig  # noqa: E402
 from shmkv.serve.runner import RunConfig, Runner  # noqa: E402
 from shmkv.serve.workload import ChatWorkloadConfig, chat_workload  # noqa: E402
@@ -72,14 +73,17 @@ _SHORT = {"round-robin": "RR", "least-loaded": "LL", "prefix-aware": "PA"}
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Bars of the hit rates (RR round robin, LL least loaded, PA prefix-aware)."""
+    """Bars of the hit rates, one per row (RR round robin, LL least loaded, PA
+    prefix-aware). Raises :class:`shmkv.plot.PlotUnavailable` without matplotlib."""
     from shmkv.plot import bar_chart
 
     groups = ["single pool" if r["schedulers"] == 1 and r["row"].startswith("single")
               else f"{r['pool']} {_SHORT.get(r['routing'], r['routing'])}" for r in rows]
     bar_chart(path, title=f"prefix hit rate: {rows[0]['schedulers']} schedulers, "
-              f"{rows[0]['num_blocks']} blocks in all (RR/LL/PA: round robin, least "
-              "loaded, prefix-aware)", y_label="percent", groups=groups,
+              f"{rows[0]['num_blocks']} blocks in all, the same chat workload",
+              y_label="prefix hit rate (%)",
+              x_label="pool, routing (RR round robin, LL least loaded, PA prefix-aware)",
+              groups=groups, value_format="{:.1f}%",
               series={"prefix hit rate": [100 * r["prefix_hit_rate"] for r in rows]})
 
 
@@ -112,8 +116,11 @@ def main() -> int:
     rows = [median_row(runs[k]) for k in range(len(specs))]
     print(table(rows))
     if args.plot:
-        plot(rows, args.plot)
-        print(f"plot: {args.plot}")
+        try:
+            plot(rows, args.plot)
+            print(f"plot: {args.plot}")
+        except PlotUnavailable as e:
+            print(f"plot: {e}")
     return 0 if all(r["token_mismatches"] == 0 and r["requests"] == r["requests_total"]
                     for rs in runs.values() for r in rs) else 1
 

@@ -1,6 +1,7 @@
 """Where ``shmkv run`` meets the model side (``shmkv/serve/model.py``, ``shmkv/serve/rank.py``,
 ``shmkv/ranks/block_table.py``): the scheduler's ``KVCacheManager`` for the model, its block-table
-writer, the KV store, and the rank process's entry point over the run's channels.
+writer, the KV store, the rank process's entry point over the run's channels, and
+:func:`child_setup`, what every child process of the run (scheduler or rank) does first.
 
 Imports torch (the scheduler and the front end import it lazily, through here).
 """
@@ -8,11 +9,17 @@ Imports torch (the scheduler and the front end import it lazily, through here).
 from __future__ import annotations
 
 import dataclasses
+import os
+import select
+import signal
+import threading
+import time
 
 from shmkv.core.kv_cache_manager import KVCacheManager
 
 __all__ = [
-    "BlockTablesWriter", "build_kv_cache_manager", "create_block_tables", "create_kv_store",
+    "BlockTablesWriter", "build_kv_cache_manager", "child_setup", "create_block_tables",
+    "create_kv_store",
     "model_config_from_dict", "model_config_to_dict", "open_block_tables", "rank_main",
 ]
 
@@ -85,10 +92,58 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
     """Entry point of a rank process of ``shmkv run``: the run's child set-up, then
     ``shmkv.serve.rank.rank_main`` (which answers ``ExecuteModel`` steps until
     ``Shutdown``, dropping bad frames)."""
-    from shmkv.serve.scheduler import child_setup
-
     child_setup(front_end_pid)
     from shmkv.serve.rank import rank_main as run_rank
 
     run_rank(tables_name, kv_store_name, to_rank_name, from_rank_name,
              model_config_from_dict(model))
+
+
+def child_setup(front_end_pid: int | None) -> None:
+    """What every child of the run does first: leave Ctrl-C to the front end (the terminal
+    sends it to the whole process group), take back the signals the front end blocks while
+    it runs (a child inherits its mask), and die with the front end.
+
+    Dying with it takes two mechanisms: ``PR_SET_PDEATHSIG`` fires when the *parent* dies,
+    but a child made by the fork server has the fork server as parent, and the fork server
+    lives as long as any of its children holds the pipe that keeps it alive: a cycle that
+    would outlive a SIGKILLed front end. So a thread also waits on the front end's pidfd
+    and ends the process when it exits.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if not front_end_pid:
+        return
+    try:
+        fd = os.pidfd_open(front_end_pid)
+    except ProcessLookupError:
+        os._exit(1)  # gone already
+    except (OSError, AttributeError):
+        fd = None  # no pidfd (kernel < 5.3): poll
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _pid_alive(front_end_pid):
+                time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

@@ -29,29 +29,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     cfg = runner.cfg
     n = cfg.num_schedulers
     finished = [r for r in records.values() if r.result is not None]
-    per = []
-    for i in range(n):
-        mine = [r for r in finished if r.result.scheduler == i]
-        prompt = sum(r.result.num_prompt_tokens for r in mine)
-        hit = sum(r.result.num_cached_tokens for r in mine)
-        st = stats.get(i)
-        per.append({
-            "scheduler": i,
-            "alive_at_end": runner.schedulers[i].exitcode == 0 if runner.schedulers else False,
-            "requests": len(mine),
-            "prompt_tokens": prompt,
-            "prefill_tokens_saved": hit,
-            "prefix_hit_rate": hit / prompt if prompt else 0.0,
-            "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
-            "peak_blocks_held": runner.peak_blocks_held.get(i, 0),
-            "steps": st.num_steps if st else 0,
-            "preemptions": st.num_preemptions if st else 0,
-            "evictions": st.num_evictions if st else 0,
-            "lock_wait_s": st.lock_wait_s if st else 0.0,
-            "lock_hold_s": st.lock_hold_s if st else 0.0,
-            "lock_acquired": st.num_lock_acquired if st else 0,
-            "model_s": st.model_s if st else 0.0,
-        })
+    per = [_scheduler_figures(runner, i, finished, stats.get(i)) for i in range(n)]
     prompt = sum(r.result.num_prompt_tokens for r in finished)
     saved = sum(r.result.num_cached_tokens for r in finished)
     checked = [r for r in finished if r.checked is not None]
@@ -103,6 +81,30 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "timeline": timeline,
         "model": runner.model_dict if hasattr(runner, "model_dict") else None,
         "processes": {p.name: p.pid for p in runner.schedulers + runner.ranks},
+    }
+
+
+def _scheduler_figures(runner, i: int, finished: list, st) -> dict:
+    """Scheduler ``i``'s line of ``per_scheduler``; ``st``: its last ``SchedulerStats``."""
+    mine = [r for r in finished if r.result.scheduler == i]
+    prompt = sum(r.result.num_prompt_tokens for r in mine)
+    hit = sum(r.result.num_cached_tokens for r in mine)
+    return {
+        "scheduler": i,
+        "alive_at_end": runner.schedulers[i].exitcode == 0 if runner.schedulers else False,
+        "requests": len(mine),
+        "prompt_tokens": prompt,
+        "prefill_tokens_saved": hit,
+        "prefix_hit_rate": hit / prompt if prompt else 0.0,
+        "generated_tokens": sum(len(r.result.output_token_ids) for r in mine),
+        "peak_blocks_held": runner.peak_blocks_held.get(i, 0),
+        "steps": st.num_steps if st else 0,
+        "preemptions": st.num_preemptions if st else 0,
+        "evictions": st.num_evictions if st else 0,
+        "lock_wait_s": st.lock_wait_s if st else 0.0,
+        "lock_hold_s": st.lock_hold_s if st else 0.0,
+        "lock_acquired": st.num_lock_acquired if st else 0,
+        "model_s": st.model_s if st else 0.0,
     }
 
 
@@ -196,23 +198,31 @@ def comparison_text(runs: list[dict]) -> str:
 
 
 def plot_timeline(runs: dict | list[dict], path: str) -> None:
-    """Hit rate (so far) and pool usage over the run, in percent; several runs (``--compare``)
-    share the chart: one hit-rate line each, and the first run's usage."""
-    from shmkv.plot import line_chart
+    """Hit rate (so far, solid) and pool usage (dashed) over the run, in percent; several
+    runs (``--compare``) share the chart, one colour each. Raises
+    :class:`shmkv.plot.PlotUnavailable` without matplotlib."""
+    from shmkv.plot import draw_lines, figure, save
 
     runs = [runs] if isinstance(runs, dict) else runs
+    first = runs[0]
+    title = (f"shmkv run: {first['pool']} pool, {first['schedulers']} schedulers, "
+             f"{first['routing']} routing" if len(runs) == 1 else
+             f"shmkv run --compare: {first['schedulers']} schedulers, "
+             f"{first['num_blocks']:,} blocks in all")
+    fig, (ax,) = figure(title=title)
     series = {}
     for f in runs:
         t = [p["t_s"] for p in f["timeline"]] or [0.0]
         hit = [100 * p["prefix_hit_rate"] for p in f["timeline"]] or [0.0]
-        name = "prefix hit rate (so far)" if len(runs) == 1 else f"hit rate: {_label(f)}"
-        series[name] = (t, hit)
-    first = runs[0]
-    t = [p["t_s"] for p in first["timeline"]] or [0.0]
-    use = [100 * p["pool_usage"] for p in first["timeline"]] or [0.0]
-    series["pool blocks in use" if len(runs) == 1 else f"in use: {_label(first)}"] = (t, use)
-    title = (f"shmkv run: {first['pool']} pool, {first['schedulers']} schedulers, "
-             f"{first['routing']}" if len(runs) == 1 else
-             f"shmkv run --compare: {first['schedulers']} schedulers, "
-             f"{first['num_blocks']:,} blocks in all")
-    line_chart(path, title=title, x_label="seconds", y_label="percent", series=series)
+        series["prefix hit rate (so far)" if len(runs) == 1 else f"hit rate: {_label(f)}"] = (
+            t, hit)
+    draw_lines(ax, series, x_label="time since the first request (s)",
+               y_label="percent (%)", y_lim=(0, 105))
+    for f, line in zip(runs, list(ax.get_lines()), strict=True):
+        t = [p["t_s"] for p in f["timeline"]] or [0.0]
+        use = [100 * p["pool_usage"] for p in f["timeline"]] or [0.0]
+        color = "C1" if len(runs) == 1 else line.get_color()
+        ax.plot(t, use, linestyle="--", linewidth=1.5, color=color,
+                label="pool blocks in use" if len(runs) == 1 else f"in use: {_label(f)}")
+    ax.legend(loc="best", fontsize="small", framealpha=0.9)
+    save(fig, path)

@@ -14,7 +14,7 @@ front end's state; ``SHMKV_RUN_START_METHOD=spawn`` spawns them):
 Every segment (pools, KV stores, block tables, channels and their doorbells) is made here
 and removed in a ``finally``, whatever happened. Children ignore SIGINT (the terminal sends
 it to the whole process group: the front end alone decides), end when the front end does
-(``scheduler.child_setup``), and are joined with timeouts, then killed. The front end itself blocks
+(``engine.child_setup``), and are joined with timeouts, then killed. The front end itself blocks
 SIGINT and SIGTERM for the run and takes them in a watcher thread, so a signal never breaks
 a semaphore wait (EINTR) in the middle of a pool call; it then stops everything and exits.
 
@@ -134,6 +134,32 @@ class RunResult:
     @property
     def interrupted(self) -> bool:
         return any(p.startswith("interrupted") for p in self.problems)
+
+
+@dataclass
+class _Serving:
+    """The state of one run's serving loop (``Runner._serve`` and its steps)."""
+
+    records: dict[str, RequestRecord]
+    pending: deque[str]  # request ids to send, in order
+    router: object
+    model: object | None  # the no-cache reference, when tokens are checked
+    t_serve: float
+    load: dict[int, int]  # requests in flight per scheduler
+    history: dict[str, list[int]] = field(default_factory=dict)  # conversation: its tokens
+    busy_conversations: set[str] = field(default_factory=set)  # a turn in flight
+    failed_conversations: set[str] = field(default_factory=set)
+    in_flight: dict[str, RequestRecord] = field(default_factory=dict)
+    stats: dict[int, SchedulerStats] = field(default_factory=dict)
+    to_check: deque[RequestRecord] = field(default_factory=deque)
+    timeline: list[dict] = field(default_factory=list)
+    done: int = 0  # requests answered or failed
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / max(self.prompt_tokens, 1)
 
 
 class _Progress:
@@ -389,13 +415,43 @@ class Runner:
         return dead
 
     def _serve(self) -> RunResult:
-        cfg, n = self.cfg, self.cfg.num_schedulers
-        live = set(range(n))
+        cfg = self.cfg
+        live = set(range(cfg.num_schedulers))
         t_start = self.t_setup
         self._wait_attached(live)
         t_serve = time.monotonic()
         if self.interrupted:
             return self._finish(live, t_start, t_serve, [], {})
+        st = self._start_serving(t_serve)
+        next_sample = t_serve
+        deadline = t_serve + cfg.timeout_s
+        while st.done < len(st.records) and live and not self.interrupted:
+            now = time.monotonic()
+            if now > deadline:
+                self.problems.append(f"timed out after {cfg.timeout_s} s with "
+                                     f"{len(st.records) - st.done} requests unfinished")
+                break
+            self._send_pending(st, live)
+            self._take_answers(st)
+            self._resend_from_the_dead(st, live)
+            self._kill_one_if_due(st, live)
+            # Reference checks, one per pass, while the schedulers work.
+            if st.to_check:
+                _check_tokens(st.model, st.to_check.popleft())
+            now = time.monotonic()
+            if now >= next_sample:  # the pool's lock is the schedulers': look rarely
+                usage = self._pool_usage()
+                st.timeline.append({"t_s": now - t_serve, "requests_done": st.done,
+                                    "prefix_hit_rate": st.hit_rate, "pool_usage": usage})
+                next_sample = now + cfg.sample_interval_s
+                self.progress.update(st.done, st.hit_rate, usage, now - t_serve)
+        t_end = self._end_serving(st, live)
+        self.records = st.records
+        return self._finish(live, t_start, t_serve, st.timeline, st.stats, t_end)
+
+    def _start_serving(self, t_serve: float) -> _Serving:
+        """The reference model (``check_tokens``), the pool view, the router, the records."""
+        cfg = self.cfg
         model = None
         if cfg.check_tokens:
             import torch
@@ -410,158 +466,145 @@ class Runner:
             view = PrivatePoolsView(self.pools)
         self.view = view
         router = make_router(cfg.routing, view, cfg.balance_slack)
-        records = {t.request_id: RequestRecord(t) for t in self.workload}
-        pending = deque(t.request_id for t in self.workload)
-        history: dict[str, list[int]] = {}
-        busy_conversations: set[str] = set()
-        in_flight: dict[str, RequestRecord] = {}
-        load = dict.fromkeys(range(n), 0)
-        stats: dict[int, SchedulerStats] = {}
-        to_check: deque[RequestRecord] = deque()
-        timeline: list[dict] = []
-        done = 0
-        next_sample = t_serve
-        deadline = t_serve + cfg.timeout_s
-        hit_tokens = prompt_tokens = 0
-        failed_conversations: set[str] = set()
-
-        def fail(rec: RequestRecord, reason: str) -> None:
-            nonlocal done
-            rec.failed = reason
-            done += 1
-            if rec.trace.conversation is not None:
-                failed_conversations.add(rec.trace.conversation)
-                busy_conversations.discard(rec.trace.conversation)
-            if len(self.failures) < 5:
-                self.problems.append(f"request {rec.trace.request_id} not served: {reason}")
-            self.failures.append(rec.trace.request_id)
-
         self.failures: list[str] = []
-        while done < len(records) and live and not self.interrupted:
-            now = time.monotonic()
-            if now > deadline:
-                self.problems.append(f"timed out after {cfg.timeout_s} s with "
-                                     f"{len(records) - done} requests unfinished")
-                break
-            # Send what may go: conversation turns wait for the previous one's answer.
-            if len(in_flight) < self.max_in_flight and pending:
-                skipped = []
-                while pending and len(in_flight) < self.max_in_flight:
-                    rid = pending.popleft()
-                    rec = records[rid]
-                    conv = rec.trace.conversation
-                    if conv is not None and conv in busy_conversations and (
-                        rec.num_sends == 0
-                    ):
-                        skipped.append(rid)
-                        continue
-                    if conv is not None and conv in failed_conversations:
-                        fail(rec, "an earlier turn of its conversation failed")
-                        continue
-                    if not rec.prompt_token_ids:
-                        rec.prompt_token_ids = (history.get(conv, []) if conv else []) + list(
-                            rec.trace.prompt_token_ids)
-                    too_long = len(rec.prompt_token_ids) + rec.trace.max_tokens
-                    if too_long > cfg.max_model_len:
-                        fail(rec, f"{too_long} prompt + new tokens exceed --max-model-len "
-                             f"{cfg.max_model_len}")
-                        continue
-                    if conv is not None:
-                        busy_conversations.add(conv)
-                    s = router.route(rec.prompt_token_ids, rec.trace.cache_salt, sorted(live),
-                                     load)
-                    rec.scheduler, rec.sent_at = s, time.monotonic()
-                    rec.num_sends += 1
-                    load[s] += 1
-                    in_flight[rid] = rec
-                    self.inboxes[s].send(GenerateTokens(
-                        request_id=rid, prompt_token_ids=rec.prompt_token_ids,
-                        max_tokens=rec.trace.max_tokens, cache_salt=rec.trace.cache_salt))
-                pending.extendleft(reversed(skipped))
-            # Answers.
-            _, msg = self._recv(0.002 if to_check else 0.05)
-            while msg is not None:
-                if isinstance(msg, TokensGenerated):
-                    rec = in_flight.get(msg.request_id)
-                    # (An answer a dead scheduler sent before it died is for a request sent
-                    # again since: the new scheduler's answer counts.)
-                    if rec is not None and msg.scheduler == rec.scheduler:
-                        del in_flight[msg.request_id]
-                        rec.result = msg
-                        load[rec.scheduler] -= 1
-                        done += 1
-                        hit_tokens += msg.num_cached_tokens
-                        prompt_tokens += msg.num_prompt_tokens
-                        conv = rec.trace.conversation
-                        if conv is not None:
-                            history[conv] = rec.prompt_token_ids + list(msg.output_token_ids)
-                            busy_conversations.discard(conv)
-                        if model is not None:
-                            to_check.append(rec)
-                elif isinstance(msg, SchedulerStats):
-                    stats[msg.scheduler] = msg
-                    peak = self.peak_blocks_held
-                    peak[msg.scheduler] = max(peak.get(msg.scheduler, 0), msg.num_blocks_held)
-                elif isinstance(msg, MessageRejected):
-                    rec = in_flight.get(msg.request_id) if msg.request_id else None
-                    if rec is not None and msg.sender == f"scheduler-{rec.scheduler}":
-                        del in_flight[msg.request_id]
-                        load[rec.scheduler] -= 1
-                        fail(rec, f"{msg.sender}: {msg.reason}")
-                    else:
-                        self.problems.append(f"{msg.sender} rejected a message: {msg.reason}")
-                elif isinstance(msg, SchedulerStopped):
-                    stats[msg.scheduler] = msg.stats
-                _, msg = self._recv(0)
-            # Children.
-            for i in self._check_children(live):
-                lost = [r for r in in_flight.values() if r.scheduler == i]
-                for rec in lost:
-                    del in_flight[rec.trace.request_id]
-                    pending.appendleft(rec.trace.request_id)
-                load[i] = 0
-                if lost:
-                    self.notes.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
-                                      "again to the others")
-                if cfg.pool == "shared":
-                    self.pools[0].reap_dead()
-            if cfg.kill_one and not self.killed and done >= len(records) // 2 and len(live) > 1:
-                victim = max(live)
-                self.killed.add(victim)
-                os.kill(self.schedulers[victim].pid, signal.SIGKILL)
-                self.killed_at = (time.monotonic() - t_serve, done)
-                self.log(f"--kill-one: killed scheduler-{victim} (pid "
-                         f"{self.schedulers[victim].pid}) after {done} requests")
-            # Reference checks, one per pass, while the schedulers work.
-            if to_check:
-                _check_tokens(model, to_check.popleft())
-            now = time.monotonic()
-            if now >= next_sample:  # the pool's lock is the schedulers': look rarely
-                usage = self._pool_usage()
-                timeline.append({"t_s": now - t_serve, "requests_done": done,
-                                 "prefix_hit_rate": hit_tokens / max(prompt_tokens, 1),
-                                 "pool_usage": usage})
-                next_sample = now + cfg.sample_interval_s
-                self.progress.update(done, hit_tokens / max(prompt_tokens, 1), usage,
-                                     now - t_serve)
-        self.progress.update(done, hit_tokens / max(prompt_tokens, 1), self._pool_usage(),
-                             time.monotonic() - t_serve, force=True)
+        return _Serving(records={t.request_id: RequestRecord(t) for t in self.workload},
+                        pending=deque(t.request_id for t in self.workload), router=router,
+                        model=model, t_serve=t_serve,
+                        load=dict.fromkeys(range(cfg.num_schedulers), 0))
+
+    def _fail(self, st: _Serving, rec: RequestRecord, reason: str) -> None:
+        """``rec`` will not be served; nor will the later turns of its conversation."""
+        rec.failed = reason
+        st.done += 1
+        if rec.trace.conversation is not None:
+            st.failed_conversations.add(rec.trace.conversation)
+            st.busy_conversations.discard(rec.trace.conversation)
+        if len(self.failures) < 5:
+            self.problems.append(f"request {rec.trace.request_id} not served: {reason}")
+        self.failures.append(rec.trace.request_id)
+
+    def _send_pending(self, st: _Serving, live: set[int]) -> None:
+        """Send what may go: conversation turns wait for the previous one's answer."""
+        if len(st.in_flight) >= self.max_in_flight or not st.pending:
+            return
+        cfg = self.cfg
+        skipped = []
+        while st.pending and len(st.in_flight) < self.max_in_flight:
+            rid = st.pending.popleft()
+            rec = st.records[rid]
+            conv = rec.trace.conversation
+            if conv is not None and conv in st.busy_conversations and rec.num_sends == 0:
+                skipped.append(rid)
+                continue
+            if conv is not None and conv in st.failed_conversations:
+                self._fail(st, rec, "an earlier turn of its conversation failed")
+                continue
+            if not rec.prompt_token_ids:
+                rec.prompt_token_ids = (st.history.get(conv, []) if conv else []) + list(
+                    rec.trace.prompt_token_ids)
+            too_long = len(rec.prompt_token_ids) + rec.trace.max_tokens
+            if too_long > cfg.max_model_len:
+                self._fail(st, rec, f"{too_long} prompt + new tokens exceed --max-model-len "
+                           f"{cfg.max_model_len}")
+                continue
+            if conv is not None:
+                st.busy_conversations.add(conv)
+            s = st.router.route(rec.prompt_token_ids, rec.trace.cache_salt, sorted(live),
+                                st.load)
+            rec.scheduler, rec.sent_at = s, time.monotonic()
+            rec.num_sends += 1
+            st.load[s] += 1
+            st.in_flight[rid] = rec
+            self.inboxes[s].send(GenerateTokens(
+                request_id=rid, prompt_token_ids=rec.prompt_token_ids,
+                max_tokens=rec.trace.max_tokens, cache_salt=rec.trace.cache_salt))
+        st.pending.extendleft(reversed(skipped))
+
+    def _take_answers(self, st: _Serving) -> None:
+        """Every message the schedulers have sent: answers, figures, rejections."""
+        _, msg = self._recv(0.002 if st.to_check else 0.05)
+        while msg is not None:
+            if isinstance(msg, TokensGenerated):
+                self._on_tokens(st, msg)
+            elif isinstance(msg, SchedulerStats):
+                st.stats[msg.scheduler] = msg
+                peak = self.peak_blocks_held
+                peak[msg.scheduler] = max(peak.get(msg.scheduler, 0), msg.num_blocks_held)
+            elif isinstance(msg, MessageRejected):
+                rec = st.in_flight.get(msg.request_id) if msg.request_id else None
+                if rec is not None and msg.sender == f"scheduler-{rec.scheduler}":
+                    del st.in_flight[msg.request_id]
+                    st.load[rec.scheduler] -= 1
+                    self._fail(st, rec, f"{msg.sender}: {msg.reason}")
+                else:
+                    self.problems.append(f"{msg.sender} rejected a message: {msg.reason}")
+            elif isinstance(msg, SchedulerStopped):
+                st.stats[msg.scheduler] = msg.stats
+            _, msg = self._recv(0)
+
+    def _on_tokens(self, st: _Serving, msg: TokensGenerated) -> None:
+        rec = st.in_flight.get(msg.request_id)
+        # (An answer a dead scheduler sent before it died is for a request sent again
+        # since: the new scheduler's answer counts.)
+        if rec is None or msg.scheduler != rec.scheduler:
+            return
+        del st.in_flight[msg.request_id]
+        rec.result = msg
+        st.load[rec.scheduler] -= 1
+        st.done += 1
+        st.hit_tokens += msg.num_cached_tokens
+        st.prompt_tokens += msg.num_prompt_tokens
+        conv = rec.trace.conversation
+        if conv is not None:
+            st.history[conv] = rec.prompt_token_ids + list(msg.output_token_ids)
+            st.busy_conversations.discard(conv)
+        if st.model is not None:
+            st.to_check.append(rec)
+
+    def _resend_from_the_dead(self, st: _Serving, live: set[int]) -> None:
+        """A dead scheduler's requests in flight go back to the head of the queue."""
+        for i in self._check_children(live):
+            lost = [r for r in st.in_flight.values() if r.scheduler == i]
+            for rec in lost:
+                del st.in_flight[rec.trace.request_id]
+                st.pending.appendleft(rec.trace.request_id)
+            st.load[i] = 0
+            if lost:
+                self.notes.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
+                                  "again to the others")
+            if self.cfg.pool == "shared":
+                self.pools[0].reap_dead()
+
+    def _kill_one_if_due(self, st: _Serving, live: set[int]) -> None:
+        """``--kill-one``: SIGKILL the highest live scheduler once half the requests are done."""
+        if (self.cfg.kill_one and not self.killed and st.done >= len(st.records) // 2
+                and len(live) > 1):
+            victim = max(live)
+            self.killed.add(victim)
+            os.kill(self.schedulers[victim].pid, signal.SIGKILL)
+            self.killed_at = (time.monotonic() - st.t_serve, st.done)
+            self.log(f"--kill-one: killed scheduler-{victim} (pid "
+                     f"{self.schedulers[victim].pid}) after {st.done} requests")
+
+    def _end_serving(self, st: _Serving, live: set[int]) -> float:
+        """The last progress line, the remaining reference checks, the drain and reset, the
+        last timeline point; returns when serving ended."""
+        self.progress.update(st.done, st.hit_rate, self._pool_usage(),
+                             time.monotonic() - st.t_serve, force=True)
         self.progress.finish()
         t_end = time.monotonic()
-        while to_check:
-            _check_tokens(model, to_check.popleft())
+        while st.to_check:
+            _check_tokens(st.model, st.to_check.popleft())
         if live and not self.interrupted:
             # Control across all schedulers: drain every one, then reset the prefix cache
             # (every pool's): the run leaves its pools with nothing held and nothing cached.
-            self.prefix_cache_reset = self.drain_and_reset(live, stats)
+            self.prefix_cache_reset = self.drain_and_reset(live, st.stats)
             if not self.prefix_cache_reset:
                 self.problems.append("drain and prefix-cache reset across the schedulers "
                                      "did not succeed")
-        timeline.append({"t_s": t_end - t_serve, "requests_done": done,
-                         "prefix_hit_rate": hit_tokens / max(prompt_tokens, 1),
-                         "pool_usage": self._pool_usage()})
-        self.records = records
-        return self._finish(live, t_start, t_serve, timeline, stats, t_end)
+        st.timeline.append({"t_s": t_end - st.t_serve, "requests_done": st.done,
+                            "prefix_hit_rate": st.hit_rate, "pool_usage": self._pool_usage()})
+        return t_end
 
     def _pool_usage(self) -> float:
         total = sum(p.num_gpu_blocks - 1 for p in self.pools)

@@ -45,6 +45,22 @@ def test_bench_contention_smoke(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_contention_without_matplotlib(tmp_path):
+    """Without matplotlib the benchmark still finishes, exit 0, and says in one line that
+    it wrote no plot."""
+    png = tmp_path / "contention.png"
+    out = _run("-c", "import runpy, sys\n"
+               "sys.modules['matplotlib'] = None  # import matplotlib raises ImportError\n"
+               "sys.argv[1:] = ['--procs', '1', '--seconds', '0.2', '--rounds', '1',\n"
+               f"               '--blocks', '256', '--plot', {str(png)!r}]\n"
+               "runpy.run_path('benchmarks/bench_contention.py', run_name='__main__')")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stdout.splitlines()[-1] == ("plot: matplotlib is not installed, no plot "
+                                           "written (pip install 'shmkv[plot]')")
+    assert not png.exists()
+
+
 def test_bench_locks_smoke():
     """bench_locks prints a JSON line per (lock, processes) and cleans up after itself."""
     out = _run("benchmarks/bench_locks.py", "--iterations", "2000")

@@ -51,9 +51,16 @@ def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
     return alive
 
 
-def run_shmkv(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None, int]:
+# ``python -c`` in place of ``python -m shmkv.cli``: shmkv run where matplotlib cannot be
+# imported (a None in sys.modules makes ``import matplotlib`` raise ImportError).
+NO_MATPLOTLIB = ["-c", "import sys\nsys.modules['matplotlib'] = None\n"
+                 "from shmkv.cli import main\nsys.exit(main(sys.argv[1:]))"]
+
+
+def run_shmkv(tmp_path, *args: str, python_args=("-m", "shmkv.cli")
+              ) -> tuple[subprocess.CompletedProcess, dict | None, int]:
     out = tmp_path / "run.json"
-    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *args,
+    proc = subprocess.Popen([sys.executable, *python_args, "run", *args,
                              "--json", str(out), "--plot", str(tmp_path / "run.png")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=tmp_path)
@@ -129,6 +136,25 @@ def test_run_private_pools_prefix_aware_on_a_trace(tmp_path):
     # The first turns share no blocks (different salts); each second turn hits the three
     # system-prompt blocks of its history at least.
     assert f["prefill_tokens_saved"] >= 2 * 48
+    _check_clean(f, pid)
+
+
+def test_run_without_matplotlib_says_so_and_finishes(tmp_path):
+    """Without matplotlib the run serves, reports, writes its JSON and exits 0; in place of
+    the plot's path one line says no plot was written."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"request_id": f"r{i}", "prompt_token_ids":
+                                         list(range(1, 40)), "max_tokens": 3}) + "\n"
+                             for i in range(2)))
+    done, f, pid = run_shmkv(tmp_path, "--trace", str(trace), "--schedulers", "2",
+                             "--blocks", "128", "--max-model-len", "256",
+                             python_args=NO_MATPLOTLIB)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f["requests"] == 2 and f["token_mismatches"] == 0
+    assert ("  plot: matplotlib is not installed, no plot written (pip install "
+            "'shmkv[plot]')") in done.stdout.splitlines()
+    assert not (tmp_path / "run.png").exists()
     _check_clean(f, pid)
 
 

@@ -1,196 +1,214 @@
-"""shmkv/plot.py: the PNG files it writes are valid and show the charts' parts."""
+"""shmkv/plot.py and the three plots built on it (``shmkv run``'s timeline, the contention
+and serve benchmarks): valid PNG files of the expected size that show their data, read
+back with matplotlib; ``import shmkv`` never imports matplotlib; without matplotlib the
+chart functions raise ``PlotUnavailable`` with one line to print."""
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import struct
-import zlib
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from shmkv import plot as pngplot
+from shmkv import plot
 
+mpimg = pytest.importorskip("matplotlib.image")
+from matplotlib.colors import to_rgb  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 NS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LINE_SERIES = {
     "shmkv": (NS, [410, 260, 170, 120, 95, 80, 70, 64, 60]),
     "shmkv-py": (NS, [1450, 1100, 900, 800, 760, 740, 730, 725, 720]),
     "vLLM": (NS, [900, 700, 520, 420, 310, 300, 290, 285, 280]),
 }
-GROUPS = ["alloc_free", "touch_free", "lookup"]
-BAR_SERIES = {"shmkv": [3.1, 2.4, 5.0], "shmkv-py": [1.2, 0.9, 2.2], "vLLM": [0.8, 0.6, 3.9]}
+# matplotlib's default colour cycle: series k takes C<k>
+COLORS = [to_rgb(f"C{k}") for k in range(5)]
 
 
 def read_png(path) -> np.ndarray:
-    """Parse an 8-bit RGB PNG by hand, checking its structure, and return its pixels."""
+    """Check the PNG signature and header, then read the pixels back (RGB floats)."""
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, payload = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + payload) & 0xFFFFFFFF, f"bad CRC in {kind!r}"
-        chunks.append((kind, payload))
-        pos += 12 + length
-    assert pos == len(data)
-    kinds = [kind for kind, _ in chunks]
-    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND" and b"IDAT" in kinds
-    width, height, depth, color_type, compression, filter_method, interlace = struct.unpack(
-        ">IIBBBBB", chunks[0][1])
-    assert (depth, color_type, compression, filter_method, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(payload for kind, payload in chunks if kind == b"IDAT"))
-    assert len(raw) == height * (1 + 3 * width)
-    rows = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any(), "every row must use filter type 0"
-    return rows[:, 1:].reshape(height, width, 3)
+    assert data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
+    width, height = struct.unpack(">II", data[16:24])
+    pixels = mpimg.imread(path)
+    assert pixels.shape[:2] == (height, width)
+    return pixels[..., :3]
 
 
-def count(pixels: np.ndarray, color) -> int:
-    return int(np.all(pixels == np.array(color, np.uint8), axis=2).sum())
+def count(pixels: np.ndarray, color, tol: float = 0.02) -> int:
+    """Pixels within ``tol`` of ``color`` in every channel."""
+    return int(np.all(np.abs(pixels - np.array(color)) <= tol, axis=2).sum())
 
 
-def text_pixels(pixels: np.ndarray) -> int:
-    return count(pixels, pngplot.TEXT)
+def not_blank(pixels: np.ndarray) -> float:
+    """The fraction of pixels that are not white."""
+    return float((pixels < 0.95).any(axis=2).mean())
 
 
-@pytest.fixture
-def line_png(tmp_path):
+def test_line_chart_is_a_valid_png_of_the_requested_size(tmp_path):
     path = tmp_path / "line.png"
-    pngplot.line_chart(path, title="alloc_free latency", x_label="blocks per call",
-                       y_label="ns per block", series=LINE_SERIES, x_ticks=NS, log_x=True,
-                       width=640, height=400)
-    return path
+    plot.line_chart(path, title="alloc_free latency", x_label="blocks per call",
+                    y_label="ns per block", series=LINE_SERIES, x_ticks=NS, log_x=True,
+                    width=640, height=400)
+    assert read_png(path).shape == (400, 640, 3)
+    default = tmp_path / "default.png"
+    plot.line_chart(default, title="t", x_label="x", y_label="y",
+                    series={"only": ([5], [-2.5e6])})
+    assert read_png(default).shape == (480, 800, 3)
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing left over
 
 
-def test_line_chart_is_a_valid_png_of_the_requested_size(line_png):
-    assert read_png(line_png).shape == (400, 640, 3)
-
-
-def test_line_chart_draws_each_series_in_its_palette_colour(line_png):
-    pixels = read_png(line_png)
-    for color in pngplot.PALETTE[:len(LINE_SERIES)]:
+def test_line_chart_draws_each_series_in_its_own_colour(tmp_path):
+    path = tmp_path / "line.png"
+    plot.line_chart(path, title="alloc_free latency", x_label="blocks per call",
+                    y_label="ns per block", series=LINE_SERIES, x_ticks=NS, log_x=True)
+    pixels = read_png(path)
+    for color in COLORS[:len(LINE_SERIES)]:
         assert count(pixels, color) > 300, color
-    assert count(pixels, pngplot.PALETTE[len(LINE_SERIES)]) == 0  # no fourth series
-    assert count(pixels, pngplot.GRID) > 1000
+    assert count(pixels, COLORS[len(LINE_SERIES)]) == 0  # no fourth series
+    # the lines follow the data: the vLLM line (C2) sits above the shmkv line (C0)
+    rows_of = {k: np.nonzero(np.all(np.abs(pixels - COLORS[k]) <= 0.02, axis=2))[0]
+               for k in (0, 2)}
+    assert np.median(rows_of[2]) < np.median(rows_of[0])  # row 0 is the top
 
 
-def test_line_chart_has_title_and_legend_text(line_png, tmp_path):
-    pixels = read_png(line_png)
-    title_band = pixels[:40]
-    assert text_pixels(title_band) > 100
-    assert all(count(title_band, color) == 0 for color in pngplot.PALETTE)
-    # a longer legend name adds text pixels (the legend box holds the names)
-    longer = tmp_path / "longer.png"
-    renamed = {name + " with a long legend name": xy for name, xy in LINE_SERIES.items()}
-    pngplot.line_chart(longer, title="alloc_free latency", x_label="blocks per call",
-                       y_label="ns per block", series=renamed, x_ticks=NS, log_x=True,
-                       width=640, height=400)
-    assert text_pixels(read_png(longer)) > text_pixels(pixels) + 500
-
-
-def test_line_chart_linear_axes_and_single_point(tmp_path):
-    path = tmp_path / "single.png"
-    pngplot.line_chart(path, title="one point", x_label="x", y_label="y",
-                       series={"only": ([5], [-2.5e6])})
-    pixels = read_png(path)
-    assert pixels.shape == (480, 800, 3)
-    assert count(pixels, pngplot.PALETTE[0]) > 20
-
-
-def test_bar_chart_is_valid_and_draws_bars_and_text(tmp_path):
-    path = tmp_path / "bar.png"
-    pngplot.bar_chart(path, title="Throughput", y_label="Mops/s", groups=GROUPS,
-                      series=BAR_SERIES)
-    pixels = read_png(path)
-    assert pixels.shape == (480, 800, 3)
-    for color in pngplot.PALETTE[:3]:
-        assert count(pixels, color) > 2000, color
-    assert text_pixels(pixels[:40]) > 50  # the title
-    assert text_pixels(pixels[-40:]) > 50  # the group names
+def test_empty_or_mismatched_series_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="no series"):
+        plot.line_chart(tmp_path / "x.png", title="t", x_label="x", y_label="y", series={})
+    with pytest.raises(ValueError, match="3 x values, 2 y values"):
+        plot.line_chart(tmp_path / "x.png", title="t", x_label="x", y_label="y",
+                        series={"s": ([1, 2, 3], [1, 2])})
+    with pytest.raises(ValueError, match="1 values for 2 groups"):
+        plot.bar_chart(tmp_path / "x.png", title="t", y_label="y", groups=["a", "b"],
+                       series={"s": [1.0]})
+    assert not list(tmp_path.iterdir())
 
 
 def test_bar_chart_bars_are_as_tall_as_their_values(tmp_path):
     path = tmp_path / "bar.png"
-    pngplot.bar_chart(path, title="t", y_label="y", groups=["a", "b"],
-                      series={"s": [1.0, 4.0], "t": [-2.0, 0.0]})
-    blue = np.all(read_png(path) == np.array(pngplot.PALETTE[0], np.uint8), axis=2)
+    plot.bar_chart(path, title="t", y_label="y", groups=["a", "b"],
+                   series={"s": [1.0, 4.0]})
+    blue = np.all(np.abs(read_png(path) - COLORS[0]) <= 0.02, axis=2)
     columns = blue.sum(axis=0)
-    heights = sorted(set(columns[columns > 0]) - {9})  # 9: the legend's swatch
-    assert len(heights) == 2 and abs(heights[1] / heights[0] - 4.0) < 0.1
+    left, right = columns[: len(columns) // 2].max(), columns[len(columns) // 2:].max()
+    assert left > 20 and right / left == pytest.approx(4.0, rel=0.05)
 
 
-def test_font_has_a_distinct_glyph_for_every_printable_character():
-    glyphs = {}
-    for code in range(0x21, 0x7F):
-        mask = pngplot._text_mask(chr(code))
-        assert mask.shape == (pngplot.GLYPH_H, pngplot.GLYPH_W) and mask.any(), chr(code)
-        glyphs.setdefault(mask.tobytes(), []).append(chr(code))
-    assert all(len(chars) == 1 for chars in glyphs.values()), glyphs.values()
-    assert not pngplot._text_mask(" ").any()
-    assert pngplot._text_mask("\u00e9").tobytes() == pngplot._text_mask("?").tobytes()
-    assert pngplot._text_mask("ab", scale=2).shape == (16, 22)
+def test_grouped_bars_take_one_colour_per_series(tmp_path):
+    path = tmp_path / "bar.png"
+    plot.bar_chart(path, title="Throughput", y_label="Mops/s",
+                   groups=["alloc_free", "touch_free", "lookup"],
+                   series={"shmkv": [3.1, 2.4, 5.0], "shmkv-py": [1.2, 0.9, 2.2],
+                           "vLLM": [0.8, 0.6, 3.9]})
+    pixels = read_png(path)
+    for color in COLORS[:3]:
+        assert count(pixels, color) > 2000, color
 
 
-@pytest.mark.parametrize("lo, hi, expected", [
-    (0, 1, ["0", "0.2", "0.4", "0.6", "0.8", "1.0"]),
-    (0, 1450, ["0", "250", "500", "750", "1000", "1250", "1500"]),
-    (0, 3e6, ["0", "0.5M", "1.0M", "1.5M", "2.0M", "2.5M", "3.0M"]),
-    (-4, 4, ["-4", "-2", "0", "2", "4"]),
-])
-def test_tick_labels_are_round(lo, hi, expected):
-    ticks, step = pngplot._nice_ticks(lo, hi, 7)
-    assert pngplot._tick_labels(ticks, step) == expected
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_value_labels():
-    values = [1, 8, 1024, 65536, 16000, 2.5e6, 0.5, 2.45, 12345.6]
-    assert [pngplot._format_value(v) for v in values] == [
-        "1", "8", "1024", "65536", "16k", "2.5M", "0.5", "2.45", "12.3k"]
+def _timeline(rate: float) -> list[dict]:
+    return [{"t_s": 0.25 * i, "prefix_hit_rate": rate * (1 - math.exp(-i / 8)),
+             "pool_usage": min(1.0, i / 20), "requests_done": i} for i in range(40)]
 
 
-def test_write_png_is_atomic_and_leaves_no_temporary_file(tmp_path):
-    path = tmp_path / "img.png"
-    path.write_bytes(b"old")
-    pixels = np.zeros((3, 2, 3), np.uint8)
-    pixels[1, 0] = (1, 2, 3)
-    pngplot.write_png(path, pixels)
-    assert np.array_equal(read_png(path), pixels)
-    assert os.listdir(tmp_path) == ["img.png"]
-    with pytest.raises(ValueError, match="uint8"):
-        pngplot.write_png(path, pixels.astype(float))
+def test_run_plot_shows_hit_rate_and_usage(tmp_path):
+    from shmkv.serve import report
+
+    f = {"pool": "shared", "schedulers": 4, "routing": "round-robin", "num_blocks": 512,
+         "timeline": _timeline(0.7)}
+    path = tmp_path / "run.png"
+    report.plot_timeline(f, str(path))
+    pixels = read_png(path)
+    assert pixels.shape == (480, 800, 3) and not_blank(pixels) > 0.02
+    assert count(pixels, COLORS[0]) > 500 and count(pixels, COLORS[1]) > 200  # hit rate, usage
+    compare = tmp_path / "compare.png"
+    report.plot_timeline([f, dict(f, pool="private", timeline=_timeline(0.3))], str(compare))
+    assert count(read_png(compare), COLORS[1]) > 500  # the second run
+    # an empty timeline (a run stopped before its first request) still plots
+    report.plot_timeline(dict(f, timeline=[]), str(tmp_path / "empty.png"))
+    assert read_png(tmp_path / "empty.png").shape == (480, 800, 3)
 
 
-@pytest.mark.parametrize("series, message", [
-    ({}, "series is empty"),
-    ({"a": ([1, 2, 3], [1, 2])}, "'a': 3 x values but 2 y values"),
-    ({"a": ([], [])}, "'a' has no points"),
-    ({"a": [1, 2, 3]}, r"'a': expected an \(xs, ys\) pair"),
-    ({"a": ([1, 2], [1, float("nan")])}, "NaN or infinity"),
-    ({"a": ([1, "x"], [1, 2])}, "expected a list of numbers"),
-    ({"a": ([0, 1], [1, 2])}, "log_x needs positive x values"),
-])
-def test_line_chart_rejects_bad_input(tmp_path, series, message):
-    with pytest.raises(ValueError, match=message):
-        pngplot.line_chart(tmp_path / "x.png", title="t", x_label="x", y_label="y",
-                           series=series, log_x=True)
-    assert not os.listdir(tmp_path)
+def test_contention_plot_has_two_panels(tmp_path):
+    bench = _bench("bench_contention")
+    rows = [{"processes": n, "kernel": "c", "requests_per_s": r, "wait_p50_us": p50,
+             "wait_p99_us": p99}
+            for n, r, p50, p99 in [(1, 21327, 0.1, 0.1), (2, 38148, 0.2, 21),
+                                   (4, 31840, 0.2, 804), (8, 30298, 0.2, 2129)]]
+    path = tmp_path / "contention.png"
+    bench.plot(rows, path)
+    pixels = read_png(path)
+    assert pixels.shape == (480, 800, 3)
+    blue = np.all(np.abs(pixels - COLORS[0]) <= 0.02, axis=2)
+    cols = np.nonzero(blue.any(axis=0))[0]
+    assert cols.min() < 400 < cols.max()  # throughput on the left, lock wait on the right
+    assert count(pixels[:, 400:], COLORS[1]) > 100  # p50 in the right panel
 
 
-@pytest.mark.parametrize("groups, series, message", [
-    (["a"], {}, "series is empty"),
-    ([], {"s": []}, "groups is empty"),
-    (["a", "b"], {"s": [1.0]}, "'s': 1 values for 2 groups"),
-    (["a"], {"s": [float("inf")]}, "NaN or infinity"),
-])
-def test_bar_chart_rejects_bad_input(tmp_path, groups, series, message):
-    with pytest.raises(ValueError, match=message):
-        pngplot.bar_chart(tmp_path / "x.png", title="t", y_label="y", groups=groups,
-                          series=series)
+def test_serve_plot_has_a_bar_per_row(tmp_path):
+    pytest.importorskip("torch")
+    bench = _bench("bench_serve")
+    rows = [{"schedulers": 4, "row": f"{p}:{r}", "pool": p, "routing": r, "num_blocks": 512,
+             "prefix_hit_rate": h}
+            for p, r, h in [("shared", "round-robin", 0.75), ("private", "round-robin", 0.32),
+                            ("private", "prefix-aware", 0.73)]]
+    path = tmp_path / "serve.png"
+    bench.plot(rows, str(path))
+    blue = np.all(np.abs(read_png(path) - COLORS[0]) <= 0.02, axis=2)
+    heights = blue.sum(axis=0)
+    # three bars: three runs of blue columns, the middle one the shortest
+    runs = np.split(heights, np.nonzero(heights == 0)[0])
+    bars = [r.max() for r in runs if r.size and r.max() > 20]
+    assert len(bars) == 3 and bars[1] < bars[0] and bars[1] < bars[2]
+    assert bars[0] / bars[1] == pytest.approx(0.75 / 0.32, rel=0.05)
 
 
-def test_too_small_image_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="at least 200x150"):
-        pngplot.line_chart(tmp_path / "x.png", title="t", x_label="x", y_label="y",
-                           series={"a": ([1], [1])}, width=100, height=100)
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_import_shmkv_does_not_import_matplotlib():
+    out = _python("import sys, shmkv, shmkv.plot, shmkv.cli, shmkv.serve.report\n"
+                  "assert 'matplotlib' not in sys.modules, 'matplotlib imported'\n"
+                  "print('ok')")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_without_matplotlib_the_charts_raise_one_clear_line(tmp_path):
+    out = _python(
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # import matplotlib now raises ImportError\n"
+        "from shmkv import plot\n"
+        "from shmkv.serve import report\n"
+        "f = {'pool': 'shared', 'schedulers': 2, 'routing': 'round-robin',\n"
+        "     'num_blocks': 64, 'timeline': []}\n"
+        "for draw in (lambda: plot.line_chart(sys.argv[1], title='t', x_label='x',\n"
+        "                                     y_label='y', series={'s': ([1], [1])}),\n"
+        "             lambda: plot.bar_chart(sys.argv[1], title='t', y_label='y',\n"
+        "                                    groups=['a'], series={'s': [1]}),\n"
+        "             lambda: report.plot_timeline(f, sys.argv[1])):\n"
+        "    try:\n"
+        "        draw()\n"
+        "    except plot.PlotUnavailable as e:\n"
+        "        assert isinstance(e, ImportError)\n"
+        "        print(e)\n"
+        .replace("sys.argv[1]", repr(str(tmp_path / "x.png"))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [plot.MISSING] * 3
+    assert "pip install 'shmkv[plot]'" in plot.MISSING and "\n" not in plot.MISSING
+    assert not list(tmp_path.iterdir())

@@ -264,3 +264,33 @@ def test_scheduler_refuses_what_cannot_fit(manager):
         s.add_request("y", [], max_tokens=1)
     assert not s.has_work
     assert TraceRequest(request_id="z", prompt_token_ids=[1]).max_tokens == 16
+
+
+def test_serve_modules_import_one_another_without_cycles():
+    """shmkv/serve/'s modules form layers: no import cycle among them, counting the
+    imports inside functions (engine is below scheduler; child_setup lives in engine)."""
+    import ast
+    from pathlib import Path
+
+    serve = Path(__file__).resolve().parents[2] / "shmkv" / "serve"
+    names = {p.stem for p in serve.glob("*.py")} - {"__init__"}
+    graph = {}
+    for name in names:
+        deps = set()
+        for node in ast.walk(ast.parse((serve / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[:2] == ["shmkv", "serve"]:
+                    deps.update(parts[2:3] or [a.name for a in node.names])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[2] for a in node.names
+                            if a.name.startswith("shmkv.serve."))
+        graph[name] = (deps & names) - {name}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(d == target or (d not in seen and not seen.add(d)
+                                   and reaches(d, target, seen)) for d in graph[start])
+
+    assert [m for m in sorted(names) if reaches(m, m, set())] == []
+    assert "scheduler" in graph["runner"] and "engine" in graph["scheduler"]
+    assert "scheduler" not in graph["engine"]

@@ -1,0 +1,808 @@
+"""``shmkv`` commands on pools: ``create``, ``inspect``, ``stats``, ``recover``,
+``unlink``; ``ls`` and ``cleanup`` over every pool of the machine; ``demo`` and ``bench``,
+which make a pool of their own."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+
+from shmkv.cli.common import EXIT_ERROR, EXIT_OK, EXIT_PROBLEM, StopOnSignals
+from shmkv.errors import ShmKVError
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.lock import decode_holder
+from shmkv.pool.recovery import collect_violations
+
+
+# ---------------------------------------------------------------------------- demo
+
+SYSTEM_PROMPTS = {
+    "assistant": list(range(1000, 1064)),  # 64 tokens: 4 blocks of 16
+    "coder": list(range(2000, 2096)),  # 96 tokens: 6 blocks
+}
+
+
+def _demo_scheduler(name: str, index: int, num_requests: int, seed: int, first_done,
+                    lines) -> None:
+    """One scheduler process: serve requests, report each one's prefix hit."""
+    from shmkv.core.request import Request
+    from shmkv.stats import PoolStats
+
+    pool = BlockPool.attach(name, label=f"scheduler-{index}")
+    stats = PoolStats.open(pool, time_lock=True)  # for `shmkv stats` / `shmkv metrics`
+    hasher = pool.make_block_hasher()
+    rng = random.Random(seed)
+    own_blocks: set[int] = set()
+    bs = pool.hash_block_size
+    if index > 0:
+        first_done.wait(60)  # let scheduler 0 compute the system prompts first
+    for r in range(num_requests):
+        system = rng.choice(sorted(SYSTEM_PROMPTS))
+        user = [rng.randrange(30_000, 40_000) for _ in range(rng.randint(8, 40))]
+        req = Request(f"s{index}-r{r}", SYSTEM_PROMPTS[system] + user, block_hasher=hasher)
+        with pool.lock():
+            hits = pool.get_cached_prefix(req.block_hashes)
+            pool.touch(hits)
+            new = pool.get_new_blocks(-(-req.num_tokens // bs) - len(hits))
+            blocks = hits + new
+            pool.cache_full_blocks(req, blocks, len(hits), req.num_tokens // bs, bs, 0)
+        stats.add_prefix_cache(req.num_tokens, len(hits) * bs)
+        foreign = sum(1 for b in hits if b.block_id not in own_blocks)
+        own_blocks.update(b.block_id for b in new)
+        lines.put((index, r, system, req.num_tokens, len(hits) * bs, foreign * bs))
+        pool.free_blocks(reversed(blocks))
+        if index == 0 and r == 1:
+            first_done.set()
+    first_done.set()
+    stats.close()
+    pool.close()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.processes < 1 or args.requests < 1 or args.blocks < 16:
+        print("shmkv demo: --processes and --requests must be >= 1, --blocks >= 16",
+              file=sys.stderr)
+        return EXIT_ERROR
+    name = f"demo-{os.getpid()}"
+    ctx = mp.get_context("spawn")
+    pool = BlockPool.create(name, args.blocks, enable_kv_cache_events=True,
+                            max_processes=args.processes + 2, label="demo")
+    print(f"pool {name}: {args.blocks} blocks of {pool.hash_block_size} tokens in "
+          f"/dev/shm{pool._segment.shm_name}; {args.processes} scheduler processes, "
+          f"{args.requests} requests each")
+    lines = ctx.Queue()
+    first_done = ctx.Event()
+    procs = [
+        ctx.Process(target=_demo_scheduler,
+                    args=(name, i, args.requests, args.seed + i, first_done, lines))
+        for i in range(args.processes)
+    ]
+    status = EXIT_OK
+    try:
+        for p in procs:
+            p.start()
+        totals = {"requests": 0, "tokens": 0, "hit": 0, "foreign": 0}
+        deadline = time.monotonic() + args.timeout
+        for _ in range(args.processes * args.requests):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not any(p.is_alive() for p in procs) and lines.empty():
+                break
+            try:
+                index, r, system, tokens, hit, foreign = lines.get(timeout=max(remaining, 0.1))
+            except Exception:  # noqa: BLE001  (queue.Empty: a scheduler died; reported below)
+                break
+            totals["requests"] += 1
+            totals["tokens"] += tokens
+            totals["hit"] += hit
+            totals["foreign"] += foreign
+            print(f"  scheduler-{index} request {r:>2}: {system:<9} prompt {tokens:>3} tokens, "
+                  f"prefix hit {hit:>3} tokens ({foreign:>3} computed by another process)")
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 1))
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+            if p.exitcode != 0:
+                print(f"{p.name} exited with code {p.exitcode}", file=sys.stderr)
+                status = EXIT_PROBLEM
+        rate = totals["hit"] / totals["tokens"] if totals["tokens"] else 0.0
+        print(f"{totals['requests']} requests, {totals['tokens']} prompt tokens, "
+              f"{totals['hit']} served from the shared prefix cache ({rate:.0%}), "
+              f"{totals['foreign']} of them cached by another scheduler process")
+        events, lost = pool.read_events(pool.event_cursor())
+        print(f"global event log: {len(events)} events from "
+              f"{len({e.slot for e in events})} processes, {lost} lost")
+        pool.check_invariants()
+        print(f"invariants: OK; blocks free: {pool.get_num_free_blocks()} of "
+              f"{pool.num_gpu_blocks - 1}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        pool.close()
+        BlockPool.unlink(name)
+        from shmkv.stats import unlink_stats
+
+        unlink_stats(name)
+    return status
+
+
+def add_demo_parser(sub) -> None:
+    demo = sub.add_parser("demo", help="several scheduler processes share one pool",
+                          description="Starts scheduler processes on one new pool; each "
+                          "serves chat requests and prints the prefix hits it got.")
+    demo.add_argument("--processes", type=int, default=3, help="scheduler processes (3)")
+    demo.add_argument("--requests", type=int, default=6, help="requests per process (6)")
+    demo.add_argument("--blocks", type=int, default=256, help="blocks in the pool (256)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    demo.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    demo.set_defaults(func=cmd_demo)
+
+
+# ---------------------------------------------------------------------------- inspect
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    pool = BlockPool.attach(args.name, label="shmkv-inspect")
+    try:
+        with pool.lock():
+            hdr = pool.layout.view(pool._segment.buf, "header")[0].copy()  # as of this hold
+            holder = decode_holder(int(hdr["holder"]))
+            violations = collect_violations(pool)
+        print(f"pool {args.name}  segment {pool._segment.shm_name}  "
+              f"({pool.layout.total_bytes:,} bytes, layout v{L.LAYOUT_VERSION})")
+        for field in L.HEADER_DTYPE.names:
+            value = hdr[field]
+            if field == "state":
+                value = L.STATE_NAMES.get(int(value), int(value))
+            elif field == "magic":
+                value = hex(int(value))
+            elif field in ("medium", "hash_fn_name"):
+                value = bytes(value).decode(errors="replace")
+            elif field == "none_hash":
+                value = bytes(value).hex()[:16] + "..."
+            elif field == "holder":
+                value = "free" if holder is None else f"slot {holder[0]}, pid {holder[1]}"
+            print(f"  {field:<20} {value}")
+        print("regions:")
+        for name, offset, nbytes, _ in pool.layout.describe():
+            print(f"  {name:<14} offset {offset:>12,}  {nbytes:>14,} B  "
+                  f"shape {pool.layout.shapes[name]}")
+        n = pool.num_gpu_blocks
+        free = pool.get_num_free_blocks()
+        cached = len(pool.cached_block_hash_to_block)
+        print(f"blocks: {n} total, {free} free, {n - 1 - free} in use, "
+              f"{cached} cached keys, usage {pool.get_usage():.1%}")
+        print("processes:")
+        for proc in pool.processes():
+            if proc["self"]:
+                continue
+            print(f"  slot {proc['slot']:>3}  pid {proc['pid']:>7}  "
+                  f"{'alive' if proc['alive'] else 'DEAD '}  refs {proc['references']:>7}  "
+                  f"{proc['label']}")
+        _print_siblings(args.name)
+        print("invariants: " + ("OK" if not violations else f"{len(violations)} broken"))
+        for v in violations:
+            print(f"  {v}")
+        return EXIT_OK if not violations else EXIT_PROBLEM
+    finally:
+        pool.close()
+
+
+def _print_siblings(name: str) -> None:
+    """The pool's publisher position and stats segment, if it has them."""
+    from shmkv.publisher import saved_position
+    from shmkv.stats import read_stats
+
+    saved = saved_position(name)
+    if saved is not None:
+        print(f"publisher: {'running' if saved['running'] else 'not running'} (last pid "
+              f"{saved['pid']}), next seq {saved['next_seq']}, {saved['published']} batches "
+              f"sent, {saved['lost']} events lost")
+    rows = read_stats(name)
+    if rows is not None:
+        recorded = int((rows["pid"] != 0).sum())
+        print(f"stats: {recorded} slot(s) recorded, {int(rows['queries'].sum()):,} prefix "
+              f"tokens queried, {int(rows['hits'].sum()):,} hit")
+
+
+def add_inspect_parser(sub) -> None:
+    inspect = sub.add_parser("inspect", help="print a live pool's state",
+                             description="Header, regions, usage, processes and invariant "
+                             "status of a live pool. Exit 1 if an invariant is broken.")
+    inspect.add_argument("name", help="pool name")
+    inspect.set_defaults(func=cmd_inspect)
+
+
+# ---------------------------------------------------------------------------- recover
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    pool = BlockPool.attach(args.name, label="shmkv-recover", lock_timeout_s=args.timeout,
+                            stuck_after_s=args.stuck_after, _recovering=True)
+    try:
+        print(f"pool {args.name}: attached as slot {pool.slot} (pid {pool.pid})")
+        taken = pool.last_repair
+        if taken is None:
+            print("  lock: free or held by a live process; no dead hold to roll back")
+        else:
+            print(f"  lock: taken over: {taken.cause}")
+            if taken.rebuilt:
+                print("  its hold had overflowed the journal: derived structures rebuilt")
+            else:
+                print(f"  its hold rolled back: {taken.journal_entries_undone} journaled "
+                      "word(s) restored")
+            print(f"  reaped with it: {taken.processes_reaped} process(es), "
+                  f"{taken.references_released} block reference(s) released")
+        for pid in args.reclaim:
+            slots = [p["slot"] for p in pool.processes() if p["pid"] == pid and not p["self"]]
+            if not slots:
+                print(f"  reclaim: no process with pid {pid} is attached", file=sys.stderr)
+                return EXIT_ERROR
+            released = pool.reclaim_slot(slots[0])
+            print(f"  reclaimed slot {slots[0]} (pid {pid}): {released} reference(s) "
+                  "released; the process is fenced")
+        report = pool.repair()
+        print(f"  dead processes reaped: {report['processes_reaped']} "
+              f"({report['references_released']} block reference(s) released)")
+        found = report["violations_found"]
+        print(f"  invariants: {'OK' if not found else f'{len(found)} broken'}")
+        for v in found:
+            print(f"    {v}")
+        if report["rebuilt"] is not None:
+            r = report["rebuilt"]
+            print(f"  rebuilt: {r.num_free_blocks} free blocks, {r.num_cached_blocks} cached, "
+                  f"{r.ref_cnt_fixed} ref counts fixed, {r.hashes_dropped} hashes dropped")
+            left = report["violations_left"]
+            print(f"  after the rebuild: {'OK' if not left else f'{len(left)} still broken'}")
+            for v in left:
+                print(f"    {v}")
+        free = pool.get_num_free_blocks()
+        print(f"  blocks: {free} free of {pool.num_gpu_blocks - 1}; epoch "
+              f"{report['epoch']}; {time.perf_counter() - t0:.3f} s")
+        return EXIT_OK if not report["violations_left"] else EXIT_PROBLEM
+    finally:
+        pool.close()
+
+
+def add_recover_parser(sub) -> None:
+    recover = sub.add_parser(
+        "recover", help="take over from dead processes, repair, report",
+        description="Attaches to a pool (taking the lock over from a holder that died in "
+        "it and rolling its hold back), reaps dead processes, checks every invariant and "
+        "rebuilds the derived structures if one is broken; a POISONED pool that passes is "
+        "READY again. Exit 1 if the pool is still broken.")
+    recover.add_argument("name", help="pool name")
+    recover.add_argument("--reclaim", type=int, action="append", default=[], metavar="PID",
+                         help="also take the slot of this live (stuck) process; it is fenced")
+    recover.add_argument("--timeout", type=float, default=30.0,
+                         help="seconds to wait for the lock (30)")
+    recover.add_argument("--stuck-after", type=float, default=2.0,
+                         help="seconds a lock may stand taken with no holder before a dead "
+                         "taker is blamed (2)")
+    recover.set_defaults(func=cmd_recover)
+
+
+# ---------------------------------------------------------------------------- unlink
+
+def cmd_unlink(args: argparse.Namespace) -> int:
+    from shmkv.publisher import unlink_state
+    from shmkv.stats import unlink_stats
+
+    L.validate_pool_name(args.name)
+    extras = [what for what, gone in (("publisher position", unlink_state(args.name)),
+                                      ("stats", unlink_stats(args.name))) if gone]
+    if BlockPool.unlink(args.name):
+        print(f"removed pool {args.name}" + (f" (and its {', '.join(extras)})"
+                                             if extras else ""))
+        return EXIT_OK
+    if extras:
+        print(f"no pool named {args.name}; removed its leftover {', '.join(extras)}")
+        return EXIT_OK
+    print(f"no pool named {args.name}", file=sys.stderr)
+    return EXIT_PROBLEM
+
+
+def add_unlink_parser(sub) -> None:
+    unlink = sub.add_parser("unlink", help="remove a pool",
+                            description="Removes a pool's segment, lock and lock file. "
+                            "Processes that have it mapped keep working. Exit 1 if none.")
+    unlink.add_argument("name", help="pool name")
+    unlink.set_defaults(func=cmd_unlink)
+
+
+# ---------------------------------------------------------------------------- cleanup
+
+def orphaned_pools() -> tuple[list[str], list[str]]:
+    """(pools of this layout version with no live process attached, segments of another
+    layout version). Reads the process tables without attaching (no slot is taken)."""
+    import numpy as np
+
+    from shmkv.pool.liveness import AliveLocks, alive_path
+    from shmkv.pool.segment import Segment, read_config
+
+    suffix = f"-v{L.LAYOUT_VERSION}"
+    orphans, foreign = [], []
+    for entry in sorted(os.listdir("/dev/shm")):
+        if not entry.startswith("shmkv-") or entry.endswith(".alive"):
+            continue
+        if not entry.endswith(suffix):
+            foreign.append(entry)
+            continue
+        name = entry[len("shmkv-"):-len(suffix)]
+        try:
+            segment = Segment.open(f"/{entry}")
+        except ShmKVError:
+            continue
+        try:
+            layout = read_config(segment)
+            procs = layout.view(segment.buf, "proc_table")
+            active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
+            del procs
+            alive = AliveLocks(alive_path(f"/{entry}"), create=False)
+            try:
+                if not any(alive.is_alive(slot) for slot in active):
+                    orphans.append(name)
+            finally:
+                alive.close()
+        except ShmKVError:
+            orphans.append(name)  # torn or half-created, and nobody can attach to it
+        finally:
+            segment.close()
+    return orphans, foreign
+
+
+def stale_run_segments() -> list[str]:
+    """Entries of /dev/shm that a ``shmkv run`` made (channels, doorbells, block tables, KV
+    stores: ``shmkv_<kind>-run<pid>-<id>...``) whose front end is dead: it was SIGKILLed and
+    could not remove them. (Its pool is an orphaned pool like any other.)"""
+    import re
+
+    pattern = re.compile(r"^(?:sem\.)?shmkv_(?:ch|bt|kv|bell)-run(\d+)-[0-9a-f]{6}(?:-|$)")
+    out = []
+    for entry in sorted(os.listdir("/dev/shm")):
+        m = pattern.match(entry)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            out.append(entry)
+    return out
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    for entry in stale_run_segments():
+        if args.dry_run:
+            print(f"would remove /dev/shm/{entry} (its shmkv run's front end is dead)")
+        else:
+            try:
+                os.unlink(f"/dev/shm/{entry}")
+            except FileNotFoundError:
+                continue
+            print(f"removed /dev/shm/{entry} (its shmkv run's front end is dead)")
+    orphans, foreign = orphaned_pools()
+    for name in orphans:
+        if args.dry_run:
+            print(f"would remove pool {name} (no live process attached)")
+        else:
+            BlockPool.unlink(name)
+            print(f"removed pool {name} (no live process attached)")
+    from shmkv.publisher import saved_position, unlink_state
+    from shmkv.stats import unlink_stats
+
+    present = set(os.listdir("/dev/shm"))
+    for entry in sorted(present):
+        for prefix, unlink in (("shmkv_pub-", unlink_state), ("shmkv_stats-", unlink_stats)):
+            if not (entry.startswith(prefix) and entry.endswith("-v1")):
+                continue
+            name = entry[len(prefix):-len("-v1")]
+            if (name not in orphans and L.segment_name(name)[1:] in present) or (
+                    prefix == "shmkv_pub-" and (saved_position(name) or {}).get("running")):
+                continue  # its pool is still there, or a publisher runs on it
+            if args.dry_run:
+                print(f"would remove /dev/shm/{entry} (its pool {name} is gone)")
+            else:
+                unlink(name)
+                print(f"removed /dev/shm/{entry} (its pool {name} is gone)")
+    for entry in foreign:
+        print(f"left /dev/shm/{entry}: another layout version (remove it with the shmkv "
+              "that made it, or by hand)")
+    if not orphans:
+        print("no orphaned pools")
+    return EXIT_OK
+
+
+def add_cleanup_parser(sub) -> None:
+    cleanup = sub.add_parser("cleanup", help="remove pools no live process is attached to",
+                             description="Removes every pool of this layout version whose "
+                             "process table names no live process (their creators and users "
+                             "died without unlinking), and the channels, doorbells, block "
+                             "tables and KV stores of a shmkv run whose front end is dead. A "
+                             "process attaching at that very moment keeps working on the "
+                             "removed pool.")
+    cleanup.add_argument("--dry-run", action="store_true", help="only say what would go")
+    cleanup.set_defaults(func=cmd_cleanup)
+
+
+# ---------------------------------------------------------------------------- create
+
+def cmd_create(args: argparse.Namespace) -> int:
+    kwargs = {}
+    if args.max_processes is not None:
+        kwargs["max_processes"] = args.max_processes
+    if args.event_log_bytes is not None:
+        kwargs["event_log_bytes"] = args.event_log_bytes
+    pool = BlockPool.create(args.name, args.blocks, enable_caching=not args.no_caching,
+                            hash_block_size=args.block_size,
+                            enable_kv_cache_events=args.events, label="shmkv-create",
+                            **kwargs)
+    try:
+        print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens, "
+              f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool._segment.shm_name}, "
+              f"events {'on' if args.events else 'off'}, "
+              f"{pool.layout.config.max_processes} process slots")
+    finally:
+        pool.close()
+    print(f"it stays until `shmkv unlink {args.name}` (or `shmkv cleanup` while no process "
+          "is attached)")
+    return EXIT_OK
+
+
+def add_create_parser(sub) -> None:
+    p = sub.add_parser("create", help="create a pool and leave it in /dev/shm",
+                       description="Creates a new pool segment for schedulers to attach "
+                       "to, then exits (the pool stays). Exit 2 if it exists already.")
+    p.add_argument("name", help="pool name")
+    p.add_argument("--blocks", type=int, required=True, help="blocks in the pool (with the "
+                   "null block)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per hash block (16)")
+    p.add_argument("--events", action="store_true", help="keep the global KV-event log "
+                   "(needed by publish, events, and the eviction metrics)")
+    p.add_argument("--event-log-bytes", type=int, help="size of the event ring (4 MiB)")
+    p.add_argument("--max-processes", type=int, help="process-table slots")
+    p.add_argument("--no-caching", action="store_true", help="no prefix caching")
+    p.set_defaults(func=cmd_create)
+
+
+# ---------------------------------------------------------------------------- stats
+
+def _format_snapshot(s, prev, dt: float) -> list[str]:
+    def rate(now: int, before: int | None) -> str:
+        return "" if before is None or dt <= 0 else f" ({(now - before) / dt:,.0f}/s)"
+
+    hit = s.hits / s.queries if s.queries else 0.0
+    lines = [
+        f"pool {s.pool}  {time.strftime('%H:%M:%S')}",
+        f"  blocks   {s.num_blocks} total, {s.free} free, {s.in_use} in use, {s.cached} "
+        f"cached keys, usage {s.usage:.1%}",
+        f"  procs    {s.alive} alive, {s.dead} dead (not reaped); {s.reaped} reaped, "
+        f"{s.repairs} repairs, {s.takeovers} lock take-overs",
+        f"  lock     {s.lock_acquisitions:,} holds"
+        f"{rate(s.lock_acquisitions, prev and prev.lock_acquisitions)}",
+        f"  prefix   {s.queries:,} tokens queried, {s.hits:,} hit ({hit:.1%})"
+        f"{rate(s.queries, prev and prev.queries)}",
+        f"  events   {s.events_logged:,} logged{rate(s.events_logged, prev and prev.events_logged)}"
+        f", {s.evictions:,} evictions{rate(s.evictions, prev and prev.evictions)}, "
+        f"{s.events_dropped} dropped",
+    ]
+    for slot, row in sorted(s.engines.items()):
+        waits, holds = row["lock_wait_count"], row["lock_hold_count"]
+        mean_wait = row["lock_wait_sum_ns"] / waits / 1e3 if waits else 0.0
+        mean_hold = row["lock_hold_sum_ns"] / holds / 1e3 if holds else 0.0
+        lines.append(f"  slot {slot:>3} pid {row['pid']:>7}: {row['queries']:,} queried, "
+                     f"{row['hits']:,} hit; lock mean wait {mean_wait:.1f} us, hold "
+                     f"{mean_hold:.1f} us over {holds:,} holds")
+    return lines
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from shmkv.metrics import PoolMetrics
+
+    pool = BlockPool.attach(args.name, label="shmkv-stats")
+    try:
+        metrics = PoolMetrics(pool)
+        prev, t_prev = None, time.monotonic()
+        stop = StopOnSignals()
+        shown = 0
+        clear = sys.stdout.isatty() and not args.no_clear
+        while not stop.stopped and (args.count is None or shown < args.count):
+            if shown:
+                stop.sleep(args.interval)
+                if stop.stopped:
+                    break
+            snap, now = metrics.snapshot(), time.monotonic()
+            text = "\n".join(_format_snapshot(snap, prev, now - t_prev))
+            print(("\033[H\033[J" if clear else "") + text, flush=True)
+            prev, t_prev = snap, now
+            shown += 1
+        return EXIT_OK
+    finally:
+        pool.close()
+
+
+def add_stats_parser(sub) -> None:
+    p = sub.add_parser("stats", help="live figures of a pool, refreshed",
+                       description="Prints a live pool's usage, processes, lock holds, "
+                       "prefix-cache queries and hits (recorded by processes that use "
+                       "shmkv.stats.PoolStats) and evictions, every --interval seconds "
+                       "with rates, until Ctrl-C or --count refreshes.")
+    p.add_argument("name", help="pool name")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (1)")
+    p.add_argument("--count", type=int, help="stop after this many refreshes")
+    p.add_argument("--no-clear", action="store_true", help="do not clear the terminal")
+    p.set_defaults(func=cmd_stats)
+
+
+# ---------------------------------------------------------------------------- ls
+
+def list_objects() -> list[dict]:
+    """Every shmkv object in /dev/shm: pools (with owner, size, processes, creator alive),
+    their locks and liveness files, and sibling objects (channels, doorbells, publisher
+    positions, stats, block tables...), each with the pool it belongs to if any."""
+    out = []
+    for entry in sorted(os.listdir("/dev/shm")):
+        row = _object_row(entry)
+        if row is not None:
+            out.append(row)
+    _name_owning_pools(out)
+    return out
+
+
+def _object_row(entry: str) -> dict | None:
+    """The row of one entry of /dev/shm; None if it is not shmkv's (or just went)."""
+    import pwd
+
+    path = f"/dev/shm/{entry}"
+    base = entry[len("sem."):] if entry.startswith("sem.") else entry
+    if not (base.startswith("shmkv-") or base.startswith("shmkv_")):
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    row = {"entry": entry, "owner": owner, "bytes": st.st_size, "kind": "other",
+           "name": base, "version": None, "processes": None, "alive": None,
+           "creator_alive": None, "note": ""}
+    if entry.startswith("sem."):
+        row["kind"] = "lock" if base.endswith(".lock") else "semaphore"
+        if base.startswith("shmkv_bell-"):
+            row["kind"] = "doorbell"
+        row["name"] = base.removesuffix(".lock")
+        return row
+    if entry.endswith(".alive"):
+        row["kind"] = "liveness"
+        row["name"] = base.removesuffix(".alive")
+        return row
+    head, sep, version = base.rpartition("-v")
+    if sep and version.isdigit():
+        row["version"] = int(version)
+    if base.startswith("shmkv_"):
+        kind, _, rest = head[len("shmkv_"):].partition("-")
+        known = {"ch": "channel", "pub": "publisher", "stats": "stats"}
+        row["kind"] = known.get(kind, "sibling")
+        row["name"] = rest if kind in known else head[len("shmkv_"):]
+        if kind == "pub":
+            from shmkv.publisher import saved_position
+
+            saved = saved_position(rest) if row["version"] == 1 else None
+            if saved:
+                row["note"] = (f"next seq {saved['next_seq']}, "
+                               f"{'running' if saved['running'] else 'stopped'}")
+        return row
+    row["kind"] = "pool"
+    row["name"] = head[len("shmkv-"):] if sep else base[len("shmkv-"):]
+    if row["version"] != L.LAYOUT_VERSION:
+        row["note"] = f"layout v{row['version']}, not this shmkv's v{L.LAYOUT_VERSION}"
+        return row
+    _read_pool(row, entry)
+    return row
+
+
+def _read_pool(row: dict, entry: str) -> None:
+    """Fills a pool's row from its process table, without attaching (no slot is taken)."""
+    import numpy as np
+
+    from shmkv.pool.liveness import AliveLocks, alive_path
+    from shmkv.pool.segment import Segment, read_config
+
+    try:
+        segment = Segment.open(f"/{entry}")
+    except ShmKVError as exc:
+        row["note"] = str(exc)
+        return
+    try:
+        layout = read_config(segment)
+        hdr = layout.view(segment.buf, "header")[0]
+        creator = int(hdr["creator_pid"])
+        del hdr
+        procs = layout.view(segment.buf, "proc_table")
+        active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
+        pids = {slot: int(procs[slot]["pid"]) for slot in active}
+        del procs
+        alive = AliveLocks(alive_path(f"/{entry}"), create=False)
+        try:
+            live = [slot for slot in active if alive.is_alive(slot)]
+        finally:
+            alive.close()
+        row["processes"], row["alive"] = len(active), len(live)
+        row["creator_alive"] = any(pids[slot] == creator for slot in live)
+        row["note"] = f"{layout.config.num_blocks} blocks, creator pid {creator}"
+    except (ShmKVError, OSError) as exc:
+        row["note"] = f"unreadable: {exc}"
+    finally:
+        segment.close()
+
+
+def _name_owning_pools(rows: list[dict]) -> None:
+    """Adds to each sibling object the pool it belongs to, by name."""
+    pools = sorted((r["name"] for r in rows if r["kind"] == "pool"), key=len, reverse=True)
+    for r in rows:
+        if r["kind"] in ("pool", "lock", "liveness"):
+            continue
+        bare = r["name"].removeprefix("shmkv_bell-")
+        owner = next((p for p in pools if bare == p or bare.startswith(p + "-")
+                      or bare.startswith(p + "+")), None)
+        if owner is not None:
+            r["pool"] = owner
+            r["note"] = (r["note"] + "; " if r["note"] else "") + f"of pool {owner}"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = list_objects()
+    if not args.all:
+        rows = [r for r in rows if r["kind"] not in ("lock", "liveness")]
+    if args.json:
+        import json
+
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    if not rows:
+        print("no shmkv objects in /dev/shm")
+        return EXIT_OK
+    print(f"{'KIND':<10} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
+          f"{'CREATOR':<8} NOTE")
+    for r in rows:
+        procs = "" if r["processes"] is None else f"{r['alive']}/{r['processes']}"
+        creator = "" if r["creator_alive"] is None else (
+            "alive" if r["creator_alive"] else "gone")
+        print(f"{r['kind']:<10} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
+              f"{procs:>9} {creator:<8} {r['note']}")
+    pools = [r for r in rows if r["kind"] == "pool"]
+    print(f"{len(pools)} pool(s), {len(rows) - len(pools)} other object(s); PROCS = alive/"
+          "attached")
+    return EXIT_OK
+
+
+def add_ls_parser(sub) -> None:
+    p = sub.add_parser("ls", help="list every shmkv object on this machine",
+                       description="Lists the shmkv objects in /dev/shm: pools (owner, "
+                       "size, attached processes alive/total, whether the creator is "
+                       "alive), message channels and their doorbells, publisher positions, "
+                       "stats segments and other siblings; --all adds pool locks and "
+                       "liveness files. Reads process tables without attaching.")
+    p.add_argument("--all", action="store_true", help="also pool locks and liveness files")
+    p.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    p.set_defaults(func=cmd_ls)
+
+
+# ---------------------------------------------------------------------------- bench
+
+def _benchmarks_dir():
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2] / "benchmarks"  # beside shmkv/
+    return here if here.is_dir() else None
+
+
+def _builtin_bench(args: argparse.Namespace) -> int:
+    from shmkv.core.request import Request
+
+    name = f"bench-{os.getpid()}"
+    pool = BlockPool.create(name, args.blocks, label="shmkv-bench")
+    try:
+        rows = []
+        n = args.iterations
+        for width in (1, 16):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                pool.free_blocks(pool.get_new_blocks(width))
+            rows.append((f"get_new_blocks + free_blocks, {width} block(s)",
+                         (time.perf_counter_ns() - t0) / n / width))
+        hasher = pool.make_block_hasher()
+        req = Request("bench", list(range(16 * 16)), block_hasher=hasher)
+        blocks = pool.get_new_blocks(16)
+        pool.cache_full_blocks(req, blocks, 0, 16, 16, 0)
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            pool.get_cached_block(req.block_hashes[7], [0])
+        rows.append(("get_cached_block, hit", (time.perf_counter_ns() - t0) / n))
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            pool.get_cached_prefix(req.block_hashes)
+        rows.append(("get_cached_prefix, 16 blocks", (time.perf_counter_ns() - t0) / n / 16))
+        pool.free_blocks(reversed(blocks))
+        print(f"built-in benchmark: {args.blocks} blocks, {n} iterations, kernel "
+              f"{pool.kernel}")
+        for what, ns in rows:
+            print(f"  {what:<40} {ns:>10,.0f} ns per block")
+        return EXIT_OK
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    bench_dir = _benchmarks_dir()
+    scripts = sorted(p.stem[len("bench_"):] for p in bench_dir.glob("bench_*.py")) \
+        if bench_dir else []
+    if args.list:
+        print("built-in: shmkv bench (no name): a few-second single-process benchmark")
+        if bench_dir:
+            print(f"scripts in {bench_dir}: " + ", ".join(scripts))
+        else:
+            print("no benchmarks/ directory next to this shmkv (it ships with the source "
+                  "tree, not the installed package)")
+        return EXIT_OK
+    if args.script is None:
+        if args.iterations < 1 or args.blocks < 32:
+            print("shmkv bench: --iterations must be >= 1 and --blocks >= 32",
+                  file=sys.stderr)
+            return EXIT_ERROR
+        return _builtin_bench(args)
+    if bench_dir is None:
+        package_dir = os.path.dirname(os.path.dirname(__file__))
+        print(f"shmkv bench: no benchmarks/ directory next to {package_dir}: "
+              "the benchmark scripts ship with the source tree (git clone), not the "
+              "installed package; `shmkv bench` alone runs the built-in one",
+              file=sys.stderr)
+        return EXIT_ERROR
+    if args.script not in scripts:
+        print(f"shmkv bench: no benchmark {args.script!r}; there are: {', '.join(scripts)}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    script = bench_dir / f"bench_{args.script}.py"
+    env = dict(os.environ)
+    root = str(bench_dir.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                else "")
+    return subprocess.call([sys.executable, str(script), *args.script_args], env=env,
+                           cwd=root)
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="run a benchmark",
+        description="Without a name: a short built-in single-process benchmark (ns per "
+        "block of allocate+free, lookup, prefix lookup). With a name: runs "
+        "benchmarks/bench_NAME.py of the source tree (block_pool, contention, "
+        "kv_cache_manager, locks, recovery, transport), passing the arguments after the "
+        "name; its exit code is returned. --list shows what is there.")
+    p.add_argument("script", nargs="?", help="benchmark script name, e.g. block_pool")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments for the script (e.g. --quick)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.add_argument("--iterations", type=int, default=20_000,
+                   help="built-in: iterations per operation (20000)")
+    p.add_argument("--blocks", type=int, default=4096, help="built-in: pool size (4096)")
+    p.set_defaults(func=cmd_bench)
+
+
+COMMANDS = {
+    "demo": add_demo_parser,
+    "inspect": add_inspect_parser,
+    "recover": add_recover_parser,
+    "unlink": add_unlink_parser,
+    "cleanup": add_cleanup_parser,
+    "create": add_create_parser,
+    "stats": add_stats_parser,
+    "ls": add_ls_parser,
+    "bench": add_bench_parser,
+}
