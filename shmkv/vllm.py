@@ -48,6 +48,13 @@ id first). With several processes it behaves as if their calls ran one at a time
 order, with two deliberate differences: a ``reset_cache`` leaves chunks that other processes
 hold, and ``complete_store``/``complete_load`` act only on this process's own stores and pins.
 
+NOTE: ``lock`` is the pool lock, node-wide. vLLM's connector holds ``manager.lock`` from its
+first lookup of a scheduler step to the step's connector metadata (so that a HIT and the
+``prepare_load`` that pins it are not separated by an eviction); with the shared tier that
+atomicity holds across replicas, and the price is that the connector parts of the replicas'
+scheduling steps run one at a time. A process-local lock would let another replica evict a
+chunk between a lookup and its pin, and ``prepare_load`` has no way to fail partially.
+
 ARC (``cache_policy="arc"``) is refused: its ghost lists and adaptive target would need a
 second shared structure with its own crash story; LRU is what the shared tier offers.
 """
