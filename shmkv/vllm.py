@@ -97,6 +97,7 @@ from shmkv import (
     BlockRemoved,
     BlockStored,
     LayoutMismatchError,
+    PoolClosedError,
     SegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
@@ -149,6 +150,16 @@ def data_region_engine_id(pool: str) -> str:
     """The ``engine_id`` under which every replica's workers map the tier's data region
     (vLLM names the file ``/dev/shm/vllm_offload_<engine_id>.mmap``)."""
     return DATA_REGION_PREFIX + L.validate_pool_name(pool)
+
+
+class _ClosedLock:
+    """The lock of a closed manager: every call that needs the pool says so."""
+
+    def __enter__(self) -> None:
+        raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class _Hashes:
@@ -382,7 +393,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def close(self) -> None:
         """Detaches from the pool: this process's pins and unfinished stores are given back
-        (its unfinished stores become orphans, which every process treats as absent)."""
+        (its unfinished stores become orphans, which every process treats as absent). Calls
+        after it raise ``PoolClosedError``; closing again does nothing."""
         if self._pool is None:
             return
         for view in reversed(self._tier_views):
@@ -392,6 +404,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
+        self._lock = _ClosedLock()
 
     def __enter__(self) -> SharedCPUOffloadingManager:
         return self

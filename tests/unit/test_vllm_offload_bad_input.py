@@ -22,7 +22,13 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingParallelConfig,
 )
 
-from shmkv import BlockPool, LayoutMismatchError, SegmentError, UsageError  # noqa: E402
+from shmkv import (  # noqa: E402
+    BlockPool,
+    LayoutMismatchError,
+    PoolClosedError,
+    SegmentError,
+    UsageError,
+)
 from shmkv.pool.layout import segment_name  # noqa: E402
 from shmkv.pool.segment import Segment  # noqa: E402
 from shmkv.vllm import (  # noqa: E402
@@ -185,6 +191,19 @@ def test_complete_load_without_a_pin_changes_nothing(tier):
         tier.complete_load([key(2)], CTX)
     assert _image(tier) == before
     tier.complete_load([key(1)], CTX)
+
+
+def test_calls_after_close_raise_pool_closed(tier):
+    """A closed manager refuses every call with PoolClosedError; closing twice is fine."""
+    name = tier.pool_name
+    other = SharedCPUOffloadingManager(name, 4)
+    other.close()
+    other.close()
+    for call in (lambda: other.lookup(key(1), CTX), lambda: other.prepare_store([key(1)], CTX),
+                 lambda: other.prepare_load([key(1)], CTX), lambda: other.reset_cache(),
+                 lambda: other.touch([key(1)], CTX), lambda: other.get_stats()):
+        with pytest.raises(PoolClosedError, match="manager is closed"):
+            call()
 
 
 def test_position_out_of_range_is_refused(tier):
