@@ -592,8 +592,14 @@ class SharedCPUOffloadingManager(OffloadingManager):
         return self._lock
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        """Starts the request's access record. Returns vLLM's default (chunk-level)
-        offloading context."""
+        """Starts the request's access record.
+
+        Args:
+            req_context: the new request's context.
+
+        Returns:
+            vLLM's default (chunk-level) ``RequestOffloadingContext``.
+        """
         with self._lock:
             self._request_access(req_context)
         return RequestOffloadingContext()
@@ -604,8 +610,16 @@ class SharedCPUOffloadingManager(OffloadingManager):
         HIT_PENDING until this process next reaps the dead (at most ``REAP_INTERVAL_S``
         later), then MISS.
 
+        Args:
+            key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (unused: a lookup changes no recency).
+
+        Returns:
+            the ``LookupResult``.
+
         Raises:
             UsageError: a key the tier cannot hold (hash longer than 32 bytes).
+            PoolClosedError: the manager is closed.
         """
         with self._lock:
             state, _ = self._status(key)
@@ -621,6 +635,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
                      req_context: ReqContext) -> LoadStoreSpec:
         """Pins the given ready chunks against every process's eviction until
         :meth:`complete_load`.
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
 
         Returns:
             a ``CPULoadStoreSpec`` of their chunk ids.
@@ -656,12 +674,25 @@ class SharedCPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec([b - 1 for b in block_ids])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Marks the keys as most recently used, the first key last (vLLM's order)."""
+        """Marks the keys as most recently used, the first key last (vLLM's order); keys
+        not in the tier are skipped.
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+
+        Raises:
+            UsageError: a key the tier cannot hold.
+        """
         with self._lock:
             self._update_recency(reversed(list(keys)))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Drops this process's pins of the given keys (one per occurrence).
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
 
         Raises:
             UsageError: a key this process has not pinned (that often); nothing changes.
@@ -690,6 +721,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         """Allocates chunks for the keys no process has stored or is storing, evicting the
         least recently used ready chunks nobody holds if needed (never one of ``keys``).
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
 
         Returns:
             the keys to store, their chunks and the keys evicted; None if not enough chunks
@@ -823,7 +858,13 @@ class SharedCPUOffloadingManager(OffloadingManager):
                        success: bool = True) -> None:
         """Finishes this process's stores of the given keys: on success they become HITs
         for every process (and evictable); on failure their chunks are freed. Keys this
-        process is not storing are skipped."""
+        process is not storing are skipped.
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+            success: whether the workers wrote the chunks.
+        """
         with self._lock:
             mine: list[tuple[OffloadKey, int]] = []
             for key in keys:
@@ -851,7 +892,11 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """Commits the request's recency: its keys become most recently used, tail first,
-        so its head is evicted last (vLLM's LRU)."""
+        so its head is evicted last (vLLM's LRU). A second call does nothing.
+
+        Args:
+            req_context: the finished request's context.
+        """
         with self._lock:
             state = req_context.get_state(_RequestAccess)
             if (state is None or state.owner is not self
@@ -872,7 +917,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         """Drops this process's pins and unfinished stores and every chunk no other
-        process holds; every process's request records start over."""
+        process holds (their removal goes to the global event log); every process's request
+        records start over. As vLLM's, it queues no ``take_events`` event."""
         with self._lock:
             pool, blocks = self._pool, self._blocks
             pending_ids = list(self._pending.values())
@@ -915,7 +961,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:  # noqa: F821
         """vLLM's CPU-tier gauges, node-wide: the fraction of chunks held (pinned or being
-        stored) and of chunks being stored; this process's allocation sizes."""
+        stored) and of chunks being stored; this process's allocation sizes since the last
+        call.
+
+        Returns:
+            an ``OffloadingConnectorStats``.
+        """
         # NOTE: imported here: vllm.distributed costs a scheduler process seconds to import.
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
