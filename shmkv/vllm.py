@@ -1160,6 +1160,12 @@ def _define_spec() -> type:
             always joins it and never unlinks it: the bytes live as long as the pool's
             metadata (``SharedCPUOffloadingManager.unlink`` removes both).
 
+            Args:
+                rank: this worker's slot in each chunk (vLLM's worker rank), or None.
+
+            Returns:
+                vLLM's ``SharedOffloadRegion`` over the tier's bytes.
+
             Raises:
                 LayoutMismatchError: the region exists with another size (the pool was made
                     for another chunk size or count).
@@ -1192,7 +1198,17 @@ def _define_spec() -> type:
             )
 
         def create_worker(self, kv_caches):
-            """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`)."""
+            """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`).
+
+            Args:
+                kv_caches: this worker's canonical GPU KV caches.
+
+            Returns:
+                vLLM's ``CPUOffloadingWorker``.
+
+            Raises:
+                LayoutMismatchError: the data region exists with another size.
+            """
             from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 
             mmap_region = None
