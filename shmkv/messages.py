@@ -40,6 +40,8 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
+from shmkv.pool.liveness import pid_alive
+from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
@@ -222,7 +224,7 @@ class Channel:
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
-               doorbell: str | None = None) -> Channel:
+               doorbell: str | None = None, pool: str | None = None) -> Channel:
         """Makes a new, empty channel.
 
         Args:
@@ -230,6 +232,8 @@ class Channel:
             capacity_bytes: ring size; the largest frame is half of it.
             doorbell: the name returned by :func:`create_doorbell`, to share one doorbell
                 with other channels; None makes the channel's own.
+            pool: the pool the channel serves, recorded with this process as its owner
+                (``shmkv cleanup`` keeps it, and its doorbell, while either lives).
 
         Raises:
             UsageError: a bad name or capacity. SegmentExistsError: the name is taken.
@@ -242,6 +246,7 @@ class Channel:
                 f"{MAX_CAPACITY_BYTES}, got {capacity_bytes!r}"
             )
         shm_name = channel_segment_name(name)
+        owner = owner_record(pool)
         own_bell = doorbell is None
         bell = create_doorbell(name) if own_bell else doorbell
         if len(bell.encode()) > L.MAX_DOORBELL_NAME_BYTES:
@@ -264,6 +269,7 @@ class Channel:
         hdr[0]["capacity_bytes"] = capacity_bytes
         hdr[0]["version"] = L.CHANNEL_LAYOUT_VERSION
         hdr[0]["doorbell"] = bell.encode()
+        write_owner(mapping, L.CHANNEL_OWNER_OFFSET, owner)
         hdr[0]["magic"] = L.CHANNEL_MAGIC  # last: a half-made channel fails open()
         del hdr
         return cls(name, mapping)
@@ -371,7 +377,7 @@ class Channel:
                 raise ChannelFullError(
                     f"channel {self.name!r} stayed full for {timeout_s} s "
                     f"({tail - int(self._head[0])} of {cap} bytes unread); its consumer "
-                    f"(pid {pid}) is {'alive' if _pid_alive(pid) else 'gone'}"
+                    f"(pid {pid}) is {'alive' if pid_alive(pid) else 'gone'}"
                 )
             time.sleep(_SEND_POLL_S)
         data = self._data
@@ -500,18 +506,6 @@ def unlink_doorbell(bell: str) -> bool:
 
 def _field(name: str) -> int:
     return L.CHANNEL_HEADER_DTYPE.fields[name][1]
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = [

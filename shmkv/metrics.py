@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shmkv.pool import layout as L
 from shmkv.errors import UsageError
 from shmkv.pool.event_log import decode_event
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -105,14 +104,14 @@ class PoolMetrics:
     def __init__(self, pool) -> None:
         self.pool = pool
         self._mutex = threading.Lock()
-        self._has_log = bool(pool._log.capacity)
+        self._has_log = bool(pool.event_log.capacity)
         self._cursor = pool.event_cursor(from_start=True) if self._has_log else None
         self._evictions = self._stored = self._resets = self._lost = 0
 
     def _tail_log(self) -> None:
         while True:
             with self.pool.lock():  # copy under the lock, decode after
-                records, lost = self.pool._log.read_raw(self._cursor, 64)
+                records, lost = self.pool.event_log.read_raw(self._cursor, 64)
             self._lost += lost
             if not records:
                 return
@@ -132,17 +131,17 @@ class PoolMetrics:
             if self._has_log:
                 self._tail_log()
             with pool.lock():
-                hdr = pool._hdr64
+                hdr = pool.header_snapshot()
                 free = pool.get_num_free_blocks()
                 usage = pool.get_usage()
                 cached = len(pool.cached_block_hash_to_block)
-                counters = (int(hdr[L.H_NUM_REAPED]), int(hdr[L.H_EPOCH]) - 1,
-                            int(hdr[L.H_NUM_TAKEOVERS]), int(hdr[L.H_LOCK_SEQ]),
-                            int(hdr[L.H_NEXT_EVENT_SEQ]), int(hdr[L.H_NUM_EVENTS_DROPPED]))
-                procs = pool._procs
-                active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
-                alive = [s for s in active if s != pool.slot and pool._alive.is_alive(s)]
-                dead = [s for s in active if s != pool.slot and not pool._alive.is_alive(s)]
+                counters = (int(hdr["num_reaped"]), int(hdr["epoch"]) - 1,
+                            int(hdr["num_takeovers"]), int(hdr["lock_seq"]),
+                            int(hdr["next_event_seq"]), int(hdr["num_events_dropped"]))
+                table = pool.process_table
+                others = [s for s in table.active_slots() if s != pool.slot]
+                alive = [s for s in others if table.is_alive(s)]
+                dead = [s for s in others if not table.is_alive(s)]
             rows = read_stats(pool.pool_name)
             engines = {}
             if rows is not None:

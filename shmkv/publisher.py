@@ -62,6 +62,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
 from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
+from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -86,13 +87,11 @@ IDENTITY_REQUEST = b"identity"
 def pool_identity(pool: BlockPool) -> str:
     """A name for one incarnation of a pool: its segment, creator pid and NONE_HASH, so a
     pool re-created under the same name (a node restart) has another identity."""
-    hdr = pool.layout.view(pool._segment.buf, "header")[0]
-    identity = f"{pool.pool_name}:{int(hdr['creator_pid'])}:{bytes(hdr['none_hash'])[:4].hex()}"
-    del hdr
-    return identity
+    hdr = pool.header_snapshot()
+    return f"{pool.pool_name}:{int(hdr['creator_pid'])}:{bytes(hdr['none_hash'])[:4].hex()}"
 
-PUBLISHER_STATE_VERSION = 1
-_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
+PUBLISHER_STATE_VERSION = L.PUBLISHER_STATE_VERSION
+_STATE_MAGIC = L.PUBLISHER_STATE_MAGIC
 _STATE_DTYPE = np.dtype(
     [
         ("magic", "<u8"),
@@ -109,10 +108,10 @@ _STATE_DTYPE = np.dtype(
         ("lost", "<i8"),           # events overwritten before they were sent
     ]
 )
-_STATE_BYTES = 128
+_STATE_BYTES = L.PUBLISHER_OWNER_OFFSET + 128  # the fields, then the owner record
 _W_NEXT_SEQ = _STATE_DTYPE.fields["next_seq"][1] // 8
 _W_PUBLISHED = _STATE_DTYPE.fields["published"][1] // 8
-assert _STATE_DTYPE.itemsize <= _STATE_BYTES
+assert _STATE_DTYPE.itemsize <= L.PUBLISHER_OWNER_OFFSET
 
 
 class PublisherError(ShmKVError):
@@ -131,7 +130,7 @@ def require_zmq():
 
 
 def state_segment_name(pool_name: str) -> str:
-    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v1``."""
+    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v2``."""
     return L.sibling_segment_name("pub", pool_name, PUBLISHER_STATE_VERSION)
 
 
@@ -191,6 +190,7 @@ class _PublisherState:
 
     def __init__(self, pool: BlockPool) -> None:
         self.name = state_segment_name(pool.pool_name)
+        self._pool_name = pool.pool_name
         shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREAT, mode=0o600,
                                      size=_STATE_BYTES)
         self._fd = os.dup(shm.fd)
@@ -208,9 +208,8 @@ class _PublisherState:
         self._map = mmap.mmap(self._fd, _STATE_BYTES)
         self.row = np.ndarray((1,), dtype=_STATE_DTYPE, buffer=self._map)[0]
         self._words = memoryview(self._map).cast("q")  # the per-send stores, fast
-        hdr = pool.layout.view(pool._segment.buf, "header")[0]
+        hdr = pool.header_snapshot()
         self._identity = (int(hdr["creator_pid"]), bytes(hdr["none_hash"])[:8])
-        del hdr
 
     def saved(self) -> tuple[EventCursor, int] | None:
         """(a log cursor, the first sequence number not sent) if the saved position
@@ -239,6 +238,8 @@ class _PublisherState:
             row["base_seq"][0] = cursor.seq
             row["base_pos"][0] = cursor.pos
             row["next_seq"] = cursor.seq
+            write_owner(self._map, L.PUBLISHER_OWNER_OFFSET,
+                        owner_record(self._pool_name, creator=False))
             row["magic"] = _STATE_MAGIC
         row["pid"] = os.getpid()
         other = 1 - (int(row["base_which"]) & 1)
@@ -327,10 +328,10 @@ class KVEventPublisher:
         self._pub = self._replay = None
         self._owns_pool = isinstance(pool, str)
         self.pool = None
-        self._procs = None
+        self._read_labels = False
         self.pool = BlockPool.attach(pool, label="shmkv-publish") if self._owns_pool else pool
         try:
-            if not self.pool._log.capacity:
+            if not self.pool.event_log.capacity:
                 raise PublisherError(
                     f"pool {self.pool.pool_name} has no event log (it was created without "
                     "enable_kv_cache_events); there is nothing to publish"
@@ -341,8 +342,7 @@ class KVEventPublisher:
             self.int_hashes = int_hashes
             self._rank_from = rank_from
             self._labels: dict[int, str] = {}
-            self._procs = (None if rank_from == "slot" else
-                           self.pool.layout.view(self.pool._segment.buf, "proc_table"))
+            self._read_labels = rank_from != "slot"
             self._refresh_labels()
             self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps or None)
             self._keep_buffer = buffer_steps > 0
@@ -424,11 +424,8 @@ class KVEventPublisher:
         """Remembers the label of every attached process. Called at every poll, so a
         scheduler's label is known from its attach on, and kept after it closes (its last
         events may be read after that), until another process takes its slot."""
-        if self._procs is None:
-            return
-        procs = self._procs
-        for slot in np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist():
-            self._labels[slot] = bytes(procs[slot]["label"]).decode(errors="replace")
+        if self._read_labels:
+            self._labels.update(self.pool.process_table.labels())
 
     def _rank(self, slot: int) -> int:
         if self._rank_from == "slot":
@@ -470,7 +467,7 @@ class KVEventPublisher:
     def _read(self, cursor: EventCursor) -> tuple[list, int]:
         """Raw records from ``cursor`` on: only copied under the pool lock."""
         with self.pool.lock():
-            return self.pool._log.read_raw(cursor, self._max_batch)
+            return self.pool.event_log.read_raw(cursor, self._max_batch)
 
     # ------------------------------------------------------------------ the loop
 
@@ -612,7 +609,7 @@ class KVEventPublisher:
         if self._state is not None:
             self._state.close()
             self._state = None
-        self._procs = None
+        self._read_labels = False
         if self._owns_pool and self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -13,11 +13,13 @@ stats = PoolStats.open(pool, time_lock=True)   # before building the KVCacheMana
 stats.add_prefix_cache_stats(kv_cache_manager.make_prefix_cache_stats())  # each step
 ```
 
-Layout (little-endian): a 64-byte header (``magic``, ``version``, ``max_processes``,
-``num_buckets``), then one ``ROW_DTYPE`` row per process-table slot of the pool. A row is
-written only by the process attached in that slot (no lock: one writer, aligned 8-byte
-stores) and is never reset: a process that later takes the slot adds to it, so every
-figure is a monotonic counter for the life of the segment, summed per slot.
+Layout (little-endian): a 192-byte header (``magic``, ``version``, ``max_processes``,
+``num_buckets``; at byte 64 the owner record of ``shmkv/pool/layout.py``, "Sibling segments":
+the pool, no creator, for the segment lives as long as its pool), then one ``ROW_DTYPE`` row
+per process-table slot of the pool. A row is written only by the process attached in that
+slot (no lock: one writer, aligned 8-byte stores) and is never reset: a process that later
+takes the slot adds to it, so every figure is a monotonic counter for the life of the
+segment, summed per slot.
 
 Lock timing (``time_lock=True``) uses the record the pool's lock keeps when asked to (the
 C and the Python lock both append ``(wait_ns, hold_ns)`` for every outermost hold):
@@ -39,11 +41,12 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
+from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import LayoutMismatchError, UsageError
 
-STATS_VERSION = 1
-_MAGIC = 0x5348_4B56_5354_4101  # "SHKVSTA" + 1
-_HEADER_BYTES = 64
+STATS_VERSION = L.STATS_VERSION
+_MAGIC = L.STATS_MAGIC
+_HEADER_BYTES = L.STATS_OWNER_OFFSET + 128
 
 # Upper bounds of the lock-time histogram buckets, in seconds (a last bucket: +Inf).
 LOCK_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
@@ -52,7 +55,7 @@ _BOUNDS_NS = np.array([int(round(b * 1e9)) for b in LOCK_BUCKETS_S], dtype=np.in
 NUM_BUCKETS = len(LOCK_BUCKETS_S) + 1
 
 _HEADER_DTYPE = np.dtype([("magic", "<u8"), ("version", "<u4"), ("max_processes", "<u4"),
-                          ("num_buckets", "<u4"), ("_pad", "V44")])
+                          ("num_buckets", "<u4"), ("_pad", "V44"), ("owner", "V128")])
 assert _HEADER_DTYPE.itemsize == _HEADER_BYTES
 
 ROW_DTYPE = np.dtype(
@@ -80,7 +83,7 @@ _WORD = {what: (_OFF[f"{what}_count"], _OFF[f"{what}_sum_ns"], _OFF[f"{what}_buc
 
 
 def stats_segment_name(pool_name: str) -> str:
-    """``/shmkv_stats-<pool>-v1``."""
+    """``/shmkv_stats-<pool>-v<STATS_VERSION>``."""
     return L.sibling_segment_name("stats", pool_name, STATS_VERSION)
 
 
@@ -117,6 +120,7 @@ class _StatsSegment:
             hdr["version"] = STATS_VERSION
             hdr["max_processes"] = max_processes
             hdr["num_buckets"] = NUM_BUCKETS
+            write_owner(self.mem, L.STATS_OWNER_OFFSET, owner_record(pool_name, creator=False))
             hdr["magic"] = _MAGIC
         for field, want in (("magic", _MAGIC), ("version", STATS_VERSION),
                             ("num_buckets", NUM_BUCKETS)):
@@ -180,7 +184,7 @@ class PoolStats:
     def time_lock(self) -> None:
         """Times every hold of the pool lock from now on (idempotent)."""
         if self._timed is None:
-            lock = self._pool._lock
+            lock = self._pool.lock()
             if lock.record is not None:
                 raise UsageError("the pool lock's record is in use already (another "
                                  "PoolStats, or a benchmark)")

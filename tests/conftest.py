@@ -1,4 +1,5 @@
-"""Fixtures shared by every test: unique pool names that are unlinked even on failure."""
+"""Fixtures shared by every test: unique pool names that are unlinked even on failure, also
+when the run is stopped by SIGTERM (``tests/sigterm.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from shmkv import BlockPool
 from shmkv.pool.block_pool import _ckernel
 from shmkv.pool.layout import segment_name
 from tests.helpers import CheckedPool
+# A SIGTERM to pytest runs the fixtures' finalizers (tests/sigterm.py).
+from tests.sigterm import pytest_configure, pytest_unconfigure  # noqa: F401
 
 
 def unique_pool_name(prefix: str = "t") -> str:

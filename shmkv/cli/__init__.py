@@ -22,8 +22,10 @@
 Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, nothing to
 unlink, a demo process failed, a run with unfinished requests or wrong tokens); 2 bad usage
 or an error (message on stderr, no traceback unless ``--debug``). Long-running commands
-(publish, metrics, stats, events -f) stop on SIGTERM or Ctrl-C with exit 0; ``run`` stops
-its processes, removes its segments, reports and exits 130.
+(publish, metrics, index, stats, events -f) stop on SIGTERM or Ctrl-C between two steps,
+detach from the pool and exit 143 (SIGTERM) or 130 (Ctrl-C); ``run`` stops its processes,
+removes its segments, reports and exits the same way. A second signal during the stop
+changes nothing.
 
 One module per command group: ``run``; ``pool`` (create, inspect, stats, recover, unlink,
 ls, cleanup, demo, bench); ``events`` (events, publish, metrics); ``index`` (index, route);
@@ -53,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         "on a node.", epilog="Exit codes: 0 success; 1 the command ran and found a problem "
         "(broken invariants, nothing to unlink, a demo process failed); 2 bad usage or an "
         "error (one line on stderr; --debug shows the traceback). publish, metrics, stats "
-        "and events --follow run until SIGTERM or Ctrl-C and then exit 0.")
+        "and events --follow run until SIGTERM or Ctrl-C, then detach and exit 143 (SIGTERM) "
+        "or 130 (Ctrl-C); so does run, once it has removed everything it made.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
 

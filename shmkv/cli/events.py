@@ -46,7 +46,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
     pool = BlockPool.attach(args.name, label="shmkv-events")
     try:
-        if not pool._log.capacity:
+        if not pool.event_log.capacity:
             print(f"shmkv events: pool {args.name} has no event log (created without "
                   "events)", file=sys.stderr)
             return EXIT_ERROR
@@ -60,7 +60,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         while not stop.stopped and (args.count is None or printed < args.count):
             limit = 64 if args.count is None else min(64, args.count - printed)
             with pool.lock():  # copy a few records under the lock, decode after
-                records, lost = pool._log.read_raw(cursor, limit)
+                records, lost = pool.event_log.read_raw(cursor, limit)
             events = [LoggedEvent(seq, slot, ts, decode_event(body))
                       for seq, slot, ts, body in records]
             if lost:
@@ -82,7 +82,7 @@ def cmd_events(args: argparse.Namespace) -> int:
                 break
             if not events:
                 stop.sleep(args.interval)
-        return EXIT_OK
+        return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
     finally:
         pool.close()
 
@@ -122,7 +122,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         stop.sleep(float("inf") if args.duration is None else args.duration)
         server.shutdown()
         thread.join(10)
-        return EXIT_OK
+        return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
     finally:
         pool.close()
 
@@ -161,7 +161,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             pub.poll()
         print(f"published {pub.published} batches ({pub.lost} events lost, {pub.replays} "
               f"replays); next seq {pub.next_seq}", flush=True)
-        return EXIT_OK
+        return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
     finally:
         pub.close()
 
@@ -175,7 +175,7 @@ def add_publish_parser(sub) -> None:
         "scheduler process that caused it. With --replay-endpoint, a ROUTER socket answers "
         "[b'', start seq] with every batch from there and then seq -1. One publisher per "
         "pool; a restarted one resumes right after the last batch sent. Runs until SIGTERM "
-        "or Ctrl-C (exit 0). Needs pyzmq (pip install 'shmkv[zmq]').")
+        "or Ctrl-C (exit 143 or 130). Needs pyzmq (pip install 'shmkv[zmq]').")
     p.add_argument("name", help="pool name")
     p.add_argument("--endpoint", required=True, metavar="ADDR",
                    help="PUB address, e.g. tcp://127.0.0.1:5557 (bound unless --connect)")

@@ -55,7 +55,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         print(f"applied {st.applied} batches live, {st.replayed} by replay, {st.snapshots} "
               f"snapshots, {st.duplicates} duplicates, {st.redis_errors} Redis errors",
               flush=True)
-    return EXIT_OK
+    return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
 
 
 def add_index_parser(sub) -> None:
@@ -65,8 +65,8 @@ def add_index_parser(sub) -> None:
         "`shmkv publish NAME --endpoint ... --replay-endpoint ...`, on any node) and keeps, "
         "in Redis, which pool holds every cached block, exactly: it catches up by replay "
         "after its own restart, and from a snapshot of the pool after a Redis restart, "
-        "lost events or a re-created pool. Runs until SIGTERM or Ctrl-C (exit 0). Needs "
-        "pyzmq and redis (pip install 'shmkv[zmq,redis]').")
+        "lost events or a re-created pool. Runs until SIGTERM or Ctrl-C (exit 143 or 130). "
+        "Needs pyzmq and redis (pip install 'shmkv[zmq,redis]').")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL",
                    help="Redis URL (redis://127.0.0.1:6379/0)")
     p.add_argument("--source", action="append", required=True, metavar="SPEC",

@@ -15,6 +15,7 @@ from shmkv.cli.common import EXIT_ERROR, EXIT_OK, EXIT_PROBLEM, StopOnSignals
 from shmkv.errors import ShmKVError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.liveness import pid_alive
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
 
@@ -73,7 +74,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     pool = BlockPool.create(name, args.blocks, enable_kv_cache_events=True,
                             max_processes=args.processes + 2, label="demo")
     print(f"pool {name}: {args.blocks} blocks of {pool.hash_block_size} tokens in "
-          f"/dev/shm{pool._segment.shm_name}; {args.processes} scheduler processes, "
+          f"/dev/shm{pool.segment_name}; {args.processes} scheduler processes, "
           f"{args.requests} requests each")
     lines = ctx.Queue()
     first_done = ctx.Event()
@@ -151,10 +152,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     pool = BlockPool.attach(args.name, label="shmkv-inspect")
     try:
         with pool.lock():
-            hdr = pool.layout.view(pool._segment.buf, "header")[0].copy()  # as of this hold
+            hdr = pool.header_snapshot()  # as of this hold
             holder = decode_holder(int(hdr["holder"]))
             violations = collect_violations(pool)
-        print(f"pool {args.name}  segment {pool._segment.shm_name}  "
+        print(f"pool {args.name}  segment {pool.segment_name}  "
               f"({pool.layout.total_bytes:,} bytes, layout v{L.LAYOUT_VERSION})")
         for field in L.HEADER_DTYPE.names:
             value = hdr[field]
@@ -318,111 +319,48 @@ def add_unlink_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- cleanup
 
-def orphaned_pools() -> tuple[list[str], list[str]]:
-    """(pools of this layout version with no live process attached, segments of another
-    layout version). Reads the process tables without attaching (no slot is taken)."""
-    import numpy as np
-
-    from shmkv.pool.liveness import AliveLocks, alive_path
-    from shmkv.pool.segment import Segment, read_config
-
-    suffix = f"-v{L.LAYOUT_VERSION}"
-    orphans, foreign = [], []
-    for entry in sorted(os.listdir("/dev/shm")):
-        if not entry.startswith("shmkv-") or entry.endswith(".alive"):
-            continue
-        if not entry.endswith(suffix):
-            foreign.append(entry)
-            continue
-        name = entry[len("shmkv-"):-len(suffix)]
-        try:
-            segment = Segment.open(f"/{entry}")
-        except ShmKVError:
-            continue
-        try:
-            layout = read_config(segment)
-            procs = layout.view(segment.buf, "proc_table")
-            active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
-            del procs
-            alive = AliveLocks(alive_path(f"/{entry}"), create=False)
-            try:
-                if not any(alive.is_alive(slot) for slot in active):
-                    orphans.append(name)
-            finally:
-                alive.close()
-        except ShmKVError:
-            orphans.append(name)  # torn or half-created, and nobody can attach to it
-        finally:
-            segment.close()
-    return orphans, foreign
-
-
-def stale_run_segments() -> list[str]:
-    """Entries of /dev/shm that a ``shmkv run`` made (channels, doorbells, block tables, KV
-    stores: ``shmkv_<kind>-run<pid>-<id>...``) whose front end is dead: it was SIGKILLed and
-    could not remove them. (Its pool is an orphaned pool like any other.)"""
-    import re
-
-    pattern = re.compile(r"^(?:sem\.)?shmkv_(?:ch|bt|kv|bell)-run(\d+)-[0-9a-f]{6}(?:-|$)")
-    out = []
-    for entry in sorted(os.listdir("/dev/shm")):
-        m = pattern.match(entry)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            out.append(entry)
-    return out
+def _describe(v) -> str:
+    """How cleanup names one object: a pool by its name, anything else by its path."""
+    if v.kind == "pool":
+        return f"pool {v.name}"
+    return f"{v.path} ({v.kind}{f' of pool {v.pool}' if v.pool else ''})"
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    for entry in stale_run_segments():
-        if args.dry_run:
-            print(f"would remove /dev/shm/{entry} (its shmkv run's front end is dead)")
-        else:
-            try:
-                os.unlink(f"/dev/shm/{entry}")
-            except FileNotFoundError:
-                continue
-            print(f"removed /dev/shm/{entry} (its shmkv run's front end is dead)")
-    orphans, foreign = orphaned_pools()
-    for name in orphans:
-        if args.dry_run:
-            print(f"would remove pool {name} (no live process attached)")
-        else:
-            BlockPool.unlink(name)
-            print(f"removed pool {name} (no live process attached)")
-    from shmkv.publisher import saved_position, unlink_state
-    from shmkv.stats import unlink_stats
+    from shmkv.pool import siblings
 
-    present = set(os.listdir("/dev/shm"))
-    for entry in sorted(present):
-        for prefix, unlink in (("shmkv_pub-", unlink_state), ("shmkv_stats-", unlink_stats)):
-            if not (entry.startswith(prefix) and entry.endswith("-v1")):
-                continue
-            name = entry[len(prefix):-len("-v1")]
-            if (name not in orphans and L.segment_name(name)[1:] in present) or (
-                    prefix == "shmkv_pub-" and (saved_position(name) or {}).get("running")):
-                continue  # its pool is still there, or a publisher runs on it
-            if args.dry_run:
-                print(f"would remove /dev/shm/{entry} (its pool {name} is gone)")
-            else:
-                unlink(name)
-                print(f"removed /dev/shm/{entry} (its pool {name} is gone)")
-    for entry in foreign:
-        print(f"left /dev/shm/{entry}: another layout version (remove it with the shmkv "
-              "that made it, or by hand)")
-    if not orphans:
-        print("no orphaned pools")
+    verdicts = siblings.plan()
+    if args.dry_run:
+        removed = [v for v in verdicts if v.remove]
+        for v in removed:
+            print(f"would remove {_describe(v)}: {v.reason}")
+    else:
+        removed = []
+        for v, ok in siblings.remove(verdicts):
+            if ok:
+                removed.append(v)
+                print(f"removed {_describe(v)}: {v.reason}")
+    kept = [v for v in verdicts if not v.remove]
+    for v in kept:
+        print(f"kept {_describe(v)}: {v.reason}")
+    print(f"{len(removed)} object(s) {'to remove' if args.dry_run else 'removed'}, "
+          f"{len(kept)} kept" + ("" if any(v.kind == "pool" and v.remove for v in verdicts)
+                                 else "; no orphaned pools"))
     return EXIT_OK
 
 
 def add_cleanup_parser(sub) -> None:
-    cleanup = sub.add_parser("cleanup", help="remove pools no live process is attached to",
-                             description="Removes every pool of this layout version whose "
-                             "process table names no live process (their creators and users "
-                             "died without unlinking), and the channels, doorbells, block "
-                             "tables and KV stores of a shmkv run whose front end is dead. A "
-                             "process attaching at that very moment keeps working on the "
-                             "removed pool.")
-    cleanup.add_argument("--dry-run", action="store_true", help="only say what would go")
+    cleanup = sub.add_parser(
+        "cleanup", help="remove every shmkv object whose owner is dead or gone",
+        description="Removes every pool of this layout version whose attached processes "
+        "and creator are all dead (with its lock and liveness file), and every sibling "
+        "object (channels and their doorbells, block tables, KV stores, stats, publisher "
+        "positions) whose creator is dead and whose pool is gone or removed with it, as "
+        "their headers record it. Lists everything it keeps with the reason: live, being "
+        "created, recoverable, another user's, of another layout version, or with a corrupt "
+        "header. A process attaching at that very moment keeps working on the removed pool.")
+    cleanup.add_argument("--dry-run", action="store_true",
+                         help="only say what would go (and what stays)")
     cleanup.set_defaults(func=cmd_cleanup)
 
 
@@ -440,7 +378,7 @@ def cmd_create(args: argparse.Namespace) -> int:
                             **kwargs)
     try:
         print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens, "
-              f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool._segment.shm_name}, "
+              f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool.segment_name}, "
               f"events {'on' if args.events else 'off'}, "
               f"{pool.layout.config.max_processes} process slots")
     finally:
@@ -517,7 +455,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(("\033[H\033[J" if clear else "") + text, flush=True)
             prev, t_prev = snap, now
             shown += 1
-        return EXIT_OK
+        return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
     finally:
         pool.close()
 
@@ -541,12 +479,22 @@ def list_objects() -> list[dict]:
     """Every shmkv object in /dev/shm: pools (with owner, size, processes, creator alive),
     their locks and liveness files, and sibling objects (channels, doorbells, publisher
     positions, stats, block tables...), each with the pool it belongs to if any."""
+    from shmkv.pool import siblings
+
     out = []
     for entry in sorted(os.listdir("/dev/shm")):
         row = _object_row(entry)
         if row is not None:
             out.append(row)
     _name_owning_pools(out)
+    verdicts = {v.entry: v for v in siblings.plan()}
+    for row in out:
+        v = verdicts.get(row["entry"])
+        row["orphan"] = bool(v and v.remove)
+        row["cleanup"] = v.reason if v else "gone meanwhile"
+        if v and v.pool and "pool" not in row:
+            row["pool"] = v.pool
+            row["note"] = (row["note"] + "; " if row["note"] else "") + f"of pool {v.pool}"
     return out
 
 
@@ -584,13 +532,14 @@ def _object_row(entry: str) -> dict | None:
         row["version"] = int(version)
     if base.startswith("shmkv_"):
         kind, _, rest = head[len("shmkv_"):].partition("-")
-        known = {"ch": "channel", "pub": "publisher", "stats": "stats"}
+        known = {"ch": "channel", "pub": "publisher", "stats": "stats", "bt": "tables",
+                 "kv": "kv store"}
         row["kind"] = known.get(kind, "sibling")
         row["name"] = rest if kind in known else head[len("shmkv_"):]
         if kind == "pub":
             from shmkv.publisher import saved_position
 
-            saved = saved_position(rest) if row["version"] == 1 else None
+            saved = saved_position(rest) if row["version"] == L.PUBLISHER_STATE_VERSION else None
             if saved:
                 row["note"] = (f"next seq {saved['next_seq']}, "
                                f"{'running' if saved['running'] else 'stopped'}")
@@ -671,11 +620,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         procs = "" if r["processes"] is None else f"{r['alive']}/{r['processes']}"
         creator = "" if r["creator_alive"] is None else (
             "alive" if r["creator_alive"] else "gone")
+        note = f"ORPHAN ({r['cleanup']}); {r['note']}" if r["orphan"] else r["note"]
         print(f"{r['kind']:<10} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
-              f"{procs:>9} {creator:<8} {r['note']}")
+              f"{procs:>9} {creator:<8} {note}".rstrip("; "))
     pools = [r for r in rows if r["kind"] == "pool"]
-    print(f"{len(pools)} pool(s), {len(rows) - len(pools)} other object(s); PROCS = alive/"
-          "attached")
+    orphans = sum(r["orphan"] for r in rows)
+    print(f"{len(pools)} pool(s), {len(rows) - len(pools)} other object(s), {orphans} "
+          "orphan(s) (`shmkv cleanup` removes them); PROCS = alive/attached")
     return EXIT_OK
 
 
@@ -685,7 +636,8 @@ def add_ls_parser(sub) -> None:
                        "size, attached processes alive/total, whether the creator is "
                        "alive), message channels and their doorbells, publisher positions, "
                        "stats segments and other siblings; --all adds pool locks and "
-                       "liveness files. Reads process tables without attaching.")
+                       "liveness files. Marks ORPHAN what `shmkv cleanup` would remove, "
+                       "with the reason. Reads process tables without attaching.")
     p.add_argument("--all", action="store_true", help="also pool locks and liveness files")
     p.add_argument("--json", action="store_true", help="a JSON list, for scripts")
     p.set_defaults(func=cmd_ls)

@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 import sys
 
-from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM
+from shmkv.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM,
+                               StopOnSignals)
 from shmkv.plot import PlotUnavailable
 
 
@@ -45,11 +46,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                     kill_one=args.kill_one,
                     check_tokens=not args.no_check, timeout_s=args.timeout, model=model)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    # Between and after the runs (each takes the signals itself while it runs), a signal
+    # only marks the command stopped: the report and the exit code are never cut short.
+    stop = StopOnSignals()
     result = Runner(cfg, workload, progress=progress).run()
+    if result.interrupted:
+        stop.ignore()  # on its way out: later signals change neither the report nor the code
     f = result.figures
     print(report.report_text(f))
     results = [result]
-    if args.compare and not result.interrupted:
+    if args.compare and not result.interrupted and not stop.stopped:
         # The same workload on private pools of 1/N the blocks: with the same routing, and
         # with prefix-aware routing (the best a router can do for them).
         others = [("private", args.routing)]
@@ -63,7 +69,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                            workload, progress=progress).run()
             results.append(other)
             print(report.report_text(other.figures))
-            if other.interrupted:
+            if other.interrupted or stop.stopped:
+                stop.ignore()
                 break
         print()
         print(report.comparison_text([r.figures for r in results]))
@@ -78,6 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  plot: {args.plot}")
         except PlotUnavailable as e:
             print(f"  plot: {e}")
+    stopped = next((r.exit_signal for r in results if r.interrupted), None)
+    if stopped is not None:
+        return 128 + stopped  # 143 for SIGTERM, 130 for Ctrl-C: everything was removed
+    if stop.stopped:
+        return stop.exit_code
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     bad = any(r.problems or r.figures["token_mismatches"]

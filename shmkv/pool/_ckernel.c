@@ -989,6 +989,11 @@ typedef struct {
     PyObject *on_timeout; /* callable() -> message naming the holder */
     PyObject *on_stall;   /* callable() -> True if it took the lock over */
     PyObject *on_dirty;   /* callable(took_over) -> None: repair under the lock */
+    /* The savepoint of the call running under mutate() (see CLock_mutate). */
+    PyObject *events;     /* the pool's list of queued events */
+    PyObject *undo;       /* callable(journal_len, num_events): roll back to a savepoint */
+    int64_t mark;
+    Py_ssize_t mark_events;
 } CLock;
 
 static inline int64_t now_ns(void) {
@@ -1036,6 +1041,8 @@ static void CLock_dealloc(CLock *l) {
     Py_XDECREF(l->on_timeout);
     Py_XDECREF(l->on_stall);
     Py_XDECREF(l->on_dirty);
+    Py_XDECREF(l->events);
+    Py_XDECREF(l->undo);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
@@ -1239,6 +1246,126 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- one call's hold */
+
+static PyObject *str_planned = NULL, *str_begin = NULL, *str_end = NULL;
+/* shmkv.pool.fault, which hands itself over when it imports this module (set_fault): the
+ * kernel never imports it back. */
+static PyObject *fault_module = NULL;
+
+static PyObject *set_fault(PyObject *mod, PyObject *arg) {
+    Py_XSETREF(fault_module, Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
+/* An error is set and (t, v, tb) was being handled when it was raised: Python's rule, the
+ * new error wins with the old one as its __context__. */
+static void chain_handled(PyObject *t, PyObject *v, PyObject *tb) {
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (tb) PyException_SetTraceback(v, tb);
+    if (v2 && v) PyException_SetContext(v2, v); /* steals v */
+    else Py_XDECREF(v);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, v2, tb2);
+}
+
+static PyObject *CLock_set_savepoint(CLock *l, PyObject *args) {
+    PyObject *events, *undo;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &events, &undo)) return NULL;
+    Py_XSETREF(l->events, Py_NewRef(events));
+    Py_XSETREF(l->undo, Py_NewRef(undo));
+    Py_RETURN_NONE;
+}
+
+static PyObject *CLock_savepoint(CLock *l, PyObject *unused) {
+    if (!l->events || !l->has_view || l->depth == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "savepoint() outside a mutate() call");
+        return NULL;
+    }
+    l->mark = l->hdr64[H_JOURNAL_LEN];
+    l->mark_events = PyList_GET_SIZE(l->events);
+    Py_RETURN_NONE;
+}
+
+/* mutate(op, fn, *args): PoolLock.mutate (shmkv/pool/lock.py, the reference) in C, where a
+ * Python wrapper would cost a frame (~60-100 ns) on every call of the hot paths. Fault
+ * counting for `op`, the lock, a savepoint (journal_len, queued events), fn(*args); on an
+ * exception, undo(savepoint) and re-raise; the lock given back; the fault count ended. */
+static PyObject *CLock_mutate(CLock *l, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2) {
+        PyErr_SetString(PyExc_TypeError, "mutate(op, fn, *args) takes at least 2 arguments");
+        return NULL;
+    }
+    if (!l->events) {
+        PyErr_SetString(PyExc_RuntimeError, "mutate() before set_savepoint()");
+        return NULL;
+    }
+    int counting = 0;
+    PyObject *fault = fault_module;
+    if (fault) {
+        PyObject *planned = PyObject_GetAttr(fault, str_planned);
+        if (!planned) return NULL;
+        counting = planned != Py_None; /* a plan is waiting: does this call start it? */
+        Py_DECREF(planned);
+    }
+    if (counting) {
+        PyObject *r = PyObject_CallMethodOneArg(fault, str_begin, args[0]);
+        if (!r) return NULL;
+        counting = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (counting < 0) return NULL;
+    }
+    PyObject *result = NULL;
+    PyObject *r = CLock_acquire(l, NULL);
+    if (r) {
+        Py_DECREF(r);
+        int64_t outer_mark = l->mark;
+        Py_ssize_t outer_events = l->mark_events;
+        l->mark = l->hdr64[H_JOURNAL_LEN];
+        l->mark_events = PyList_GET_SIZE(l->events);
+        result = PyObject_Vectorcall(args[1], args + 2, nargs - 2, NULL);
+        PyObject *t = NULL, *v = NULL, *tb = NULL;
+        if (!result) {
+            PyErr_Fetch(&t, &v, &tb);
+            PyObject *u = PyObject_CallFunction(l->undo, "Ln", (long long)l->mark,
+                                                l->mark_events);
+            if (u) {
+                Py_DECREF(u);
+            } else {
+                chain_handled(t, v, tb);
+                PyErr_Fetch(&t, &v, &tb);
+            }
+        }
+        l->mark = outer_mark;
+        l->mark_events = outer_events;
+        PyObject *rel = CLock_release(l, NULL);
+        if (rel) {
+            Py_DECREF(rel);
+            if (!result) PyErr_Restore(t, v, tb);
+        } else {
+            Py_CLEAR(result);
+            if (t || v) chain_handled(t, v, tb);
+        }
+    }
+    if (counting) {
+        PyObject *t = NULL, *v = NULL, *tb = NULL;
+        if (!result) PyErr_Fetch(&t, &v, &tb);
+        PyObject *e = PyObject_CallMethodNoArgs(fault, str_end);
+        if (e) {
+            Py_DECREF(e);
+            if (!result) PyErr_Restore(t, v, tb);
+        } else {
+            Py_CLEAR(result);
+            if (t || v) chain_handled(t, v, tb);
+        }
+    }
+    return result;
+}
+
 static PyObject *CLock_enter(CLock *l, PyObject *unused) {
     PyObject *r = CLock_acquire(l, NULL);
     if (!r) return NULL;
@@ -1297,6 +1424,12 @@ static PyGetSetDef CLock_getset[] = {
 static PyMethodDef CLock_methods[] = {
     {"acquire", (PyCFunction)CLock_acquire, METH_NOARGS, "take the lock (or one more level)"},
     {"release", (PyCFunction)CLock_release, METH_NOARGS, "give back one level of the lock"},
+    {"set_savepoint", (PyCFunction)CLock_set_savepoint, METH_VARARGS,
+     "set_savepoint(events, undo): what mutate() rolls a failed call back with"},
+    {"mutate", (PyCFunction)(void (*)(void))CLock_mutate, METH_FASTCALL,
+     "mutate(op, fn, *args): fn(*args) under the lock, all or nothing (PoolLock.mutate)"},
+    {"savepoint", (PyCFunction)CLock_savepoint, METH_NOARGS,
+     "move the running mutate() call's savepoint to here"},
     {"__enter__", (PyCFunction)CLock_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)CLock_exit, METH_VARARGS, NULL},
     {"set_identity", (PyCFunction)CLock_set_identity, METH_VARARGS,
@@ -1335,6 +1468,8 @@ static PyMethodDef module_methods[] = {
     {"fault_arm", fault_arm, METH_O,
      "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},
+    {"set_fault", set_fault, METH_O,
+     "set_fault(module): shmkv.pool.fault, whose plan mutate() counts stores for"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},
@@ -1357,6 +1492,9 @@ PyMODINIT_FUNC PyInit__ckernel(void) {
     Py_INCREF(&CLockType);
     if (PyModule_AddObject(m, "CLock", (PyObject *)&CLockType) < 0) return NULL;
     str_block_id = PyUnicode_InternFromString("block_id");
+    str_planned = PyUnicode_InternFromString("planned");
+    str_begin = PyUnicode_InternFromString("begin");
+    str_end = PyUnicode_InternFromString("end");
     UsageError = Py_NewRef(PyExc_ValueError);
     OutOfBlocksError = Py_NewRef(PyExc_ValueError);
     InvariantViolation = Py_NewRef(PyExc_RuntimeError);

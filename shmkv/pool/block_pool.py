@@ -29,10 +29,8 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import secrets
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,7 +66,7 @@ from shmkv.hashing import (
     to_event_extra_keys,
 )
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
-from shmkv.pool.liveness import AliveLocks, alive_path, process_start_ticks
+from shmkv.pool.liveness import AliveLocks, alive_path
 from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
     WAIT_SLICE_S,
@@ -81,6 +79,9 @@ from shmkv.pool.lock import (
     unlink_semaphore,
 )
 from shmkv.pool.prefix_index import BlockHashToBlockMap
+from shmkv.pool.process_table import ProcessTable
+from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
+from shmkv.pool.repair import RepairReport, Repairer
 from shmkv.pool.segment import Segment, read_config, write_header
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
@@ -110,7 +111,6 @@ _HASH_BYTES = L.BLOCK_HASH_BYTES
 _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _H_NUM_FREE = L.H_NUM_FREE
-_H_JOURNAL_LEN = L.H_JOURNAL_LEN
 
 
 class _Closed:
@@ -139,23 +139,6 @@ _C_GEOMETRY = (
     L.F_HASH_TOKENS, L.F_QUEUE_KEY, L.HASH_BYTE_OFFSET, L.BLOCK_HASH_BYTES, L.H_NUM_FREE,
     L.H_QUEUE_HEAD_KEY, L.H_QUEUE_TAIL_KEY, L.H_JOURNAL_LEN, L.H_LOCK_SEQ, L.GROUP_MIX,
 )
-# A process row's words journaled by attach and close: all but lock_phase, which the lock
-# writes, unjournaled, for the row's owner (shmkv/pool/lock.py).
-_PROC_ROW_WORDS = L.P_LOCK_PHASE
-
-
-@dataclass
-class RepairReport:
-    """What the repair at the start of a hold found and did (``BlockPool.last_repair``)."""
-
-    cause: str  # whom the lock was taken over from, or why the journal was not empty
-    took_over: bool
-    journal_entries_undone: int
-    rebuilt: bool  # the journal had overflowed: derived structures rebuilt instead
-    processes_reaped: int
-    references_released: int
-    seconds: float
-    epoch: int
 
 
 class KVCacheBlock:
@@ -304,9 +287,12 @@ class BlockPool:
             self._journal,
         )
         self._log = EventLog(buf, self._hdr64, layout, self._journal)
-        self.last_repair: RepairReport | None = None
+        self._segment_views = SegmentViews(
+            buf=buf, layout=layout, hdr64=self._hdr64, blocks=self._blocks,
+            key_rows=self._key_rows, index=self._index, procs=self._procs,
+            ledger=self._ledger, log=self._log,
+        )
         self._warned_no_aliases = False
-        self._last_reaped_refs = 0
         # Handles are made on first use: a million up front would cost a second per attach.
         self._handles: list[KVCacheBlock | None] = [None] * cfg.num_blocks
         self.blocks = BlockHandles(self)
@@ -324,22 +310,33 @@ class BlockPool:
             segment.shm_name, self._hdr64, self._procs, self._alive,
             lambda: self._my_holder_word, stuck_after_s,
         )
+        self.process_table = ProcessTable(
+            self.pool_name, layout, self._procs, self._ledger, self._alive, self._journal,
+            self._hdr_w, self._ref_col, self._ref_col_w, self._htok_col, self.free_block_queue,
+            self.enable_caching,
+        )
+        self._repairer = Repairer(
+            self.pool_name, self._segment_views, self._hdr_w, self._header,
+            self.process_table, self._takeover, self._log_dropped_keys,
+        )
         if self.kernel == "c":  # the same lock, with its fast path in C
             self._lock = _ckernel.CLock(
                 buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
                 L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
                 WAIT_SLICE_S, _lock_enabled,
                 lambda: timeout_message(self._hdr64, self._lock.timeout_s,
-                                        self._describe_holder),
-                self._takeover.on_stall, self._repair_locked,
+                                        self.process_table.describe_holder),
+                self._takeover.on_stall, self._repairer.on_dirty,
             )
         else:
             self._lock = PoolLock(
                 segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
-                timeout_s=lock_timeout_s, describe_holder=self._describe_holder,
+                timeout_s=lock_timeout_s, describe_holder=self.process_table.describe_holder,
                 enabled=_lock_enabled, on_stall=self._takeover.on_stall,
-                on_dirty=self._repair_locked,
+                on_dirty=self._repairer.on_dirty,
             )
+        # Every mutating call runs through self._lock.mutate(): this is how it rolls back.
+        self._lock.set_savepoint(self._event_queue, self._undo_since)
         try:
             self._claim_slot(label_bytes)
         except BaseException:
@@ -524,61 +521,32 @@ class BlockPool:
         then dies; the repair at the start of this process's hold puts the dead process's
         row back. So the choice is checked again under the lock.
         """
-        slot = self._claim_free_slot()
+        table = self.process_table
+        slot = table.claim_free_slot()
         if slot is not None:
             self._set_lock_identity(slot, None)
         counting = _fault.planned is not None and _fault.begin("attach")
         try:
             with self._lock:
-                if slot is not None and not self._slot_is_free_locked(slot):
-                    # Not ours after all: leave the row as the repair restored it (its
-                    # process is dead; the reap below, or a later one, gives it back).
-                    self._procs["lock_phase"][slot] = L.PHASE_IDLE  # our marks, not its
-                    self._alive.release(slot)
+                if slot is not None and not table.slot_is_free(slot):
+                    table.give_up_claim(slot)  # not ours after all
                     slot = None
                 if slot is None:  # no usable slot yet: reap the dead, under the lock
-                    self._reap_dead_locked()
-                    slot = self._claim_free_slot()
+                    table.reap_dead()
+                    slot = table.claim_free_slot()
                     if slot is None:
-                        live = [int(p) for p in self._procs["pid"][self._procs["state"] != 0]]
                         raise PoolFullError(
                             f"pool {self.pool_name}: all {self.max_processes} process slots "
-                            f"are held by live processes (pids {live})"
+                            f"are held by live processes (pids {table.live_pids()})"
                         )
                     self._set_lock_identity(slot, None)
-                incarnation = secrets.randbits(63) | 1
-                self._save_proc_row(slot, _PROC_ROW_WORDS)
-                row = self._procs[slot]
-                row["pid"] = self.pid
-                row["incarnation"] = incarnation
-                row["start_ticks"] = process_start_ticks(self.pid)
-                row["attach_ns"] = time.time_ns()
-                row["label"] = label
-                row["state"] = L.SLOT_ACTIVE
+                incarnation = table.fill_row(slot, self.pid, label)
                 self.slot = slot
                 self._incarnation = incarnation
                 self._set_lock_identity(slot, incarnation)
         finally:
             if counting:
                 _fault.end()
-
-    def _slot_is_free_locked(self, slot: int) -> bool:
-        return (self._procs["state"][slot] == L.SLOT_FREE
-                and not self._ledger[slot].any())
-
-    def _claim_free_slot(self) -> int | None:
-        """A FREE slot whose liveness byte this process could take, or None. A free row
-        still marked ACQUIRING or RELEASING is skipped: its process died taking or giving
-        back the lock (maybe holding the semaphore), and the mark is how a waiter finds out;
-        the repair clears it."""
-        procs = self._procs
-        usable = (procs["state"] == L.SLOT_FREE) & (procs["lock_phase"] == L.PHASE_IDLE)
-        for slot in np.flatnonzero(usable).tolist():
-            if self._alive.claim(slot):
-                if self._procs[slot]["state"] == L.SLOT_FREE:
-                    return slot
-                self._alive.release(slot)  # filled in by a process that has since died
-        return None
 
     def _set_lock_identity(self, slot: int, incarnation: int | None) -> None:
         """Points the lock at this process's row: ``holder`` word, ``lock_phase`` and, once
@@ -597,11 +565,6 @@ class BlockPool:
                 -1 if fence_index is None else base + 8 * fence_index, base + 8 * phase_index,
             )
 
-    def _save_proc_row(self, slot: int, words: int) -> None:
-        """Journals the first ``words`` int64 words of a process row before they change."""
-        base = self._layout.offsets["proc_table"] + slot * L.PROC_DTYPE.itemsize
-        self._journal.save_many(np.arange(base, base + 8 * words, 8, dtype=np.int64), 8)
-
     def close(self) -> None:
         """Gives back every reference this process holds and its process-table slot, then
         unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
@@ -610,7 +573,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
-                self._release_slot_locked(self.slot)
+                self.process_table.release_slot(self.slot)
         except (FencedError, PoolClosedError):
             pass  # the slot is no longer ours: nothing of it to give back
         finally:
@@ -630,10 +593,12 @@ class BlockPool:
     def _release_views(self) -> None:
         self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED
         self.free_block_queue = self._index = self._log = _CLOSED  # type: ignore[assignment]
+        self._segment_views = _CLOSED  # type: ignore[assignment]
         self._blocks = self._ref_col = self._htok_col = _CLOSED  # type: ignore[assignment]
         self._key_rows = _CLOSED  # type: ignore[assignment]
         self._ref_col_w = self._journal = _CLOSED  # type: ignore[assignment]
         self._procs = self._ledger = self._header = _CLOSED  # type: ignore[assignment]
+        self.process_table = _CLOSED  # type: ignore[assignment]
         for view in reversed(self._views):
             view.release()
         self._views = []
@@ -699,8 +664,6 @@ class BlockPool:
         events it queued, so it changes nothing, as a rejected call. Calls made earlier in
         the same hold stand. If the journal overflowed meanwhile, rebuilds instead (valid,
         not exact)."""
-        from shmkv.pool.recovery import rebuild
-
         del self._event_queue[num_events:]
         hdr = self._hdr64
         if hdr[L.H_JOURNAL_LEN] == mark:
@@ -708,128 +671,12 @@ class BlockPool:
         if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
             undo(self._segment.buf, self._layout, hdr, start=mark)
         else:
-            rebuild(self)
+            rebuild(self._segment_views)
 
     def _log_dropped_keys(self, keys: list[tuple[bytes, int]]) -> None:
         """A rebuild dropped these keys: event subscribers must forget them too."""
         if keys and self.enable_kv_cache_events:
             self._record_removed(keys)
-
-    def _describe_holder(self, slot: int, pid: int) -> str:
-        if not 0 <= slot < self.max_processes:
-            return "not a process-table slot"
-        if self._alive.is_alive(slot):
-            return "that process is alive (a long hold, or it is stopped)"
-        return "that process is dead: it died holding the lock"
-
-    def _release_slot_locked(self, slot: int) -> int:
-        """Gives back every reference of ``slot``'s ledger row, frees the slot; returns the
-        number of references released. Caller holds the lock. Every write is journaled.
-
-        Blocks whose count reaches 0 return to the free queue as ``free_blocks`` would put
-        them, highest block id first: unhashed ones to the front, hashed ones to the back.
-        A dead process's ``lock_phase`` is cleared with its row; this process's own (in
-        ``close``) is left to the lock, which still writes it until the hold ends.
-        """
-        row = self._ledger[slot]
-        held = np.flatnonzero(row)
-        released = int(row[held].sum())
-        # Per block: ref_cnt, the ledger entry, and up to prev, next and queue_key.
-        self._journal.reserve(5 * len(held) + 2 * L.PROC_I64 + 8)
-        if len(held):
-            refs = self._ref_col[held] - row[held]
-            self._ref_col_w[held] = refs
-            row_offset = self._layout.offsets["ledger"] + slot * self.num_gpu_blocks * 4
-            JournaledColumn(row, self._journal, row_offset)[held] = 0
-            zero = held[refs == 0][::-1]
-            if self.enable_caching:
-                hashed = self._htok_col[zero] != _NO_HASH_TOKENS
-                first, last = zero[~hashed], zero[hashed]
-            else:
-                first, last = zero, zero[:0]
-            if len(first):
-                self.free_block_queue.prepend_n(first)
-            if len(last):
-                self.free_block_queue.append_n(last)
-        own = slot == self.slot
-        self._save_proc_row(slot, _PROC_ROW_WORDS if own else L.PROC_I64)
-        proc = self._procs[slot]
-        proc["state"] = L.SLOT_FREE
-        proc["pid"] = 0
-        proc["incarnation"] = 0
-        proc["start_ticks"] = 0
-        proc["attach_ns"] = 0
-        proc["label"] = b""
-        if not own:
-            proc["lock_phase"] = L.PHASE_IDLE
-        return released
-
-    def _reap_dead_locked(self) -> int:
-        reaped = 0
-        for slot in np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist():
-            if slot != self.slot and not self._alive.is_alive(slot):
-                pid = int(self._procs[slot]["pid"])
-                released = self._release_slot_locked(slot)
-                reaped += 1
-                self._last_reaped_refs += released
-                logger.warning(
-                    "pool %s: reaped slot %d (pid %d, dead without close()): %d block "
-                    "references released", self.pool_name, slot, pid, released,
-                )
-        if reaped:
-            self._hdr_w[L.H_NUM_REAPED] += reaped
-        self._clear_dead_phases_locked()
-        return reaped
-
-    def _clear_dead_phases_locked(self) -> None:
-        """Sets ``lock_phase`` back to IDLE in free rows whose process died taking or giving
-        back the lock (one that died attaching, or closing): nobody else would, and a stale
-        mark would make a later stuck lock look like its doing."""
-        phases = self._procs["lock_phase"]
-        stale = np.flatnonzero((phases != L.PHASE_IDLE) & (self._procs["state"] == L.SLOT_FREE))
-        base = self._layout.offsets["proc_table"] + 8 * L.P_LOCK_PHASE
-        for slot in stale.tolist():
-            if slot != self.slot and not self._alive.is_alive(slot):
-                self._journal.save(base + slot * L.PROC_DTYPE.itemsize, 8)
-                phases[slot] = L.PHASE_IDLE
-
-    def _repair_locked(self, took_over: bool) -> None:
-        """Repairs the pool at the start of a hold that took the lock over from a dead
-        process, or found the undo journal non-empty: rolls the dead hold back from the
-        journal (or, if it overflowed, rebuilds the derived structures), reaps the dead,
-        bumps the epoch. Called by the lock, which holds it; ``last_repair`` reports."""
-        from shmkv.pool.recovery import rebuild
-
-        t0 = time.perf_counter()
-        hdr = self._hdr64
-        cause = self._takeover.victim if took_over else (
-            "the previous hold left its undo journal unfinished"
-        )
-        try:
-            pending = hdr[L.H_JOURNAL_LEN]
-            undone, rebuilt = 0, False
-            if pending > 0:
-                undone = undo(self._segment.buf, self._layout, hdr)
-            elif pending < 0:
-                report = rebuild(self)  # empties the journal when it is done
-                self._log_dropped_keys(report.dropped_keys)
-                rebuilt = True
-            if took_over:
-                self._hdr_w[L.H_NUM_TAKEOVERS] += 1
-            self._last_reaped_refs = 0
-            reaped = self._reap_dead_locked()
-            self._hdr_w[L.H_EPOCH] += 1
-        except BaseException:
-            self._header["state"] = L.STATE_POISONED
-            logger.error("pool %s: repair failed; the pool is marked POISONED", self.pool_name)
-            raise
-        self.last_repair = RepairReport(
-            cause=cause, took_over=took_over, journal_entries_undone=undone, rebuilt=rebuilt,
-            processes_reaped=reaped, references_released=self._last_reaped_refs,
-            seconds=time.perf_counter() - t0, epoch=int(hdr[L.H_EPOCH]),
-        )
-        logger.warning("pool %s: repaired after a dead hold: %s", self.pool_name,
-                       self.last_repair)
 
     def reap_dead(self) -> int:
         """Releases the references and slots of processes that died without ``close()``.
@@ -840,7 +687,7 @@ class BlockPool:
         counting = _fault.planned is not None and _fault.begin("reap")
         try:
             with self._lock:
-                return self._reap_dead_locked()
+                return self.process_table.reap_dead()[0]
         finally:
             if counting:
                 _fault.end()
@@ -856,27 +703,8 @@ class BlockPool:
             a report: processes reaped, references released, violations found and left,
             whether it rebuilt, the epoch.
         """
-        from shmkv.pool.recovery import collect_violations, rebuild
-
         with self._lock:
-            self._last_reaped_refs = 0
-            reaped = self._reap_dead_locked()
-            found = collect_violations(self)
-            rebuilt = None
-            if found:
-                rebuilt = rebuild(self)  # a repairer killed in it leaves it to the next
-                self._log_dropped_keys(rebuilt.dropped_keys)
-                if self._header["state"][0] == L.STATE_POISONED:
-                    self._header["state"] = L.STATE_READY
-            left = collect_violations(self) if found else []
-            return {
-                "processes_reaped": reaped,
-                "references_released": self._last_reaped_refs,
-                "violations_found": found,
-                "rebuilt": rebuilt,
-                "violations_left": left,
-                "epoch": int(self._hdr64[L.H_EPOCH]),
-            }
+            return self._repairer.repair()
 
     def reclaim_slot(self, slot: int) -> int:
         """Takes a process-table slot away from its process, dead or alive: releases every
@@ -891,16 +719,16 @@ class BlockPool:
             raise UsageError(f"reclaim_slot(): slot must be an int, got {slot!r}")
         with self._lock:
             if not 0 <= slot < self.max_processes or (
-                self._procs[slot]["state"] != L.SLOT_ACTIVE
+                slot not in self.process_table.active_slots()
             ):
                 raise UsageError(f"reclaim_slot(): slot {slot} is not an active slot")
             if slot == self.slot:
                 raise UsageError("reclaim_slot(): that is this process's own slot; close() it")
             pid = int(self._procs[slot]["pid"])
-            released = self._release_slot_locked(slot)
+            released = self.process_table.release_slot(slot)
             logger.warning("pool %s: reclaimed slot %d (pid %d, %s): %d block references "
                            "released", self.pool_name, slot, pid,
-                           "alive" if self._alive.is_alive(slot) else "dead", released)
+                           "alive" if self.process_table.is_alive(slot) else "dead", released)
             return released
 
     def lock(self):
@@ -941,19 +769,13 @@ class BlockPool:
         """The process table: one dict per attached process (slot, pid, label, alive,
         references held, attach time)."""
         with self._lock:
-            out = []
-            for slot in np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist():
-                row = self._procs[slot]
-                out.append({
-                    "slot": slot,
-                    "pid": int(row["pid"]),
-                    "label": bytes(row["label"]).decode(errors="replace"),
-                    "alive": self._alive.is_alive(slot),
-                    "references": int(self._ledger[slot].sum()),
-                    "attach_ns": int(row["attach_ns"]),
-                    "self": slot == self.slot,
-                })
-            return out
+            return self.process_table.rows()
+
+    @property
+    def last_repair(self) -> RepairReport | None:
+        """What the last repair at the start of one of this process's holds did (a dead
+        holder's hold rolled back, the dead reaped), or None if none was needed."""
+        return self._repairer.last_repair
 
     def holder(self) -> tuple[int, int] | None:
         """(slot, pid) of the process holding the pool lock now, or None."""
@@ -1083,32 +905,26 @@ class BlockPool:
                 f"{hbs} tokens, {len(fine_hashes) // ratio} at block size {block_size}; "
                 f"{num_full_blocks} are needed"
             )
+        self._lock.mutate("cache", self._cache_locked, request, new_full, fine_hashes,
+                          num_cached_blocks, num_full_blocks, ratio, block_size,
+                          kv_cache_group_id, block_mask)
+
+    def _cache_locked(self, request, new_full, fine_hashes, num_cached_blocks,
+                      num_full_blocks, ratio, block_size, group_id, block_mask) -> None:
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
-        counting = _fault.planned is not None and _fault.begin("cache")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            cached = self._kernel.cache(
-                new_full, fine_hashes, num_cached_blocks, ratio, block_size,
-                kv_cache_group_id, block_mask, evicted,
-            )
-            if evicted:  # shorter keys the blocks held gave way to the full ones
-                self._record_removed(evicted)
-            if self.enable_kv_cache_events:
-                self._log_events([
-                    self._block_stored_event(
-                        request, cached, num_cached_blocks, num_full_blocks, block_size,
-                        kv_cache_group_id, fine_hashes, ratio,
-                    )
-                ])
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        cached = self._kernel.cache(
+            new_full, fine_hashes, num_cached_blocks, ratio, block_size, group_id, block_mask,
+            evicted,
+        )
+        if evicted:  # shorter keys the blocks held gave way to the full ones
+            self._record_removed(evicted)
+        if self.enable_kv_cache_events:
+            self._log_events([
+                self._block_stored_event(
+                    request, cached, num_cached_blocks, num_full_blocks, block_size,
+                    group_id, fine_hashes, ratio,
+                )
+            ])
 
     def _block_stored_event(self, request, cached, num_cached_blocks, num_full_blocks,
                             block_size, group_id, fine_hashes, ratio) -> BlockStored:
@@ -1218,37 +1034,29 @@ class BlockPool:
                 f"cache_partial_block(): block hash {num_hash_blocks - 1} must be "
                 f"{L.BLOCK_HASH_BYTES} bytes"
             )
-        key = (block_hash, kv_cache_group_id)
-        counting = _fault.planned is not None and _fault.begin("partial")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            index = self._index
-            already_cached = index.block_key(block_id) == key or index.alias_key(block_id) == key
-            removed: list[tuple[bytes, int]] = []
-            held = self._i32[block_id * _R + _HTOK]
-            if replace_existing_hashes:
-                removed = index.pop_all(block_id)
-                already_cached = False
-            elif not already_cached and held != _NO_HASH_TOKENS and held < num_tokens:
-                removed = index.pop_all(block_id)  # a shorter key gives way
-            if not already_cached:
-                self._add_key_locked(block_id, block_hash, kv_cache_group_id, num_tokens,
-                                     removed)
-            if removed and self.enable_kv_cache_events:
-                self._record_removed(removed)
-            if self.enable_kv_cache_events and not already_cached:
-                self._log_events([self._partial_stored_event(
-                    request, block_hash, num_tokens, kv_cache_group_id)])
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("partial", self._partial_locked, request, block_id, block_hash,
+                          num_tokens, kv_cache_group_id, replace_existing_hashes)
         return block_hash + kv_cache_group_id.to_bytes(4, "big")
+
+    def _partial_locked(self, request, block_id: int, block_hash: bytes, num_tokens: int,
+                        group_id: int, replace_existing_hashes: bool) -> None:
+        index = self._index
+        key = (block_hash, group_id)
+        already_cached = index.block_key(block_id) == key or index.alias_key(block_id) == key
+        removed: list[tuple[bytes, int]] = []
+        held = self._i32[block_id * _R + _HTOK]
+        if replace_existing_hashes:
+            removed = index.pop_all(block_id)
+            already_cached = False
+        elif not already_cached and held != _NO_HASH_TOKENS and held < num_tokens:
+            removed = index.pop_all(block_id)  # a shorter key gives way
+        if not already_cached:
+            self._add_key_locked(block_id, block_hash, group_id, num_tokens, removed)
+        if removed and self.enable_kv_cache_events:
+            self._record_removed(removed)
+        if self.enable_kv_cache_events and not already_cached:
+            self._log_events([self._partial_stored_event(
+                request, block_hash, num_tokens, group_id)])
 
     def _check_block_arg(self, block: Any, what: str) -> int:
         try:
@@ -1324,35 +1132,23 @@ class BlockPool:
         """
         src = self._check_block_arg(src_block, "move_block_hashes")
         dst = self._check_block_arg(dst_block, "move_block_hashes")
-        counting = _fault.planned is not None and _fault.begin("move")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            index = self._index
-            if (dst == _NULL or index.block_key(dst) is not None
-                    or index.alias_key(dst) is not None):
-                raise UsageError(
-                    f"move_block_hashes(): the destination block {dst} must hold no key"
-                )
-            htok = self._index._htok_raw
-            moved = []
-            for row in (src, index.alias0 + src):
-                key = index.block_key(row)
-                if key is not None:
-                    moved.append((bytes(key[0]), key[1], htok[row]))
-            if moved:
-                index.pop_all(src)
-                index.insert(moved[0][0], moved[0][1], dst, moved[0][2])
-                for block_hash, group_id, num_tokens in moved[1:]:
-                    index.insert(block_hash, group_id, index.alias0 + dst, num_tokens)
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("move", self._move_locked, src, dst)
+
+    def _move_locked(self, src: int, dst: int) -> None:
+        index = self._index
+        if dst == _NULL or index.block_key(dst) is not None or index.alias_key(dst) is not None:
+            raise UsageError(f"move_block_hashes(): the destination block {dst} must hold no key")
+        htok = self._index._htok_raw
+        moved = []
+        for row in (src, index.alias0 + src):
+            key = index.block_key(row)
+            if key is not None:
+                moved.append((bytes(key[0]), key[1], htok[row]))
+        if moved:
+            index.pop_all(src)
+            index.insert(moved[0][0], moved[0][1], dst, moved[0][2])
+            for block_hash, group_id, num_tokens in moved[1:]:
+                index.insert(block_hash, group_id, index.alias0 + dst, num_tokens)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pops ``num_blocks`` blocks from the head of the free queue, evicting their hashes.
@@ -1375,28 +1171,19 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
+        return self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+
+    def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self._hdr64[_H_NUM_FREE]:
+            self.process_table.reap_dead()  # a dead process's blocks may be the missing ones
+            self._lock.savepoint()  # the reap stands, even if the allocation then fails
         evicted: list[tuple[bytes, int]] | None = [] if self.enable_kv_cache_events else None
-        counting = _fault.planned is not None and _fault.begin("allocate")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            if num_blocks > self._hdr64[_H_NUM_FREE]:
-                self._reap_dead_locked()  # a dead process's blocks may be the missing ones
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)  # the reap stands
-            blocks = self._kernel.allocate(
-                num_blocks, self.enable_caching, self._handles, self._handle, evicted
-            )
-            if evicted:
-                self._record_removed(evicted)
-            return blocks
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        blocks = self._kernel.allocate(
+            num_blocks, self.enable_caching, self._handles, self._handle, evicted
+        )
+        if evicted:
+            self._record_removed(evicted)
+        return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Adds a reference to each block (a prefix-cache hit), taking blocks with
@@ -1405,19 +1192,7 @@ class BlockPool:
         Raises:
             UsageError: a block id out of range.
         """
-        counting = _fault.planned is not None and _fault.begin("touch")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            self._kernel.touch(blocks)
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("touch", self._kernel.touch, blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
@@ -1429,19 +1204,7 @@ class BlockPool:
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
-        counting = _fault.planned is not None and _fault.begin("free")
-        lock = self._lock
-        lock.acquire()
-        mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-        try:
-            self._kernel.free(ordered_blocks, self.enable_caching)
-        except BaseException:
-            self._undo_since(*mark)
-            raise
-        finally:
-            lock.release()
-            if counting:
-                _fault.end()
+        self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the prefix-cache entries of the given blocks (a KV connector failed to load
@@ -1458,19 +1221,11 @@ class BlockPool:
                 raise UsageError(
                     f"evict_blocks(): block id {block_id!r} is not in [0, {self.num_gpu_blocks})"
                 )
-        counting = _fault.planned is not None and _fault.begin("evict")
-        try:
-            with self._lock:
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-                try:
-                    for block_id in ids:
-                        self._evict_cached(int(block_id))
-                except BaseException:
-                    self._undo_since(*mark)
-                    raise
-        finally:
-            if counting:
-                _fault.end()
+        self._lock.mutate("evict", self._evict_ids_locked, ids)
+
+    def _evict_ids_locked(self, ids: list) -> None:
+        for block_id in ids:
+            self._evict_cached(int(block_id))
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drops every prefix-cache key of one block (its own, then its alias), a
@@ -1484,18 +1239,7 @@ class BlockPool:
             UsageError: a bad handle; nothing is changed.
         """
         block_id = self._check_block_arg(block, "_maybe_evict_cached_block")
-        counting = _fault.planned is not None and _fault.begin("evict")
-        try:
-            with self._lock:
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-                try:
-                    return self._evict_cached(block_id)
-                except BaseException:
-                    self._undo_since(*mark)
-                    raise
-        finally:
-            if counting:
-                _fault.end()
+        return self._lock.mutate("evict", self._evict_cached, block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, if no block but the null block is in use.
@@ -1503,28 +1247,20 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        counting = _fault.planned is not None and _fault.begin("reset")
-        try:
-            with self._lock:
-                num_used = self.num_gpu_blocks - self.get_num_free_blocks()
-                if num_used != 1:
-                    logger.warning(
-                        "Failed to reset prefix cache because some blocks (%d) are not freed "
-                        "yet", num_used - 1,
-                    )
-                    return False
-                mark = self._hdr64[_H_JOURNAL_LEN], len(self._event_queue)
-                try:
-                    self._index.clear()
-                    if self.enable_kv_cache_events:
-                        self._log_events([AllBlocksCleared()])
-                except BaseException:
-                    self._undo_since(*mark)
-                    raise
-                return True
-        finally:
-            if counting:
-                _fault.end()
+        return self._lock.mutate("reset", self._reset_locked)
+
+    def _reset_locked(self) -> bool:
+        num_used = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used != 1:
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                num_used - 1,
+            )
+            return False
+        self._index.clear()
+        if self.enable_kv_cache_events:
+            self._log_events([AllBlocksCleared()])
+        return True
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached ones with ``ref_cnt == 0`` included)."""
@@ -1541,7 +1277,9 @@ class BlockPool:
         """Returns the events recorded since the last call and clears them ([] if off)."""
         if not self.enable_kv_cache_events:
             return []
-        events, self._event_queue = self._event_queue, []
+        # The same list stays queued: the lock's savepoint counts its entries.
+        events = self._event_queue.copy()
+        self._event_queue.clear()
         return events
 
     # ------------------------------------------------------------------ shmkv extras
@@ -1553,6 +1291,40 @@ class BlockPool:
     @property
     def layout(self) -> L.Layout:
         return self._layout
+
+    @property
+    def segment_name(self) -> str:
+        """The POSIX name of the pool's segment (``/shmkv-<name>-v<layout>``); the file is
+        ``/dev/shm`` + this."""
+        return self._segment.shm_name
+
+    @property
+    def event_log(self) -> EventLog:
+        """The pool's global event ring (``capacity`` 0 when events are off). Read it
+        under ``pool.lock()``: ``event_log.read_raw(cursor, limit)``."""
+        return self._log
+
+    def header_snapshot(self) -> np.void:
+        """A copy of the segment header, one structured record (``shmkv/pool/layout.py``,
+        the header table: ``creator_pid``, ``none_hash``, ``epoch``, ``num_reaped``,
+        ``num_takeovers``, ``lock_seq``, ``next_event_seq``...).
+
+        Takes no lock (so it never counts in ``lock_seq``): hold ``pool.lock()`` around it
+        for fields that agree with each other.
+
+        Raises:
+            PoolClosedError: the pool is closed.
+        """
+        if self._segment.buf is None:
+            raise PoolClosedError("the pool is closed; attach again to use it")
+        return self._header[0].copy()
+
+    @property
+    def segment_views(self) -> SegmentViews:
+        """The segment's structured views (header words, block rows, process table,
+        ledger...), as ``shmkv.pool.recovery`` reads them; raw shared state, for recovery
+        and tools, not for the hot paths' callers. Raises PoolClosedError once closed."""
+        return self._segment_views
 
     def cached_keys_by_group(self) -> dict[int, list[bytes]]:
         """The prefix cache's keys: for each KV-cache group, the hash of every block cached
@@ -1615,9 +1387,7 @@ class BlockPool:
             InvariantViolation: listing every broken invariant (the segment is then marked
                 POISONED).
         """
-        from shmkv.pool.recovery import check_invariants
-
         if self._segment.buf is None:
             raise PoolClosedError("the pool is closed; attach again to use it")
         with self._lock:
-            check_invariants(self)
+            check_invariants(self._segment_views)

@@ -65,6 +65,10 @@ class EventCursor:
 class EventLog:
     """Appends to and reads from the event ring of a pool segment (callers hold the lock).
 
+    ``BlockPool.event_log`` is this object; its read side (``capacity``, ``next_seq``,
+    ``oldest``, ``end``, ``read``, ``read_raw``) is what the publisher, the metrics and the
+    CLI use, under ``pool.lock()``.
+
     Args:
         mem: the segment's mmap.
         hdr64: flat int64 memoryview of the header.
@@ -78,16 +82,19 @@ class EventLog:
         self._hdr_w = JournaledView(hdr64, journal, 0, 8)
         self._save_bytes = journal.save_bytes
         self._base = layout.offsets["event_log"]
-        self.capacity = layout.config.event_log_bytes
+        self.capacity = layout.config.event_log_bytes  # bytes of the ring; 0: no log
 
     @property
     def next_seq(self) -> int:
+        """The sequence number the next event logged will get."""
         return self._hdr[L.H_NEXT_EVENT_SEQ]
 
     def oldest(self) -> EventCursor:
+        """A cursor at the oldest event still in the ring."""
         return EventCursor(self._hdr[L.H_LOG_OLDEST_SEQ], self._hdr[L.H_LOG_OLDEST_POS])
 
     def end(self) -> EventCursor:
+        """A cursor past the newest event: it reads only what is logged from now on."""
         return EventCursor(self._hdr[L.H_NEXT_EVENT_SEQ], self._hdr[L.H_LOG_WRITE_POS])
 
     def append(self, slot: int, events: list) -> int:
@@ -145,8 +152,16 @@ class EventLog:
 
     def read(self, cursor: EventCursor,
              max_events: int | None = None) -> tuple[list[LoggedEvent], int]:
-        """Events from ``cursor`` on (advancing it). Returns (events, number lost because
-        the reader fell more than a ring behind)."""
+        """Events from ``cursor`` on, decoded (advancing it).
+
+        Args:
+            cursor: where to read from; moved past what is returned.
+            max_events: at most this many (None: all there are).
+
+        Returns:
+            (events, lost): ``lost`` counts events overwritten before this reader got them
+            (it fell more than a ring behind).
+        """
         records, lost = self.read_raw(cursor, max_events)
         return [LoggedEvent(seq, slot, ts, _decoder.decode(body))
                 for seq, slot, ts, body in records], lost
@@ -155,7 +170,11 @@ class EventLog:
                  ) -> tuple[list[tuple[int, int, float, bytes]], int]:
         """As :meth:`read`, without decoding: ``(seq, slot, ts, msgpack bytes of the
         event)`` records. Copying is all a reader then does under the lock; it decodes
-        (``decode_event``) after releasing it."""
+        (``decode_event``) after releasing it.
+
+        Returns:
+            (records, lost), as :meth:`read`.
+        """
         hdr, cap = self._hdr, self.capacity
         lost = 0
         oldest_seq = hdr[L.H_LOG_OLDEST_SEQ]

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 try:
     from shmkv.pool import _ckernel
 except ImportError:  # pragma: no cover - the C kernel is optional
     _ckernel = None
+else:  # CLock.mutate starts and ends the count of a planned call here, from C
+    _ckernel.set_fault(sys.modules[__name__])
 
 ENV_VAR = "SHMKV_FAULT"
 OPERATIONS = (

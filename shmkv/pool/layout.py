@@ -193,11 +193,32 @@ Other shared-memory objects of shmkv are named ``/shmkv_<kind>-<name>-v<version>
 pool tools (``shmkv cleanup``) parse as ``shmkv-<pool name>-v<LAYOUT_VERSION>``. Each starts
 with its own small header and is versioned on its own.
 
-Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables) and
-``kv`` (a pool's KV store); the last two are laid out in ``shmkv/ranks/block_table.py``'s docstring.
+Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables),
+``kv`` (a pool's KV store), ``stats`` (a pool's per-process counters, ``shmkv/stats.py``) and
+``pub`` (a pool's saved publisher position, ``shmkv/publisher.py``); ``bt`` and ``kv`` are laid
+out in ``shmkv/ranks/block_table.py``'s docstring. Besides these, a channel's doorbell is a
+POSIX semaphore ``/shmkv_bell-<name>`` named in the channel's header (it has no header of its
+own), and a pool has its lock semaphore and ``.alive`` file (above).
+
+Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and holds an
+*owner record* (``OWNER_DTYPE``, 96 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
+``shmkv cleanup`` (``shmkv/pool/siblings.py``) reads only these to decide whose a sibling is:
+
+| field                 | type | meaning |
+|-----------------------|------|---------|
+| `owner_magic`         | u64  | ``OWNER_MAGIC`` once the record is written (before the segment's own `magic`) |
+| `creator_pid`         | i32  | the process that made the segment and unlinks it; 0: none (it lives as long as its pool: stats, publisher position) |
+| `pool_creator_pid`    | u32  | with `pool_ino`, which pool `pool_name` was when the segment was made (0: no pool) |
+| `creator_start_ticks` | u64  | the creator's start time (``/proc/<pid>/stat`` field 22), so a reused pid is not taken for it |
+| `pool_ino`            | u64  | inode of the pool segment in /dev/shm when the segment was made: a pool re-created under the same name is another pool |
+| `pool_name`           | S64  | the pool the segment belongs to; empty: none |
+
+A sibling is its creator's while the creator lives, and its pool's while that very pool is in
+use; when both are gone (or the pool is being removed as orphaned) cleanup removes it, and a
+channel takes its doorbell with it (when no other channel names it).
 
 A message channel (kind ``ch``, ``shmkv/messages.py``, version ``CHANNEL_LAYOUT_VERSION``) is
-a single-producer single-consumer byte ring: a 128-byte ``CHANNEL_HEADER_DTYPE`` header, then
+a single-producer single-consumer byte ring: a 256-byte ``CHANNEL_HEADER_DTYPE`` header, then
 ``capacity_bytes`` of frames. Its doorbell is a POSIX semaphore named in the header.
 
 | field            | type | meaning |
@@ -210,6 +231,7 @@ a single-producer single-consumer byte ring: a 128-byte ``CHANNEL_HEADER_DTYPE``
 | `producer_pid`   | i32  | the last process that sent (0: none yet), for error messages |
 | `consumer_pid`   | i32  | the last process that received (0: none yet) |
 | `doorbell`       | S88  | name of the semaphore posted once per frame sent |
+| `owner`          | V128 | the owner record (``OWNER_DTYPE``, at ``CHANNEL_OWNER_OFFSET`` = 128), then padding |
 
 A frame is a u32 length, then that many bytes of msgpack, padded to 8 bytes; a length of
 ``CHANNEL_WRAP`` means "the rest of this lap is empty, go on at the ring's start". A producer
@@ -226,6 +248,10 @@ Changelog
   `lock_seq`, `num_takeovers`; process rows gain `lock_phase` (labels shrink to 24 bytes).
 - v4: partial-block keys: the `block_alias` region (region 2; a block's second, partial
   key), so the regions after it move; the prefix index links key rows of both regions.
+
+Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
+record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
+256 bytes; block tables and KV store in their headers' padding).
 """
 
 from __future__ import annotations
@@ -622,7 +648,7 @@ def segment_name(pool_name: str) -> str:
 
 # ------------------------------------------------------------------ sibling segments
 
-CHANNEL_LAYOUT_VERSION = 1
+CHANNEL_LAYOUT_VERSION = 2
 CHANNEL_MAGIC = 0x1A5E_4B76_6843_7F01
 CHANNEL_WRAP = 0xFFFF_FFFF
 MAX_DOORBELL_NAME_BYTES = 88
@@ -636,9 +662,62 @@ CHANNEL_HEADER_DTYPE = np.dtype(
         ("producer_pid", "<i4"),
         ("consumer_pid", "<i4"),
         ("doorbell", f"S{MAX_DOORBELL_NAME_BYTES}"),
+        ("owner", "V128"),  # OWNER_DTYPE at CHANNEL_OWNER_OFFSET, then padding
     ]
 )
-assert CHANNEL_HEADER_DTYPE.itemsize == 2 * ALIGN_BYTES
+assert CHANNEL_HEADER_DTYPE.itemsize == 4 * ALIGN_BYTES
+CHANNEL_OWNER_OFFSET = CHANNEL_HEADER_DTYPE.fields["owner"][1]
+
+# The owner record of every sibling segment (see "Sibling segments" above).
+OWNER_MAGIC = 0x1A5E_4B76_6F77_6E31
+OWNER_DTYPE = np.dtype(
+    {
+        "names": ["owner_magic", "creator_pid", "pool_creator_pid", "creator_start_ticks",
+                  "pool_ino", "pool_name"],
+        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}"],
+        "offsets": [0, 8, 12, 16, 24, 32],
+        "itemsize": 96,
+    }
+)
+
+# Versions and magics of the other sibling kinds (their modules lay out the rest).
+BT_LAYOUT_VERSION = 2
+BT_MAGIC = 0x1A5E_4B76_7462_6C31
+BT_OWNER_OFFSET = 128  # in the 256-byte header's padding
+KV_LAYOUT_VERSION = 2
+KV_MAGIC = 0x1A5E_4B76_6B76_7332
+KV_OWNER_OFFSET = 128  # in the 4 KiB header's padding
+STATS_VERSION = 2
+STATS_MAGIC = 0x5348_4B56_5354_4101  # "SHKVSTA" + 1
+STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner record
+PUBLISHER_STATE_VERSION = 2
+PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
+PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
+
+
+@dataclass(frozen=True)
+class SiblingKind:
+    """What shmkv cleanup needs to know of one sibling kind."""
+
+    kind: str  # the ``<kind>`` of ``/shmkv_<kind>-<name>-v<version>``
+    what: str
+    version: int
+    magic: int
+    owner_offset: int
+
+
+SIBLING_KINDS: dict[str, SiblingKind] = {
+    k.kind: k for k in (
+        SiblingKind("ch", "channel", CHANNEL_LAYOUT_VERSION, CHANNEL_MAGIC,
+                    CHANNEL_OWNER_OFFSET),
+        SiblingKind("bt", "block tables", BT_LAYOUT_VERSION, BT_MAGIC, BT_OWNER_OFFSET),
+        SiblingKind("kv", "KV store", KV_LAYOUT_VERSION, KV_MAGIC, KV_OWNER_OFFSET),
+        SiblingKind("stats", "stats", STATS_VERSION, STATS_MAGIC, STATS_OWNER_OFFSET),
+        SiblingKind("pub", "publisher position", PUBLISHER_STATE_VERSION,
+                    PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET),
+    )
+}
+DOORBELL_PREFIX = "/shmkv_bell-"
 
 
 def sibling_segment_name(kind: str, name: str, version: int) -> str:

@@ -12,6 +12,11 @@ Byte ``ARBITER_BYTE`` (past every slot) arbitrates the take-over of a dead lock 
 the waiters that find the holder dead race for it, non-blocking, and only the winner takes
 over (``shmkv/pool/takeover.py``).
 
+``pid_alive`` is the plain pid test (``kill(pid, 0)``), for the few places that only have a
+pid to go on: a lock holder recorded without a slot, a channel's peer, the front end of a
+run, a run's leftover segments. It can be fooled by a reused pid, which is why the process
+table does not use it.
+
 Linux only (``fcntl.F_OFD_*``, Linux >= 3.15).
 """
 
@@ -97,6 +102,37 @@ class AliveLocks:
             os.close(self._fd)
             self._fd = -1
             self.held_slot = None
+
+
+def pid_alive(pid: int, start_ticks: int = 0) -> bool:
+    """Whether a process with this pid exists (``kill(pid, 0)``; a zombie counts), and, when
+    ``start_ticks`` is given, whether it is the process that started then.
+
+    The one pid test of the package. Without ``start_ticks`` a reused pid reads as alive, so
+    this only says that *some* process has the pid now; slots of the process table are tested
+    with ``AliveLocks``.
+
+    Args:
+        pid: the process id; 0 and negative ids (process groups to ``kill``) are no process.
+        start_ticks: the process's start time as ``process_start_ticks`` read it when the pid
+            was recorded; 0 if unknown (then any process with the pid counts).
+
+    Returns:
+        True if the process exists, also when it belongs to another user (``EPERM``), and,
+        with ``start_ticks``, started at that tick.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if start_ticks:
+        ticks = process_start_ticks(pid)
+        return ticks == 0 or ticks == start_ticks  # 0: /proc unreadable, trust the pid
+    return True
 
 
 def process_start_ticks(pid: int) -> int:

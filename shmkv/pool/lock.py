@@ -154,6 +154,10 @@ class PoolLock:
         self._proc64 = None
         self._fence_index = 0
         self._phase_index = 0
+        # The savepoint of the call running under mutate(): (journal_len, queued events).
+        self._events: list = []
+        self._undo = None
+        self._mark = (0, 0)
 
     def set_identity(self, slot: int, incarnation: int, proc64, fence_index: int | None,
                      phase_index: int) -> None:
@@ -299,6 +303,58 @@ class PoolLock:
         if self.record is not None:
             self.record[-1] = (self.record[-1][0], held)
         self._gate.release()
+
+    # ------------------------------------------------------------------ one call's hold
+
+    def set_savepoint(self, events: list, undo) -> None:
+        """What :meth:`mutate` needs to roll a failed call back: the pool's list of queued
+        events, and ``undo(journal_len, num_events)``, which puts back every word written
+        since the journal stood at ``journal_len`` and drops the events queued since."""
+        self._events = events
+        self._undo = undo
+
+    def mutate(self, op: str, fn, *args):
+        """Runs ``fn(*args)`` as one call that changes the pool: all of it, or nothing.
+
+        The one mechanism of every mutating ``BlockPool`` method: counts the stores of
+        ``op`` for fault injection (``shmkv/pool/fault.py``), takes the lock, marks a
+        savepoint (the journal's length and the number of queued events), runs ``fn``; if
+        ``fn`` raises (bad input found half way, KeyboardInterrupt...), undoes what it wrote
+        since the savepoint and re-raises, so the call changes nothing; gives the lock back.
+        Calls made before it in the same hold stand. ``CLock.mutate`` is the same in C.
+
+        Args:
+            op: the operation's name for fault injection ("allocate", "free"...).
+            fn: the call's work, run under the lock.
+            *args: its arguments.
+
+        Returns:
+            what ``fn`` returned.
+
+        Raises:
+            whatever ``fn`` raised (after the undo); LockTimeoutError or FencedError from
+            taking the lock.
+        """
+        counting = _fault.planned is not None and _fault.begin(op)
+        try:
+            self.acquire()
+            outer, self._mark = self._mark, (self._hdr64[_H_JOURNAL_LEN], len(self._events))
+            try:
+                return fn(*args)
+            except BaseException:
+                self._undo(*self._mark)
+                raise
+            finally:
+                self._mark = outer
+                self.release()
+        finally:
+            if counting:
+                _fault.end()
+
+    def savepoint(self) -> None:
+        """Moves the savepoint of the running :meth:`mutate` call to here: what the call
+        wrote so far stands even if the rest of it fails (the reap before an allocation)."""
+        self._mark = (self._hdr64[_H_JOURNAL_LEN], len(self._events))
 
     @property
     def held(self) -> bool:

@@ -44,28 +44,60 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation
+from shmkv.pool import layout as L
+from shmkv.pool.event_log import EventCursor, EventLog
+from shmkv.pool.prefix_index import BlockHashToBlockMap
 
-if TYPE_CHECKING:
-    from shmkv.pool.block_pool import BlockPool
+
+@dataclass(frozen=True, repr=False)  # a repr would read the arrays, maybe unmapped by now
+class SegmentViews:
+    """The views of one attached segment that the checks and the rebuild read and write.
+
+    Recovery works on these, not on a ``BlockPool``, so that the pool can import recovery
+    (it repairs itself with it) without recovery importing the pool back. A ``BlockPool``
+    hands its own out as ``pool.segment_views``.
+    """
+
+    buf: mmap.mmap
+    layout: L.Layout
+    hdr64: memoryview  # the header as flat int64 words (``L.H_*`` indices)
+    blocks: np.ndarray  # region block_meta, sentinel rows included
+    key_rows: np.ndarray  # block_meta then block_alias: every row a key can sit in
+    index: BlockHashToBlockMap
+    procs: np.ndarray  # region proc_table
+    ledger: np.ndarray  # region ledger, one row per slot
+    log: EventLog
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.config.num_blocks
+
+    def __repr__(self) -> str:
+        return f"SegmentViews(<{self.num_blocks} blocks>)"
 
 
-def _check_header(pool: BlockPool, out: list[str]) -> None:
-    hdr = pool._layout.view(pool._segment.buf, "header")[0]
-    cfg = pool._layout.config
+def _views_of(pool: Any) -> SegmentViews:
+    """``pool``'s views: a ``BlockPool`` (anything with ``segment_views``), or views."""
+    return pool if isinstance(pool, SegmentViews) else pool.segment_views
+
+
+def _check_header(views: SegmentViews, out: list[str]) -> None:
+    hdr = views.layout.view(views.buf, "header")[0]
+    cfg = views.layout.config
     expected = {
         "magic": L.MAGIC,
         "layout_version": L.LAYOUT_VERSION,
         "format_flags": cfg.format_flags,
         "header_bytes": L.HEADER_DTYPE.itemsize,
-        "total_bytes": pool._layout.total_bytes,
+        "total_bytes": views.layout.total_bytes,
         "num_blocks": cfg.num_blocks,
         "hash_block_size": cfg.hash_block_size,
         "num_index_buckets": cfg.num_index_buckets,
@@ -88,14 +120,14 @@ def _check_header(pool: BlockPool, out: list[str]) -> None:
         out.append(f"INV-HDR: state is {L.STATE_NAMES.get(state, state)}, not READY")
 
 
-def _check_free_queue(pool: BlockPool, out: list[str]) -> np.ndarray:
+def _check_free_queue(views: SegmentViews, out: list[str]) -> np.ndarray:
     """Checks INV-FREE and INV-QKEY; returns a bool mask of the rows reached by the walk."""
-    lay = pool._layout
+    lay = views.layout
     n = lay.config.num_blocks
     head, tail = lay.free_head, lay.free_tail
-    blocks = pool._blocks
+    blocks = views.blocks
     prev, nxt, keys = blocks["prev"], blocks["next"], blocks["queue_key"]
-    num_free = int(pool._hdr64[L.H_NUM_FREE])
+    num_free = int(views.hdr64[L.H_NUM_FREE])
     queued = np.zeros(n + 2, dtype=bool)
     order: list[int] = []
     cur, before = int(nxt[head]), head
@@ -136,7 +168,7 @@ def _check_free_queue(pool: BlockPool, out: list[str]) -> np.ndarray:
                 f"INV-QKEY: queue_key does not increase from block {order[i]} ({int(k[i])}) "
                 f"to block {order[i + 1]} ({int(k[i + 1])})"
             )
-        lo, hi = int(pool._hdr64[L.H_QUEUE_HEAD_KEY]), int(pool._hdr64[L.H_QUEUE_TAIL_KEY])
+        lo, hi = int(views.hdr64[L.H_QUEUE_HEAD_KEY]), int(views.hdr64[L.H_QUEUE_TAIL_KEY])
         if int(k.min()) < lo or int(k.max()) > hi:
             out.append(
                 f"INV-QKEY: queue keys span [{int(k.min())}, {int(k.max())}], outside the "
@@ -145,9 +177,9 @@ def _check_free_queue(pool: BlockPool, out: list[str]) -> np.ndarray:
     return queued
 
 
-def _check_refs(pool: BlockPool, queued: np.ndarray, out: list[str]) -> None:
-    n = pool.num_gpu_blocks
-    ref = pool._blocks["ref_cnt"][:n]
+def _check_refs(views: SegmentViews, queued: np.ndarray, out: list[str]) -> None:
+    n = views.num_blocks
+    ref = views.blocks["ref_cnt"][:n]
     negative = np.flatnonzero(ref < 0)
     if len(negative):
         b = int(negative[0])
@@ -170,7 +202,7 @@ def _check_refs(pool: BlockPool, queued: np.ndarray, out: list[str]) -> None:
     if n and int(ref[L.NULL_BLOCK_ID]) != 0:
         out.append(f"INV-REF: the null block's ref_cnt is {int(ref[0])}, expected 0")
     in_use = int(np.count_nonzero(real & (ref > 0)))
-    num_free = int(pool._hdr64[L.H_NUM_FREE])
+    num_free = int(views.hdr64[L.H_NUM_FREE])
     if num_free + in_use != n - 1:
         out.append(
             f"INV-CONSERVE: num_free_blocks ({num_free}) + blocks in use ({in_use}) != "
@@ -178,13 +210,13 @@ def _check_refs(pool: BlockPool, queued: np.ndarray, out: list[str]) -> None:
         )
 
 
-def _check_index(pool: BlockPool, out: list[str]) -> None:
-    n = pool.num_gpu_blocks
-    lay = pool._layout
-    rows = pool._key_rows  # block rows, the two sentinels, then the alias rows
+def _check_index(views: SegmentViews, out: list[str]) -> None:
+    n = views.num_blocks
+    lay = views.layout
+    rows = views.key_rows  # block rows, the two sentinels, then the alias rows
     alias0 = lay.alias_row(0)
-    index = pool._index
-    buckets = lay.view(pool._segment.buf, "index_buckets")
+    index = views.index
+    buckets = lay.view(views.buf, "index_buckets")
     def name(row: int) -> str:
         return f"block {row}" if row < n else f"the alias row of block {row - alias0}"
 
@@ -256,10 +288,10 @@ def _check_index(pool: BlockPool, out: list[str]) -> None:
             )
 
 
-def _check_ledger_and_procs(pool: BlockPool, out: list[str]) -> None:
-    n = pool.num_gpu_blocks
-    procs = pool._procs
-    ledger = pool._ledger
+def _check_ledger_and_procs(views: SegmentViews, out: list[str]) -> None:
+    n = views.num_blocks
+    procs = views.procs
+    ledger = views.ledger
     active = procs["state"] == L.SLOT_ACTIVE
     bad_state = np.flatnonzero((procs["state"] != L.SLOT_ACTIVE) & (procs["state"] != L.SLOT_FREE))
     for slot in bad_state.tolist():
@@ -285,7 +317,7 @@ def _check_ledger_and_procs(pool: BlockPool, out: list[str]) -> None:
     if n and ledger[:, L.NULL_BLOCK_ID].any():
         out.append("INV-LEDGER: a process holds references to the null block")
     held = ledger[active].sum(axis=0, dtype=np.int64)
-    ref = pool._blocks["ref_cnt"][:n].astype(np.int64)
+    ref = views.blocks["ref_cnt"][:n].astype(np.int64)
     differ = np.flatnonzero(held != ref)
     differ = differ[differ != L.NULL_BLOCK_ID]
     if len(differ):
@@ -296,10 +328,10 @@ def _check_ledger_and_procs(pool: BlockPool, out: list[str]) -> None:
         )
 
 
-def _check_event_log(pool: BlockPool, out: list[str]) -> None:
-    log = pool._log
+def _check_event_log(views: SegmentViews, out: list[str]) -> None:
+    log = views.log
     cap = log.capacity
-    hdr = pool._hdr64
+    hdr = views.hdr64
     oldest_pos, write_pos = int(hdr[L.H_LOG_OLDEST_POS]), int(hdr[L.H_LOG_WRITE_POS])
     oldest_seq, next_seq = int(hdr[L.H_LOG_OLDEST_SEQ]), int(hdr[L.H_NEXT_EVENT_SEQ])
     if not (0 <= oldest_pos <= write_pos <= oldest_pos + cap) or oldest_seq > next_seq:
@@ -310,8 +342,6 @@ def _check_event_log(pool: BlockPool, out: list[str]) -> None:
         return
     if not cap:
         return
-    from shmkv.pool.event_log import EventCursor
-
     try:
         events, lost = log.read(EventCursor(oldest_seq, oldest_pos))
     except Exception as exc:  # noqa: BLE001  (a torn record: report it, whatever it raised)
@@ -325,17 +355,17 @@ def _check_event_log(pool: BlockPool, out: list[str]) -> None:
         )
 
 
-def _check_journal(pool: BlockPool, out: list[str]) -> None:
-    lay = pool._layout
+def _check_journal(views: SegmentViews, out: list[str]) -> None:
+    lay = views.layout
     cap = lay.config.journal_entries
-    length = int(pool._hdr64[L.H_JOURNAL_LEN])
+    length = int(views.hdr64[L.H_JOURNAL_LEN])
     if length == L.JOURNAL_OVERFLOWED:
         pass
     elif not 0 <= length <= cap:
         out.append(f"INV-JOURNAL: journal_len is {length}, outside [0, {cap}] and not -1")
         return
     else:
-        where = lay.view(pool._segment.buf, "journal")["where"][:length]
+        where = lay.view(views.buf, "journal")["where"][:length]
         offsets, widths = where >> 4, where & 15
         first_mutable = L.HEADER_DTYPE.fields["epoch"][1]
         bad = ((widths != 4) & (widths != 8)) | (offsets % widths != 0) | (
@@ -344,35 +374,47 @@ def _check_journal(pool: BlockPool, out: list[str]) -> None:
             i = int(np.argmax(bad))
             out.append(f"INV-JOURNAL: entry {i} names {int(widths[i])} byte(s) at offset "
                        f"{int(offsets[i])}: not an aligned word of the segment's mutable part")
-    phases = pool._procs["lock_phase"]
+    phases = views.procs["lock_phase"]
     odd = np.flatnonzero((phases < L.PHASE_IDLE) | (phases > L.PHASE_HOLDING))
     if len(odd):
         slot = int(odd[0])
         out.append(f"INV-JOURNAL: slot {slot} has lock_phase {int(phases[slot])}")
 
 
-def collect_violations(pool: BlockPool) -> list[str]:
-    """Every broken invariant of ``pool``, each message starting with its id."""
+def collect_violations(pool: Any) -> list[str]:
+    """Every broken invariant of a pool, each message starting with its id.
+
+    Args:
+        pool: a ``BlockPool`` or its ``SegmentViews``; the caller holds the pool lock.
+
+    Returns:
+        one message per broken invariant, [] for a sound pool.
+    """
+    views = _views_of(pool)
     out: list[str] = []
-    _check_header(pool, out)
-    queued = _check_free_queue(pool, out)
-    _check_refs(pool, queued, out)
-    _check_index(pool, out)
-    _check_ledger_and_procs(pool, out)
-    _check_event_log(pool, out)
-    _check_journal(pool, out)
+    _check_header(views, out)
+    queued = _check_free_queue(views, out)
+    _check_refs(views, queued, out)
+    _check_index(views, out)
+    _check_ledger_and_procs(views, out)
+    _check_event_log(views, out)
+    _check_journal(views, out)
     return out
 
 
-def check_invariants(pool: BlockPool) -> None:
+def check_invariants(pool: Any) -> None:
     """Raises InvariantViolation listing every broken invariant; marks the segment POISONED.
+
+    Args:
+        pool: a ``BlockPool`` or its ``SegmentViews``; the caller holds the pool lock.
 
     Raises:
         InvariantViolation: with ``.violations``, one string per broken invariant.
     """
-    violations = collect_violations(pool)
+    views = _views_of(pool)
+    violations = collect_violations(views)
     if violations:
-        pool._layout.view(pool._segment.buf, "header")["state"] = L.STATE_POISONED
+        views.layout.view(views.buf, "header")["state"] = L.STATE_POISONED
         raise InvariantViolation(violations)
 
 
@@ -389,7 +431,7 @@ class RebuildReport:
     dropped_keys: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)
 
 
-def rebuild(pool: BlockPool) -> RebuildReport:
+def rebuild(pool: Any) -> RebuildReport:
     """Rebuilds every derived structure from the authoritative ones, in vectorised passes.
     The caller holds the pool lock.
 
@@ -409,35 +451,42 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     derived values that changed are written back (``_store_changed``): a sane pool gets
     almost no writes. Fresh memory is the other cost (a page fault per page, often more
     than the work on it), hence the reused buffers.
+
+    Args:
+        pool: a ``BlockPool`` or its ``SegmentViews``.
+
+    Returns:
+        what it fixed, and the keys it dropped (for ``BlockRemoved`` events).
     """
     t0 = time.perf_counter()
-    lay = pool._layout
+    views = _views_of(pool)
+    lay = views.layout
     n = lay.config.num_blocks
-    blocks = pool._blocks
-    hdr = pool._hdr64
+    blocks = views.blocks
+    hdr = views.hdr64
     hdr[L.H_JOURNAL_LEN] = L.JOURNAL_OVERFLOWED
     row_bytes = np.empty(n + 2, dtype="V16")  # bytes 16..32 of each row, then bytes 0..16
     column = np.empty(n + 2, dtype=np.int32)  # ref, then each rebuilt int32 column in turn
 
     # The authoritative side: references (the ledger), queue keys and hash fields.
-    ref = _ledger_refs(pool, out=column[:n])
+    ref = _ledger_refs(views, out=column[:n])
     is_free = ref == 0
     is_free[L.NULL_BLOCK_ID] = False
     free = np.flatnonzero(is_free)
-    attrs = _read_fields(pool, 16, 16, row_bytes)  # group_id, hash_num_tokens, queue_key
+    attrs = _read_fields(views, 16, 16, row_bytes)  # group_id, hash_num_tokens, queue_key
     keys = np.compress(is_free, attrs["queue_key"][:n])
-    hashed, dropped = _clean_hash_fields(pool, attrs)
+    hashed, dropped = _clean_hash_fields(views, attrs)
     groups = attrs["group_id"][hashed]
-    aliases, alias_links = _clean_alias_rows(pool, hashed, dropped)
+    aliases, alias_links = _clean_alias_rows(views, hashed, dropped)
 
     # The derived side, compared with what the rows hold.
-    links = _read_fields(pool, 0, 16, row_bytes)  # ref_cnt, prev, next, index_next; attrs gone
+    links = _read_fields(views, 0, 16, row_bytes)  # ref_cnt, prev, next, index_next; attrs gone
     ref_fixed = _store_changed(blocks["ref_cnt"][:n], links["ref_cnt"][:n], ref)
 
     # Free queue: every block but the null one with no reference, in queue_key order, the
     # keys renumbered 0..k-1 in that order.
     order, numbered = _sort_by_key(free, keys)
-    _relink_free_queue(pool, links, order, column)
+    _relink_free_queue(views, links, order, column)
     if not numbered:
         blocks["queue_key"][order] = np.arange(len(order), dtype=np.int64)
     hdr[L.H_NUM_FREE] = len(order)
@@ -445,7 +494,7 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     hdr[L.H_QUEUE_TAIL_KEY] = len(order) - 1
 
     # Prefix index: chain every block that holds a key into the bucket its key hashes to.
-    _rechain_index(pool, links, hashed, groups, column, aliases, alias_links)
+    _rechain_index(views, links, hashed, groups, column, aliases, alias_links)
     hdr[L.H_EPOCH] += 1
     hdr[L.H_JOURNAL_LEN] = 0
     return RebuildReport(
@@ -458,7 +507,7 @@ def rebuild(pool: BlockPool) -> RebuildReport:
     )
 
 
-def _read_fields(pool: BlockPool, start: int, nbytes: int, out: np.ndarray) -> np.ndarray:
+def _read_fields(views: SegmentViews, start: int, nbytes: int, out: np.ndarray) -> np.ndarray:
     """The ``block_meta`` fields in bytes ``[start, start + nbytes)`` of every row (sentinel
     rows included), copied into ``out`` (``V{nbytes}`` items), returned as a structured
     array with those fields.
@@ -469,8 +518,8 @@ def _read_fields(pool: BlockPool, start: int, nbytes: int, out: np.ndarray) -> n
     stays on the fast loop.
     """
     rows = np.ndarray(
-        (pool._layout.config.num_blocks + 2,), dtype=f"V{nbytes}", buffer=pool._segment.buf,
-        offset=pool._layout.offsets["block_meta"] + start, strides=(L.BLOCK_DTYPE.itemsize,),
+        (views.layout.config.num_blocks + 2,), dtype=f"V{nbytes}", buffer=views.buf,
+        offset=views.layout.offsets["block_meta"] + start, strides=(L.BLOCK_DTYPE.itemsize,),
     )
     np.copyto(out, rows)
     return out.view(_compact_dtype(start, nbytes))
@@ -504,17 +553,17 @@ def _store_changed(column: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
     return len(changed)
 
 
-def _ledger_refs(pool: BlockPool, out: np.ndarray) -> np.ndarray:
+def _ledger_refs(views: SegmentViews, out: np.ndarray) -> np.ndarray:
     """Each block's references, into ``out``: the sum of its ledger column over the active
     slots (the null block's count is 0). Adds the rows one at a time: indexing the active
     rows first would copy them all."""
-    slots = np.flatnonzero(pool._procs["state"] == L.SLOT_ACTIVE).tolist()
+    slots = np.flatnonzero(views.procs["state"] == L.SLOT_ACTIVE).tolist()
     if slots:
-        np.copyto(out, pool._ledger[slots[0]])
+        np.copyto(out, views.ledger[slots[0]])
     else:
         out.fill(0)
     for slot in slots[1:]:
-        out += pool._ledger[slot]
+        out += views.ledger[slot]
     out[L.NULL_BLOCK_ID] = 0
     return out
 
@@ -571,25 +620,25 @@ def _packed_sort(ids: np.ndarray, keys: np.ndarray, lo: int, id_bits: int) -> np
     return packed
 
 
-def _relink_free_queue(pool: BlockPool, links: np.ndarray, order: np.ndarray,
+def _relink_free_queue(views: SegmentViews, links: np.ndarray, order: np.ndarray,
                        column: np.ndarray) -> None:
     """Links ``order`` between the sentinels; every other row gets ``NO_BLOCK`` links.
     ``links`` holds the rows' current ``prev`` and ``next``; ``column`` is scratch space."""
-    lay = pool._layout
+    lay = views.layout
     chain = np.empty(len(order) + 2, dtype=np.intp)
     chain[0], chain[1:-1], chain[-1] = lay.free_head, order, lay.free_tail
     for field, src, dst in (("next", chain[:-1], chain[1:]), ("prev", chain[1:], chain[:-1])):
         column.fill(L.NO_BLOCK)
         column[src] = dst
-        _store_changed(pool._blocks[field], links[field], column)
+        _store_changed(views.blocks[field], links[field], column)
 
 
-def _clean_hash_fields(pool: BlockPool,
+def _clean_hash_fields(views: SegmentViews,
                        attrs: np.ndarray) -> tuple[np.ndarray, list[tuple[bytes, int]]]:
     """Clears invalid hash fields (``hash_num_tokens < 0``, or any key on the null block) and
     the ``group_id`` of blocks without a key. Returns the ids of the blocks holding a key and
     the (hash, group) of each key cleared. ``attrs`` holds the rows' current fields."""
-    n = pool._layout.config.num_blocks
+    n = views.layout.config.num_blocks
     htok = attrs["hash_num_tokens"][:n]
     hashed = htok > 0
     hashed[L.NULL_BLOCK_ID] = False
@@ -601,7 +650,7 @@ def _clean_hash_fields(pool: BlockPool,
     group_and_htok = attrs.view(np.int64)[0::2][:n]
     if np.count_nonzero(group_and_htok) == len(ids):
         return ids, []
-    blocks = pool._blocks
+    blocks = views.blocks
     invalid = np.flatnonzero(~hashed & (htok != L.NO_HASH_TOKENS))
     dropped = [(bytes(blocks["block_hash"][b]), int(blocks["group_id"][b]))
                for b in invalid.tolist()]
@@ -611,20 +660,20 @@ def _clean_hash_fields(pool: BlockPool,
     return ids, dropped
 
 
-def _clean_alias_rows(pool: BlockPool, hashed: np.ndarray,
+def _clean_alias_rows(views: SegmentViews, hashed: np.ndarray,
                       dropped: list[tuple[bytes, int]]) -> tuple[np.ndarray, np.ndarray | None]:
     """Clears alias rows that break INV-ALIAS or hold invalid fields (their keys go to
     ``dropped``) and the ``group_id`` of alias rows without a key. Returns the key rows of
     the aliases kept (ascending) and the alias rows' current ``index_next`` (None when no
     alias row holds anything: the usual case, found with one read of the rows).
     ``hashed``: the blocks keeping a key of their own."""
-    lay = pool._layout
+    lay = views.layout
     n = lay.config.num_blocks
     alias0 = lay.alias_row(0)
     if not lay.config.partial_keys:
         return np.zeros(0, dtype=np.intp), None
     raw = np.ndarray(  # bytes 8..24 of each alias row: next, index_next, group_id, htok
-        (n,), dtype="V16", buffer=pool._segment.buf,
+        (n,), dtype="V16", buffer=views.buf,
         offset=lay.offsets["block_alias"] + 8, strides=(L.BLOCK_DTYPE.itemsize,),
     )
     attrs = raw.copy().view(_compact_dtype(8, 16))
@@ -632,7 +681,7 @@ def _clean_alias_rows(pool: BlockPool, hashed: np.ndarray,
     present = htok != L.NO_HASH_TOKENS
     if not present.any() and not group.any() and (inext == L.NO_BLOCK).all():
         return np.zeros(0, dtype=np.intp), None
-    rows = pool._key_rows
+    rows = views.key_rows
     own = np.zeros(n, dtype=bool)
     own[hashed] = True
     keep = (htok > 0) & own
@@ -640,7 +689,7 @@ def _clean_alias_rows(pool: BlockPool, hashed: np.ndarray,
     if len(ids):
         # An alias equal to its block's own key breaks INV-ALIAS. The first 8 hash bytes
         # and the group tell almost all apart; only those that agree are compared whole.
-        word = np.ndarray((lay.num_key_rows,), dtype="<u8", buffer=pool._segment.buf,
+        word = np.ndarray((lay.num_key_rows,), dtype="<u8", buffer=views.buf,
                           offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET,
                           strides=(L.BLOCK_DTYPE.itemsize,))
         maybe = ids[(word[ids] == word[alias0 + ids]) & (rows["group_id"][ids] == group[ids])]
@@ -655,47 +704,47 @@ def _clean_alias_rows(pool: BlockPool, hashed: np.ndarray,
     return alias0 + np.flatnonzero(keep), inext
 
 
-def _rechain_index(pool: BlockPool, links: np.ndarray, hashed: np.ndarray, groups: np.ndarray,
+def _rechain_index(views: SegmentViews, links: np.ndarray, hashed: np.ndarray, groups: np.ndarray,
                    column: np.ndarray, aliases: np.ndarray,
                    alias_links: np.ndarray | None) -> None:
     """Rewrites the bucket array and ``index_next``: the blocks ``hashed`` (with their
     ``groups``), then the alias rows ``aliases``, chained per bucket in key-row order.
     ``links`` holds the block rows' current ``index_next``, ``alias_links`` the alias rows'
     (None: all ``NO_BLOCK``); ``column`` is scratch space."""
-    lay = pool._layout
-    buckets = lay.view(pool._segment.buf, "index_buckets")
+    lay = views.layout
+    buckets = lay.view(views.buf, "index_buckets")
     buckets.fill(L.NO_BLOCK)
     rows = hashed
     if len(aliases):  # rare: the key rows of both regions, in one sort
         rows = np.concatenate((hashed, aliases))
-        groups = np.concatenate((groups, pool._key_rows["group_id"][aliases]))
+        groups = np.concatenate((groups, views.key_rows["group_id"][aliases]))
         chain_next = np.full(lay.num_key_rows, L.NO_BLOCK, dtype=np.int32)
     else:
         chain_next = column
         chain_next.fill(L.NO_BLOCK)
     if len(rows):
-        ids, bucket = _by_bucket(pool, rows, groups)
+        ids, bucket = _by_bucket(views, rows, groups)
         same = bucket[1:] == bucket[:-1]
         chain_next[np.compress(same, ids[:-1])] = np.compress(same, ids[1:])
         heads = np.concatenate(([True], ~same))
         buckets[np.compress(heads, bucket)] = np.compress(heads, ids)
     n2 = lay.config.num_blocks + 2
-    _store_changed(pool._blocks["index_next"], links["index_next"], chain_next[:n2])
+    _store_changed(views.blocks["index_next"], links["index_next"], chain_next[:n2])
     if alias_links is not None:
         new_links = chain_next[n2:] if len(aliases) else np.full_like(alias_links, L.NO_BLOCK)
-        _store_changed(pool._key_rows["index_next"][n2:], alias_links, new_links)
+        _store_changed(views.key_rows["index_next"][n2:], alias_links, new_links)
 
 
-def _by_bucket(pool: BlockPool, hashed: np.ndarray,
+def _by_bucket(views: SegmentViews, hashed: np.ndarray,
                groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The key rows ``hashed`` (ascending) sorted by bucket, then row, and their buckets.
 
     One in-place integer sort, as in ``_packed_sort``: the bucket (below 2**32) over the
     key row (below 2**32).
     """
-    lay = pool._layout
+    lay = views.layout
     word = np.ndarray(  # the first 8 bytes of each key row's block_hash
-        (lay.num_key_rows,), dtype="<u8", buffer=pool._segment.buf,
+        (lay.num_key_rows,), dtype="<u8", buffer=views.buf,
         offset=lay.offsets["block_meta"] + L.HASH_BYTE_OFFSET, strides=(L.BLOCK_DTYPE.itemsize,),
     )[hashed]
     if groups.any():  # a single-group model has only group 0

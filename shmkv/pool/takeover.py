@@ -28,12 +28,12 @@ situations:
 Exactly one waiter takes over: the candidates race for an OFD lock on the arbiter byte of
 the liveness file; the winner re-reads the lock's state under it, writes its own holder
 record if nothing moved, and owns the semaphore unit the dead process took. The lock then
-calls the pool's repair (``BlockPool._repair_locked``) before anything else.
+calls the pool's repair (``Repairer.on_dirty``, ``shmkv/pool/repair.py``) before anything
+else.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -41,7 +41,7 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
-from shmkv.pool.liveness import AliveLocks
+from shmkv.pool.liveness import AliveLocks, pid_alive
 from shmkv.pool.lock import decode_holder, lock_name
 
 DEFAULT_STUCK_AFTER_S = 2.0
@@ -80,13 +80,7 @@ class TakeOver:
         slot, pid = decode_holder(word)
         if 0 <= slot < len(self._procs):
             return not self._alive.is_alive(slot)
-        try:  # a holder without a slot: only its pid to go on
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return not pid_alive(pid)  # a holder without a slot: only its pid to go on
 
     def _suspects(self) -> list[int]:
         """Slots of dead processes that may have died with the semaphore (rule 2 of the

@@ -21,7 +21,8 @@ Header fields (little-endian): `magic` (u64, ``BT_MAGIC``), `layout_version` (u3
 `header_bytes` (u32), `total_bytes` (u64), `num_groups` (u32), `max_num_reqs` (u32),
 `max_model_len` (u32), `creator_pid` (u32), `seq` (u64: the seqlock word), `step` (i64: the
 last published step, -1 before the first), `block_sizes` (u32[8]), `max_num_blocks_per_req`
-(u32[8]).
+(u32[8]), then at byte 128 the owner record (``shmkv/pool/layout.py``, "Sibling segments":
+the creator and the pool the tables serve, for ``shmkv cleanup``).
 
 Ordering (the seqlock). The writer makes `seq` odd before its first store of a step
 (``add_row``, ``append_row``, ``add_rows``, ``append_rows``, ``clear_row``, ``move_row``,
@@ -38,7 +39,8 @@ KV store (``KVStore``)
 
 One segment per pool, ``/shmkv_kv-<name>-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
 `layout_version`, `header_bytes`, `total_bytes`, `num_layers`, `num_blocks`, `block_size`,
-`num_kv_heads`, `head_size`, `element_bytes`, `dtype` name, `creator_pid`), then one
+`num_kv_heads`, `head_size`, `element_bytes`, `dtype` name, `creator_pid`; at byte 128 the
+owner record, as for block tables), then one
 page-aligned tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``:
 ``key_cache[l]`` is ``kv[l, 0]`` and ``value_cache[l]`` is ``kv[l, 1]``. Block id ``b`` of the
 pool names row ``b`` of every layer (the host tier of DESIGN section 1). Who writes a block:
@@ -52,7 +54,8 @@ Crash behaviour: a writer killed mid-step leaves `seq` odd; readers then time ou
 tables) rewrites the rows it needs and commits; its first write keeps `seq` odd. The KV store
 has no protocol of its own: block ownership comes from the pool.
 
-Changelog: bt v1, kv v1: initial.
+Changelog: bt v1, kv v1: initial. bt v2, kv v2: the owner record (versions and magics now in
+``shmkv/pool/layout.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ import numpy as np
 from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
 from shmkv.pool.segment import Segment
+from shmkv.pool.siblings import owner_record, write_owner
 
 
 class _LazyTorch:
@@ -85,10 +89,10 @@ class _LazyTorch:
 
 torch = _LazyTorch()
 
-BT_LAYOUT_VERSION = 1
-KV_LAYOUT_VERSION = 1
-BT_MAGIC = 0x1A5E_4B76_7462_6C31  # bytes all different, like the pool's MAGIC
-KV_MAGIC = 0x1A5E_4B76_6B76_7332
+BT_LAYOUT_VERSION = L.BT_LAYOUT_VERSION
+KV_LAYOUT_VERSION = L.KV_LAYOUT_VERSION
+BT_MAGIC = L.BT_MAGIC  # bytes all different, like the pool's MAGIC
+KV_MAGIC = L.KV_MAGIC
 MAX_KV_CACHE_GROUPS = 8
 KV_HEADER_BYTES = 4096  # the data starts page-aligned (cudaHostRegister wants pages)
 MAX_BLOCK_ID = (1 << 31) - 1
@@ -379,9 +383,12 @@ class SharedBlockTables:
     @classmethod
     def create(cls, name: str, *, max_num_reqs: int, max_model_len: int,
                block_sizes: Sequence[int],
-               max_num_blocks_per_req: Sequence[int] | None = None) -> SharedBlockTables:
+               max_num_blocks_per_req: Sequence[int] | None = None,
+               pool: str | None = None) -> SharedBlockTables:
         """A new, zeroed set of tables: group ``g`` is ``cdiv(max_model_len,
         block_sizes[g])`` blocks wide unless ``max_num_blocks_per_req`` says otherwise.
+        ``pool``: the pool whose blocks they hold, recorded with this process as their
+        owner (``shmkv cleanup`` keeps them while either lives).
 
         Raises:
             UsageError: a bad name or size (nothing is created).
@@ -408,6 +415,7 @@ class SharedBlockTables:
             for w in widths:
                 _positive_int("each max_num_blocks_per_req", w)
         total = cls._total_bytes(len(block_sizes), max_num_reqs, widths)
+        owner = owner_record(pool)
         seg = Segment.create(shm_name, total)
         try:
             h = np.ndarray((1,), BT_HEADER_DTYPE, buffer=seg.buf)
@@ -421,6 +429,7 @@ class SharedBlockTables:
             h["step"] = -1
             h[0]["block_sizes"][: len(block_sizes)] = block_sizes
             h[0]["max_num_blocks_per_req"][: len(widths)] = widths
+            write_owner(seg.buf, L.BT_OWNER_OFFSET, owner)
             h["magic"] = BT_MAGIC  # last: a half-made segment is never taken for one
             del h
             return cls(seg, owner=True)
@@ -842,8 +851,10 @@ class KVStore:
 
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_blocks: int, block_size: int,
-               num_kv_heads: int, head_size: int, dtype: object = "float32") -> KVStore:
-        """A new, zero-filled store.
+               num_kv_heads: int, head_size: int, dtype: object = "float32",
+               pool: str | None = None) -> KVStore:
+        """A new, zero-filled store. ``pool``: the pool whose block ids index it, recorded
+        with this process as its owner (``shmkv cleanup`` keeps it while either lives).
 
         Raises:
             UsageError: a bad size or dtype (nothing is created).
@@ -860,6 +871,7 @@ class KVStore:
         element_bytes = _torch_dtype(dname).itemsize
         total = cls._total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
                                  element_bytes)
+        owner = owner_record(pool)
         seg = Segment.create(shm_name, total)
         try:
             h = np.ndarray((1,), KV_HEADER_DTYPE, buffer=seg.buf)
@@ -874,6 +886,7 @@ class KVStore:
             h["element_bytes"] = element_bytes
             h["creator_pid"] = os.getpid()
             h["dtype"] = dname.encode()
+            write_owner(seg.buf, L.KV_OWNER_OFFSET, owner)
             h["magic"] = KV_MAGIC
             del h
             return cls(seg, owner=True)

@@ -16,6 +16,8 @@ import threading
 import time
 
 from shmkv.core.kv_cache_manager import KVCacheManager
+from shmkv.pool.liveness import pid_alive
+from shmkv.serve import stopping
 
 __all__ = [
     "BlockTablesWriter", "build_kv_cache_manager", "child_setup", "create_block_tables",
@@ -48,21 +50,22 @@ def build_kv_cache_manager(pool, cfg) -> KVCacheManager:
 
 
 def create_block_tables(name: str, model_config, max_num_seqs: int, max_model_len: int,
-                        block_size: int):
+                        block_size: int, pool: str | None = None):
     from shmkv.ranks.block_table import SharedBlockTables
 
     num_groups = len(model_config.group_windows())
     return SharedBlockTables.create(name, max_num_reqs=max_num_seqs,
                                     max_model_len=max_model_len,
-                                    block_sizes=[block_size] * num_groups)
+                                    block_sizes=[block_size] * num_groups, pool=pool)
 
 
-def create_kv_store(name: str, model_config, num_blocks: int, block_size: int):
+def create_kv_store(name: str, model_config, num_blocks: int, block_size: int,
+                    pool: str | None = None):
     from shmkv.ranks.block_table import KVStore
 
     return KVStore.create(name, num_layers=model_config.num_layers, num_blocks=num_blocks,
                           block_size=block_size, num_kv_heads=model_config.num_kv_heads,
-                          head_size=model_config.head_size, dtype="float32")
+                          head_size=model_config.head_size, dtype="float32", pool=pool)
 
 
 class BlockTablesWriter:
@@ -102,7 +105,8 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
 def child_setup(front_end_pid: int | None) -> None:
     """What every child of the run does first: leave Ctrl-C to the front end (the terminal
     sends it to the whole process group), take back the signals the front end blocks while
-    it runs (a child inherits its mask), and die with the front end.
+    it runs (a child inherits its mask), make SIGTERM a clean stop (``shmkv/serve/stopping.py``), and die
+    with the front end.
 
     Dying with it takes two mechanisms: ``PR_SET_PDEATHSIG`` fires when the *parent* dies,
     but a child made by the fork server has the fork server as parent, and the fork server
@@ -111,6 +115,7 @@ def child_setup(front_end_pid: int | None) -> None:
     and ends the process when it exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping.install()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         import ctypes
@@ -132,18 +137,8 @@ def child_setup(front_end_pid: int | None) -> None:
         if fd is not None:
             select.select([fd], [], [])
         else:
-            while _pid_alive(front_end_pid):
+            while pid_alive(front_end_pid):
                 time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watch, name="front-end-watch", daemon=True).start()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True

@@ -22,6 +22,7 @@ Messages and transport are ``shmkv.messages``' (``ExecuteModel``, ``ModelOutput`
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 
@@ -29,6 +30,9 @@ from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indi
 from shmkv.errors import ProtocolError, UsageError
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, ScheduledRequest, Shutdown
 from shmkv.serve.config import TinyModelConfig
+from shmkv.serve.stopping import EXIT_TERMINATED, terminated
+
+_TERM_POLL_S = 0.25  # how often a waiting rank looks whether it was sent SIGTERM
 
 # torch and the model are imported by ModelRunner and rank_main only: the scheduler side
 # (RankClient, the channels) runs without torch.
@@ -139,7 +143,9 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
     with a ``ModelOutput`` on ``from_rank_name`` until ``Shutdown``; exits 0 then. A frame
     that does not decode, or a message of another type, is dropped (said on stderr) and the
     rank goes on. A step that fails is answered with ``ModelOutput(error=...)`` and the
-    process exits 1; so does a wait longer than ``recv_timeout_s`` (None: no limit).
+    process exits 1; so does a wait longer than ``recv_timeout_s`` (None: no limit). Sent
+    SIGTERM (in a child of ``shmkv run``: ``engine.child_setup``), it stops between two steps,
+    closes what it mapped and exits 143.
     ``num_threads``: torch's intra-op threads (1 by default: a tiny model on a shared CPU
     runs fastest so)."""
     step_no = -1
@@ -152,14 +158,22 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
         inbox = Channel.open(to_rank_name)
         outbox = Channel.open(from_rank_name)
         runner = ModelRunner(tables_name, kv_store_name, model_config)
-        while True:
+        deadline = None
+        while not terminated():
+            if deadline is None and recv_timeout_s is not None:
+                deadline = time.monotonic() + recv_timeout_s
+            wait = _TERM_POLL_S if deadline is None else min(
+                _TERM_POLL_S, max(deadline - time.monotonic(), 0.0))
             try:
-                msg = inbox.recv(recv_timeout_s)
+                msg = inbox.recv(wait)
             except ProtocolError as exc:
                 print(f"rank ({to_rank_name}): frame dropped: {exc}", file=sys.stderr)
                 continue
             if msg is None:
-                raise TimeoutError(f"no message from the scheduler in {recv_timeout_s} s")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no message from the scheduler in {recv_timeout_s} s")
+                continue
+            deadline = None
             if isinstance(msg, Shutdown):
                 return
             if not isinstance(msg, ExecuteModel):
@@ -168,6 +182,9 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
                 continue
             step_no = msg.step
             outbox.send(ModelOutput(step=msg.step, sampled_token_ids=runner.execute(msg)))
+        sys.exit(EXIT_TERMINATED)  # SIGTERM: stopped between two steps
+    except SystemExit:
+        raise
     except BaseException as exc:
         traceback.print_exc(file=sys.stderr)
         if outbox is not None:

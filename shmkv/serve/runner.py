@@ -135,6 +135,14 @@ class RunResult:
     def interrupted(self) -> bool:
         return any(p.startswith("interrupted") for p in self.problems)
 
+    @property
+    def exit_signal(self) -> int | None:
+        """The signal that stopped the run (SIGTERM or SIGINT), if one did."""
+        for p in self.problems:
+            if p.startswith("interrupted (") and p.endswith(")"):
+                return int(signal.Signals[p[len("interrupted ("):-1]])
+        return None
+
 
 @dataclass
 class _Serving:
@@ -251,26 +259,27 @@ class Runner:
                 enable_kv_cache_events=True, max_processes=n + 4, label="front-end"))
             self.kv_store_names.append(pool_name)
             self.kv_stores.append(engine.create_kv_store(pool_name, model, per_pool,
-                                                         cfg.block_size))
+                                                         cfg.block_size, pool=pool_name))
         self.front_bell = self._doorbell(f"{self.name}-fe")
         self.outboxes, self.inboxes = [], []
         ctx = self.ctx
         self.model_dict = engine.model_config_to_dict(model)
         for i in range(n):
             bell = self._doorbell(f"{self.name}-s{i}")
+            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
             names = {
-                "inbox": self._channel(f"{self.name}-s{i}-in", bell),
-                "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell),
-                "to_rank": self._channel(f"{self.name}-s{i}-rank", None),
-                "from_rank": self._channel(f"{self.name}-s{i}-res", bell),
+                "inbox": self._channel(f"{self.name}-s{i}-in", bell, pool_name),
+                "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell, pool_name),
+                "to_rank": self._channel(f"{self.name}-s{i}-rank", None, pool_name),
+                "from_rank": self._channel(f"{self.name}-s{i}-res", bell, pool_name),
             }
             self.inboxes.append(Channel.open(names["inbox"]))
             self.outboxes.append(Channel.open(names["outbox"]))
             tables_name = f"{self.name}-s{i}"
             self.table_names.append(tables_name)
             self.tables.append(engine.create_block_tables(
-                tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size))
-            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
+                tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
+                pool=pool_name))
             rank = ctx.Process(target=engine.rank_main, name=f"rank-{i}", daemon=True,
                                args=(tables_name, pool_name, names["to_rank"],
                                      names["from_rank"], self.model_dict, os.getpid()))
@@ -293,8 +302,8 @@ class Runner:
         self.doorbells.append(bell)
         return bell
 
-    def _channel(self, name: str, bell: str | None) -> str:
-        Channel.create(name, CHANNEL_BYTES, doorbell=bell).close()
+    def _channel(self, name: str, bell: str | None, pool: str) -> str:
+        Channel.create(name, CHANNEL_BYTES, doorbell=bell, pool=pool).close()
         self.channel_names.append(name)
         return name
 
@@ -342,7 +351,7 @@ class Runner:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
         def on_signal(signum, frame):  # a thread made before the mask (torch's) took it
-            self.interrupted = signal.Signals(signum).name
+            self.interrupted = self.interrupted or signal.Signals(signum).name  # the first
 
         old_handlers = {s: signal.signal(s, on_signal) for s in signals}
         stop = threading.Event()
@@ -350,8 +359,8 @@ class Runner:
         def watch() -> None:
             while not stop.is_set():
                 got = signal.sigtimedwait(signals, 0.1)
-                if got is not None:
-                    self.interrupted = signal.Signals(got.si_signo).name
+                if got is not None:  # a later one changes nothing: the stop goes on
+                    self.interrupted = self.interrupted or signal.Signals(got.si_signo).name
 
         watcher = threading.Thread(target=watch, name="shmkv-run-signals", daemon=True)
         watcher.start()
@@ -638,6 +647,8 @@ class Runner:
                     self.problems.append(f"{p.name} did not exit in {STOP_TIMEOUT_S} s: killed")
                     p.kill()
                     p.join(JOIN_TIMEOUT_S)
+                elif p.exitcode == 128 + signal.SIGTERM and self.interrupted:
+                    self.notes.append(f"{p.name} stopped by SIGTERM too (exit 143)")
                 elif p.exitcode != 0:
                     self.problems.append(f"{p.name} exited with code {p.exitcode}")
 
@@ -734,7 +745,8 @@ def _context():
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "shmkv.ranks.block_table", "shmkv.serve.engine",
-                                    "shmkv.serve.rank", "shmkv.serve.scheduler"])
+                                    "shmkv.serve.rank", "shmkv.serve.scheduler",
+                                    "shmkv.serve.forkserver_signals"])
     return ctx
 
 

@@ -26,6 +26,7 @@ doorbell), so control messages are read even while a step runs.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from shmkv.errors import ProtocolError, ShmKVError
 from shmkv.events import BlockRemoved
 from shmkv.messages import Channel, ScheduledRequest, Shutdown, recv_any
+from shmkv.serve.stopping import EXIT_TERMINATED, terminated
 from shmkv.core.request import Request
 from shmkv.serve.messages import (
     AttachScheduler,
@@ -410,7 +412,7 @@ class SchedulerProcess:
         self.attach(msg)
         s = self.scheduler
         drained_sent = False
-        while not self.stopping:
+        while not self.stopping and not terminated():
             if s.has_work:
                 # Read what arrived without waiting, then step.
                 while True:
@@ -472,4 +474,6 @@ def scheduler_main(index: int, channel_names: dict[str, str],
     try:
         proc.run()
     finally:
-        proc.close()
+        proc.close()  # detaches: its block references and its slot go back to the pool
+    if terminated():
+        sys.exit(EXIT_TERMINATED)

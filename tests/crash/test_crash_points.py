@@ -105,12 +105,14 @@ def test_kill_at_every_store(kernel, op, forker):
                    "half-done writes stay: the harness must see it")
 def test_kill_at_every_store_without_rollback_is_detected(forker, monkeypatch):
     import shmkv.pool.block_pool
+    import shmkv.pool.repair
 
     def forget(buf, layout, hdr64) -> int:  # empties the journal, restores nothing
         hdr64[L.H_JOURNAL_LEN] = 0
         return 1
 
-    monkeypatch.setattr(shmkv.pool.block_pool, "undo", forget)
+    monkeypatch.setattr(shmkv.pool.block_pool, "undo", forget)  # a failed call's undo
+    monkeypatch.setattr(shmkv.pool.repair, "undo", forget)  # the repair's rollback
     kill_at_every_store("python", "allocate", forker)
 
 

@@ -77,7 +77,8 @@ def test_cleanup_removes_only_pools_nobody_lives_in(spawn_ctx, make_pool):
         dry = shmkv("cleanup", "--dry-run")
         assert dry.returncode == 0
         assert f"would remove pool {dead_name}" in dry.stdout
-        assert live.pool_name not in dry.stdout
+        assert f"would remove pool {live.pool_name}" not in dry.stdout
+        assert f"kept pool {live.pool_name}: 1 live process(es) attached" in dry.stdout
         out = shmkv("cleanup")
         assert out.returncode == 0 and f"removed pool {dead_name}" in out.stdout
         assert not [f for f in os.listdir("/dev/shm") if dead_name in f]

@@ -151,7 +151,7 @@ def test_events_print_follow_and_json(pool_name):
             [e.event.block_hashes for e in log]
         assert records[0]["event"]["type"] == "BlockStored"
         assert shmkv("events", pool_name, "--from", "end").stdout == ""
-        # --follow: new events appear; SIGTERM ends it with 0
+        # --follow: new events appear; SIGTERM ends it with 143
         follow = start_shmkv("events", pool_name, "--from", "end", "--follow")
         try:
             assert follow.stderr.readline() == f"following pool {pool_name} from seq 4\n"
@@ -160,7 +160,7 @@ def test_events_print_follow_and_json(pool_name):
             assert [int(line.split()[0]) for line in got] == [4, 5]
             follow.send_signal(signal.SIGTERM)
             follow.wait(30)
-            assert follow.returncode == 0
+            assert follow.returncode == 143
         finally:
             if follow.poll() is None:
                 follow.kill()

@@ -1,0 +1,454 @@
+"""Whose is each shmkv object in /dev/shm, and which ones ``shmkv cleanup`` may remove.
+
+Ownership comes only from what the objects record (``shmkv/pool/layout.py``, "Sibling
+segments"): a pool's process table and creator pid; a sibling segment's owner record (its
+creator's pid and start time, and the pool it belongs to: name, creator pid and inode); a
+channel's header, which names its doorbell. A name says only where to look, never whose an
+object is.
+
+The rules (issue 15, item 6, and issue 21):
+
+- a pool is removed only when every process attached to it is dead and its creator is dead
+  (or died creating it); a pool being created, in use, or POISONED with a live process
+  (``shmkv recover`` can fix it) stays. Its lock and ``.alive`` file go with it;
+- a sibling segment stays while its creator lives, and while the very pool it names stays;
+  it is removed once both are gone (its pool gone, re-created under the same name, or
+  removed in the same cleanup);
+- a channel's doorbell goes with the channel(s) naming it; one no channel names is removed
+  after ``DOORBELL_GRACE_S`` (a doorbell is made just before its channels);
+- an object of another user, not a regular file, too short, with a torn or foreign header,
+  or of another layout version is listed with the reason and left alone.
+
+:func:`plan` decides without changing anything (``--dry-run`` and ``shmkv ls`` use it);
+:func:`remove` carries a plan out. A process attaching at the very moment its pool is
+removed keeps working on the unlinked pool (as after ``shmkv unlink``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import posix_ipc
+
+from shmkv.errors import SegmentNotFoundError
+from shmkv.pool import layout as L
+from shmkv.pool.liveness import pid_alive, process_start_ticks
+
+SHM_DIR = "/dev/shm"
+DOORBELL_GRACE_S = 60.0
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock, as in liveness.py
+_DOORBELL_FIELD = L.CHANNEL_HEADER_DTYPE.fields["doorbell"][1]
+
+
+# ------------------------------------------------------------------ the owner record
+
+def owner_record(pool_name: str | None = None, *, creator: bool = True) -> np.ndarray:
+    """The owner record of a new sibling segment made by this process: its pid and start
+    time (``creator=False``: none, the segment lives as long as its pool), and the pool it
+    belongs to, identified by the pool segment's creator pid and inode.
+
+    Raises:
+        SegmentNotFoundError: ``pool_name`` names no pool.
+    """
+    rec = np.zeros((1,), L.OWNER_DTYPE)
+    if creator:
+        pid = os.getpid()
+        rec["creator_pid"] = pid
+        rec["creator_start_ticks"] = process_start_ticks(pid)
+    if pool_name is not None:
+        identity = pool_identity(pool_name)
+        if identity is None:
+            raise SegmentNotFoundError(f"no pool named {pool_name!r} to record as the owner")
+        rec["pool_name"] = pool_name.encode()
+        rec["pool_creator_pid"], rec["pool_ino"] = identity
+    rec["owner_magic"] = L.OWNER_MAGIC
+    return rec
+
+
+def write_owner(buf, offset: int, record: np.ndarray) -> None:
+    """Stores ``record`` at ``offset`` of a sibling segment (before its ``magic``)."""
+    np.ndarray((1,), L.OWNER_DTYPE, buffer=buf, offset=offset)[:] = record
+
+
+def pool_identity(pool_name: str) -> tuple[int, int] | None:
+    """(creator pid, inode) of a pool's segment now; None if there is no such pool."""
+    path = SHM_DIR + L.segment_name(pool_name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, L.HEADER_DTYPE.itemsize, 0)
+    finally:
+        os.close(fd)
+    if len(head) < L.HEADER_DTYPE.itemsize:
+        return None
+    hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
+    return int(hdr["creator_pid"]), int(st.st_ino)
+
+
+# ------------------------------------------------------------------ the plan
+
+@dataclass
+class Verdict:
+    """One object of /dev/shm and what cleanup does with it."""
+
+    entry: str  # its name in /dev/shm
+    kind: str  # pool, lock, liveness, channel, block tables, ..., doorbell, unknown
+    name: str  # the pool name, or the sibling's name
+    remove: bool
+    reason: str
+    pool: str | None = None  # the pool it belongs to, if any
+    doorbell: str | None = field(default=None, repr=False)  # a channel's, as recorded
+
+    @property
+    def path(self) -> str:
+        return f"{SHM_DIR}/{self.entry}"
+
+
+def _foreign(st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file: left alone"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): refused"
+    return None
+
+
+def _any_lock_held(path: str) -> bool:
+    """Whether some process holds an OFD (or POSIX) lock on any byte of ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, 0, 0, 0, 0))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+    except OSError:
+        return True  # cannot tell: keep it
+    finally:
+        os.close(fd)
+
+
+class _Pool:
+    """What cleanup learnt of one pool segment."""
+
+    def __init__(self, verdict: Verdict, creator_pid: int = 0, ino: int = 0) -> None:
+        self.verdict = verdict
+        self.creator_pid = creator_pid
+        self.ino = ino
+
+
+def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
+    def keep(reason: str, creator: int = 0) -> _Pool:
+        return _Pool(Verdict(entry, "pool", name, False, reason), creator, st.st_ino)
+
+    problem = _foreign(st)
+    if problem:
+        return keep(problem)
+    try:
+        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return keep(f"cannot be opened ({exc.strerror}): left alone")
+    try:
+        head = os.pread(fd, L.HEADER_DTYPE.itemsize, 0)
+        if len(head) < L.HEADER_DTYPE.itemsize:
+            return keep(f"corrupt: {len(head)} bytes, smaller than a pool header: left alone")
+        hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
+        if int(hdr["magic"]) != L.MAGIC:
+            what = ("no header yet (being created, or its creator died making it)"
+                    if int(hdr["magic"]) == 0 else f"corrupt header (magic {int(hdr['magic']):#x})")
+            return keep(f"{what}: left alone")
+        if int(hdr["layout_version"]) != L.LAYOUT_VERSION:
+            return keep(f"corrupt header: layout_version {int(hdr['layout_version'])} in a "
+                        f"v{L.LAYOUT_VERSION} name: left alone")
+        creator = int(hdr["creator_pid"])
+        state = int(hdr["state"])
+        if state == L.STATE_INITIALIZING:
+            if pid_alive(creator):
+                return keep(f"being created by pid {creator}", creator)
+            return _Pool(Verdict(entry, "pool", name, True,
+                                 f"its creator pid {creator} died while creating it"),
+                         creator, st.st_ino)
+        if state not in (L.STATE_READY, L.STATE_POISONED):
+            return keep(f"corrupt header: state {state}: left alone", creator)
+        from shmkv.pool.segment import Segment, read_config
+
+        try:
+            segment = Segment.open(f"/{entry}")
+        except Exception as exc:  # noqa: BLE001  (whatever it is, the pool is not ours to judge)
+            return keep(f"cannot be mapped ({exc}): left alone", creator)
+        try:
+            try:
+                layout = read_config(segment, allow_poisoned=True)
+            except Exception as exc:  # noqa: BLE001
+                return keep(f"corrupt header ({exc}): left alone", creator)
+            procs = layout.view(segment.buf, "proc_table").copy()
+        finally:
+            segment.close()
+    finally:
+        os.close(fd)
+    active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
+    live = [s for s in active if _slot_alive(entry, s, procs[s])]
+    poisoned = state == L.STATE_POISONED
+    if live:
+        pids = ", ".join(str(int(procs[s]["pid"])) for s in live)
+        return keep(f"{len(live)} live process(es) attached (pid {pids})"
+                    + ("; POISONED: `shmkv recover` can repair it" if poisoned else ""),
+                    creator)
+    creator_row = [s for s in active if int(procs[s]["pid"]) == creator]
+    ticks = int(procs[creator_row[0]]["start_ticks"]) if creator_row else 0
+    if pid_alive(creator, ticks):
+        return keep(f"no process attached, but its creator pid {creator} is alive", creator)
+    dead = len(active)
+    return _Pool(Verdict(entry, "pool", name, True,
+                         f"no live process attached ({dead} dead), creator pid {creator} "
+                         "dead" + ("; it was POISONED" if poisoned else "")),
+                 creator, st.st_ino)
+
+
+def _slot_alive(entry: str, slot: int, row) -> bool:
+    """A slot is live while its process holds the slot's byte of ``.alive``; without that
+    file, while its pid lives with the recorded start time."""
+    from shmkv.errors import SegmentError
+    from shmkv.pool.liveness import AliveLocks
+
+    path = f"{SHM_DIR}/{entry}.alive"
+    try:
+        locks = AliveLocks(path, create=False)
+    except SegmentError:
+        return pid_alive(int(row["pid"]), int(row["start_ticks"]))
+    try:
+        return locks.is_alive(slot)
+    finally:
+        locks.close()
+
+
+def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> Verdict:
+    base = entry
+    head, _, version = base.rpartition("-v")
+    kind_name, _, name = head[len("shmkv_"):].partition("-")
+    spec = L.SIBLING_KINDS.get(kind_name)
+    if spec is None or not version.isdigit():
+        return Verdict(entry, "unknown", base, False, "not a kind this shmkv knows: left alone")
+    v = Verdict(entry, spec.what, name, False, "")
+    problem = _foreign(st)
+    if problem:
+        v.reason = problem
+        return v
+    need = max(spec.owner_offset + L.OWNER_DTYPE.itemsize, _DOORBELL_FIELD + 88)
+    try:
+        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        v.reason = f"cannot be opened ({exc.strerror}): left alone"
+        return v
+    try:
+        head_bytes = os.pread(fd, need, 0)
+        running = False
+        if kind_name == "pub":
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                running = True
+    finally:
+        os.close(fd)
+    magic = struct.unpack_from("<Q", head_bytes, 0)[0] if len(head_bytes) >= 8 else 0
+    if kind_name == "ch" and magic == L.CHANNEL_MAGIC and len(head_bytes) >= 128:
+        # Where every channel version keeps it: its doorbell stays while it does.
+        v.doorbell = head_bytes[_DOORBELL_FIELD:_DOORBELL_FIELD + 88].rstrip(b"\0").decode(
+            errors="replace")
+    if int(version) != spec.version:
+        v.reason = f"version {version}, not this shmkv's v{spec.version}: left alone"
+        return v
+    if len(head_bytes) < spec.owner_offset + L.OWNER_DTYPE.itemsize:
+        v.reason = f"corrupt: {st.st_size} bytes, too small for a {spec.what} header: left alone"
+        return v
+    magic, hversion = struct.unpack_from("<QI", head_bytes, 0)
+    if magic != spec.magic:
+        v.reason = ("no header yet (being created, or its creator died making it): left alone"
+                    if magic == 0 else f"corrupt header (magic {magic:#x}): left alone")
+        return v
+    if hversion != spec.version:
+        v.reason = f"corrupt header: version {hversion} in a v{spec.version} name: left alone"
+        return v
+    rec = np.frombuffer(head_bytes, L.OWNER_DTYPE, count=1, offset=spec.owner_offset)[0]
+    if int(rec["owner_magic"]) != L.OWNER_MAGIC:
+        v.reason = "corrupt owner record: left alone"
+        return v
+    creator, ticks = int(rec["creator_pid"]), int(rec["creator_start_ticks"])
+    try:
+        pool_name = bytes(rec["pool_name"]).decode()
+        if pool_name:
+            L.validate_pool_name(pool_name)
+    except Exception:  # noqa: BLE001
+        v.reason = "corrupt owner record (pool name): left alone"
+        return v
+    v.pool = pool_name or None
+    if running:
+        v.reason = "a publisher is running on it"
+        return v
+    if creator > 0 and pid_alive(creator, ticks):
+        v.reason = f"its creator pid {creator} is alive"
+        return v
+    who = f"its creator pid {creator} is dead" if creator > 0 else ""
+    if not pool_name:
+        if creator <= 0:
+            v.reason = "no owner recorded: left alone"
+            return v
+        v.remove, v.reason = True, who
+        return v
+    pool = pools.get(pool_name)
+    same = (pool is not None and pool.ino == int(rec["pool_ino"])
+            and pool.creator_pid == int(rec["pool_creator_pid"]))
+    if same and not pool.verdict.remove:
+        v.reason = f"its pool {pool_name} stays ({pool.verdict.reason})"
+        return v
+    if same:
+        gone = f"its pool {pool_name} is removed too"
+    elif pool is not None:
+        gone = f"its pool {pool_name} is gone (a pool of that name now is another one)"
+    else:
+        gone = f"its pool {pool_name} is gone"
+    v.remove, v.reason = True, gone + (f", {who}" if who else "")
+    return v
+
+
+def plan(now: float | None = None) -> list[Verdict]:
+    """What cleanup would do with every shmkv object in /dev/shm, in listing order."""
+    now = time.time() if now is None else now
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return []
+    stats: dict[str, os.stat_result] = {}
+    for entry in entries:
+        base = entry[len("sem."):] if entry.startswith("sem.") else entry
+        if base.startswith(("shmkv-", "shmkv_")):
+            try:
+                stats[entry] = os.lstat(f"{SHM_DIR}/{entry}")
+            except FileNotFoundError:
+                continue
+    pools: dict[str, _Pool] = {}
+    out: dict[str, Verdict] = {}
+    suffix = f"-v{L.LAYOUT_VERSION}"
+    # 1. pools
+    for entry, st in stats.items():
+        if entry.startswith("shmkv-") and not entry.endswith(".alive"):
+            head, sep, version = entry.rpartition("-v")
+            name = head[len("shmkv-"):] if sep else entry[len("shmkv-"):]
+            if not entry.endswith(suffix):
+                out[entry] = Verdict(entry, "pool", name, False,
+                                     f"layout v{version or '?'}, not this shmkv's "
+                                     f"v{L.LAYOUT_VERSION}: left alone (remove it with the "
+                                     "shmkv that made it, or by hand)")
+                continue
+            pools[name] = _assess_pool(entry, name, st)
+            out[entry] = pools[name].verdict
+    # 2. a pool's lock and liveness file
+    for entry, st in stats.items():
+        if entry.startswith("sem.shmkv-") and entry.endswith(".lock"):
+            seg, kind = entry[len("sem."):-len(".lock")], "lock"
+        elif entry.startswith("shmkv-") and entry.endswith(".alive"):
+            seg, kind = entry[:-len(".alive")], "liveness"
+        else:
+            continue
+        name = seg[len("shmkv-"):].rpartition("-v")[0] or seg[len("shmkv-"):]
+        v = Verdict(entry, kind, name, False, "", pool=name)
+        if seg in out:
+            owner = out[seg]
+            v.remove = owner.remove  # BlockPool.unlink removes it with the pool
+            v.reason = f"goes with its pool {name}" if owner.remove else f"its pool {name} stays"
+        elif problem := _foreign(st):
+            v.reason = problem
+        elif kind == "liveness" and _any_lock_held(f"{SHM_DIR}/{entry}"):
+            v.reason = "a live process holds a lock on it"
+        else:
+            v.remove, v.reason = True, f"its pool {name} is gone"
+        out[entry] = v
+    # 3. sibling segments
+    for entry, st in stats.items():
+        if entry.startswith("shmkv_"):
+            out[entry] = _assess_sibling(entry, st, pools)
+    # 4. doorbells: with the channels that name them
+    naming: dict[str, list[Verdict]] = {}
+    for v in out.values():
+        if v.doorbell:
+            naming.setdefault(v.doorbell, []).append(v)
+    for entry, st in stats.items():
+        if not entry.startswith("sem.shmkv_"):
+            continue
+        bell = "/" + entry[len("sem."):]
+        v = Verdict(entry, "doorbell" if bell.startswith(L.DOORBELL_PREFIX) else "unknown",
+                    bell[len(L.DOORBELL_PREFIX):] if bell.startswith(L.DOORBELL_PREFIX)
+                    else bell[1:], False, "")
+        out[entry] = v
+        if v.kind == "unknown":
+            v.reason = "not a kind this shmkv knows: left alone"
+            continue
+        if problem := _foreign(st):
+            v.reason = problem
+            continue
+        channels = naming.get(bell, [])
+        if channels:
+            v.pool = next((c.pool for c in channels if c.pool), None)
+            kept = [c.name for c in channels if not c.remove]
+            if kept:
+                v.reason = f"its channel(s) {', '.join(kept)} stay"
+            else:
+                v.remove = True
+                v.reason = f"goes with its channel(s) {', '.join(c.name for c in channels)}"
+            continue
+        age = now - st.st_mtime
+        if age < DOORBELL_GRACE_S:
+            v.reason = (f"no channel names it yet (made {age:.0f} s ago: its channels may be "
+                        "being made)")
+        else:
+            v.remove, v.reason = True, f"no channel names it (made {age:.0f} s ago)"
+    return [out[e] for e in stats if e in out]
+
+
+def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
+    """Removes what ``verdicts`` say to remove: siblings, then doorbells, then pools (with
+    their lock and liveness file). Returns (verdict, removed) for each, False when the
+    object had gone meanwhile."""
+    from shmkv.pool.block_pool import BlockPool
+
+    done = []
+    order = {"doorbell": 1, "pool": 2, "lock": 3, "liveness": 3}
+    pools_removed = set()
+    for v in sorted((v for v in verdicts if v.remove), key=lambda v: order.get(v.kind, 0)):
+        if v.kind == "pool":
+            ok = BlockPool.unlink(v.name)
+            pools_removed.add(v.name)
+        elif v.kind in ("lock", "liveness") and v.pool in pools_removed:
+            ok = not os.path.exists(v.path)  # went with its pool
+        elif v.kind == "doorbell" or v.entry.startswith("sem."):
+            try:
+                posix_ipc.unlink_semaphore("/" + v.entry[len("sem."):])
+                ok = True
+            except posix_ipc.ExistentialError:
+                ok = False
+        else:
+            try:
+                os.unlink(v.path)
+                ok = True
+            except FileNotFoundError:
+                ok = False
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                ok = False
+        done.append((v, ok))
+    return done
+
+
+__all__ = ["DOORBELL_GRACE_S", "Verdict", "owner_record", "plan", "pool_identity", "remove",
+           "write_owner"]

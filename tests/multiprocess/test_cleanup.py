@@ -1,0 +1,300 @@
+"""``shmkv cleanup`` with real processes (issue 21): nothing of a dead run or a dead pool is
+left in /dev/shm, nothing live is removed, and what is not ours is listed and left alone.
+Every name is unique; every join has a timeout; every exit code is checked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmkv import BlockPool
+from shmkv.messages import Channel, channel_segment_name, create_doorbell, unlink_doorbell
+from shmkv.pool import layout as L
+from tests.conftest import unique_pool_name
+from tests.multiprocess import cleanup_workers as workers
+from tests.multiprocess.conftest import join_processes
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[2]
+FOREIGN_UID = 4242
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def shmkv(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "shmkv.cli", *args], capture_output=True,
+                         text=True, env=_env(), timeout=120)
+    assert "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def _objects(name: str) -> list[str]:
+    return sorted(e for e in os.listdir("/dev/shm") if name in e)
+
+
+def _remove_all(name: str) -> None:
+    """The test's own safety net: whatever is left of ``name`` goes, by hand."""
+    for entry in _objects(name):
+        try:
+            os.unlink(f"/dev/shm/{entry}")
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def name():
+    n = unique_pool_name("cl")
+    yield n
+    _remove_all(n)
+
+
+def _start(ctx, target, *args, **kwargs):
+    ready, stop = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=target, args=(*args, ready, stop), kwargs=kwargs)
+    p.start()
+    assert ready.wait(120), f"{target.__name__} did not get ready"
+    return p, stop
+
+
+def _kill(p) -> None:
+    p.kill()
+    assert join_processes([p], 30) == [-signal.SIGKILL]
+
+
+def _siblings(name: str) -> list[str]:
+    return [e for e in _objects(name) if not e.startswith(f"shmkv-{name}-v")
+            and e != f"sem.shmkv-{name}-v{L.LAYOUT_VERSION}.lock"]
+
+
+def test_a_dead_pools_siblings_go_with_it(spawn_ctx, name):
+    """SIGKILL the process that made a pool and every kind of sibling: `ls` marks them
+    orphans, `cleanup --dry-run` names each, `cleanup` leaves nothing."""
+    p, _ = _start(spawn_ctx, workers.make_pool_and_siblings, name)
+    made = _objects(name)
+    kinds = {e.split("-")[0] for e in made}
+    assert {"shmkv", "shmkv_ch", "shmkv_bt", "shmkv_stats", "sem.shmkv_bell",
+            "sem.shmkv"} <= kinds, made
+    live = shmkv("cleanup", "--dry-run")
+    assert not [line for line in live.stdout.splitlines()
+                if line.startswith("would remove") and name in line], live.stdout
+    _kill(p)
+    ls = shmkv("ls", "--all")
+    rows = [line for line in ls.stdout.splitlines() if name in line]
+    assert rows and all("ORPHAN" in line for line in rows), ls.stdout
+    dry = shmkv("cleanup", "--dry-run")
+    assert f"would remove pool {name}: no live process attached" in dry.stdout
+    for entry in made:
+        assert entry.removeprefix("sem.") in dry.stdout, (entry, dry.stdout)
+    assert _objects(name) == made  # a dry run changes nothing
+    out = shmkv("cleanup")
+    assert out.returncode == 0
+    assert f"removed pool {name}" in out.stdout
+    assert "goes with its channel(s)" in out.stdout and "is removed too" in out.stdout
+    assert _objects(name) == []
+
+
+def test_siblings_that_outlived_their_pool_are_removed(spawn_ctx, name):
+    """The pool was unlinked by hand (or re-created under its name) after its processes
+    died: its siblings are removed, the new pool of that name stays."""
+    p, _ = _start(spawn_ctx, workers.make_pool_and_siblings, name, with_kv=True)
+    _kill(p)
+    assert BlockPool.unlink(name)
+    left = _siblings(name)
+    assert any(e.startswith("shmkv_kv-") for e in left) and len(left) >= 7, left
+    new = BlockPool.create(name, 8, label="new")  # another pool of that name, alive
+    try:
+        out = shmkv("cleanup")
+        assert "a pool of that name now is another one" in out.stdout, out.stdout
+        assert f"kept pool {name}: 1 live process(es) attached" in out.stdout
+        assert _siblings(name) == []
+        assert new.get_num_free_blocks() == 7
+    finally:
+        new.close()
+        BlockPool.unlink(name)
+
+
+def test_a_live_pools_siblings_stay(spawn_ctx, name):
+    """The maker of the siblings is dead but another process still uses the pool: all of
+    it stays, each with the reason. Once that process is gone, all of it goes."""
+    maker, _ = _start(spawn_ctx, workers.make_pool_and_siblings, name)
+    user, stop = _start(spawn_ctx, workers.attach_and_wait, name)
+    try:
+        _kill(maker)
+        made = _objects(name)
+        out = shmkv("cleanup")
+        assert _objects(name) == made, out.stdout
+        assert f"kept pool {name}: 1 live process(es) attached (pid {user.pid})" in out.stdout
+        assert f"its pool {name} stays (1 live process(es) attached" in out.stdout
+        assert "its channel(s)" in out.stdout
+    finally:
+        stop.set()
+        assert join_processes([user], 60) == [0]
+    out = shmkv("cleanup")
+    assert _objects(name) == [], out.stdout
+
+
+def test_foreign_and_corrupt_objects_are_listed_and_left_alone(spawn_ctx, name):
+    """A channel planted by another user (whose recorded owner is dead, so it would go if it
+    were ours), a foreign doorbell and pool, a torn header and a short segment: each is
+    listed with the reason and left where it is."""
+    dead = spawn_ctx.Process(target=workers.serve_forever)
+    dead.start()
+    dead_pid = dead.pid
+    _kill(dead)
+    planted = f"{name}-planted"
+    Channel.create(planted, 4096).close()
+    path = f"/dev/shm{channel_segment_name(planted)}"
+    with open(path, "r+b") as f:  # its owner record: a dead creator, no pool
+        rec = np.frombuffer(f.read(512), L.OWNER_DTYPE, 1, L.CHANNEL_OWNER_OFFSET).copy()
+        rec["creator_pid"], rec["creator_start_ticks"] = dead_pid, 1
+        f.seek(L.CHANNEL_OWNER_OFFSET)
+        f.write(rec.tobytes())
+    mine = f"{name}-mine"  # the same, but ours: removed
+    Channel.create(mine, 4096).close()
+    with open(f"/dev/shm{channel_segment_name(mine)}", "r+b") as f:
+        f.seek(L.CHANNEL_OWNER_OFFSET)
+        f.write(rec.tobytes())
+    os.chown(path, FOREIGN_UID, FOREIGN_UID)
+    os.chown(f"/dev/shm/sem.shmkv_bell-{planted}", FOREIGN_UID, FOREIGN_UID)
+    bell = create_doorbell(f"{name}-lone")
+    os.chown(f"/dev/shm/sem.{bell[1:]}", FOREIGN_UID, FOREIGN_UID)
+    BlockPool.create(f"{name}-theirs", 8).close()
+    os.chown(f"/dev/shm{L.segment_name(f'{name}-theirs')}", FOREIGN_UID, FOREIGN_UID)
+    with open(f"/dev/shm/shmkv_bt-{name}-torn-v{L.BT_LAYOUT_VERSION}", "wb") as f:
+        f.write(b"\xab" * 512)
+    with open(f"/dev/shm/shmkv_kv-{name}-short-v{L.KV_LAYOUT_VERSION}", "wb") as f:
+        f.write(b"\0" * 10)
+    try:
+        before = set(_objects(name))
+        out = shmkv("cleanup")
+        lines = out.stdout.splitlines()
+
+        def reason(needle: str) -> str:
+            return next(line for line in lines if needle in line)
+
+        assert f"removed {f'/dev/shm{channel_segment_name(mine)}'}" in out.stdout
+        assert f"its creator pid {dead_pid} is dead" in reason(channel_segment_name(mine))
+        gone = {channel_segment_name(mine)[1:], f"sem.shmkv_bell-{mine}"}
+        assert set(_objects(name)) == before - gone, out.stdout
+        for needle in (channel_segment_name(planted), f"shmkv_bell-{planted}", bell[1:],
+                       f" pool {name}-theirs: "):
+            line = reason(needle)
+            assert line.startswith("kept") and f"owned by uid {FOREIGN_UID}" in line, line
+            assert "refused" in line
+        assert "corrupt header" in reason(f"{name}-torn")
+        assert "too small" in reason(f"{name}-short")
+    finally:
+        Channel.unlink(planted)
+        unlink_doorbell(bell)
+        BlockPool.unlink(f"{name}-theirs")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGTERM to the group", "SIGKILL"])
+def test_a_run_stopped_half_way_leaves_nothing_after_cleanup(tmp_path, how):
+    """`shmkv run` (2 schedulers, 2 ranks) stopped half way: by SIGTERM to the front end, or
+    to every process of the run at once (a CI time limit), it removes everything itself and
+    exits 143; by SIGKILL `shmkv cleanup` does. Nothing of the run is left in /dev/shm."""
+    pytest.importorskip("torch")
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", "--schedulers", "2",
+                             "--conversations", "6", "--blocks", "256", "--progress",
+                             "--plot", ""], stdout=(tmp_path / "out.txt").open("wb"),
+                            stderr=subprocess.PIPE, env=_env(), cwd=tmp_path,
+                            start_new_session=True)
+    mark = f"run{proc.pid}-"
+    try:
+        seen, deadline = b"", time.monotonic() + 240
+        while b"requests" not in seen and time.monotonic() < deadline:
+            chunk = proc.stderr.read1(4096)
+            if not chunk:
+                break
+            seen += chunk
+        assert b"requests" in seen, seen.decode(errors="replace")
+        assert _objects(mark)
+        if how == "SIGTERM to the group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(getattr(signal, how))
+        if how == "SIGTERM":  # more signals during the stop: it still finishes it
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        if how.startswith("SIGTERM"):
+            err = proc.stderr.read().decode(errors="replace")
+            assert code == 143, (code, err)
+            assert _objects(mark) == [], err  # it removed everything itself
+            assert "dead without close()" not in err, err  # every scheduler detached
+            if how == "SIGTERM to the group":  # its children stopped cleanly too
+                out = (tmp_path / "out.txt").read_text()
+                # each exits 143, or 0 when its scheduler's Shutdown came first
+                assert "scheduler-0 stopped by SIGTERM too (exit 143)" in out, out
+                assert "problem: scheduler" not in out and "problem: rank" not in out, out
+        else:
+            assert code == -signal.SIGKILL
+            deadline = time.monotonic() + 30  # its children notice and end
+            while time.monotonic() < deadline and "would remove pool" not in (
+                    dry := shmkv("cleanup", "--dry-run")).stdout:
+                time.sleep(0.5)
+            assert _objects(mark)
+        out = shmkv("cleanup")
+        assert out.returncode == 0
+        assert _objects(mark) == [], out.stdout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        proc.stderr.close()
+        _remove_all(mark)
+
+
+def test_sigterm_to_pytest_runs_the_finalizers(tmp_path):
+    """A test run stopped by SIGTERM (a CI time limit) runs its fixtures' finalizers: the
+    pool a fixture made is unlinked."""
+    pool = unique_pool_name("pt")
+    (tmp_path / "test_stopped.py").write_text(f'''
+import os, time, pytest
+from shmkv import BlockPool
+
+@pytest.fixture
+def made():
+    pool = BlockPool.create({pool!r}, 8)
+    yield pool
+    pool.close()
+    BlockPool.unlink({pool!r})
+    open("finalized", "w").close()
+
+def test_waits(made):
+    open("ready", "w").close()
+    time.sleep(120)
+''')
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "tests.sigterm",
+                             "-p", "no:cacheprovider", "test_stopped.py"], cwd=tmp_path,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.05)
+        assert os.path.exists(f"/dev/shm{L.segment_name(pool)}")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        output = proc.stdout.read().decode()
+        assert code == 2, output  # pytest: interrupted
+        assert "SIGTERM" in output
+        assert (tmp_path / "finalized").exists(), output
+        assert _objects(pool) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stdout.close()
+        BlockPool.unlink(pool)

@@ -1,0 +1,127 @@
+"""``shmkv/pool/siblings.py`` without other processes: where the owner record lies in each
+sibling header, and cleanup's rules for half-made pools, stray pool files and doorbells."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import struct
+import time
+
+import numpy as np
+
+from shmkv import BlockPool
+from shmkv.messages import create_doorbell, unlink_doorbell
+from shmkv.pool import layout as L
+from shmkv.pool import siblings
+
+
+def _verdict(entry: str, now: float | None = None) -> siblings.Verdict:
+    return next(v for v in siblings.plan(now) if v.entry == entry)
+
+
+def _dead_pid() -> int:
+    p = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    return p.pid
+
+
+def test_owner_records_lie_in_padding_of_every_sibling_header():
+    from shmkv import publisher, stats
+    from shmkv.ranks import block_table as bt
+
+    end = L.OWNER_DTYPE.itemsize
+    assert L.CHANNEL_HEADER_DTYPE.fields["doorbell"][1] + L.MAX_DOORBELL_NAME_BYTES \
+        <= L.CHANNEL_OWNER_OFFSET
+    assert L.CHANNEL_OWNER_OFFSET + end <= L.CHANNEL_HEADER_DTYPE.itemsize
+    bt_used = max(off + dt.itemsize for name, (dt, off) in bt.BT_HEADER_DTYPE.fields.items()
+                  if name != "_pad")
+    assert bt_used <= L.BT_OWNER_OFFSET and L.BT_OWNER_OFFSET + end <= bt.BT_HEADER_DTYPE.itemsize
+    assert bt.KV_HEADER_DTYPE.itemsize <= L.KV_OWNER_OFFSET
+    assert L.KV_OWNER_OFFSET + end <= bt.KV_HEADER_BYTES
+    assert stats._HEADER_DTYPE.fields["owner"][1] == L.STATS_OWNER_OFFSET
+    assert L.STATS_OWNER_OFFSET + end <= stats._HEADER_BYTES
+    assert publisher._STATE_DTYPE.itemsize <= L.PUBLISHER_OWNER_OFFSET
+    assert L.PUBLISHER_OWNER_OFFSET + end <= publisher._STATE_BYTES
+    for kind in L.SIBLING_KINDS.values():
+        assert kind.owner_offset % 8 == 0
+
+
+def test_owner_record_names_this_process_and_the_pool(pool_name):
+    rec = siblings.owner_record(None)[0]
+    assert int(rec["creator_pid"]) == os.getpid() and int(rec["creator_start_ticks"]) > 0
+    assert bytes(rec["pool_name"]) == b"" and int(rec["owner_magic"]) == L.OWNER_MAGIC
+    with BlockPool.create(pool_name, 8):
+        rec = siblings.owner_record(pool_name, creator=False)[0]
+        ino = os.stat(f"/dev/shm{L.segment_name(pool_name)}").st_ino
+    assert int(rec["creator_pid"]) == 0 and bytes(rec["pool_name"]) == pool_name.encode()
+    assert (int(rec["pool_creator_pid"]), int(rec["pool_ino"])) == (os.getpid(), ino)
+
+
+def test_a_half_made_pool_stays_while_its_creator_lives(pool_name):
+    BlockPool.create(pool_name, 8).close()
+    entry = L.segment_name(pool_name)[1:]
+    path = f"/dev/shm/{entry}"
+    with open(path, "r+b") as f:  # back to INITIALIZING, as if its creator were at it
+        f.seek(L.HEADER_DTYPE.fields["state"][1])
+        f.write(struct.pack("<I", L.STATE_INITIALIZING))
+    v = _verdict(entry)
+    assert not v.remove and v.reason == f"being created by pid {os.getpid()}"
+    dead = _dead_pid()
+    with open(path, "r+b") as f:
+        f.seek(L.HEADER_DTYPE.fields["creator_pid"][1])
+        f.write(struct.pack("<I", dead))
+    v = _verdict(entry)
+    assert v.remove and v.reason == f"its creator pid {dead} died while creating it"
+    lock = _verdict(f"sem.{entry}.lock")
+    assert lock.remove and lock.reason == f"goes with its pool {pool_name}"
+    done = dict((w.entry, ok) for w, ok in siblings.remove(siblings.plan()))
+    assert done[entry] and done[f"sem.{entry}.lock"] and done[f"{entry}.alive"]
+    assert not os.path.exists(path) and not os.path.exists(f"{path}.alive")
+
+
+def test_a_pools_stray_liveness_file_goes_unless_someone_holds_it(pool_name):
+    from shmkv.pool.liveness import AliveLocks
+
+    entry = L.segment_name(pool_name)[1:] + ".alive"
+    locks = AliveLocks(f"/dev/shm/{entry}", create=True)
+    try:
+        assert locks.claim(3)
+        v = _verdict(entry)
+        assert not v.remove and v.reason == "a live process holds a lock on it"
+        locks.release(3)
+        v = _verdict(entry)
+        assert v.remove and v.reason == f"its pool {pool_name} is gone"
+    finally:
+        locks.close()
+        os.unlink(f"/dev/shm/{entry}")
+
+
+def test_a_doorbell_no_channel_names_goes_after_the_grace_period(pool_name):
+    bell = create_doorbell(pool_name)
+    try:
+        entry = f"sem.{bell[1:]}"
+        v = _verdict(entry)
+        assert not v.remove and "no channel names it yet" in v.reason
+        later = time.time() + siblings.DOORBELL_GRACE_S + 1
+        v = _verdict(entry, later)
+        assert v.remove and "no channel names it" in v.reason
+    finally:
+        unlink_doorbell(bell)
+
+
+def test_a_sibling_with_a_torn_owner_record_is_left_alone(pool_name):
+    from shmkv.messages import Channel, channel_segment_name
+
+    Channel.create(pool_name, 4096).close()
+    path = f"/dev/shm{channel_segment_name(pool_name)}"
+    try:
+        with open(path, "r+b") as f:
+            f.seek(L.CHANNEL_OWNER_OFFSET)
+            f.write(np.zeros(8, np.uint8).tobytes())  # owner_magic gone
+        v = _verdict(path[len("/dev/shm/"):])
+        assert not v.remove and v.reason == "corrupt owner record: left alone"
+    finally:
+        Channel.unlink(pool_name)
