@@ -92,10 +92,7 @@ from vllm.v1.kv_offload.cpu.common import (
 from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from shmkv import (
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
+from shmkv.errors import (
     LayoutMismatchError,
     PoolClosedError,
     SegmentError,
@@ -103,10 +100,12 @@ from shmkv import (
     SegmentNotFoundError,
     UsageError,
 )
-from shmkv.events import external_block_hash, use_int_block_hashes
+from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
 from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
+from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 
 __all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]  # noqa: F822 (lazy)
@@ -118,13 +117,17 @@ _PAD_SHIFT = 16
 HASH_BYTES = 32
 
 # The tier table (sibling segment): a 4 KiB header, then one int64 rank per block.
+# Words 0..4 of the header: magic, version | num_chunks << 32, the rank counter, the
+# generation (bumped by reset_cache), the replica config's length; then the replica config
+# (JSON) of the first spec that started on the pool; then the owner record that tells
+# ``shmkv cleanup`` the table goes with its pool (``shmkv/pool/siblings.py``).
 TIER_KIND = "offload"
-TIER_VERSION = 1
-TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
+TIER_VERSION = L.OFFLOAD_TIER_VERSION
+TIER_MAGIC = L.OFFLOAD_TIER_MAGIC
 TIER_HEADER_BYTES = 4096
 _T_MAGIC, _T_VERSION_CHUNKS, _T_NEXT_RANK, _T_GENERATION, _T_CONFIG_LEN = range(5)
-_T_CONFIG_OFFSET = 64  # the replica config (JSON) of the first spec that started on the pool
-_T_CONFIG_MAX = TIER_HEADER_BYTES - _T_CONFIG_OFFSET
+_T_CONFIG_OFFSET = 64
+_T_CONFIG_MAX = L.OFFLOAD_TIER_OWNER_OFFSET - _T_CONFIG_OFFSET
 
 # vLLM's LRU rank (major, minor) with minor = -position in (-2**26, 0], packed in one int64.
 _MINOR_SPAN = 1 << 26
@@ -359,6 +362,11 @@ class SharedCPUOffloadingManager(OffloadingManager):
             except SegmentNotFoundError:
                 seg = Segment.create(name, size)
                 created = True
+            else:
+                if created and len(seg.buf) != size:  # left by an earlier pool of this name
+                    seg.close()
+                    Segment.unlink(name)
+                    seg = Segment.create(name, size)
             try:
                 hdr = np.frombuffer(seg.buf, np.int64, 8)
                 if len(seg.buf) < size:
@@ -370,6 +378,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 magic = int(hdr[_T_MAGIC]) & 0xFFFF_FFFF_FFFF_FFFF
                 if created or magic == 0:  # ours to fill (or its filler died half way)
                     seg.buf[:size] = bytes(size)
+                    write_owner(seg.buf, L.OFFLOAD_TIER_OWNER_OFFSET,
+                                owner_record(self.pool_name, creator=False))
                     hdr[_T_VERSION_CHUNKS] = (self._num_chunks << 32) | TIER_VERSION
                     hdr[_T_MAGIC] = np.int64(TIER_MAGIC)  # last: the table is complete
                 elif magic != TIER_MAGIC:

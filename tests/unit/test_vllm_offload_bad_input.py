@@ -217,6 +217,28 @@ def test_position_out_of_range_is_refused(tier):
     assert tier.lookup(key(5), CTX) == LookupResult.MISS
 
 
+def test_the_tier_table_goes_with_its_pool(tier):
+    """shmkv cleanup's plan keeps the tier table while its pool stays and removes it once
+    the pool is gone; a new pool of the name gets a fresh table, whatever the old size."""
+    from shmkv.pool import siblings
+
+    name = tier.pool_name
+    entry = tier_table_name(name)[1:]
+
+    def verdict():
+        return next(v for v in siblings.plan() if v.entry == entry)
+
+    assert verdict().kind == "offload tier table" and not verdict().remove
+    tier.close()
+    assert not verdict().remove  # the pool is still there
+    BlockPool.unlink(name)
+    assert verdict().remove
+    with SharedCPUOffloadingManager(name, 6) as again:  # a stale 4-chunk table is replaced
+        again.prepare_store([key(1)], CTX)
+        assert again.lookup(key(1), CTX) == LookupResult.HIT_PENDING
+        again.pool.check_invariants()
+
+
 # ---------------------------------------------------------------------------- the spec
 
 
