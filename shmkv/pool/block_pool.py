@@ -1344,6 +1344,42 @@ class BlockPool:
         with self._lock:
             return self.free_block_queue.get_all_free_block_ids()
 
+    def block_rows(self) -> np.ndarray:
+        """A read-only numpy view of the block rows (``layout.BLOCK_DTYPE``, one per block id,
+        the sentinels left out): ``ref_cnt``, ``group_id``, ``hash_num_tokens`` and
+        ``block_hash`` of every block, for vectorised scans by layers above the pool (the
+        offload tier picks its victims with it). It reads live shared memory: hold
+        ``pool.lock()`` for a consistent picture, and drop the view before ``close()``."""
+        view = self._blocks[:self.num_gpu_blocks].view()
+        view.flags.writeable = False
+        return view
+
+    def log_events(self, events: Sequence[KVCacheEvent]) -> int:
+        """Appends events made by a layer above the pool (the offload tier's stores and
+        evictions) to the global event log, in this process's name, without queueing them
+        for :meth:`take_events`. A pool created without a log drops them.
+
+        Returns:
+            how many events were not logged (no log, or too large for it).
+
+        Raises:
+            UsageError: an event that is not a ``BlockStored``, ``BlockRemoved`` or
+                ``AllBlocksCleared``; nothing is logged then.
+        """
+        events = list(events)
+        for event in events:
+            if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+                raise UsageError(f"log_events(): {type(event).__name__} is not a KV-cache event")
+        if not events:
+            return 0
+        with self._lock:
+            if not self._log.capacity:
+                return len(events)
+            dropped = self._log.append(self.slot, events)
+            if dropped:
+                self._hdr_w[L.H_NUM_EVENTS_DROPPED] += dropped
+            return dropped
+
     def check_invariants(self) -> None:
         """Checks every invariant of the shared state.
 

@@ -195,7 +195,8 @@ with its own small header and is versioned on its own.
 
 Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables),
 ``kv`` (a pool's KV store), ``stats`` (a pool's per-process counters, ``shmkv/stats.py``) and
-``pub`` (a pool's saved publisher position, ``shmkv/publisher.py``); ``bt`` and ``kv`` are laid
+``pub`` (a pool's saved publisher position, ``shmkv/publisher.py``) and ``offload`` (the vLLM
+offload tier's rank table beside its pool, ``shmkv/vllm.py``); ``bt`` and ``kv`` are laid
 out in ``shmkv/ranks/block_table.py``'s docstring. Besides these, a channel's doorbell is a
 POSIX semaphore ``/shmkv_bell-<name>`` named in the channel's header (it has no header of its
 own), and a pool has its lock semaphore and ``.alive`` file (above).
@@ -693,6 +694,9 @@ STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner
 PUBLISHER_STATE_VERSION = 2
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
+OFFLOAD_TIER_VERSION = 1  # the vLLM offload tier's table (shmkv/vllm.py)
+OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
+OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica config
 
 
 @dataclass(frozen=True)
@@ -715,6 +719,8 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
         SiblingKind("stats", "stats", STATS_VERSION, STATS_MAGIC, STATS_OWNER_OFFSET),
         SiblingKind("pub", "publisher position", PUBLISHER_STATE_VERSION,
                     PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET),
+        SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
+                    OFFLOAD_TIER_OWNER_OFFSET),
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"

@@ -1,0 +1,1246 @@
+"""Inside vLLM: one node-wide CPU offload tier for every data-parallel replica.
+
+vLLM 0.33.0's ``OffloadingConnector`` keeps offloaded KV chunks in CPU memory through an
+``OffloadingManager`` (scheduler side, one per engine-core process) and a worker-side transfer
+handler over one mmap region per engine. This module replaces the manager's private
+dictionaries with a shmkv pool, so every replica on the node sees ONE cache, and names the
+data region after that pool, so every replica's workers map the same bytes:
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "SharedCPUOffloadingSpec",
+      "spec_module_path": "shmkv.vllm", "cpu_bytes_to_use": 68719476736, "shmkv_pool": "node0"}}'
+
+How a chunk lives in the pool
+-----------------------------
+
+The pool is a shmkv ``BlockPool`` of ``num_chunks + 1`` blocks (block 0 is the null block,
+block ``b`` is chunk ``b - 1``), with ``hash_block_size = 1`` and medium ``"CPU"``. An
+``OffloadKey`` (a block hash of up to 32 bytes, then a 4-byte big-endian group index) is the
+block's prefix-cache key: the hash padded to 32 bytes, and a group id that carries the group
+index (low 16 bits), the padding length (bits 16..21) and the state:
+
+| state    | pool key              | ref_cnt (sum of the ledger) | lookup      |
+|----------|-----------------------|-----------------------------|-------------|
+| free     | none                  | 0                           | MISS        |
+| pending  | group id | PENDING    | 1: the storer's hold        | HIT_PENDING |
+| orphan   | group id | PENDING    | 0: the storer died, reaped  | MISS (the key is dropped) |
+| ready    | group id              | pins of every process       | HIT         |
+
+So the pool's per-process ledger is the authority on who holds what: ``prepare_store`` takes
+a hold on each new chunk (``touch``) and caches it under its PENDING key; ``complete_store``
+moves the key to its ready form and drops the hold; ``prepare_load`` pins with a hold and
+``complete_load`` drops it. A process that dies (SIGKILL included) is reaped by the pool as
+always: its pins go, and its unfinished stores become orphans, which every survivor treats as
+absent. Every call runs under the pool lock, and the pool's undo journal rolls a hold back as
+a whole if its process dies inside it, so no state is ever half-made.
+
+Recency lives beside the pool, in a sibling segment ``/shmkv_offload-<pool>-v1`` (the tier
+table): one int64 rank per block and a shared rank counter, exactly the ranks of vLLM's
+``LRUCachePolicy`` (``(major, -position)`` packed into one int64). The smallest ranks among
+ready chunks nobody holds are evicted first, ties broken by key bytes, as vLLM's heap does.
+A rank is advice, never an invariant: a rank word left behind by a killed process still
+orders chunks validly, so the tier table needs no journal.
+
+Used by one process, the manager answers call for call as vLLM's
+``CPUOffloadingManager(num_chunks, cache_policy="lru")``: lookups, ``keys_to_store``,
+``evicted_keys``, refused stores and events (chunk ids differ: fresh chunks are taken lowest
+id first). With several processes it behaves as if their calls ran one at a time in lock
+order, with two deliberate differences: a ``reset_cache`` leaves chunks that other processes
+hold, and ``complete_store``/``complete_load`` act only on this process's own stores and pins.
+
+NOTE: ``lock`` is the pool lock, node-wide. vLLM's connector holds ``manager.lock`` from its
+first lookup of a scheduler step to the step's connector metadata (so that a HIT and the
+``prepare_load`` that pins it are not separated by an eviction); with the shared tier that
+atomicity holds across replicas, and the price is that the connector parts of the replicas'
+scheduling steps run one at a time. A process-local lock would let another replica evict a
+chunk between a lookup and its pin, and ``prepare_load`` has no way to fail partially.
+
+ARC (``cache_policy="arc"``) is refused: its ghost lists and adaptive target would need a
+second shared structure with its own crash story; LRU is what the shared tier offers.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from collections.abc import Collection, Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.cpu.common import (
+    CPULoadStoreSpec,
+    CPUOffloadingInfo,
+    CPUOffloadingMetrics,
+)
+from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from shmkv.errors import (
+    LayoutMismatchError,
+    PoolClosedError,
+    SegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    UsageError,
+)
+from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
+from shmkv.pool.segment import Segment
+from shmkv.pool.siblings import owner_record, write_owner
+from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
+
+__all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]  # noqa: F822 (lazy)
+
+MEDIUM = "CPU"
+PENDING_BIT = 1 << 30  # group-id bit of a chunk whose store is in flight
+_GROUP_MASK = 0xFFFF
+_PAD_SHIFT = 16
+HASH_BYTES = 32
+
+# The tier table (sibling segment): a 4 KiB header, then one int64 rank per block.
+# Words 0..4 of the header: magic, version | num_chunks << 32, the rank counter, the
+# generation (bumped by reset_cache), the replica config's length; then the replica config
+# (JSON) of the first spec that started on the pool; then the owner record that tells
+# ``shmkv cleanup`` the table goes with its pool (``shmkv/pool/siblings.py``).
+TIER_KIND = "offload"
+TIER_VERSION = L.OFFLOAD_TIER_VERSION
+TIER_MAGIC = L.OFFLOAD_TIER_MAGIC
+TIER_HEADER_BYTES = 4096
+_T_MAGIC, _T_VERSION_CHUNKS, _T_NEXT_RANK, _T_GENERATION, _T_CONFIG_LEN = range(5)
+_T_CONFIG_OFFSET = 64
+_T_CONFIG_MAX = L.OFFLOAD_TIER_OWNER_OFFSET - _T_CONFIG_OFFSET
+
+# vLLM's LRU rank (major, minor) with minor = -position in (-2**26, 0], packed in one int64.
+_MINOR_SPAN = 1 << 26
+MAX_POSITION = _MINOR_SPAN - 1
+
+ENCODE_CACHE_ENTRIES = 1 << 16
+REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
+ATTACH_TIMEOUT_S = 10.0  # how long an attacher waits for the creator to finish
+
+DATA_REGION_PREFIX = "shmkv_offload_data-"  # + pool name: vLLM's region engine id
+
+
+def _pack_rank(major: int, minor: int) -> int:
+    return major * _MINOR_SPAN + (_MINOR_SPAN - 1 + minor)
+
+
+def tier_table_name(pool: str) -> str:
+    """The POSIX name of a pool's tier table: ``/shmkv_offload-<pool>-v1``."""
+    return L.sibling_segment_name(TIER_KIND, pool, TIER_VERSION)
+
+
+def data_region_engine_id(pool: str) -> str:
+    """The ``engine_id`` under which every replica's workers map the tier's data region
+    (vLLM names the file ``/dev/shm/vllm_offload_<engine_id>.mmap``)."""
+    return DATA_REGION_PREFIX + L.validate_pool_name(pool)
+
+
+class _ClosedLock:
+    """The lock of a closed manager: every call that needs the pool says so."""
+
+    def __enter__(self) -> None:
+        raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Hashes:
+    """What ``BlockPool.cache_full_blocks`` reads of a request: its block hashes."""
+
+    __slots__ = ("block_hashes",)
+
+    def __init__(self, block_hashes: list[bytes]) -> None:
+        self.block_hashes = block_hashes
+
+
+@dataclass(slots=True)
+class _RequestRank:
+    """The LRU rank a request's positioned keys share (vLLM's request-scoped rank)."""
+
+    owner: object
+    generation: int
+    rank: int
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """Keys one request touched, grouped in prefix order (as vLLM's manager records)."""
+
+    owner: object
+    generation: int
+    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
+    seen_keys: set[OffloadKey] = field(default_factory=set)
+    inserted_keys: set[OffloadKey] = field(default_factory=set)
+    reused_keys: set[OffloadKey] = field(default_factory=set)
+    store_miss_keys: set[OffloadKey] = field(default_factory=set)
+    finished: bool = False
+
+
+_MISS, _PENDING, _READY = 0, 1, 2
+
+
+class SharedCPUOffloadingManager(OffloadingManager):
+    """vLLM's CPU offloading manager (LRU) with its chunk metadata in a shmkv pool shared by
+    every process that opens the same ``pool`` name: ONE cache for all of them.
+
+    The first process creates the pool, later ones attach. A completed store of any process
+    is a HIT for all; a store in flight in another process is HIT_PENDING and is not stored
+    twice; a pin (``prepare_load``) of any process protects its chunk from every process's
+    eviction; the pins and unfinished stores of a process that died are released by the
+    survivors (the pool reaps it). ``lock`` is the pool lock, so a caller that holds it
+    across a lookup and the ``prepare_load`` of its hits holds off every process.
+
+    Private to a process: its requests' access records (in their ``ReqContext``), the keys it
+    is storing and the pins it holds (for ``complete_store``/``complete_load``), its events.
+    """
+
+    def __init__(
+        self,
+        pool: str,
+        num_chunks: int,
+        *,
+        enable_events: bool = False,
+        cache_policy: str = "lru",
+        store_threshold: int = 1,
+        info: CPUOffloadingInfo | None = None,
+        max_processes: int = 16,
+        event_log_bytes: int | None = None,
+        label: str = "vllm-offload",
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+    ) -> None:
+        """Creates the pool ``pool`` of ``num_chunks`` chunks, or attaches to it.
+
+        Args:
+            pool: the shmkv pool's name (letters, digits, '.', '_', '-').
+            num_chunks: chunks in the tier; every process must give the same number.
+            enable_events: queue ``OffloadingEvent``s for :meth:`take_events`, as vLLM's.
+            cache_policy: "lru" (the only policy the shared tier offers).
+            store_threshold: 0 or 1 (vLLM's "store on first offer"); a reuse threshold
+                needs a shared access tracker, which the tier does not have.
+            info: the config facts :meth:`config_info` reports.
+            max_processes: processes attached at once (used by the creator only).
+            event_log_bytes: size of the pool's global event log, which receives every
+                store and eviction of the tier (creator only; default 4 MiB, 0: none).
+            label: this process's name in the pool's process table.
+            lock_timeout_s: the longest this process waits for the pool lock.
+            stuck_after_s: how long the lock may stand taken with no holder recorded
+                before this process takes it over (``BlockPool.create``).
+
+        Raises:
+            UsageError: a bad argument, or an unsupported policy or threshold.
+            LayoutMismatchError: the pool exists with another ``num_chunks`` (both values
+                named), is not an offload tier, or its tier table is foreign or corrupt.
+            SegmentError: the pool belongs to another user, or is not READY in time.
+        """
+        L.validate_pool_name(pool)
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or not (
+            1 <= num_chunks < L.MAX_NUM_BLOCKS
+        ):
+            raise UsageError(
+                f"num_chunks must be an int in [1, {L.MAX_NUM_BLOCKS - 1}], got {num_chunks!r}"
+            )
+        if cache_policy == "arc":
+            raise UsageError(
+                "cache_policy='arc' is not supported by the shared offload tier: ARC's ghost "
+                "lists and adaptive target would need a second shared structure; use 'lru'"
+            )
+        if cache_policy != "lru":
+            raise UsageError(f"unknown cache_policy {cache_policy!r}; the shared tier offers 'lru'")
+        if isinstance(store_threshold, bool) or store_threshold not in (0, 1):
+            raise UsageError(
+                f"store_threshold {store_threshold!r} is not supported by the shared tier "
+                "(it stores on the first offer: 0 or 1)"
+            )
+        if not isinstance(enable_events, bool):
+            raise UsageError(f"enable_events must be a bool, got {enable_events!r}")
+        self.medium: Medium = Medium.CPU
+        self.pool_name = pool
+        self._num_chunks = num_chunks
+        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._allocation_sizes: list[int] = []
+        self._pending: dict[OffloadKey, int] = {}  # keys this process is storing -> block
+        self._pins: dict[OffloadKey, list[int]] = {}  # key -> [block, pins of this process]
+        self._last_reap = 0.0
+        self._encoded: dict[OffloadKey, tuple[bytes, int]] = {}
+        self._as_int = use_int_block_hashes()
+        self._pool, created = self._open_pool(
+            pool, num_chunks, max_processes, event_log_bytes,
+            {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})
+        try:
+            self._tier = self._open_tier(created)
+        except BaseException:
+            self._pool.close()
+            raise
+        buf = memoryview(self._tier.buf)
+        self._tier_views = [buf[:TIER_HEADER_BYTES].cast("q"),
+                            buf[TIER_HEADER_BYTES:TIER_HEADER_BYTES + 8 * (num_chunks + 1)]
+                            .cast("q"), buf]
+        self._thdr, self._ranks, _ = self._tier_views
+        self._rank_array = np.frombuffer(self._tier.buf, np.int64, num_chunks + 1,
+                                         TIER_HEADER_BYTES)
+        self._blocks = self._pool.blocks
+        self._lock = self._pool.lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @staticmethod
+    def _open_pool(pool: str, num_chunks: int, max_processes: int,
+                   event_log_bytes: int | None, process: dict) -> tuple[BlockPool, bool]:
+        if event_log_bytes is None:
+            event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES
+        deadline = time.monotonic() + ATTACH_TIMEOUT_S
+        while True:
+            try:
+                return BlockPool.create(
+                    pool, num_chunks + 1, enable_caching=True, hash_block_size=1,
+                    enable_kv_cache_events=False, medium=MEDIUM, max_processes=max_processes,
+                    event_log_bytes=event_log_bytes, **process,
+                ), True
+            except SegmentExistsError:
+                pass
+            try:
+                bp = BlockPool.attach(pool, **process)
+            except SegmentNotFoundError:
+                continue  # its creator failed and removed it: create it ourselves
+            except SegmentError as exc:
+                if "INITIALIZING" in str(exc) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                raise
+            try:
+                SharedCPUOffloadingManager._check_pool(bp, pool, num_chunks)
+            except BaseException:
+                bp.close()
+                raise
+            return bp, False
+
+    @staticmethod
+    def _check_pool(bp: BlockPool, pool: str, num_chunks: int) -> None:
+        if bp.medium != MEDIUM or bp.hash_block_size != 1 or not bp.enable_caching:
+            raise LayoutMismatchError(
+                f"pool {pool!r} is not an offload tier (medium {bp.medium!r}, hash_block_size "
+                f"{bp.hash_block_size}; a tier has medium {MEDIUM!r}, hash_block_size 1)"
+            )
+        if bp.num_gpu_blocks - 1 != num_chunks:
+            raise LayoutMismatchError(
+                f"pool {pool!r} holds {bp.num_gpu_blocks - 1} chunks, this manager was given "
+                f"num_chunks={num_chunks}: every replica must use the same cpu_bytes_to_use "
+                "and KV layout"
+            )
+
+    def _open_tier(self, created: bool) -> Segment:
+        """Opens (or makes) the tier table, under the pool lock so that only one process
+        initialises it."""
+        name = tier_table_name(self.pool_name)
+        size = TIER_HEADER_BYTES + 8 * (self._num_chunks + 1)
+        with self._pool.lock():
+            try:
+                seg = Segment.open(name)
+            except SegmentNotFoundError:
+                seg = Segment.create(name, size)
+                created = True
+            else:
+                if created and len(seg.buf) != size:  # left by an earlier pool of this name
+                    seg.close()
+                    Segment.unlink(name)
+                    seg = Segment.create(name, size)
+            try:
+                hdr = np.frombuffer(seg.buf, np.int64, 8)
+                if len(seg.buf) < size:
+                    if not created:
+                        raise LayoutMismatchError(
+                            f"tier table {name} is {len(seg.buf)} bytes; {self._num_chunks} "
+                            f"chunks need {size}"
+                        )
+                magic = int(hdr[_T_MAGIC]) & 0xFFFF_FFFF_FFFF_FFFF
+                if created or magic == 0:  # ours to fill (or its filler died half way)
+                    seg.buf[:size] = bytes(size)
+                    write_owner(seg.buf, L.OFFLOAD_TIER_OWNER_OFFSET,
+                                owner_record(self.pool_name, creator=False))
+                    hdr[_T_VERSION_CHUNKS] = (self._num_chunks << 32) | TIER_VERSION
+                    hdr[_T_MAGIC] = np.int64(TIER_MAGIC)  # last: the table is complete
+                elif magic != TIER_MAGIC:
+                    raise LayoutMismatchError(
+                        f"tier table {name}: magic expected {TIER_MAGIC:#x}, found {magic:#x}: "
+                        "not a shmkv offload tier table"
+                    )
+                else:
+                    word = int(hdr[_T_VERSION_CHUNKS])
+                    if word & 0xFFFF_FFFF != TIER_VERSION or word >> 32 != self._num_chunks:
+                        raise LayoutMismatchError(
+                            f"tier table {name}: version {word & 0xFFFF_FFFF} with "
+                            f"{word >> 32} chunks, expected version {TIER_VERSION} with "
+                            f"{self._num_chunks}"
+                        )
+                del hdr
+            except BaseException:
+                seg.close()
+                raise
+        return seg
+
+    def close(self) -> None:
+        """Detaches from the pool: this process's pins and unfinished stores are given back
+        (its unfinished stores become orphans, which every process treats as absent). Calls
+        after it raise ``PoolClosedError``; closing again does nothing."""
+        if self._pool is None:
+            return
+        for view in reversed(self._tier_views):
+            view.release()
+        self._tier_views = []
+        self._rank_array = None  # type: ignore[assignment]
+        self._tier.close()
+        self._pool.close()
+        self._pool = None  # type: ignore[assignment]
+        self._lock = _ClosedLock()
+
+    def __enter__(self) -> SharedCPUOffloadingManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def unlink(pool: str) -> bool:
+        """Removes the pool, its tier table and its data region from /dev/shm (mappings of
+        processes still attached stay valid until they close).
+
+        Returns:
+            True if anything was removed.
+
+        Raises:
+            UsageError: a bad pool name.
+        """
+        L.validate_pool_name(pool)
+        removed = BlockPool.unlink(pool)
+        removed = Segment.unlink(tier_table_name(pool)) or removed
+        for path in glob.glob(f"/dev/shm/vllm_offload_{data_region_engine_id(pool)}.mmap*"):
+            try:
+                os.unlink(path)
+                removed = True
+            except FileNotFoundError:
+                pass
+        return removed
+
+    @property
+    def pool(self) -> BlockPool:
+        """The shmkv pool holding the chunk metadata (for inspection and invariant checks)."""
+        return self._pool
+
+    @property
+    def num_chunks(self) -> int:
+        return self._num_chunks
+
+    # ------------------------------------------------------------------ keys and state
+
+    def _encode(self, key: OffloadKey) -> tuple[bytes, int]:
+        """(pool hash, ready group id) of an offload key (memoised: a scheduler asks
+        about the same keys again and again)."""
+        enc = self._encoded.get(key)
+        if enc is not None:
+            return enc
+        enc = self._encode_key(key)
+        if len(self._encoded) >= ENCODE_CACHE_ENTRIES:
+            self._encoded.clear()
+        self._encoded[key] = enc
+        return enc
+
+    @staticmethod
+    def _encode_key(key: OffloadKey) -> tuple[bytes, int]:
+        if not isinstance(key, bytes):
+            raise UsageError(f"an offload key must be bytes, got {type(key).__name__}")
+        num_hash = len(key) - 4
+        if not 1 <= num_hash <= HASH_BYTES:
+            raise UsageError(
+                f"offload key of {len(key)} bytes: the shared tier takes a block hash of 1 to "
+                f"{HASH_BYTES} bytes plus the 4-byte group index"
+            )
+        group = int.from_bytes(key[-4:], "big")
+        if group > _GROUP_MASK:
+            raise UsageError(f"offload key group index {group} > {_GROUP_MASK}")
+        pad = HASH_BYTES - num_hash
+        block_hash = key[:-4] + bytes(pad) if pad else key[:-4]
+        return block_hash, group | (pad << _PAD_SHIFT)
+
+    @staticmethod
+    def _decode(block_hash: bytes, group_id: int) -> OffloadKey:
+        pad = (group_id >> _PAD_SHIFT) & 0x3F
+        return OffloadKey(block_hash[:HASH_BYTES - pad]
+                          + (group_id & _GROUP_MASK).to_bytes(4, "big"))
+
+    def _status(self, key: OffloadKey) -> tuple[int, int]:
+        """(state, block id) of a key; drops the key of an orphan (caller holds the lock)."""
+        block_hash, gid = self._encode(key)
+        pool = self._pool
+        hit = pool.get_cached_block(block_hash, (gid,))
+        if hit is not None:
+            return _READY, hit[0].block_id
+        hit = pool.get_cached_block(block_hash, (gid | PENDING_BIT,))
+        if hit is None:
+            return _MISS, 0
+        block = hit[0]
+        if block.ref_cnt == 0 or (self._maybe_reap() and block.ref_cnt == 0):
+            pool.evict_blocks([block.block_id])  # an orphan: its storer died
+            return _MISS, 0
+        return _PENDING, block.block_id
+
+    def _maybe_reap(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_reap < REAP_INTERVAL_S:
+            return False
+        self._last_reap = now
+        return self._pool.reap_dead() > 0
+
+    def _generation(self) -> int:
+        return self._thdr[_T_GENERATION]
+
+    def _request_rank(self, req_context: ReqContext) -> int:
+        state = req_context.get_state(_RequestRank)
+        generation = self._thdr[_T_GENERATION]
+        if state is None or state.owner is not self or state.generation != generation:
+            rank = self._thdr[_T_NEXT_RANK] + 1
+            self._thdr[_T_NEXT_RANK] = rank
+            state = _RequestRank(self, generation, rank)
+            req_context.set_state(state)
+        return state.rank
+
+    def _new_rank(self) -> int:
+        rank = self._thdr[_T_NEXT_RANK] + 1
+        self._thdr[_T_NEXT_RANK] = rank
+        return _pack_rank(rank, 0)
+
+    def _request_access(self, req_context: ReqContext) -> _RequestAccess:
+        state = req_context.get_state(_RequestAccess)
+        generation = self._thdr[_T_GENERATION]
+        if state is None or state.owner is not self or state.generation != generation:
+            state = _RequestAccess(owner=self, generation=generation)
+            req_context.set_state(state)
+        return state
+
+    @staticmethod
+    def _position(req_context: ReqContext, key: OffloadKey) -> int | None:
+        position = req_context.get_offload_key_position(key)
+        if position is not None and not 0 <= position <= MAX_POSITION:
+            raise UsageError(f"offload key position {position} is not in [0, {MAX_POSITION}]")
+        return position
+
+    def _check_positions(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            self._encode(key)
+            self._position(req_context, key)
+
+    def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext,
+                           known: dict[OffloadKey, tuple[int, int]]) -> None:
+        request_rank = self._request_rank(req_context)
+        ranks = self._ranks
+        for key in keys:
+            position = self._position(req_context, key)
+            if position is None:
+                continue
+            status = known.get(key)
+            state, block_id = status if status is not None else self._status(key)
+            if state == _MISS:
+                continue
+            rank = _pack_rank(request_rank, -position)
+            if ranks[block_id] >= rank:
+                continue
+            ranks[block_id] = rank
+
+    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
+                       known: dict[OffloadKey, tuple[int, int]],
+                       reused_keys: Iterable[OffloadKey] = ()) -> None:
+        """vLLM's request access record; ``known`` holds the (state, block) of keys this
+        call has just looked up (under the same hold of the lock)."""
+        state = self._request_access(req_context)
+        new_keys = []
+        for key in keys:
+            if key in state.seen_keys:
+                continue
+            if state.finished:
+                raise UsageError("new offload keys observed after the request finished")
+            state.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
+            state.seen_keys.add(key)
+            new_keys.append(key)
+        if new_keys:
+            self._on_request_access(new_keys, req_context, known)
+        state.reused_keys.update(k for k in reused_keys if k not in state.inserted_keys)
+
+    def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
+        ranks = self._ranks
+        for key in keys:
+            state, block_id = self._status(key)
+            if state != _MISS:
+                ranks[block_id] = self._new_rank()
+
+    # ------------------------------------------------------------------ OffloadingManager
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The pool lock (re-entrant): holding it holds off every process of the tier."""
+        return self._lock
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Starts the request's access record.
+
+        Args:
+            req_context: the new request's context.
+
+        Returns:
+            vLLM's default (chunk-level) ``RequestOffloadingContext``.
+        """
+        with self._lock:
+            self._request_access(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT if the key is stored and complete (by any process), HIT_PENDING if a
+        process is storing it, MISS otherwise. A store of a process that died reads
+        HIT_PENDING until this process next reaps the dead (at most ``REAP_INTERVAL_S``
+        later), then MISS.
+
+        Args:
+            key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (unused: a lookup changes no recency).
+
+        Returns:
+            the ``LookupResult``.
+
+        Raises:
+            UsageError: a key the tier cannot hold (hash longer than 32 bytes).
+            PoolClosedError: the manager is closed.
+        """
+        with self._lock:
+            state, _ = self._status(key)
+        if state == _READY:
+            return LookupResult.HIT
+        return LookupResult.HIT_PENDING if state == _PENDING else LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Hits of this tier come from host memory."""
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey],
+                     req_context: ReqContext) -> LoadStoreSpec:
+        """Pins the given ready chunks against every process's eviction until
+        :meth:`complete_load`.
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+
+        Returns:
+            a ``CPULoadStoreSpec`` of their chunk ids.
+
+        Raises:
+            UsageError: a key that is not stored, or still being stored, or a bad key or
+                position; nothing is pinned.
+        """
+        keys = list(keys)
+        self._check_positions(keys, req_context)
+        with self._lock:
+            block_ids = []
+            known: dict[OffloadKey, tuple[int, int]] = {}
+            for i, key in enumerate(keys):
+                state, block_id = self._status(key)
+                known[key] = (state, block_id)
+                if state != _READY:
+                    raise UsageError(
+                        f"prepare_load(): key {i} of {len(keys)} ({key.hex()}) is "
+                        f"{'still being stored' if state == _PENDING else 'not stored'}"
+                    )
+                block_ids.append(block_id)
+            blocks = self._blocks
+            self._pool.touch([blocks[b] for b in block_ids])
+            pins = self._pins
+            for key, block_id in zip(keys, block_ids, strict=True):
+                pin = pins.get(key)
+                if pin is None:
+                    pins[key] = [block_id, 1]
+                else:
+                    pin[1] += 1
+            self._record_access(keys, req_context, known, reused_keys=keys)
+        return CPULoadStoreSpec([b - 1 for b in block_ids])
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Marks the keys as most recently used, the first key last (vLLM's order); keys
+        not in the tier are skipped.
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+
+        Raises:
+            UsageError: a key the tier cannot hold.
+        """
+        with self._lock:
+            self._update_recency(reversed(list(keys)))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Drops this process's pins of the given keys (one per occurrence).
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+
+        Raises:
+            UsageError: a key this process has not pinned (that often); nothing changes.
+        """
+        keys = list(keys)
+        with self._lock:
+            need: dict[OffloadKey, int] = {}
+            for key in keys:
+                need[key] = need.get(key, 0) + 1
+            for key, count in need.items():
+                pin = self._pins.get(key)
+                if pin is None or pin[1] < count:
+                    raise UsageError(
+                        f"complete_load(): key {key.hex()} is unpinned {count} times, this "
+                        f"process pinned it {0 if pin is None else pin[1]} times"
+                    )
+            blocks = self._blocks
+            self._pool.free_blocks([blocks[self._pins[key][0]] for key in keys])
+            for key, count in need.items():
+                pin = self._pins[key]
+                pin[1] -= count
+                if not pin[1]:
+                    del self._pins[key]
+
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext) -> PrepareStoreOutput | None:
+        """Allocates chunks for the keys no process has stored or is storing, evicting the
+        least recently used ready chunks nobody holds if needed (never one of ``keys``).
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+
+        Returns:
+            the keys to store, their chunks and the keys evicted; None if not enough chunks
+            can be freed (nothing changes then).
+
+        Raises:
+            UsageError: a key the tier cannot hold, or a key position out of range;
+                nothing changes.
+        """
+        keys = list(keys)
+        self._check_positions(keys, req_context)
+        with self._lock:
+            keys_to_store: list[OffloadKey] = []
+            ready_existing: list[OffloadKey] = []
+            queued: set[OffloadKey] = set()
+            known: dict[OffloadKey, tuple[int, int]] = {}
+            for key in keys:
+                state, _ = known[key] = self._status(key)
+                if state == _MISS:
+                    if key not in queued:
+                        keys_to_store.append(key)
+                        queued.add(key)
+                elif state == _READY:
+                    ready_existing.append(key)
+            access = self._request_access(req_context)
+            access.store_miss_keys.update(keys_to_store)  # an LRU store miss moves no rank
+            recorded = queued.union(ready_existing)
+            self._record_access([k for k in keys if k in recorded], req_context, known,
+                                reused_keys=ready_existing)
+            if not keys_to_store:
+                return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]),
+                                          evicted_keys=[])
+            self._allocation_sizes.append(len(keys_to_store))
+            chosen = self._choose_chunks(len(keys_to_store),
+                                         [known[k][1] for k in ready_existing])
+            if chosen is None:
+                return None
+            fresh, victims = chosen
+            evicted_keys = [key for key, _ in victims]
+            block_ids = fresh + [b for _, b in victims]
+            self._take_chunks(block_ids, keys_to_store)
+            ranks = self._ranks
+            for key, block_id in zip(keys_to_store, block_ids, strict=True):
+                position = self._position(req_context, key)
+                if position is None:
+                    ranks[block_id] = self._new_rank()
+                else:
+                    ranks[block_id] = _pack_rank(self._request_rank(req_context), -position)
+                self._pending[key] = block_id
+            access.inserted_keys.update(keys_to_store)
+            if evicted_keys:
+                if self.events is not None:
+                    self.events.append(OffloadingEvent(keys=evicted_keys, medium=self.medium,
+                                                       removed=True))
+                self._log_removed(evicted_keys)
+        return PrepareStoreOutput(keys_to_store=keys_to_store,
+                                  store_spec=CPULoadStoreSpec([b - 1 for b in block_ids]),
+                                  evicted_keys=evicted_keys)
+
+    def _choose_chunks(self, num: int, protected_ids: list[int]
+                       ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:
+        """(free blocks, (key, block) victims) for ``num`` new chunks, or None.
+        ``protected_ids``: the blocks of the call's own ready keys, never evicted."""
+        for attempt in (0, 1):
+            rows = self._pool.block_rows()
+            ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
+            idle = ref == 0
+            idle[0] = False  # the null block
+            free = np.flatnonzero(idle & (htok == L.NO_HASH_TOKENS))
+            if len(free) >= num:  # the common case until the tier fills up
+                del rows, ref, htok
+                return free[:num].tolist(), []
+            hashed = idle & (htok != L.NO_HASH_TOKENS)
+            pending = (rows["group_id"] & PENDING_BIT) != 0
+            orphans = np.flatnonzero(hashed & pending)  # stores of the dead: free too
+            free = np.sort(np.concatenate([free, orphans])) if len(orphans) else free
+            num_evict = num - len(free)
+            victims = None
+            if num_evict <= 0:
+                victims = []
+            else:
+                evictable = np.flatnonzero(hashed & ~pending)
+                if protected_ids:
+                    evictable = evictable[~np.isin(evictable, protected_ids)]
+                if num_evict <= len(evictable):
+                    victims = self._pick_victims(num_evict, evictable, rows)
+            del rows, ref, htok, hashed, pending
+            if victims is None:
+                if attempt == 0 and self._pool.reap_dead():
+                    continue  # a dead process's pins may be what is missing
+                return None
+            return free[:num - len(victims)].tolist(), victims
+        return None
+
+    def _pick_victims(self, num: int, evictable: np.ndarray,
+                      rows: np.ndarray) -> list[tuple[OffloadKey, int]]:
+        """The ``num`` evictable chunks of smallest (rank, key), in that order (vLLM's
+        heap order); ``len(evictable) >= num``."""
+        ranks = self._rank_array[evictable]
+        if num < len(evictable):
+            part = np.argpartition(ranks, num - 1)[:num]
+            keep = ranks <= ranks[part].max()  # ties at the edge kept: keys decide them
+            evictable, ranks = evictable[keep], ranks[keep]
+        hashes, gids = rows["block_hash"], rows["group_id"]
+        items = sorted(
+            (rank, self._decode(bytes(hashes[b]), int(gids[b])), b)
+            for rank, b in zip(ranks.tolist(), evictable.tolist(), strict=True)
+        )
+        return [(key, block_id) for _, key, block_id in items[:num]]
+
+    def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
+        """Holds the blocks (this process's ledger), drops their old keys and caches them
+        under the new keys' PENDING form (caller holds the lock)."""
+        pool, blocks = self._pool, self._blocks
+        handles = [blocks[b] for b in block_ids]
+        pool.touch(handles)
+        pool.evict_blocks(block_ids)
+        self._cache(handles, keys, PENDING_BIT)
+
+    def _cache(self, handles: list, keys: list[OffloadKey], flag: int) -> None:
+        by_group: dict[int, tuple[list, list[bytes]]] = {}
+        for handle, key in zip(handles, keys, strict=True):
+            block_hash, gid = self._encode(key)
+            entry = by_group.setdefault(gid | flag, ([], []))
+            entry[0].append(handle)
+            entry[1].append(block_hash)
+        for gid, (group_handles, hashes) in by_group.items():
+            self._pool.cache_full_blocks(_Hashes(hashes), group_handles, 0, len(hashes), 1, gid)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        """Finishes this process's stores of the given keys: on success they become HITs
+        for every process (and evictable); on failure their chunks are freed. Keys this
+        process is not storing are skipped.
+
+        Args:
+            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (its access record and key positions).
+            success: whether the workers wrote the chunks.
+        """
+        with self._lock:
+            mine: list[tuple[OffloadKey, int]] = []
+            for key in keys:
+                block_id = self._pending.pop(key, None)
+                if block_id is not None:
+                    mine.append((key, block_id))
+            if not mine:
+                return
+            done_keys = [key for key, _ in mine]
+            block_ids = [b for _, b in mine]
+            handles = [self._blocks[b] for b in block_ids]
+            pool = self._pool
+            pool.evict_blocks(block_ids)
+            if success:
+                self._cache(handles, done_keys, 0)
+            pool.free_blocks(handles)
+            if success:
+                if self.events is not None:
+                    self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
+                                                       removed=False))
+                self._log_stored(done_keys)
+            elif self.events is not None:
+                self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
+                                                   removed=True, metadata_only=True))
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Commits the request's recency: its keys become most recently used, tail first,
+        so its head is evicted last (vLLM's LRU). A second call does nothing.
+
+        Args:
+            req_context: the finished request's context.
+        """
+        with self._lock:
+            state = req_context.get_state(_RequestAccess)
+            if (state is None or state.owner is not self
+                    or state.generation != self._generation() or state.finished):
+                return
+            state.finished = True
+            key_groups = []
+            for group_idx in sorted(state.key_groups):
+                group_keys = state.key_groups[group_idx]
+                positions = {
+                    key: position for key in group_keys
+                    if (position := req_context.get_offload_key_position(key)) is not None
+                }
+                if len(positions) == len(group_keys):
+                    group_keys = sorted(group_keys, key=positions.__getitem__)
+                key_groups.append(tuple(group_keys))
+            self._update_recency(reversed(order_request_keys(tuple(key_groups), req_context)))
+
+    def reset_cache(self) -> None:
+        """Drops this process's pins and unfinished stores and every chunk no other
+        process holds (their removal goes to the global event log); every process's request
+        records start over. As vLLM's, it queues no ``take_events`` event."""
+        with self._lock:
+            pool, blocks = self._pool, self._blocks
+            pending_ids = list(self._pending.values())
+            held = [blocks[b] for b in pending_ids]
+            for block_id, count in self._pins.values():
+                held.extend([blocks[block_id]] * count)
+            if pending_ids:
+                pool.evict_blocks(pending_ids)
+            if held:
+                pool.free_blocks(held)
+            self._pending.clear()
+            self._pins.clear()
+            rows = pool.block_rows()
+            idle = np.flatnonzero((rows["ref_cnt"] == 0)
+                                  & (rows["hash_num_tokens"] != L.NO_HASH_TOKENS))
+            idle = idle[idle > 0].tolist()
+            removed = [self._decode(bytes(rows["block_hash"][b]), int(rows["group_id"][b]))
+                       for b in idle if not int(rows["group_id"][b]) & PENDING_BIT]
+            del rows
+            if idle:
+                pool.evict_blocks(idle)
+            self._thdr[_T_GENERATION] = self._thdr[_T_GENERATION] + 1
+            if removed:
+                self._log_removed(removed)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Yields the events queued since the last call (stores completed, evictions, and
+        the metadata-only removals of failed stores whose key is still absent)."""
+        if self.events is None:
+            return
+        events, self.events = self.events, []
+        for event in events:
+            if event.metadata_only:
+                with self._lock:
+                    keys = [k for k in event.keys if self._status(k)[0] == _MISS]
+                if not keys:
+                    continue
+                event = replace(event, keys=keys)
+            yield event
+
+    def get_stats(self) -> OffloadingConnectorStats | None:  # noqa: F821
+        """vLLM's CPU-tier gauges, node-wide: the fraction of chunks held (pinned or being
+        stored) and of chunks being stored; this process's allocation sizes since the last
+        call.
+
+        Returns:
+            an ``OffloadingConnectorStats``.
+        """
+        # NOTE: imported here: vllm.distributed costs a scheduler process seconds to import.
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        with self._lock:
+            rows = self._pool.block_rows()
+            held = rows["ref_cnt"][1:] > 0
+            num_held = int(held.sum())
+            num_pending = int((held & ((rows["group_id"][1:] & PENDING_BIT) != 0)
+                               & (rows["hash_num_tokens"][1:] != L.NO_HASH_TOKENS)).sum())
+            del rows, held
+        usage = num_held / self._num_chunks
+        write_usage = num_pending / self._num_chunks
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+        for size in self._allocation_sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC,
+                        max(usage - write_usage, 0.0))
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """The CPU-tier facts given as ``info`` (one series)."""
+        return [self._config_info]
+
+    def shutdown(self) -> None:
+        """Detaches from the pool (see :meth:`close`)."""
+        self.close()
+
+    # ------------------------------------------------------------------ global event log
+
+    def _split(self, keys: list[OffloadKey]) -> dict[int, list]:
+        by_group: dict[int, list] = {}
+        for key in keys:
+            by_group.setdefault(get_offload_group_idx(key), []).append(
+                external_block_hash(bytes(key[:-4]), self._as_int))
+        return by_group
+
+    def _log_stored(self, keys: list[OffloadKey]) -> None:
+        self._pool.log_events([
+            BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                        block_size=0, lora_id=None, medium=MEDIUM, lora_name=None,
+                        group_idx=group)
+            for group, hashes in self._split(keys).items()
+        ])
+
+    def _log_removed(self, keys: list[OffloadKey]) -> None:
+        self._pool.log_events([
+            BlockRemoved(block_hashes=[h], medium=MEDIUM, group_idx=group)
+            for group, hashes in self._split(keys).items() for h in hashes
+        ])
+
+    # ------------------------------------------------------------------ replica config
+
+    def check_replica_config(self, config: dict[str, Any]) -> None:
+        """Records the first replica's config in the tier table, or checks that this one's
+        equals it.
+
+        Raises:
+            LayoutMismatchError: a field differs (named, with both values), or the config
+                is too large for the table.
+        """
+        blob = json.dumps(config, sort_keys=True).encode()
+        if len(blob) > _T_CONFIG_MAX:
+            raise LayoutMismatchError(
+                f"replica config of {len(blob)} bytes does not fit the tier table "
+                f"({_T_CONFIG_MAX} bytes)"
+            )
+        buf = self._tier_views[2]
+        with self._lock:
+            size = self._thdr[_T_CONFIG_LEN]
+            if not size:
+                buf[_T_CONFIG_OFFSET:_T_CONFIG_OFFSET + len(blob)] = blob
+                self._thdr[_T_CONFIG_LEN] = len(blob)
+                return
+            theirs = json.loads(bytes(buf[_T_CONFIG_OFFSET:_T_CONFIG_OFFSET + size]))
+        for name in sorted(set(theirs) | set(config)):
+            if theirs.get(name) != config.get(name):
+                raise LayoutMismatchError(
+                    f"pool {self.pool_name!r}: this replica's {name} is "
+                    f"{config.get(name)!r}, the pool's is {theirs.get(name)!r}; every replica "
+                    "sharing an offload tier must run the same model, KV layout and chunk size"
+                )
+
+
+# ---------------------------------------------------------------------------- the spec
+
+#: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
+#: plus this spec's own.
+KNOWN_EXTRA_CONFIG_KEYS = frozenset({
+    "spec_name", "spec_module_path", "cpu_bytes_to_use", "eviction_policy",
+    "cache_policy_module_path", "store_threshold", "max_tracker_size",
+    "self_describing_kv_events", "offload_prompt_only", "block_size", "blocks_per_chunk",
+    "canonical_layout", "sync_load_budget_bytes",
+    "shmkv_pool", "shmkv_max_processes",
+})
+
+
+
+def _define_spec() -> type:
+    """Builds the spec class. NOTE: on first access of ``shmkv.vllm.SharedCPUOffloadingSpec``
+    only (module ``__getattr__``): vLLM's CPU spec module pulls in its platform and worker
+    code, which a process that only needs the manager should not pay for."""
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    class SharedCPUOffloadingSpec(CPUOffloadingSpec):
+        """vLLM's CPU offloading spec with one node-wide tier: ``get_manager()`` returns a
+        :class:`SharedCPUOffloadingManager` on the pool named by ``shmkv_pool``, and the worker
+        side maps the data region named after that pool (vLLM's own region and transfer code,
+        with the pool's name as engine id and no unlink-after-barrier, so replicas that start
+        later map the same bytes).
+
+        Raises (at construction):
+            UsageError: ``shmkv_pool`` missing, an unknown ``kv_connector_extra_config`` key, or
+                a cache policy the shared tier does not offer.
+        """
+
+        def __init__(self, config) -> None:
+            extra = dict(config.extra_config)
+            unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
+            if unknown:
+                raise UsageError(
+                    f"unknown kv_connector_extra_config keys {unknown}; "
+                    f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
+                )
+            pool = extra.get("shmkv_pool")
+            if not pool:
+                raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
+            L.validate_pool_name(pool)
+            policy = extra.get("eviction_policy", "lru")
+            if policy != "lru":
+                raise UsageError(
+                    f"eviction_policy {policy!r} is not supported by the shared offload tier "
+                    "(ARC's ghost lists are not shared); use 'lru'"
+                )
+            super().__init__(config)
+            self.shmkv_pool: str = pool
+            self.shmkv_max_processes = int(extra.get("shmkv_max_processes", 16))
+
+        def replica_config(self) -> dict[str, Any]:
+            """What every replica sharing the tier must agree on: model, KV dtype and layout,
+            chunk geometry and size, worker count."""
+            cfg = self.config
+            return {
+                "model": cfg.model.name,
+                "kv_dtype": cfg.model.dtype,
+                "kv_cache_layout": cfg.kv_cache_layout,
+                "canonical_layout": cfg.canonical_layout,
+                "replicated_layout": self.replicated_layout,
+                "tokens_per_block": list(self.tokens_per_block),
+                "tokens_per_hash": self.tokens_per_hash,
+                "blocks_per_chunk": self.blocks_per_chunk,
+                "kv_bytes_per_chunk": self.kv_bytes_per_chunk,
+                "cpu_page_size_per_worker": self.cpu_page_size_per_worker,
+                "world_size": cfg.parallel.world_size,
+                "num_chunks": self.num_chunks,
+            }
+
+        def get_manager(self) -> OffloadingManager:
+            """The shared manager (made on first call), after checking this replica's config
+            against the pool's.
+
+            Raises:
+                LayoutMismatchError: this replica's model, KV layout or chunk size differs from
+                    the pool's (the field is named), or ``num_chunks`` differs.
+            """
+            if not self._manager:
+                store_threshold = int(self.extra_config.get("store_threshold", 0))
+                manager = SharedCPUOffloadingManager(
+                    self.shmkv_pool, self.num_chunks,
+                    enable_events=self.kv_events_config.enable_kv_cache_events,
+                    store_threshold=min(store_threshold, 1) if store_threshold < 2
+                    else store_threshold,
+                    info=self.cpu_info, max_processes=self.shmkv_max_processes,
+                )
+                try:
+                    manager.check_replica_config(self.replica_config())
+                except BaseException:
+                    manager.close()
+                    raise
+                self._manager = manager
+            return self._manager
+
+        def open_data_region(self, rank: int | None):
+            """Maps the tier's ONE data region (``/dev/shm/vllm_offload_<engine id>.mmap``,
+            the engine id named after the pool) with vLLM's ``SharedOffloadRegion``. The
+            file is made here, at its full size, before vLLM's class opens it, so vLLM
+            always joins it and never unlinks it: the bytes live as long as the pool's
+            metadata (``SharedCPUOffloadingManager.unlink`` removes both).
+
+            Args:
+                rank: this worker's slot in each chunk (vLLM's worker rank), or None.
+
+            Returns:
+                vLLM's ``SharedOffloadRegion`` over the tier's bytes.
+
+            Raises:
+                LayoutMismatchError: the region exists with another size (the pool was made
+                    for another chunk size or count).
+            """
+            from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+            engine_id = data_region_engine_id(self.shmkv_pool)
+            path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+            size = self.num_chunks * self.kv_bytes_per_chunk
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                found = os.stat(path).st_size
+                if found not in (0, size):  # 0: its maker is sizing it right now
+                    raise LayoutMismatchError(
+                        f"pool {self.shmkv_pool!r}: data region {path} is {found} bytes, this "
+                        f"replica needs {self.num_chunks} chunks x {self.kv_bytes_per_chunk} "
+                        f"bytes = {size}"
+                    ) from None
+            else:
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            return SharedOffloadRegion(
+                engine_id=engine_id, num_chunks=self.num_chunks, rank=rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+                barrier=None,  # no unlink: replicas that start later map these bytes
+            )
+
+        def create_worker(self, kv_caches):
+            """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`).
+
+            Args:
+                kv_caches: this worker's canonical GPU KV caches.
+
+            Returns:
+                vLLM's ``CPUOffloadingWorker``.
+
+            Raises:
+                LayoutMismatchError: the data region exists with another size.
+            """
+            from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+
+            mmap_region = None
+            if self._uses_shared_region() and self.num_chunks > 0:
+                mmap_region = self.open_data_region(
+                    0 if self.replicated_layout else self.config.parallel.rank)
+            try:
+                return CPUOffloadingWorker(
+                    kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
+                    num_cpu_chunks=self.num_chunks, mmap_region=mmap_region,
+                )
+            except Exception:
+                if mmap_region is not None:
+                    mmap_region.cleanup()
+                raise
+
+    return SharedCPUOffloadingSpec
+
+
+def __getattr__(name: str):
+    if name == "SharedCPUOffloadingSpec":
+        spec_cls = _define_spec()
+        globals()[name] = spec_cls
+        return spec_cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

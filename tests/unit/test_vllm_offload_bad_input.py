@@ -1,0 +1,373 @@
+"""Bad input to every public entry point of ``shmkv.vllm``: a clear error naming the
+problem, and nothing changed (the pool's block rows, tier table and process table are
+compared byte for byte before and after). Also the spec: the replica checks, the one
+data region named after the pool, and ``kv_connector_extra_config`` validation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+from shmkv import (  # noqa: E402
+    BlockPool,
+    LayoutMismatchError,
+    PoolClosedError,
+    SegmentError,
+    UsageError,
+)
+from shmkv.pool.layout import segment_name  # noqa: E402
+from shmkv.pool.segment import Segment  # noqa: E402
+from shmkv.vllm import (  # noqa: E402
+    SharedCPUOffloadingManager,
+    data_region_engine_id,
+    tier_table_name,
+)
+from tests.conftest import unique_pool_name  # noqa: E402
+
+CTX = ReqContext("")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def key(i: int):
+    return make_offload_key(i.to_bytes(32, "big"), 0)
+
+
+@pytest.fixture
+def tier():
+    name = unique_pool_name("vb")
+    manager = SharedCPUOffloadingManager(name, 4)
+    yield manager
+    if manager.pool is not None:
+        manager.pool.check_invariants()
+    manager.close()
+    SharedCPUOffloadingManager.unlink(name)
+
+
+def _image(manager) -> tuple:
+    """Everything another process could see: block rows, tier table, process table."""
+    rows = manager.pool.block_rows().tobytes()
+    seg = Segment.open(tier_table_name(manager.pool_name))
+    table = bytes(seg.buf)
+    seg.close()
+    procs = [(p["slot"], p["pid"], p["label"]) for p in manager.pool.processes()]
+    return rows, table, procs
+
+
+def _stored(manager, ints):
+    keys = [key(i) for i in ints]
+    manager.prepare_store(keys, CTX)
+    manager.complete_store(keys, CTX)
+    return keys
+
+
+def test_bad_constructor_arguments_create_nothing():
+    """A bad pool name, chunk count or flag: UsageError, and no segment is made."""
+    name = unique_pool_name("vb")
+    for kwargs, match in (
+        ({"pool": "a/b", "num_chunks": 4}, "contains '/'"),
+        ({"pool": name, "num_chunks": 0}, "num_chunks must be an int"),
+        ({"pool": name, "num_chunks": True}, "num_chunks must be an int"),
+        ({"pool": name, "num_chunks": 4, "cache_policy": "lfu"}, "unknown cache_policy"),
+        ({"pool": name, "num_chunks": 4, "enable_events": "yes"}, "enable_events"),
+    ):
+        with pytest.raises(UsageError, match=match):
+            SharedCPUOffloadingManager(**kwargs)
+    assert not os.path.exists(f"/dev/shm{segment_name(name)}")
+    assert not SharedCPUOffloadingManager.unlink(name)
+
+
+def test_num_chunks_mismatch_names_both_values(tier):
+    """A second process asking for another num_chunks is refused with both numbers."""
+    _stored(tier, [1, 2])
+    before = _image(tier)
+    with pytest.raises(LayoutMismatchError, match=r"holds 4 chunks.*num_chunks=5"):
+        SharedCPUOffloadingManager(tier.pool_name, 5)
+    assert _image(tier) == before
+
+
+def test_a_gpu_pool_of_that_name_is_not_a_tier():
+    """A shmkv GPU block pool under the name is refused, and left as it was."""
+    name = unique_pool_name("vb")
+    with BlockPool.create(name, 5) as pool:
+        before = pool.block_rows().tobytes(), pool.get_free_block_ids()
+        with pytest.raises(LayoutMismatchError, match="not an offload tier.*medium 'GPU'"):
+            SharedCPUOffloadingManager(name, 4)
+        assert (pool.block_rows().tobytes(), pool.get_free_block_ids()) == before
+        assert [p["self"] for p in pool.processes()] == [True]
+    BlockPool.unlink(name)
+
+
+def test_corrupt_tier_table_is_refused(tier):
+    """A tier table whose magic is wrong is refused, naming the magic; nothing written."""
+    seg = Segment.open(tier_table_name(tier.pool_name))
+    seg.buf[0:8] = (0x1234).to_bytes(8, "little")
+    seg.close()
+    before = _image(tier)
+    with pytest.raises(LayoutMismatchError,
+                       match="magic expected 0x5ec70ff10ad32b61, found 0x1234"):
+        SharedCPUOffloadingManager(tier.pool_name, 4)
+    assert _image(tier) == before
+
+
+def test_corrupt_pool_segment_is_refused(tier):
+    """A pool segment whose magic is wrong: 'not a shmkv segment'."""
+    name = tier.pool_name
+    seg = Segment.open(segment_name(name))
+    saved = bytes(seg.buf[0:8])
+    seg.buf[0:8] = bytes(8)
+    try:
+        with pytest.raises(LayoutMismatchError, match="not a shmkv segment"):
+            SharedCPUOffloadingManager(name, 4)
+    finally:
+        seg.buf[0:8] = saved
+        seg.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a segment to another user")
+def test_pool_of_another_user_is_refused(tier):
+    """A pool owned by another uid is refused with both uids named."""
+    path = f"/dev/shm{segment_name(tier.pool_name)}"
+    os.chown(path, 12345, -1)
+    try:
+        with pytest.raises(SegmentError, match="owned by uid 12345"):
+            SharedCPUOffloadingManager(tier.pool_name, 4)
+    finally:
+        os.chown(path, 0, -1)
+
+
+def test_bad_keys_change_nothing(tier):
+    """A key the tier cannot hold (hash > 32 bytes, group > 65535, not bytes) is refused
+    in every call, before anything changes."""
+    _stored(tier, [1])
+    before = _image(tier)
+    long_key = make_offload_key(bytes(33), 0)
+    big_group = make_offload_key(bytes(32), 1 << 16)
+    for bad, match in ((long_key, "offload key of 37 bytes"), (big_group, "group index 65536"),
+                       ("str", "must be bytes")):
+        with pytest.raises(UsageError, match=match):
+            tier.prepare_store([key(7), bad], CTX)
+        with pytest.raises(UsageError, match=match):
+            tier.lookup(bad, CTX)
+        with pytest.raises(UsageError, match=match):
+            tier.prepare_load([key(1), bad], CTX)
+    assert _image(tier) == before
+
+
+def test_prepare_load_of_absent_or_pending_keys_pins_nothing(tier):
+    """prepare_load of a key not stored, or still being stored, is refused naming which;
+    the other keys of the call are not pinned."""
+    _stored(tier, [1])
+    tier.prepare_store([key(2)], CTX)
+    before = _image(tier)
+    with pytest.raises(UsageError, match="key 1 of 2 .* is not stored"):
+        tier.prepare_load([key(1), key(9)], CTX)
+    with pytest.raises(UsageError, match="key 1 of 2 .* is still being stored"):
+        tier.prepare_load([key(1), key(2)], CTX)
+    assert _image(tier) == before
+
+
+def test_complete_load_without_a_pin_changes_nothing(tier):
+    """Unpinning more often than this process pinned is refused with both counts."""
+    _stored(tier, [1, 2])
+    tier.prepare_load([key(1)], CTX)
+    before = _image(tier)
+    with pytest.raises(UsageError, match="unpinned 2 times, this process pinned it 1 times"):
+        tier.complete_load([key(1), key(1)], CTX)
+    with pytest.raises(UsageError, match="pinned it 0 times"):
+        tier.complete_load([key(2)], CTX)
+    assert _image(tier) == before
+    tier.complete_load([key(1)], CTX)
+
+
+def test_calls_after_close_raise_pool_closed(tier):
+    """A closed manager refuses every call with PoolClosedError; closing twice is fine."""
+    name = tier.pool_name
+    other = SharedCPUOffloadingManager(name, 4)
+    other.close()
+    other.close()
+    for call in (lambda: other.lookup(key(1), CTX), lambda: other.prepare_store([key(1)], CTX),
+                 lambda: other.prepare_load([key(1)], CTX), lambda: other.reset_cache(),
+                 lambda: other.touch([key(1)], CTX), lambda: other.get_stats()):
+        with pytest.raises(PoolClosedError, match="manager is closed"):
+            call()
+
+
+def test_position_out_of_range_is_refused(tier):
+    """A key position beyond what a rank holds is refused before any change."""
+    ctx = ReqContext("r")
+    ctx.set_offload_key_position(key(5), 1 << 26)
+    before = _image(tier)
+    with pytest.raises(UsageError, match="position 67108864 is not in"):
+        tier.prepare_store([key(5)], ctx)
+    assert _image(tier) == before
+    assert tier.lookup(key(5), CTX) == LookupResult.MISS
+
+
+def test_the_tier_table_goes_with_its_pool(tier):
+    """shmkv cleanup's plan keeps the tier table while its pool stays and removes it once
+    the pool is gone; a new pool of the name gets a fresh table, whatever the old size."""
+    from shmkv.pool import siblings
+
+    name = tier.pool_name
+    entry = tier_table_name(name)[1:]
+
+    def verdict():
+        return next(v for v in siblings.plan() if v.entry == entry)
+
+    assert verdict().kind == "offload tier table" and not verdict().remove
+    tier.close()
+    assert not verdict().remove  # the pool is still there
+    BlockPool.unlink(name)
+    assert verdict().remove
+    with SharedCPUOffloadingManager(name, 6) as again:  # a stale 4-chunk table is replaced
+        again.prepare_store([key(1)], CTX)
+        assert again.lookup(key(1), CTX) == LookupResult.HIT_PENDING
+        again.pool.check_invariants()
+
+
+# ---------------------------------------------------------------------------- the spec
+
+
+def make_config(pool: str | None, *, model: str = "org/model", dtype: str = "float16",
+                kv_bytes_per_block: int = PAGE, blocks_per_chunk: int = 1,
+                cpu_bytes: int = 8 * PAGE, **extra) -> OffloadingConfig:
+    extra_config = {"cpu_bytes_to_use": cpu_bytes, **extra}
+    if pool is not None:
+        extra_config.update(spec_name="SharedCPUOffloadingSpec", spec_module_path="shmkv.vllm",
+                            shmkv_pool=pool)
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=kv_bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config=extra_config,
+        engine_id="engine-0",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+@pytest.fixture
+def spec_pool():
+    name = unique_pool_name("vs")
+    yield name
+    SharedCPUOffloadingManager.unlink(name)
+
+
+def test_spec_loads_through_vllms_factory(spec_pool):
+    """vLLM's OffloadingSpecFactory finds the spec by module path; get_manager() is the
+    shared manager, and two replicas' managers are one cache."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    first = OffloadingSpecFactory.create_spec(make_config(spec_pool))
+    second = OffloadingSpecFactory.create_spec(make_config(spec_pool))
+    assert type(first).__name__ == "SharedCPUOffloadingSpec" and first.num_chunks == 8
+    a, b = first.get_manager(), second.get_manager()
+    try:
+        assert isinstance(a, SharedCPUOffloadingManager) and a is first.get_manager()
+        a.prepare_store([key(1)], CTX)
+        a.complete_store([key(1)], CTX)
+        assert b.lookup(key(1), CTX) == LookupResult.HIT
+        assert a.config_info()[0]["cpu_num_chunks"] == 8
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"model": "org/other"}, "model"),
+    ({"dtype": "bfloat16"}, "kv_dtype"),
+    ({"kv_bytes_per_block": PAGE // 2, "blocks_per_chunk": 2}, "blocks_per_chunk"),
+])
+def test_a_replica_that_differs_is_refused_naming_the_field(spec_pool, change, field):
+    """A replica with another model, KV dtype or chunk geometry is refused at
+    get_manager(), naming the field and both values; the pool is unchanged."""
+    from shmkv.vllm import SharedCPUOffloadingSpec
+
+    first = SharedCPUOffloadingSpec(make_config(spec_pool))
+    manager = first.get_manager()
+    try:
+        _stored(manager, [1])
+        before = _image(manager)
+        other = SharedCPUOffloadingSpec(make_config(spec_pool, **change))
+        assert other.num_chunks == first.num_chunks
+        with pytest.raises(LayoutMismatchError, match=f"this replica's {field} is"):
+            other.get_manager()
+        assert _image(manager) == before
+    finally:
+        manager.close()
+
+
+def test_a_replica_with_another_size_is_refused(spec_pool):
+    """Another cpu_bytes_to_use gives another num_chunks: refused with both values."""
+    from shmkv.vllm import SharedCPUOffloadingSpec
+
+    manager = SharedCPUOffloadingSpec(make_config(spec_pool)).get_manager()
+    try:
+        with pytest.raises(LayoutMismatchError, match=r"holds 8 chunks.*num_chunks=16"):
+            SharedCPUOffloadingSpec(make_config(spec_pool, cpu_bytes=16 * PAGE)).get_manager()
+    finally:
+        manager.close()
+
+
+def test_bad_extra_config_is_refused(spec_pool):
+    """Unknown extra_config keys (named), a missing shmkv_pool and ARC are refused before
+    any pool is made."""
+    from shmkv.vllm import SharedCPUOffloadingSpec
+
+    with pytest.raises(UsageError,
+                       match=r"unknown kv_connector_extra_config keys \['shmkv_poool'\]"):
+        SharedCPUOffloadingSpec(make_config(spec_pool, shmkv_poool="x"))
+    with pytest.raises(UsageError, match="needs 'shmkv_pool'"):
+        SharedCPUOffloadingSpec(make_config(None))
+    with pytest.raises(UsageError, match="eviction_policy 'arc' is not supported"):
+        SharedCPUOffloadingSpec(make_config(spec_pool, eviction_policy="arc"))
+    assert not SharedCPUOffloadingManager.unlink(spec_pool)
+
+
+def test_replicas_map_one_data_region_named_after_the_pool(spec_pool):
+    """Every replica's worker maps the same bytes (vLLM's SharedOffloadRegion under the
+    pool's name), which outlive a replica's cleanup until the tier is unlinked."""
+    from shmkv.vllm import SharedCPUOffloadingSpec
+
+    first = SharedCPUOffloadingSpec(make_config(spec_pool))
+    second = SharedCPUOffloadingSpec(make_config(spec_pool))
+    region_a, region_b = first.open_data_region(0), second.open_data_region(0)
+    path = f"/dev/shm/vllm_offload_{data_region_engine_id(spec_pool)}.mmap"
+    try:
+        view_a = np.asarray(region_a.create_kv_memoryview())
+        view_a[3, :5] = [1, 2, 3, 4, 5]
+        assert np.asarray(region_b.create_kv_memoryview())[3, :5].tolist() == [1, 2, 3, 4, 5]
+        del view_a
+    finally:
+        region_a.cleanup()
+        region_b.cleanup()
+    assert os.path.exists(path)
+    region_c = SharedCPUOffloadingSpec(make_config(spec_pool)).open_data_region(0)
+    try:
+        assert np.asarray(region_c.create_kv_memoryview())[3, :5].tolist() == [1, 2, 3, 4, 5]
+    finally:
+        region_c.cleanup()
+    other = SharedCPUOffloadingSpec(make_config(spec_pool, cpu_bytes=16 * PAGE))
+    with pytest.raises(LayoutMismatchError, match=f"is {8 * PAGE} bytes, this replica needs 16"):
+        other.open_data_region(0)
+    SharedCPUOffloadingManager.unlink(spec_pool)
+    assert not os.path.exists(path)

@@ -1,0 +1,289 @@
+"""SharedCPUOffloadingManager, one process: the behaviour that vLLM's own tests of its CPU
+manager (``tests/v1/kv_offload/cpu/test_manager.py``) check, written for shmkv.
+
+vLLM's tests name chunk ids ([2, 3, 0] ...); the shared tier may pick other ids, so each
+scenario checks what is behaviour instead: the keys stored and evicted, the events, and that
+every key loads from the chunk it was stored in, no two live keys sharing one. Where vLLM's
+test reads its manager's private counters (``_num_evictable_cache_chunks``), the twin here
+counts through public calls (``pool.block_rows()``). Plus: the pool's global event log sees
+the tier, and the shared-tier limits (ARC, a reuse threshold) are refused clearly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    Medium,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics  # noqa: E402
+
+from shmkv import BlockRemoved, BlockStored, UsageError  # noqa: E402
+from shmkv.events import external_block_hash, use_int_block_hashes  # noqa: E402
+from shmkv.vllm import PENDING_BIT, SharedCPUOffloadingManager  # noqa: E402
+from tests.conftest import unique_pool_name  # noqa: E402
+
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+CTX = ReqContext("")
+
+
+def to_key(i: int):
+    return make_offload_key(str(i).encode(), 0)
+
+
+def to_keys(ints):
+    return [to_key(i) for i in ints]
+
+
+@pytest.fixture
+def make_manager():
+    made = []
+
+    def factory(num_chunks: int = 4, **kwargs) -> SharedCPUOffloadingManager:
+        manager = SharedCPUOffloadingManager(unique_pool_name("vm"), num_chunks, **kwargs)
+        made.append(manager)
+        return manager
+
+    yield factory
+    for manager in made:
+        name = manager.pool_name
+        if manager.pool is not None:
+            manager.pool.check_invariants()
+        manager.close()
+        SharedCPUOffloadingManager.unlink(name)
+
+
+class _Chunks:
+    """Key -> chunk as the manager reported it; checks loads and chunk sharing."""
+
+    def __init__(self) -> None:
+        self.chunk_of: dict[bytes, int] = {}
+
+    def stored(self, out, expected_keys, expected_evicted) -> None:
+        assert out is not None
+        assert out.keys_to_store == to_keys(expected_keys)
+        assert out.evicted_keys == to_keys(expected_evicted)
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
+        for key in out.evicted_keys:
+            self.chunk_of.pop(key)
+        self.chunk_of.update(zip(out.keys_to_store, out.store_spec.block_ids.tolist(),
+                                 strict=True))
+        live = list(self.chunk_of.values())
+        assert len(live) == len(set(live)), "two live keys share a chunk"
+
+    def loaded(self, spec, ints) -> None:
+        assert isinstance(spec, CPULoadStoreSpec)
+        assert spec.block_ids.tolist() == [self.chunk_of[k] for k in to_keys(ints)]
+
+
+def _event_sets(manager):
+    stores, evictions = [], []
+    for event in manager.take_events():
+        assert event.medium == Medium.CPU
+        (evictions if event.removed else stores).append({int(k[:-4]) for k in event.keys})
+    return stores, evictions
+
+
+def _num_evictable(manager) -> int:
+    """Ready chunks nobody holds, counted from the pool's block rows (a public twin of
+    vLLM's ``_num_evictable_cache_chunks``)."""
+    rows = manager.pool.block_rows()[1:]
+    count = int(((rows["ref_cnt"] == 0) & (rows["hash_num_tokens"] != 0)
+                 & ((rows["group_id"] & PENDING_BIT) == 0)).sum())
+    del rows
+    return count
+
+
+def test_lru_scenario(make_manager):
+    """vLLM's test_cpu_manager: stores, in-flight lookups, eviction of the LRU, refusal
+    when pinned or full, touch reordering, failed stores and their events."""
+    manager = make_manager(4, enable_events=True)
+    chunks = _Chunks()
+    chunks.stored(manager.prepare_store(to_keys([1, 2]), CTX), [1, 2], [])
+    assert [manager.lookup(k, CTX) for k in to_keys([1, 2])] == [PENDING, PENDING]
+    assert list(manager.take_events()) == []
+    manager.complete_store(to_keys([1, 2]), CTX)
+    assert _event_sets(manager) == ([{1, 2}], [])
+    assert [manager.lookup(k, CTX) for k in to_keys([1, 2, 3])] == [HIT, HIT, MISS]
+    chunks.stored(manager.prepare_store(to_keys([2, 3, 4, 5]), CTX), [3, 4, 5], [1])
+    assert _event_sets(manager) == ([], [{1}])
+    assert manager.prepare_store(to_keys([1, 6]), CTX) is None  # 3 in flight, 2 ready
+    manager.complete_store(to_keys([2, 3, 4, 5]), CTX)
+    assert [manager.lookup(k, CTX) for k in to_keys([1, 2, 3, 4, 5, 0])] == \
+        [MISS, HIT, HIT, HIT, HIT, MISS]
+    chunks.loaded(manager.prepare_load(to_keys([2, 3]), CTX), [2, 3])
+    assert manager.prepare_store(to_keys([6, 7, 8]), CTX) is None  # [2, 3] are pinned
+    manager.complete_load(to_keys([2, 3]), CTX)
+    chunks.stored(manager.prepare_store(to_keys([6, 7, 8]), CTX), [6, 7, 8], [2, 3, 4])
+    manager.complete_store(to_keys([6, 7, 8]), CTX)
+    manager.touch(to_keys([5, 6, 7]), CTX)
+    chunks.stored(manager.prepare_store(to_keys([9]), CTX), [9], [8])
+    manager.complete_store(to_keys([7, 9]), CTX, success=False)
+    assert manager.lookup(to_key(7), CTX) == HIT
+    assert manager.lookup(to_key(9), CTX) == MISS
+    assert _event_sets(manager) == ([{3, 4, 5}, {6, 7, 8}], [{2, 3, 4}, {8}, {9}])
+
+
+def test_already_stored_key_is_not_evicted_by_its_own_store(make_manager):
+    """A key offered again in a store that must evict is protected, even as the LRU."""
+    manager = make_manager(4, enable_events=True)
+    chunks = _Chunks()
+    chunks.stored(manager.prepare_store(to_keys([1, 2]), CTX), [1, 2], [])
+    manager.complete_store(to_keys([1, 2]), CTX)
+    manager.touch(to_keys([1]), CTX)  # 2 is now the LRU
+    chunks.stored(manager.prepare_store(to_keys([2, 3, 4, 5]), CTX), [3, 4, 5], [1])
+    manager.complete_store(to_keys([2, 3, 4, 5]), CTX)
+    assert manager.lookup(to_key(2), CTX) == HIT
+
+
+def test_prepare_load_preserves_key_order(make_manager):
+    """chunk id i of a load spec is the chunk of key i, in any key order."""
+    manager = make_manager(4)
+    chunks = _Chunks()
+    chunks.stored(manager.prepare_store(to_keys([0, 1, 2]), CTX), [0, 1, 2], [])
+    manager.complete_store(to_keys([0, 1, 2]), CTX)
+    for order in ([0, 1, 2], [1, 2, 0]):
+        chunks.loaded(manager.prepare_load(to_keys(order), CTX), order)
+        manager.complete_load(to_keys([0, 1, 2]), CTX)
+
+
+def test_cache_usage_gauge(make_manager):
+    """The usage gauge counts chunks held by transfers: 0, then 0.5, then 1.0."""
+    manager = make_manager(4)
+
+    def usage():
+        return manager.get_stats().reduce()[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC]
+
+    assert usage() == 0.0
+    manager.prepare_store(to_keys([1, 2]), CTX)
+    assert usage() == pytest.approx(0.5)
+    manager.prepare_store(to_keys([3, 4]), CTX)
+    assert usage() == pytest.approx(1.0)
+    manager.complete_store(to_keys([1, 2, 3, 4]), CTX)
+    assert usage() == 0.0
+
+
+def test_evictable_count_through_the_lifecycle(make_manager):
+    """vLLM's test_evictable_cache_block_count, counted through public calls: stores,
+    double pins, eviction, failed stores, reset, and a refusal when nothing is idle."""
+    manager = make_manager(4)
+    assert _num_evictable(manager) == 0
+    manager.prepare_store(to_keys([1, 2, 3]), CTX)
+    assert _num_evictable(manager) == 0
+    manager.complete_store(to_keys([1, 2, 3]), CTX)
+    assert _num_evictable(manager) == 3
+    manager.prepare_load(to_keys([1]), CTX)
+    manager.prepare_load(to_keys([1]), CTX)  # a second concurrent load of one chunk
+    assert _num_evictable(manager) == 2
+    manager.complete_load(to_keys([1]), CTX)
+    assert _num_evictable(manager) == 2  # still pinned once
+    manager.complete_load(to_keys([1]), CTX)
+    assert _num_evictable(manager) == 3
+    out = manager.prepare_store(to_keys([4, 5, 6]), CTX)
+    assert out.evicted_keys == to_keys([1, 2])  # pins move no rank: 1 is still the LRU
+    assert _num_evictable(manager) == 1
+    manager.complete_store(to_keys([4, 5, 6]), CTX, success=False)
+    assert _num_evictable(manager) == 1
+    manager.reset_cache()
+    assert _num_evictable(manager) == 0
+    assert manager.lookup(to_key(1), CTX) == MISS
+    manager.prepare_store(to_keys([10, 11, 12]), CTX)
+    manager.complete_store(to_keys([10, 11, 12]), CTX)
+    manager.prepare_load(to_keys([10, 11, 12]), CTX)
+    assert _num_evictable(manager) == 0
+    assert manager.prepare_store(to_keys([14, 15]), CTX) is None
+    manager.complete_load(to_keys([10, 11, 12]), CTX)
+    assert _num_evictable(manager) == 3
+    out = manager.prepare_store(to_keys([14, 15]), CTX)
+    assert out.evicted_keys == to_keys([10])
+    assert _num_evictable(manager) == 2
+    manager.complete_store(to_keys([14, 15]), CTX)
+    assert _num_evictable(manager) == 4
+
+
+def test_positions_order_eviction_tail_first(make_manager):
+    """With key positions (as the connector records them), a finished request's tail is
+    evicted before its head (vLLM's request-scoped LRU ranks)."""
+    manager = make_manager(4)
+    ctx = ReqContext("r")
+    keys = to_keys([1, 2, 3, 4])
+    for position, key in enumerate(keys):
+        ctx.set_offload_key_position(key, 16 * (position + 1))
+    manager.on_new_request(ctx)
+    manager.prepare_store(keys, ctx)
+    manager.complete_store(keys, ctx)
+    manager.on_request_finished(ctx)
+    out = manager.prepare_store(to_keys([7, 8]), ReqContext("s"))
+    assert out.evicted_keys == to_keys([4, 3])
+
+
+def test_tier_events_reach_the_global_log(make_manager):
+    """Completed stores and evictions are in the pool's global event log, medium CPU, so
+    ``shmkv publish`` sees the tier; failed stores leave nothing there."""
+    manager = make_manager(2)
+    cursor = manager.pool.event_cursor(from_start=False)
+    manager.prepare_store(to_keys([1, 2]), CTX)
+    manager.complete_store(to_keys([1, 2]), CTX)
+    manager.prepare_store(to_keys([3]), CTX)
+    manager.complete_store(to_keys([3]), CTX, success=False)
+    events, lost = manager.pool.read_events(cursor)
+    assert lost == 0
+    kinds = [type(e.event) for e in events]
+    assert kinds == [BlockStored, BlockRemoved]
+    stored, removed = events[0].event, events[1].event
+    assert stored.medium == removed.medium == "CPU"
+    as_int = use_int_block_hashes()
+    assert stored.block_hashes == [external_block_hash(h, as_int) for h in (b"1", b"2")]
+    assert removed.block_hashes == [external_block_hash(b"1", as_int)]
+
+
+def test_two_managers_in_one_process_share_the_tier(make_manager):
+    """Two managers on one pool are one cache: the second sees the first's stores."""
+    first = make_manager(4)
+    second = SharedCPUOffloadingManager(first.pool_name, 4)
+    try:
+        out = first.prepare_store(to_keys([1, 2]), CTX)
+        assert second.lookup(to_key(1), CTX) == PENDING
+        assert second.prepare_store(to_keys([1, 2, 3]), CTX).keys_to_store == to_keys([3])
+        first.complete_store(to_keys([1, 2]), CTX)
+        spec = second.prepare_load(to_keys([2, 1]), CTX)
+        assert spec.block_ids.tolist() == out.store_spec.block_ids.tolist()[::-1]
+        second.complete_load(to_keys([2, 1]), CTX)
+        second.complete_store(to_keys([3]), CTX)
+    finally:
+        second.close()
+
+
+def test_arc_and_reuse_threshold_are_refused(make_manager):
+    """ARC and store_threshold >= 2 need shared structures the tier lacks: clear errors,
+    and no pool is created."""
+    name = unique_pool_name("vm")
+    with pytest.raises(UsageError, match="cache_policy='arc' is not supported"):
+        SharedCPUOffloadingManager(name, 4, cache_policy="arc")
+    with pytest.raises(UsageError, match="store_threshold 2 is not supported"):
+        SharedCPUOffloadingManager(name, 4, store_threshold=2)
+    assert not SharedCPUOffloadingManager.unlink(name)
+
+
+def test_close_releases_this_process_holds(make_manager):
+    """close() gives back pins and unfinished stores: the chunks become reusable."""
+    manager = make_manager(2)
+    other = SharedCPUOffloadingManager(manager.pool_name, 2)
+    other.prepare_store(to_keys([1]), CTX)
+    manager.prepare_store(to_keys([2]), CTX)
+    manager.complete_store(to_keys([2]), CTX)
+    other.prepare_load(to_keys([2]), CTX)
+    other.close()
+    assert manager.lookup(to_key(1), CTX) == MISS  # an orphaned store is absent
+    out = manager.prepare_store(to_keys([5, 6]), CTX)
+    assert out.evicted_keys == to_keys([2])
+    assert sorted(out.store_spec.block_ids.tolist()) == [0, 1]
+    rows = manager.pool.block_rows()
+    assert np.array_equal(rows["ref_cnt"][1:], [1, 1])
+    del rows
