@@ -260,7 +260,8 @@ def _add_run_arguments(run, replay: bool) -> None:
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar on stderr (default: when stderr is a terminal)")
     run.add_argument("--timeout", type=float, default=300.0,
-                     help="seconds before giving up on unfinished requests (300)")
+                     help="seconds before giving up on unfinished requests (300; with "
+                     "--time-scale, after the last arrival)")
     run.set_defaults(func=cmd_run)
 
 

@@ -451,7 +451,9 @@ class Runner:
             return self._finish(live, t_start, t_serve, [], {})
         st = self._start_serving(t_serve)
         next_sample = t_serve
-        deadline = t_serve + cfg.timeout_s
+        # --time-scale: the timeout counts from the last arrival.
+        deadline = t_serve + cfg.timeout_s + cfg.time_scale * max(
+            (t.arrival_s or 0.0 for t in self.workload), default=0.0)
         while st.done < len(st.records) and live and not self.interrupted:
             now = time.monotonic()
             if now > deadline:
