@@ -317,7 +317,10 @@ static int32_t index_lookup(Kernel *k, const unsigned char *hash, uint32_t group
 }
 
 /* Unlinks a key row (a block's own or an alias row) from its chain and clears its key (same
- * order as Python: unlink first, then clear the hash fields). Returns 1 if it held a key. */
+ * order as Python: unlink first, then clear the hash fields). Returns 1 if it held a key, 0
+ * if not, -1 (InvariantViolation set, nothing written) when the row is not in the chain of
+ * its bucket: the walk is bounded by the number of key rows, so a looping chain raises
+ * instead of spinning under the lock (BlockHashToBlockMap.pop, message for message). */
 static int index_pop(Kernel *k, int32_t b) {
     if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) return 0;
     uint32_t group = (uint32_t)I32(k, b, F_GROUP);
@@ -327,13 +330,28 @@ static int index_pop(Kernel *k, int32_t b) {
     if (cur == b) {
         J32(k, k->buckets[bucket], nxt);
     } else {
-        while (KEY_OK(k, cur)) {
-            int32_t after = I32(k, cur, F_INDEX_NEXT);
+        Py_ssize_t left = NUM_KEY_ROWS(k);
+        for (;;) {
+            int32_t after = KEY_OK(k, cur) ? I32(k, cur, F_INDEX_NEXT) : NO_BLOCK;
             if (after == b) {
                 J32(k, I32(k, cur, F_INDEX_NEXT), nxt);
                 break;
             }
             cur = after;
+            if (cur == NO_BLOCK || --left < 0) {
+                PyObject *msg = PyUnicode_FromFormat(
+                    "INV-HASH: corrupt shared state: block %d is not in the chain of its "
+                    "bucket %llu", (int)b, (unsigned long long)bucket);
+                if (msg) {
+                    PyObject *exc = PyObject_CallFunction(InvariantViolation, "([O])", msg);
+                    Py_DECREF(msg);
+                    if (exc) {
+                        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+                        Py_DECREF(exc);
+                    }
+                }
+                return -1;
+            }
         }
     }
     J32(k, I32(k, b, F_INDEX_NEXT), NO_BLOCK);
@@ -348,9 +366,13 @@ static PyObject *key_tuple(Kernel *k, int32_t b) {
 }
 
 /* Removes every key of block b: its own, then (if it had one) its alias; the Python
- * kernel's BlockHashToBlockMap.pop_all, write for write. */
-static void index_pop_all(Kernel *k, int32_t b) {
-    if (index_pop(k, b) && k->num_alias_rows) index_pop(k, (int32_t)(ALIAS0(k) + b));
+ * kernel's BlockHashToBlockMap.pop_all, write for write. -1 with InvariantViolation set on a
+ * corrupt chain (the caller's mutate() undoes what was written). */
+static int index_pop_all(Kernel *k, int32_t b) {
+    int popped = index_pop(k, b);
+    if (popped < 0) return -1;
+    if (popped && k->num_alias_rows && index_pop(k, (int32_t)(ALIAS0(k) + b)) < 0) return -1;
+    return 0;
 }
 
 /* Appends (hash, group) of each key index_pop_all(b) would remove to out. Returns 0 with an
@@ -561,7 +583,10 @@ static PyObject *Kernel_evict(Kernel *k, PyObject *arg) {
         Py_DECREF(keys);
         return NULL;
     }
-    index_pop_all(k, (int32_t)b);
+    if (index_pop_all(k, (int32_t)b) < 0) {
+        Py_DECREF(keys);
+        return NULL;
+    }
     return keys;
 }
 
@@ -696,7 +721,10 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
     J64(k, k->hdr64[H_NUM_FREE], num_free - n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = k->ids_buf[i];
-        if (caching) index_pop_all(k, b);
+        if (caching && index_pop_all(k, b) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
         J32(k, I32(k, b, F_REF), 1);
         J32(k, k->ledger[b], k->ledger[b] + 1);
     }
@@ -906,8 +934,8 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t i = k->first_buf[j], position = num_cached + i;
         int32_t b = ids[i];
         PyObject *h = hash_items[(position + 1) * ratio - 1];
-        index_pop_all(k, b); /* a shorter key (and any alias) gives way to the full one */
-        if (!index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group, b,
+        /* a shorter key (and any alias) gives way to the full one */
+        if (index_pop_all(k, b) < 0 || !index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group, b,
                           (int32_t)((position + 1) * block_size))) {
             Py_CLEAR(result);
             goto done;
@@ -1331,8 +1359,11 @@ static PyObject *CLock_mutate(CLock *l, PyObject *const *args, Py_ssize_t nargs)
         PyObject *t = NULL, *v = NULL, *tb = NULL;
         if (!result) {
             PyErr_Fetch(&t, &v, &tb);
-            PyObject *u = PyObject_CallFunction(l->undo, "Ln", (long long)l->mark,
-                                                l->mark_events);
+            /* corrupt shared state found: undo, then repair (a third argument, True) */
+            PyObject *u = t && PyErr_GivenExceptionMatches(t, InvariantViolation)
+                ? PyObject_CallFunction(l->undo, "LnO", (long long)l->mark, l->mark_events,
+                                        Py_True)
+                : PyObject_CallFunction(l->undo, "Ln", (long long)l->mark, l->mark_events);
             if (u) {
                 Py_DECREF(u);
             } else {

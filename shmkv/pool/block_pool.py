@@ -658,20 +658,26 @@ class BlockPool:
             for h, g in keys
         ])
 
-    def _undo_since(self, mark: int, num_events: int) -> None:
+    def _undo_since(self, mark: int, num_events: int, corrupt: bool = False) -> None:
         """A call failed half way (an exception out of the kernel, KeyboardInterrupt...):
         puts back every word it wrote since the journal stood at ``mark``, and drops the
         events it queued, so it changes nothing, as a rejected call. Calls made earlier in
         the same hold stand. If the journal overflowed meanwhile, rebuilds instead (valid,
-        not exact)."""
+        not exact).
+
+        ``corrupt``: the call raised InvariantViolation (a kernel found corrupt shared
+        state, e.g. a looping index chain); the pool is then repaired as after a dead hold
+        (``Repairer.repair_corruption``), still under the lock, so the next call of any
+        process finds it sound; the caller still gets the InvariantViolation."""
         del self._event_queue[num_events:]
         hdr = self._hdr64
-        if hdr[L.H_JOURNAL_LEN] == mark:
-            return
-        if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
-            undo(self._segment.buf, self._layout, hdr, start=mark)
-        else:
-            rebuild(self._segment_views)
+        if hdr[L.H_JOURNAL_LEN] != mark:
+            if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
+                undo(self._segment.buf, self._layout, hdr, start=mark)
+            else:
+                rebuild(self._segment_views)
+        if corrupt:
+            self._repairer.repair_corruption()
 
     def _log_dropped_keys(self, keys: list[tuple[bytes, int]]) -> None:
         """A rebuild dropped these keys: event subscribers must forget them too."""

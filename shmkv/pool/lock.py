@@ -42,7 +42,7 @@ import posix_ipc
 
 from shmkv.pool import fault as _fault
 from shmkv.pool import layout as L
-from shmkv.errors import FencedError, LockTimeoutError
+from shmkv.errors import FencedError, InvariantViolation, LockTimeoutError
 
 _H_HOLDER = L.H_HOLDER
 _H_INCARNATION = L.H_HOLDER_INCARNATION
@@ -309,7 +309,8 @@ class PoolLock:
     def set_savepoint(self, events: list, undo) -> None:
         """What :meth:`mutate` needs to roll a failed call back: the pool's list of queued
         events, and ``undo(journal_len, num_events)``, which puts back every word written
-        since the journal stood at ``journal_len`` and drops the events queued since."""
+        since the journal stood at ``journal_len`` and drops the events queued since; called with
+        a third argument, True, when the call raised InvariantViolation: repair the pool too."""
         self._events = events
         self._undo = undo
 
@@ -321,6 +322,9 @@ class PoolLock:
         savepoint (the journal's length and the number of queued events), runs ``fn``; if
         ``fn`` raises (bad input found half way, KeyboardInterrupt...), undoes what it wrote
         since the savepoint and re-raises, so the call changes nothing; gives the lock back.
+        An ``InvariantViolation`` (corrupt shared state: a looping chain...) also has the
+        undo repair the pool (``undo(mark, num_events, True)``) before the lock is given
+        back, so the next call finds it sound.
         Calls made before it in the same hold stand. ``CLock.mutate`` is the same in C.
 
         Args:
@@ -341,8 +345,11 @@ class PoolLock:
             outer, self._mark = self._mark, (self._hdr64[_H_JOURNAL_LEN], len(self._events))
             try:
                 return fn(*args)
-            except BaseException:
-                self._undo(*self._mark)
+            except BaseException as exc:
+                if isinstance(exc, InvariantViolation):  # corrupt state: undo, then repair
+                    self._undo(*self._mark, True)
+                else:
+                    self._undo(*self._mark)
                 raise
             finally:
                 self._mark = outer
