@@ -101,7 +101,7 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
 | `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
-| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
+| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post); ``PHASE_ABANDONED`` (an exception cut its acquire short just as the semaphore call returned: it may hold the semaphore; kept through its later waits until it holds the lock again): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
 
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
@@ -248,6 +248,7 @@ Changelog
   `lock_seq`, `num_takeovers`; process rows gain `lock_phase` (labels shrink to 24 bytes).
 - v4: partial-block keys: the `block_alias` region (region 2; a block's second, partial
   key), so the regions after it move; the prefix index links key rows of both regions.
+- v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4).
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -264,7 +265,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -393,6 +394,7 @@ PHASE_IDLE = 0
 PHASE_ACQUIRING = 1
 PHASE_RELEASING = 2
 PHASE_HOLDING = 3
+PHASE_ABANDONED = 4  # an exception cut its acquire short: it may hold the unit (lock.py)
 # int64 words of a process row, for the locks' flat-view access.
 P_INCARNATION = PROC_DTYPE.fields["incarnation"][1] // 8
 P_LOCK_PHASE = PROC_DTYPE.fields["lock_phase"][1] // 8
