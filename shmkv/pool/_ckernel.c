@@ -989,15 +989,20 @@ static PyTypeObject KernelType = {
 /* ------------------------------------------------------------------ the pool lock */
 
 /* CLock: the pool lock of shmkv/pool/lock.py (same semaphore, same holder record, same
- * re-entrancy, fencing, lock-phase and take-over rules) with its fast path in C. Re-entrant
- * per thread; other threads of the process wait on the semaphore itself, with the GIL
- * released. Waits are cut in slices; after each empty slice `on_stall()` (Python) may take
+ * re-entrancy, fencing, lock-phase and take-over rules) with its fast path in C.
+ * shmkv/pool/lock.py (PoolLock) is the REFERENCE protocol; this is a port of it, and
+ * tests/unit/test_lock_protocol.py runs the same observations on both. Re-entrant per
+ * thread; other threads of the process first wait on a per-process gate (PoolLock's
+ * threading.RLock: the GIL released, at most timeout_s), so only one thread of the process
+ * at a time writes the process's lock_phase word: a waiting thread never overwrites the
+ * holder's HOLDING mark, which takeover reads. Waits are cut in slices; after each empty slice `on_stall()` (Python) may take
  * the lock over from a dead holder and returns True when it did. A hold that starts after a
  * take-over, or finds the undo journal non-empty, calls `on_dirty(took_over)` (Python: the
  * repair) before the caller's critical section runs. */
 typedef struct {
     PyObject_HEAD
     sem_t *sem;
+    PyThread_type_lock gate; /* the threads of this process, in front of the semaphore */
     Py_buffer view;
     int has_view;
     int64_t *hdr64;
@@ -1046,6 +1051,11 @@ static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
         return -1;
     }
     l->hdr64 = (int64_t *)l->view.buf;
+    l->gate = PyThread_allocate_lock();
+    if (!l->gate) {
+        PyErr_NoMemory();
+        return -1;
+    }
     l->sem = sem_open(name, 0);
     if (l->sem == SEM_FAILED) {
         l->sem = NULL;
@@ -1064,6 +1074,7 @@ static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
 
 static void CLock_dealloc(CLock *l) {
     if (l->sem) sem_close(l->sem);
+    if (l->gate) PyThread_free_lock(l->gate);
     if (l->has_view) PyBuffer_Release(&l->view);
     Py_XDECREF(l->record);
     Py_XDECREF(l->on_timeout);
@@ -1126,7 +1137,8 @@ static inline void set_phase(CLock *l, int64_t phase) {
 }
 
 /* Waits for the semaphore in slices, asking on_stall() after each empty one. Returns 1 when
- * acquired, 2 when taken over, 0 with an exception set. */
+ * acquired, 2 when taken over, 0 with an exception set, 3 with an exception set when the
+ * lock was taken over all the same (the caller gives the unit back). */
 static int wait_in_slices(CLock *l, int64_t start) {
     int64_t deadline = start + (int64_t)(l->timeout_s * 1e9);
     for (;;) {
@@ -1154,7 +1166,9 @@ static int wait_in_slices(CLock *l, int64_t start) {
             return 0;
         }
         PyObject *took = PyObject_CallNoArgs(l->on_stall);
-        if (!took) return 0;
+        /* on_stall wrote this process's holder word (it took the lock over), then raised:
+         * the unit is ours, give it back (PoolLock._abort_acquire, _STAGE_IN_STALL). */
+        if (!took) return l->hdr64[l->h_holder] == l->holder_word ? 3 : 0;
         int yes = PyObject_IsTrue(took);
         Py_DECREF(took);
         if (yes < 0) return 0;
@@ -1182,14 +1196,55 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
         PyErr_SetString(UsageError, "the pool is closed; attach again to use it");
         return NULL;
     }
-    if (fenced(l)) return NULL; /* a reclaimed slot: touch nothing, not even its phase */
+    /* The gate (PoolLock._gate): one thread of the process at a time past it. */
+    if (!PyThread_acquire_lock(l->gate, NOWAIT_LOCK)) {
+        PyLockStatus st;
+        PY_TIMEOUT_T us = (PY_TIMEOUT_T)(l->timeout_s * 1e6);
+        int64_t gate_deadline = now_ns() + (int64_t)(l->timeout_s * 1e9);
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            st = PyThread_acquire_lock_timed(l->gate, us, 1);
+            Py_END_ALLOW_THREADS
+            if (st != PY_LOCK_INTR) break;
+            if (PyErr_CheckSignals() < 0) return NULL; /* Ctrl-C while waiting at the gate */
+            us = (PY_TIMEOUT_T)((gate_deadline - now_ns()) / 1000);
+            if (us < 0) us = 0;
+        }
+        if (st != PY_LOCK_ACQUIRED) {
+            PyObject *secs = PyFloat_FromDouble(l->timeout_s);
+            if (secs) {
+                PyErr_Format(LockTimeoutError,
+                             "pool lock: another thread of this process held it for over %S s",
+                             secs);
+                Py_DECREF(secs);
+            }
+            return NULL;
+        }
+    }
+    if (l->depth && l->owner == me) { /* cannot happen: the gate is not re-entrant */
+        PyThread_release_lock(l->gate);
+        PyErr_SetString(PyExc_RuntimeError, "pool lock gate");
+        return NULL;
+    }
+    if (fenced(l)) { /* a reclaimed slot: touch nothing, not even its phase */
+        PyThread_release_lock(l->gate);
+        return NULL;
+    }
     set_phase(l, PHASE_ACQUIRING);
     int64_t start = now_ns();
     int got = 1;
     if (l->enabled && sem_trywait(l->sem) != 0) {
         got = wait_in_slices(l, start);
+        if (got == 3) { /* taken over, then on_stall raised: give the unit back */
+            l->hdr64[l->h_holder] = 0;
+            l->hdr64[l->h_incarnation] = 0;
+            l->hdr64[l->h_since] = 0;
+            sem_post(l->sem);
+            got = 0;
+        }
         if (!got) {
             set_phase(l, PHASE_IDLE);
+            PyThread_release_lock(l->gate);
             return NULL;
         }
     }
@@ -1198,6 +1253,7 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
     if (fenced(l)) { /* reclaimed while it waited: give the unit back, touch nothing more */
         if (l->enabled) sem_post(l->sem);
         set_phase(l, PHASE_IDLE);
+        PyThread_release_lock(l->gate);
         return NULL;
     }
     FAULT_TICK();
@@ -1262,6 +1318,7 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
     l->hdr64[l->h_since] = 0;
     if (l->enabled) sem_post(l->sem);
     set_phase(l, PHASE_IDLE);
+    PyThread_release_lock(l->gate);
     int64_t held = now_ns() - l->held_since;
     l->hold_ns_total += held;
     if (l->record != Py_None && PyList_GET_SIZE(l->record) > 0) {
