@@ -1003,6 +1003,7 @@ typedef struct {
     PyObject_HEAD
     sem_t *sem;
     PyThread_type_lock gate; /* the threads of this process, in front of the semaphore */
+    PyObject *forked;        /* NULL, or (in a forked child) the error every use raises */
     Py_buffer view;
     int has_view;
     int64_t *hdr64;
@@ -1082,6 +1083,7 @@ static void CLock_dealloc(CLock *l) {
     Py_XDECREF(l->on_dirty);
     Py_XDECREF(l->events);
     Py_XDECREF(l->undo);
+    Py_XDECREF(l->forked);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
@@ -1192,6 +1194,10 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
         l->depth++;
         Py_RETURN_NONE;
     }
+    if (l->forked) {
+        PyErr_SetObject((PyObject *)Py_TYPE(l->forked), l->forked);
+        return NULL;
+    }
     if (!l->sem || !l->has_view) {
         PyErr_SetString(UsageError, "the pool is closed; attach again to use it");
         return NULL;
@@ -1299,6 +1305,10 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
         l->depth--;
         Py_RETURN_NONE;
     }
+    if (l->forked) {
+        PyErr_SetObject((PyObject *)Py_TYPE(l->forked), l->forked);
+        return NULL;
+    }
     if (l->depth == 0 || !l->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "release of a pool lock that is not held");
         return NULL;
@@ -1356,6 +1366,22 @@ static void chain_handled(PyObject *t, PyObject *v, PyObject *tb) {
     Py_XDECREF(t);
     Py_XDECREF(tb);
     PyErr_Restore(t2, v2, tb2);
+}
+
+/* mark_forked(error): in a forked child, every later acquire or release raises `error` and
+ * touches nothing (PoolLock.mark_forked). The gate may be held by a thread of the parent
+ * that the child does not have: it is never waited for again. */
+static PyObject *CLock_mark_forked(CLock *l, PyObject *error) {
+    if (!PyExceptionInstance_Check(error)) {
+        PyErr_SetString(PyExc_TypeError, "mark_forked() takes an exception instance");
+        return NULL;
+    }
+    Py_XSETREF(l->forked, Py_NewRef(error));
+    l->depth = 0;
+    l->owner = 0;
+    l->phase = NULL;
+    l->fence = NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *CLock_set_savepoint(CLock *l, PyObject *args) {
@@ -1512,6 +1538,8 @@ static PyGetSetDef CLock_getset[] = {
 static PyMethodDef CLock_methods[] = {
     {"acquire", (PyCFunction)CLock_acquire, METH_NOARGS, "take the lock (or one more level)"},
     {"release", (PyCFunction)CLock_release, METH_NOARGS, "give back one level of the lock"},
+    {"mark_forked", (PyCFunction)CLock_mark_forked, METH_O,
+     "mark_forked(error): in a forked child, every later acquire/release raises error"},
     {"set_savepoint", (PyCFunction)CLock_set_savepoint, METH_VARARGS,
      "set_savepoint(events, undo): what mutate() rolls a failed call back with"},
     {"mutate", (PyCFunction)(void (*)(void))CLock_mutate, METH_FASTCALL,

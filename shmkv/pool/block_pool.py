@@ -30,6 +30,7 @@ import logging
 import operator
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from shmkv.pool import layout as L
 from shmkv.pool._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
+    ForkedPoolError,
     InvariantViolation,
     LockTimeoutError,
     OutOfBlocksError,
@@ -203,6 +205,21 @@ class BlockHandles(Sequence):
         return self._pool._handle(index % n)
 
 
+# Every open pool handle of this process, for the at-fork handler below.
+_OPEN_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """os.fork() in a process with open pools: in the child, each handle drops its
+    inherited liveness descriptor (without unlocking: the lock is the parent's, and must go
+    when the parent dies) and refuses every further use with ForkedPoolError."""
+    for pool in list(_OPEN_POOLS):
+        pool._forked_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class BlockPool:
     """A KV-cache block pool whose metadata lives in one POSIX shared-memory segment, shared
     by every process that attaches to it.
@@ -249,6 +266,8 @@ class BlockPool:
         self.hash_fn_name = cfg.hash_fn_name
         self.pool_name = segment.shm_name.split("-", 1)[1].rsplit("-v", 1)[0]
         self.pid = os.getpid()
+        self._forked_from = 0  # in a forked child: the pid that opened this handle
+        _OPEN_POOLS.add(self)
 
         buf = segment.buf
         mem = memoryview(buf)
@@ -565,17 +584,40 @@ class BlockPool:
                 -1 if fence_index is None else base + 8 * fence_index, base + 8 * phase_index,
             )
 
+    def _forked_child(self) -> None:
+        """This process is a fork of the one that opened the handle (see
+        ``_after_fork_in_child``): the slot, its references and its lock marks are the
+        parent's. Drops the inherited liveness descriptor; every later call raises
+        ForkedPoolError (``close()`` only unmaps)."""
+        if self._forked_from or getattr(self, "_segment", None) is None:
+            return
+        self._forked_from = self.pid
+        error = ForkedPoolError(
+            f"pool {self.pool_name!r}: this handle was opened by pid {self.pid}, and this "
+            f"process (pid {os.getpid()}) is a fork of it; a forked child cannot use its "
+            "parent's handle (its slot, lock and liveness are the parent's): attach the pool "
+            "again in the child (BlockPool.attach), or start children with the 'spawn' "
+            "method"
+        )
+        alive = getattr(self, "_alive", None)
+        if alive is not None:
+            alive.drop_after_fork()
+        lock = getattr(self, "_lock", None)
+        if lock is not None and hasattr(lock, "mark_forked"):
+            lock.mark_forked(error)
+
     def close(self) -> None:
         """Gives back every reference this process holds and its process-table slot, then
-        unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
+        unmaps the segment. Handles of this pool raise PoolClosedError afterwards. In a
+        forked child (``ForkedPoolError``) it only unmaps: the slot is the parent's."""
         if self._segment.buf is None:
             return
         counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
                 self.process_table.release_slot(self.slot)
-        except (FencedError, PoolClosedError):
-            pass  # the slot is no longer ours: nothing of it to give back
+        except (FencedError, PoolClosedError, ForkedPoolError):
+            pass  # the slot is no longer ours (or is the parent's): nothing to give back
         finally:
             if counting:
                 _fault.end()

@@ -96,6 +96,17 @@ class AliveLocks:
         answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, slot))
         return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
+    def drop_after_fork(self) -> None:
+        """In a forked child: closes the inherited descriptor WITHOUT unlocking. The OFD
+        lock belongs to the open file description the parent still uses (an F_UNLCK here
+        would drop the parent's lock); closing only drops the child's reference to it, so
+        the lock goes when the parent dies, whatever the child does (a child that kept the
+        descriptor would keep a SIGKILLed parent looking alive: no reap, no take-over)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.held_slot = None
+
     def close(self) -> None:
         """Closes the descriptor, which drops every lock this process held on the file."""
         if self._fd >= 0:

@@ -171,6 +171,15 @@ class PoolLock:
         self._mark = (0, 0)
         self._stage = _STAGE_NONE
         self._abandoned = False  # a cut acquire may still hold the unit (PHASE_ABANDONED)
+        self._forked: Exception | None = None  # set in a forked child: what use raises
+
+    def mark_forked(self, error: Exception) -> None:
+        """In a forked child: every later acquire or release raises ``error`` and touches
+        nothing (a hold inherited from the parent is not the child's to give back)."""
+        self._forked = error
+        self._depth = 0
+        self._owner_thread = 0
+        self._proc64 = None
 
     def set_identity(self, slot: int, incarnation: int, proc64, fence_index: int | None,
                      phase_index: int) -> None:
@@ -211,6 +220,8 @@ class PoolLock:
         if self._depth and self._owner_thread == get_ident():
             self._depth += 1  # nested in this thread's hold: nothing else to do
             return
+        if self._forked is not None:
+            raise self._forked
         gate = self._gate
         if not gate.acquire(False) and not gate.acquire(timeout=self.timeout_s):
             raise LockTimeoutError(
@@ -347,6 +358,8 @@ class PoolLock:
         if self._depth > 1:
             self._depth -= 1  # still held by this thread's outer level
             return
+        if self._forked is not None:
+            raise self._forked
         self._depth = 0
         self._owner_thread = 0
         hdr = self._hdr64
