@@ -392,6 +392,23 @@ static int append_keys(Kernel *k, int32_t b, PyObject *out) {
     return 1;
 }
 
+/* A KV-cache group id: an int in [0, 2**31) (the row's group_id field), else UsageError with
+ * the Python kernel's message (_pykernel.check_group). Never truncated: 2**32 used to be
+ * group 0 here and a miss in Python. Returns 0 with the error set. */
+static int read_group(PyObject *o, uint32_t *out) {
+    if (PyLong_Check(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (v == -1 && PyErr_Occurred()) return 0;
+        if (!overflow && v >= 0 && v < (1LL << 31)) {
+            *out = (uint32_t)v;
+            return 1;
+        }
+    }
+    PyErr_Format(UsageError, "kv_cache_group_id %R is not an int in [0, 2**31)", o);
+    return 0;
+}
+
 static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "lookup(block_hash, group_id)");
@@ -410,9 +427,9 @@ static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t narg
                      len);
         return NULL;
     }
-    unsigned long group = PyLong_AsUnsignedLong(args[1]);
-    if (group == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    int32_t found = index_lookup(k, (const unsigned char *)hash, (uint32_t)group);
+    uint32_t group;
+    if (!read_group(args[1], &group)) return NULL;
+    int32_t found = index_lookup(k, (const unsigned char *)hash, group);
     if (found == -2) return NULL;
     return PyLong_FromLong(found);
 }
@@ -453,9 +470,9 @@ static PyObject *Kernel_get_cached(Kernel *k, PyObject *const *args, Py_ssize_t 
     PyObject *out = PyList_New(n);
     if (!out) { Py_DECREF(groups); return NULL; }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long group = PyLong_AsUnsignedLong(items[i]);
-        if (group == (unsigned long)-1 && PyErr_Occurred()) goto fail;
-        int32_t b = index_lookup(k, hash, (uint32_t)group);
+        uint32_t group;
+        if (!read_group(items[i], &group)) goto fail;
+        int32_t b = index_lookup(k, hash, group);
         if (b == -2) goto fail;
         if (b == NO_BLOCK) {
             Py_DECREF(out);
@@ -514,7 +531,8 @@ static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     if (!kernel_alive(k)) return NULL;
-    unsigned long group = PyLong_AsUnsignedLong(args[1]);
+    uint32_t group;
+    if (!read_group(args[1], &group)) return NULL;
     Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
     if (PyErr_Occurred()) return NULL;
     PyObject *handles = args[3], *make = args[4];
@@ -536,7 +554,7 @@ static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t narg
                          HASH_BYTES, Py_TYPE(h)->tp_name);
             goto fail;
         }
-        int32_t b = index_lookup(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group);
+        int32_t b = index_lookup(k, (const unsigned char *)PyBytes_AS_STRING(h), group);
         if (b == -2) goto fail;
         if (b == NO_BLOCK) break;
         PyObject *handle = get_handle(handles, make, b);
@@ -555,9 +573,14 @@ fail:
 
 static PyObject *Kernel_insert(Kernel *k, PyObject *args) {
     Py_buffer hash;
-    unsigned int group;
+    PyObject *group_obj;
+    uint32_t group;
     int block, num_tokens;
-    if (!PyArg_ParseTuple(args, "y*Iii", &hash, &group, &block, &num_tokens)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*Oii", &hash, &group_obj, &block, &num_tokens)) return NULL;
+    if (!read_group(group_obj, &group)) {
+        PyBuffer_Release(&hash);
+        return NULL;
+    }
     if (!kernel_alive(k) || hash.len != HASH_BYTES || block < 0 || block >= k->num_blocks) {
         PyBuffer_Release(&hash);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "insert(): bad argument");
@@ -848,8 +871,9 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t num_cached = PyLong_AsSsize_t(args[2]);
     Py_ssize_t ratio = PyLong_AsSsize_t(args[3]);
     Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    unsigned long group = PyLong_AsUnsignedLong(args[5]);
     if (PyErr_Occurred()) return NULL;
+    uint32_t group;
+    if (!read_group(args[5], &group)) return NULL;
     PyObject *mask = args[6], *evicted_out = args[7];
     PyObject *seq = PySequence_Fast(args[0], "cache_full_blocks() takes a sequence of blocks");
     if (!seq) return NULL;
@@ -935,7 +959,7 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
         int32_t b = ids[i];
         PyObject *h = hash_items[(position + 1) * ratio - 1];
         /* a shorter key (and any alias) gives way to the full one */
-        if (index_pop_all(k, b) < 0 || !index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group, b,
+        if (index_pop_all(k, b) < 0 || !index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), group, b,
                           (int32_t)((position + 1) * block_size))) {
             Py_CLEAR(result);
             goto done;

@@ -194,3 +194,25 @@ def test_c_index_pop_of_looping_chain_raises_not_spins(pool_name):
         pool.check_invariants()
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("group", [1 << 32, (1 << 32) + 3, 1 << 31, -1, "0", 0.0, None])
+def test_out_of_range_group_ids_are_refused_alike(make_pool, group):
+    """A group id outside [0, 2**31) or not an int is refused with one message by both
+    kernels, in every call that takes one. The C kernel used to truncate 2**32 to group 0
+    (and hit group 0's block) where the Python kernel missed."""
+    pool = make_pool(8)
+    req = make_request(32)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+    message = f"kv_cache_group_id {group!r} is not an int in \\[0, 2\\*\\*31\\)"
+    with pytest.raises(UsageError, match=message):
+        pool.get_cached_block(req.block_hashes[0], [0, group])
+    with pytest.raises(UsageError, match=message):
+        pool._kernel.lookup(req.block_hashes[0], group)
+    with pytest.raises(UsageError, match=message):
+        pool._kernel.prefix(req.block_hashes, group, -1, pool._handles, pool._handle)
+    with pytest.raises(UsageError, match=message):
+        pool._kernel.insert(bytes(32), group, 5, 16)
+    assert pool.get_cached_block(req.block_hashes[0], [0])[0].block_id == blocks[0].block_id
+    pool.check_invariants()
