@@ -41,10 +41,12 @@ import posix_ipc
 
 from shmkv.pool import layout as L
 from shmkv.pool.liveness import pid_alive
+from shmkv.pool.segment import check_path, open_shm, secure_new_fd, semaphore_path
 from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
+    SegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
     ShmKVError,
@@ -210,7 +212,11 @@ class Channel:
         self._pid = os.getpid()
         self.capacity_bytes = int(self._hdr[0]["capacity_bytes"])
         self._data = memoryview(mapping)[L.CHANNEL_HEADER_DTYPE.itemsize:]
-        bell = bytes(self._hdr[0]["doorbell"]).decode()
+        try:
+            bell = _checked_doorbell(bytes(self._hdr[0]["doorbell"]))
+        except SegmentError:
+            self._release()
+            raise
         self.doorbell_name = bell
         try:
             self._bell = posix_ipc.Semaphore(bell)
@@ -262,6 +268,7 @@ class Channel:
                 unlink_doorbell(bell)
             raise SegmentExistsError(f"channel segment {shm_name} already exists") from None
         try:
+            secure_new_fd(shm.fd)
             mapping = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
@@ -283,7 +290,7 @@ class Channel:
         """
         shm_name = channel_segment_name(name)
         try:
-            shm = posix_ipc.SharedMemory(shm_name)
+            shm = open_shm(shm_name, "channel")  # this user's, mode 0600, else refused
         except posix_ipc.ExistentialError:
             raise SegmentNotFoundError(f"no channel named {name!r} ({shm_name})") from None
         try:
@@ -483,6 +490,28 @@ def recv_any(channels: list[Channel], timeout_s: float | None = None
             pass
 
 
+def _checked_doorbell(raw: bytes) -> str:
+    """The doorbell name a channel's header names, if it is a shmkv doorbell name
+    (``/shmkv_bell-<valid name>``) of a semaphore of this user's with mode 0600; the header
+    is shared memory and is not trusted to name anything else (SegmentError)."""
+    try:
+        bell = raw.decode()
+    except UnicodeDecodeError:
+        bell = None
+    if bell is not None and bell.startswith("/shmkv_bell-"):
+        try:
+            L.validate_pool_name(bell[len("/shmkv_bell-"):])
+        except UsageError:
+            bell = None
+    else:
+        bell = None
+    if bell is None:
+        raise SegmentError(f"channel header names doorbell {raw!r}: not a shmkv doorbell "
+                           "name; refusing to open it")
+    check_path(semaphore_path(bell), f"doorbell semaphore {bell}")
+    return bell
+
+
 def create_doorbell(name: str) -> str:
     """Makes a doorbell semaphore for channels created with ``doorbell=``; returns its
     name. Remove it with :func:`unlink_doorbell`."""
@@ -492,6 +521,7 @@ def create_doorbell(name: str) -> str:
     except posix_ipc.ExistentialError:
         raise SegmentExistsError(f"doorbell semaphore {bell} already exists") from None
     sem.close()
+    os.chmod(semaphore_path(bell), CHANNEL_MODE)  # whatever the umask
     return bell
 
 

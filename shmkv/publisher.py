@@ -62,6 +62,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
 from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
+from shmkv.pool.segment import open_shm
 from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.events import (
     AllBlocksCleared,
@@ -148,7 +149,7 @@ def saved_position(pool_name: str) -> dict | None:
     first batch not sent), ``pid`` (the publisher that saved it), ``running`` (whether a
     publisher holds the pool now), ``published`` and ``lost``; None if nothing was saved."""
     try:
-        shm = posix_ipc.SharedMemory(state_segment_name(pool_name))
+        shm = open_shm(state_segment_name(pool_name), "publisher state")
     except posix_ipc.ExistentialError:
         return None
     try:
@@ -191,8 +192,8 @@ class _PublisherState:
     def __init__(self, pool: BlockPool) -> None:
         self.name = state_segment_name(pool.pool_name)
         self._pool_name = pool.pool_name
-        shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREAT, mode=0o600,
-                                     size=_STATE_BYTES)
+        # created exclusively, or the existing one if this user's with mode 0600
+        shm = open_shm(self.name, "publisher state", create=True, size=_STATE_BYTES)
         self._fd = os.dup(shm.fd)
         shm.close_fd()
         try:

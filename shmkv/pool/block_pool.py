@@ -73,6 +73,7 @@ from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
     WAIT_SLICE_S,
     PoolLock,
+    check_semaphore,
     create_semaphore,
     decode_holder,
     holder_word,
@@ -320,6 +321,7 @@ class BlockPool:
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        check_semaphore(segment.shm_name)
         self._my_holder_word = holder_word(-1, self.pid)
         if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
             self._alive.close()

@@ -29,6 +29,7 @@ import struct
 
 from shmkv.errors import SegmentError
 from shmkv.pool.layout import MAX_PROCESSES
+from shmkv.pool.segment import check_fd, secure_new_fd
 
 ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
 
@@ -50,11 +51,29 @@ class AliveLocks:
     """This process's view of the pool's lock file: claim a slot, test other slots."""
 
     def __init__(self, path: str, *, create: bool) -> None:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        # Created exclusively, never through a link, then owner/mode checked (segment.py).
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             self._fd = os.open(path, flags, 0o600)
         except FileNotFoundError as exc:
             raise SegmentError(f"the pool's lock file {path} is missing") from exc
+        except FileExistsError as exc:
+            raise SegmentError(
+                f"the pool's lock file {path} exists already (left by an earlier pool of this "
+                "name, or planted): remove it (shmkv cleanup) and create the pool again"
+            ) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SegmentError(f"the pool's lock file {path} is a symbolic link; refusing "
+                                   "to use it") from exc
+            raise
+        try:
+            if create:
+                secure_new_fd(self._fd)
+            check_fd(self._fd, f"the pool's lock file {path}")
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.path = path
         self.held_slot: int | None = None
 

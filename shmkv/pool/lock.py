@@ -40,6 +40,7 @@ bounded (``timeout_s``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from threading import get_ident
@@ -77,9 +78,30 @@ def lock_name(shm_name: str) -> str:
 
 
 def create_semaphore(shm_name: str) -> None:
-    """Creates the pool's semaphore (value 1, mode 0600); it must not exist yet."""
-    sem = posix_ipc.Semaphore(lock_name(shm_name), posix_ipc.O_CREX, mode=0o600, initial_value=1)
+    """Creates the pool's semaphore (value 1, mode 0600 whatever the umask); it must not
+    exist yet (SegmentError naming it if it does)."""
+    from shmkv.errors import SegmentError
+    from shmkv.pool.segment import SEGMENT_MODE, semaphore_path
+
+    try:
+        sem = posix_ipc.Semaphore(lock_name(shm_name), posix_ipc.O_CREX, mode=0o600,
+                                  initial_value=1)
+    except posix_ipc.ExistentialError:
+        raise SegmentError(
+            f"the pool's semaphore {lock_name(shm_name)} exists already (left by an earlier "
+            "pool of this name, or planted): remove it (shmkv cleanup) and create the pool "
+            "again"
+        ) from None
     sem.close()
+    os.chmod(semaphore_path(lock_name(shm_name)), SEGMENT_MODE)
+
+
+def check_semaphore(shm_name: str) -> None:
+    """Refuses the pool's semaphore unless it is this user's, mode 0600 (segment.py)."""
+    from shmkv.pool.segment import check_path, semaphore_path
+
+    name = lock_name(shm_name)
+    check_path(semaphore_path(name), f"the pool's semaphore {name}")
 
 
 def unlink_semaphore(shm_name: str) -> bool:
