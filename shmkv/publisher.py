@@ -86,10 +86,10 @@ IDENTITY_REQUEST = b"identity"
 
 
 def pool_identity(pool: BlockPool) -> str:
-    """A name for one incarnation of a pool: its segment, creator pid and NONE_HASH, so a
-    pool re-created under the same name (a node restart) has another identity."""
-    hdr = pool.header_snapshot()
-    return f"{pool.pool_name}:{int(hdr['creator_pid'])}:{bytes(hdr['none_hash'])[:4].hex()}"
+    """A name for one incarnation of a pool: its name and the 16 random bytes of its header's
+    ``pool_id`` (drawn at creation), so a pool re-created under the same name, even by a
+    process with the same pid (containers), has another identity."""
+    return f"{pool.pool_name}:{bytes(pool.header_snapshot()['pool_id']).hex()}"
 
 PUBLISHER_STATE_VERSION = L.PUBLISHER_STATE_VERSION
 _STATE_MAGIC = L.PUBLISHER_STATE_MAGIC
@@ -98,9 +98,7 @@ _STATE_DTYPE = np.dtype(
         ("magic", "<u8"),
         ("version", "<u4"),
         ("pid", "<i4"),            # the publisher that wrote it last
-        ("pool_creator_pid", "<u4"),
-        ("_pad", "<u4"),
-        ("pool_none_hash", "V8"),  # with the creator pid: which pool the position is in
+        ("pool_id", "V16"),        # which pool the position is in (its header's pool_id)
         ("base_seq", "<i8", (2,)),  # two log cursors; base_which says which one is valid
         ("base_pos", "<i8", (2,)),
         ("base_which", "<i8"),
@@ -131,7 +129,7 @@ def require_zmq():
 
 
 def state_segment_name(pool_name: str) -> str:
-    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v2``."""
+    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v<PUBLISHER_STATE_VERSION>``."""
     return L.sibling_segment_name("pub", pool_name, PUBLISHER_STATE_VERSION)
 
 
@@ -209,8 +207,7 @@ class _PublisherState:
         self._map = mmap.mmap(self._fd, _STATE_BYTES)
         self.row = np.ndarray((1,), dtype=_STATE_DTYPE, buffer=self._map)[0]
         self._words = memoryview(self._map).cast("q")  # the per-send stores, fast
-        hdr = pool.header_snapshot()
-        self._identity = (int(hdr["creator_pid"]), bytes(hdr["none_hash"])[:8])
+        self._identity = bytes(pool.header_snapshot()["pool_id"])
 
     def saved(self) -> tuple[EventCursor, int] | None:
         """(a log cursor, the first sequence number not sent) if the saved position
@@ -218,8 +215,7 @@ class _PublisherState:
         row = self.row
         if (int(row["magic"]) != _STATE_MAGIC
                 or int(row["version"]) != PUBLISHER_STATE_VERSION
-                or (int(row["pool_creator_pid"]), bytes(row["pool_none_hash"]))
-                != self._identity):
+                or bytes(row["pool_id"]) != self._identity):
             return None
         which = int(row["base_which"]) & 1
         base = EventCursor(int(row["base_seq"][which]), int(row["base_pos"][which]))
@@ -231,8 +227,7 @@ class _PublisherState:
         if int(row["magic"]) != _STATE_MAGIC:
             row["magic"] = 0
             row["version"] = PUBLISHER_STATE_VERSION
-            row["pool_creator_pid"] = self._identity[0]
-            row["pool_none_hash"] = self._identity[1]
+            row["pool_id"] = self._identity
             row["published"] = 0
             row["lost"] = 0
             row["base_which"] = 0

@@ -12,7 +12,7 @@ Regions
 
 | # | region          | dtype         | shape                        | written by | guarded by | invariants |
 |---|-----------------|---------------|------------------------------|------------|------------|------------|
-| 0 | `header`        | HEADER_DTYPE  | `[1]` (256 B)                | creator; then the lock holder | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
+| 0 | `header`        | HEADER_DTYPE  | `[1]` (320 B)                | creator; then the lock holder | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
 | 1 | `block_meta`    | BLOCK_DTYPE   | `[num_blocks + 2]`           | the kernels: `FreeKVCacheBlockQueue` (links), `BlockHashToBlockMap` (`index_next`, hash fields), ref counts | pool lock | INV-FREE, INV-QKEY, INV-REF, INV-HASH |
 | 2 | `block_alias`   | BLOCK_DTYPE   | `[num_blocks]` with ``FLAG_PARTIAL_KEYS``, else `[0]` | `BlockHashToBlockMap` (key fields only) | pool lock | INV-HASH, INV-ALIAS |
 | 3 | `index_buckets` | int32         | `[num_index_buckets]`        | `BlockHashToBlockMap` | pool lock | INV-HASH |
@@ -47,6 +47,9 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `hash_fn_name` (S16, 72): the block-hash function every process must use.
 - `none_hash` (V32, 88): the NONE_HASH seed digest every process chains its first block on.
 - `journal_entries` (u64, 120): size of region 7, the undo journal.
+- `pool_id` (V16, 256, after the mutable part): 16 random bytes drawn when the pool is
+  created: the identity of this pool, never of another one made under the same name or by
+  a reused pid (the publisher's identity and saved position are keyed on it).
 
 Mutable, written only under the pool lock:
 
@@ -248,11 +251,13 @@ Changelog
   `lock_seq`, `num_takeovers`; process rows gain `lock_phase` (labels shrink to 24 bytes).
 - v4: partial-block keys: the `block_alias` region (region 2; a block's second, partial
   key), so the regions after it move; the prefix index links key rows of both regions.
-- v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4).
+- v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4); the header grows to
+  320 bytes with `pool_id` (16 random bytes at creation), so the regions after it move.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
-256 bytes; block tables and KV store in their headers' padding).
+256 bytes; block tables and KV store in their headers' padding). pub v3: the saved position
+is keyed on the pool's `pool_id` (was its creator pid and 8 bytes of NONE_HASH).
 """
 
 from __future__ import annotations
@@ -311,6 +316,8 @@ HEADER_DTYPE = np.dtype(
             "holder", "holder_incarnation", "holder_since_ns",
             "next_event_seq", "log_write_pos", "log_oldest_seq", "log_oldest_pos",
             "num_reaped", "num_events_dropped", "journal_len", "lock_seq", "num_takeovers",
+            # immutable again: the identity, drawn at creation
+            "pool_id",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -321,6 +328,7 @@ HEADER_DTYPE = np.dtype(
             "<i8", "<u8", "<i8",
             "<i8", "<i8", "<i8", "<i8",
             "<i8", "<i8", "<i8", "<u8", "<u8",
+            "V16",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -331,8 +339,9 @@ HEADER_DTYPE = np.dtype(
             160, 168, 176,
             184, 192, 200, 208,
             216, 224, 232, 240, 248,
+            256,
         ],
-        "itemsize": 256,
+        "itemsize": 320,
     }
 )
 
@@ -692,7 +701,7 @@ KV_OWNER_OFFSET = 128  # in the 4 KiB header's padding
 STATS_VERSION = 2
 STATS_MAGIC = 0x5348_4B56_5354_4101  # "SHKVSTA" + 1
 STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner record
-PUBLISHER_STATE_VERSION = 2
+PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
 

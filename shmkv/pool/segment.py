@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import stat
 
 import numpy as np
@@ -207,6 +208,7 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     hdr["event_log_bytes"] = cfg.event_log_bytes
     hdr["journal_entries"] = cfg.journal_entries
     hdr["hash_fn_name"] = cfg.hash_fn_name.encode()
+    hdr["pool_id"] = secrets.token_bytes(16)  # this pool, not another of its name or pid
     hdr["epoch"] = 1
     del hdr
 
