@@ -30,6 +30,7 @@ Ordering relies on the stores of one process becoming visible in program order (
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -52,6 +53,8 @@ from shmkv.errors import (
     ShmKVError,
     UsageError,
 )
+
+logger = logging.getLogger("shmkv.messages")
 
 PROTOCOL_VERSION = 1
 CHANNEL_MODE = 0o600
@@ -210,6 +213,9 @@ class Channel:
         self._tail = np.ndarray((1,), "<u8", buffer=mapping, offset=_field("tail"))
         self._pids = np.ndarray((2,), "<i4", buffer=mapping, offset=_field("producer_pid"))
         self._pid = os.getpid()
+        # Corrupt frame headers this consumer skipped, and the bytes skipped with them.
+        self.corrupt_frames = 0
+        self.corrupt_bytes_skipped = 0
         self.capacity_bytes = int(self._hdr[0]["capacity_bytes"])
         self._data = memoryview(mapping)[L.CHANNEL_HEADER_DTYPE.itemsize:]
         try:
@@ -400,10 +406,18 @@ class Channel:
     # -- consumer side
 
     def poll_bytes(self) -> bytes | None:
-        """The next frame's bytes, or None if the ring is empty; never waits."""
+        """The next frame's bytes, or None if the ring is empty; never waits.
+
+        A corrupt frame header (a length over half the ring, or a frame that runs past what
+        the producer published) never wedges the channel: its length cannot be trusted, so
+        the next frame boundary is unknown, and everything unread up to the producer's
+        `tail` (the one boundary a reader can trust) is skipped, counted in
+        ``corrupt_frames`` and ``corrupt_bytes_skipped``, and logged; reading goes on with
+        the frames sent after it (None is returned for this call)."""
         self._check_open()
-        head = int(self._head[0])
-        if head == int(self._tail[0]):
+        head = start = int(self._head[0])
+        tail = int(self._tail[0])
+        if head == tail:
             return None
         cap = self.capacity_bytes
         data = self._data
@@ -413,14 +427,24 @@ class Channel:
             head += cap - pos
             pos = 0
             length = int.from_bytes(data[0:4], "little")
-        if length > cap // 2:
-            raise ProtocolError(
-                f"channel {self.name!r} is corrupt: a frame of {length} bytes at {head}"
-            )
+        if tail - start > cap or length > cap // 2 or head + _pad8(_FRAME_LEN_BYTES + length) > tail:
+            self._skip_corrupt(start, tail, length)
+            return None
         payload = bytes(data[pos + 4:pos + 4 + length])
         self._pids[1] = self._pid
         self._head[0] = head + _pad8(_FRAME_LEN_BYTES + length)
         return payload
+
+    def _skip_corrupt(self, head: int, tail: int, length: int) -> None:
+        self._pids[1] = self._pid
+        self._head[0] = tail
+        self.corrupt_frames += 1
+        self.corrupt_bytes_skipped += tail - head
+        logger.warning(
+            "channel %r: corrupt frame header at %d (length %d, %d bytes published): "
+            "skipped the %d unread bytes up to the producer's tail", self.name, head, length,
+            tail - head, tail - head,
+        )
 
     def poll(self) -> Message | None:
         """The next message, or None if there is none; never waits.
