@@ -41,6 +41,7 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
+from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.liveness import pid_alive
 from shmkv.pool.segment import check_path, open_shm, secure_new_fd, semaphore_path
 from shmkv.pool.siblings import owner_record, write_owner
@@ -393,6 +394,7 @@ class Channel:
                     f"(pid {pid}) is {'alive' if pid_alive(pid) else 'gone'}"
                 )
             time.sleep(_SEND_POLL_S)
+        _fence()  # the consumer's head (its reads done) before our stores over that space
         data = self._data
         if skip:
             data[pos:pos + 4] = L.CHANNEL_WRAP.to_bytes(4, "little")
@@ -400,6 +402,7 @@ class Channel:
         data[pos:pos + 4] = len(payload).to_bytes(4, "little")
         data[pos + 4:pos + 4 + len(payload)] = payload
         self._pids[0] = self._pid
+        _fence()  # the frame's bytes before the tail that publishes them
         self._tail[0] = tail + skip + frame  # publishes the frame
         self._bell.release()
 
@@ -419,6 +422,7 @@ class Channel:
         tail = int(self._tail[0])
         if head == tail:
             return None
+        _fence()  # the tail before the bytes it publishes
         cap = self.capacity_bytes
         data = self._data
         pos = head % cap
@@ -431,11 +435,13 @@ class Channel:
             self._skip_corrupt(start, tail, length)
             return None
         payload = bytes(data[pos + 4:pos + 4 + length])
+        _fence()  # our reads of the frame before the head that gives its space back
         self._pids[1] = self._pid
         self._head[0] = head + _pad8(_FRAME_LEN_BYTES + length)
         return payload
 
     def _skip_corrupt(self, head: int, tail: int, length: int) -> None:
+        _fence()
         self._pids[1] = self._pid
         self._head[0] = tail
         self.corrupt_frames += 1

@@ -112,6 +112,15 @@ typedef struct {
     Py_ssize_t buf_cap;
 } Kernel;
 
+/* Memory ordering (shmkv/pool/layout.py, "Memory ordering", says which store publishes
+ * which). STORE_REL(p, v): a release store (every earlier store is visible before it; a
+ * plain mov on x86-64, stlr on aarch64). COMPILER_BARRIER(): no store moves across it at
+ * compile time; what a SIGKILLed process leaves is a program-order prefix of its stores
+ * (the kernel drains the store buffer before another process can look), so the journal
+ * needs only this between its entry, journal_len and the data store. */
+#define STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define COMPILER_BARRIER() __atomic_signal_fence(__ATOMIC_SEQ_CST)
+
 #define I32(k, b, f) (((int32_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
 #define I64(k, b, f) (((int64_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
 #define HASHP(k, b) ((k)->meta + (Py_ssize_t)(b) * ROW_BYTES + HASH_BYTE_OFFSET)
@@ -126,10 +135,11 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
         entry[0] = ((int64_t)((const char *)p - k->base) << 4) | width;
         entry[1] = width == 4 ? (int64_t)*(const int32_t *)p : *(const int64_t *)p;
         FAULT_TICK();
-        k->hdr64[H_JOURNAL_LEN] = n + 1;
+        STORE_REL(&k->hdr64[H_JOURNAL_LEN], n + 1); /* publishes the entry */
     } else if (n >= 0) {
-        k->hdr64[H_JOURNAL_LEN] = JOURNAL_OVERFLOWED;
+        STORE_REL(&k->hdr64[H_JOURNAL_LEN], (int64_t)JOURNAL_OVERFLOWED);
     }
+    COMPILER_BARRIER(); /* the data store (J32/J64) comes after journal_len */
     FAULT_TICK();
 }
 
@@ -139,6 +149,7 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
         int32_t *p_ = &(lvalue);                    \
         int32_t v_ = (int32_t)(value);              \
         journal_save((k), p_, 4);                   \
+        COMPILER_BARRIER();                         \
         *p_ = v_;                                   \
     } while (0)
 #define J64(k, lvalue, value)                       \
@@ -146,6 +157,7 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
         int64_t *p_ = &(lvalue);                    \
         int64_t v_ = (int64_t)(value);              \
         journal_save((k), p_, 8);                   \
+        COMPILER_BARRIER();                         \
         *p_ = v_;                                   \
     } while (0)
 
@@ -1158,7 +1170,7 @@ static int fenced(CLock *l) {
 static inline void set_phase(CLock *l, int64_t phase) {
     if (l->phase) {
         FAULT_TICK();
-        *l->phase = phase;
+        STORE_REL(l->phase, phase);
     }
 }
 
@@ -1266,9 +1278,9 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
     if (l->enabled && sem_trywait(l->sem) != 0) {
         got = wait_in_slices(l, start);
         if (got == 3) { /* taken over, then on_stall raised: give the unit back */
-            l->hdr64[l->h_holder] = 0;
-            l->hdr64[l->h_incarnation] = 0;
-            l->hdr64[l->h_since] = 0;
+            STORE_REL(&l->hdr64[l->h_holder], (int64_t)0);
+            STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)0);
+            STORE_REL(&l->hdr64[l->h_since], (int64_t)0);
             sem_post(l->sem);
             got = 0;
         }
@@ -1287,13 +1299,13 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
         return NULL;
     }
     FAULT_TICK();
-    l->hdr64[l->h_holder] = l->holder_word;
+    STORE_REL(&l->hdr64[l->h_holder], l->holder_word);
     FAULT_TICK();
-    l->hdr64[l->h_incarnation] = (int64_t)l->incarnation;
+    STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)l->incarnation);
     FAULT_TICK();
-    l->hdr64[l->h_since] = now;
+    STORE_REL(&l->hdr64[l->h_since], now);
     FAULT_TICK();
-    l->hdr64[H_LOCK_SEQ] += 1;
+    STORE_REL(&l->hdr64[H_LOCK_SEQ], l->hdr64[H_LOCK_SEQ] + 1);
     l->depth = 1;
     l->owner = me;
     l->held_since = now;
@@ -1342,14 +1354,14 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
     set_phase(l, PHASE_RELEASING);
     if (l->hdr64[H_JOURNAL_LEN] != 0) { /* commit: the hold's writes stand */
         FAULT_TICK();
-        l->hdr64[H_JOURNAL_LEN] = 0;
+        STORE_REL(&l->hdr64[H_JOURNAL_LEN], (int64_t)0); /* the commit */
     }
     FAULT_TICK();
-    l->hdr64[l->h_holder] = 0;
+    STORE_REL(&l->hdr64[l->h_holder], (int64_t)0);
     FAULT_TICK();
-    l->hdr64[l->h_incarnation] = 0;
+    STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)0);
     FAULT_TICK();
-    l->hdr64[l->h_since] = 0;
+    STORE_REL(&l->hdr64[l->h_since], (int64_t)0);
     if (l->enabled) sem_post(l->sem);
     set_phase(l, PHASE_IDLE);
     PyThread_release_lock(l->gate);
@@ -1604,7 +1616,16 @@ static PyObject *set_errors(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* fence(): a full memory barrier, for the Python paths that publish through shared memory
+ * with plain numpy / memoryview stores (shmkv/pool/barriers.py). */
+static PyObject *mem_fence(PyObject *mod, PyObject *unused) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"fence", mem_fence, METH_NOARGS,
+     "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
     {"fault_arm", fault_arm, METH_O,
      "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},

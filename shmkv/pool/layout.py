@@ -240,6 +240,29 @@ A frame is a u32 length, then that many bytes of msgpack, padded to 8 bytes; a l
 ``CHANNEL_WRAP`` means "the rest of this lap is empty, go on at the ring's start". A producer
 killed in the middle of a frame never advanced `tail`, so no reader sees half a frame.
 
+Memory ordering: which store publishes which
+--------------------------------------------
+
+Correct on weakly ordered CPUs (aarch64, GH200 nodes) as well as on x86-64 (TSO). In C
+(``_ckernel.c``): ``STORE_REL`` is a release store, ``COMPILER_BARRIER`` a compiler-only
+barrier; in Python, ``shmkv.pool.barriers.fence()`` is a full barrier (the C kernel's; a no-op
+without it, x86-64 only).
+
+- Undo journal: the entry's two words, then `journal_len` (release) publishes it, then a
+  compiler barrier, then the data store it undoes. Only a compiler barrier is needed before
+  the data: what a SIGKILLed holder leaves is a program-order prefix of its stores, and no
+  other process reads these words while the holder is alive (they are under the lock).
+- The commit: `journal_len = 0` (release) publishes the hold's writes as final; then the
+  holder record is cleared (release stores) and the semaphore posted (a full barrier).
+- Lock marks: `lock_phase` stores are release stores; HOLDING is stored before `holder`
+  (both release), RELEASING before `holder` is cleared, IDLE after the post.
+- Channel ring (``shmkv/messages.py``): the producer's frame bytes, fence, `tail` publishes
+  them; the consumer reads `tail`, fence, the frame, fence, `head` gives the space back; the
+  producer reads `head`, fence, then overwrites.
+- Block-table seqlock (``shmkv/ranks/block_table.py``): odd `seq`, fence, rows, fence, `step`,
+  fence, even `seq` publishes them; a reader reads an even `seq`, fence, the rows, fence, and
+  re-reads `seq` to validate the copy.
+
 Changelog
 ---------
 
