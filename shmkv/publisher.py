@@ -85,6 +85,29 @@ IDENTITY_REQUEST = b"identity"
 """The replay request that asks only for ``pool_identity`` (a shmkv extension)."""
 
 
+# ZMQ transports that reach other hosts (anything else: ipc, inproc, or ZMQ's own error).
+_NETWORK_TRANSPORTS = ("tcp://", "pgm://", "epgm://", "udp://", "ws://", "wss://", "tipc://",
+                       "vmci://")
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint stays on this host: ipc:// and inproc://, or tcp:// on
+    127.0.0.0/8, ::1 or localhost (not 0.0.0.0, *, an interface name or another address)."""
+    import ipaddress
+
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def pool_identity(pool: BlockPool) -> str:
     """A name for one incarnation of a pool: its name and the 16 random bytes of its header's
     ``pool_id`` (drawn at creation), so a pool re-created under the same name, even by a
@@ -287,6 +310,10 @@ class KVEventPublisher:
         hwm: the PUB socket's high-water mark.
         max_batch_events: events copied out of the log per hold of the pool lock (they
             are decoded, if at all, after it is released).
+        allow_remote: bind a non-loopback address. The sockets have no authentication:
+            by default only loopback (127.0.0.0/8, ::1, localhost), ipc:// and inproc://
+            are bound, anything else is a PublisherError. Expose it behind a firewall that
+            admits only the indexers, or through a relay that uses ZMQ CURVE.
 
     Use it from one thread: ``poll()`` in a loop of your own, ``run()`` until ``stop()``,
     or ``start()`` for a background thread. ``close()`` saves nothing more; the position
@@ -308,6 +335,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         max_batch_events: int = 16,
+        allow_remote: bool = False,
     ) -> None:
         zmq = require_zmq()
         if start not in ("oldest", "end"):
@@ -325,6 +353,17 @@ class KVEventPublisher:
         self._owns_pool = isinstance(pool, str)
         self.pool = None
         self._read_labels = False
+        if bind and not allow_remote:
+            for what, addr in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+                if (addr is not None and addr.startswith(_NETWORK_TRANSPORTS)
+                        and not is_loopback_endpoint(addr)):
+                    raise PublisherError(
+                        f"{what} {addr!r} is not a loopback address: the publisher has no "
+                        "authentication, so it binds loopback only unless allow_remote=True "
+                        "(CLI: --allow-remote). To expose it, put it behind a firewall that "
+                        "admits only the indexers, or use ZMQ CURVE on a relay "
+                        "(docs/cluster-index.md)"
+                    )
         self.pool = BlockPool.attach(pool, label="shmkv-publish") if self._owns_pool else pool
         try:
             if not self.pool.event_log.capacity:
