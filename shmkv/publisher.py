@@ -599,13 +599,18 @@ class KVEventPublisher:
 
     def snapshot(self) -> tuple[int, bytes]:
         """``(seq, payload)``: one batch that rebuilds the pool's prefix cache as it stood
-        right after log event ``seq`` (-1 if the log is empty), read under one hold of the
-        pool lock; hashes take the form ``int_hashes`` gives live batches."""
+        right after log event ``seq`` (-1 if the log is empty), read under one short hold
+        of the pool lock: the event cursor and a numpy copy of the cached rows' key fields
+        (``BlockPool.cached_key_arrays``); turning them into hashes and the batch happens
+        after the hold. Hashes take the form ``int_hashes`` gives live batches."""
         pool = self.pool
         as_int = bool(self.int_hashes) or (self.int_hashes is None and use_int_block_hashes())
         with pool.lock():
             seq = pool.event_cursor(from_start=False).seq - 1
-            groups = pool.cached_keys_by_group()
+            group_arr, hash_arr = pool.cached_key_arrays()
+        groups: dict[int, list[bytes]] = {}
+        for group, block_hash in zip(group_arr.tolist(), hash_arr.tolist(), strict=True):
+            groups.setdefault(group, []).append(bytes(block_hash))
         events: list[Any] = [AllBlocksCleared()]
         for group, hashes in sorted(groups.items()):
             events.append(BlockStored(

@@ -1376,14 +1376,21 @@ class BlockPool:
         and tools, not for the hot paths' callers. Raises PoolClosedError once closed."""
         return self._segment_views
 
-    def cached_keys_by_group(self) -> dict[int, list[bytes]]:
-        """The prefix cache's keys: for each KV-cache group, the hash of every block cached
-        in it, in block-id order (a key several blocks hold comes once per block)."""
+    def cached_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(group ids, hashes)`` of every cached block, in block-id order: numpy copies
+        made in one short hold of the lock (a mask and a copy of the cached rows' two key
+        fields; the conversion to Python objects is the caller's, after the hold)."""
         with self._lock:
             rows = self._blocks[1:self.num_gpu_blocks]
-            cached = rows[rows["hash_num_tokens"] != L.NO_HASH_TOKENS]
-            groups = cached["group_id"].tolist()
-            hashes = cached["block_hash"].tolist()
+            mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+            return rows["group_id"][mask], rows["block_hash"][mask]
+
+    def cached_keys_by_group(self) -> dict[int, list[bytes]]:
+        """The prefix cache's keys: for each KV-cache group, the hash of every block cached
+        in it, in block-id order (a key several blocks hold comes once per block). The lock
+        is held only for the copy (``cached_key_arrays``)."""
+        group_arr, hash_arr = self.cached_key_arrays()
+        groups, hashes = group_arr.tolist(), hash_arr.tolist()
         out: dict[int, list[bytes]] = {}
         for group, block_hash in zip(groups, hashes, strict=True):
             out.setdefault(group, []).append(bytes(block_hash))
