@@ -103,6 +103,26 @@ def test_c_kernel_corrupt_queue_raises_not_crashes(make_pool, bad_next):
         pool.get_new_blocks(5)
 
 
+@pytest.mark.parametrize("bad_next", [10**6, -7, 0])
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_corrupt_queue_link_is_refused_alike_then_repaired(make_pool, bad_next, n):
+    """Both kernels refuse a free-queue link that leaves the free blocks with the same
+    InvariantViolation, before any write, and the pool is repaired at once. The Python
+    kernel used to raise IndexError, or follow -7 and 0 (negative and null rows) and
+    corrupt the pool further."""
+    pool = make_pool(8)
+    if n == 1:
+        pool._blocks["next"][pool.layout.free_head] = bad_next
+    else:
+        pool._blocks["next"][2] = bad_next
+    row = bad_next
+    with pytest.raises(InvariantViolation, match=f"corrupt shared state: free queue links .*"
+                       f"\\(row {row}\\)"):
+        pool.get_new_blocks(n)
+    pool.check_invariants()
+    assert len(pool.get_new_blocks(n)) == n
+
+
 @needs_c
 def test_c_kernel_corrupt_index_chain_raises_not_loops(make_pool):
     """A prefix-index chain that loops raises InvariantViolation instead of spinning."""
