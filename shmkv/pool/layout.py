@@ -204,7 +204,7 @@ POSIX semaphore ``/shmkv_bell-<name>`` named in the channel's header (it has no 
 own), and a pool has its lock semaphore and ``.alive`` file (above).
 
 Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and holds an
-*owner record* (``OWNER_DTYPE``, 96 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
+*owner record* (``OWNER_DTYPE``, 112 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
 ``shmkv cleanup`` (``shmkv/pool/siblings.py``) reads only these to decide whose a sibling is:
 
 | field                 | type | meaning |
@@ -215,6 +215,7 @@ Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and h
 | `creator_start_ticks` | u64  | the creator's start time (``/proc/<pid>/stat`` field 22), so a reused pid is not taken for it |
 | `pool_ino`            | u64  | inode of the pool segment in /dev/shm when the segment was made: a pool re-created under the same name is another pool |
 | `pool_name`           | S64  | the pool the segment belongs to; empty: none |
+| `pool_id`             | V16  | that pool's header `pool_id` when the segment was made: the pool itself, whatever its name, creator pid or inode |
 
 A sibling is its creator's while the creator lives, and its pool's while that very pool is in
 use; when both are gone (or the pool is being removed as orphaned) cleanup removes it, and a
@@ -280,7 +281,10 @@ Changelog
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
 256 bytes; block tables and KV store in their headers' padding). pub v3: the saved position
-is keyed on the pool's `pool_id` (was its creator pid and 8 bytes of NONE_HASH).
+is keyed on the pool's `pool_id` (was its creator pid and 8 bytes of NONE_HASH). ch v3, bt v3,
+kv v3, stats v3, pub v3: the owner record grows to 112 bytes with the pool's `pool_id`, which
+cleanup compares (a pool re-created under the name, even by a reused pid on a reused inode, is
+another pool).
 """
 
 from __future__ import annotations
@@ -682,7 +686,7 @@ def segment_name(pool_name: str) -> str:
 
 # ------------------------------------------------------------------ sibling segments
 
-CHANNEL_LAYOUT_VERSION = 2
+CHANNEL_LAYOUT_VERSION = 3
 CHANNEL_MAGIC = 0x1A5E_4B76_6843_7F01
 CHANNEL_WRAP = 0xFFFF_FFFF
 MAX_DOORBELL_NAME_BYTES = 88
@@ -707,21 +711,21 @@ OWNER_MAGIC = 0x1A5E_4B76_6F77_6E31
 OWNER_DTYPE = np.dtype(
     {
         "names": ["owner_magic", "creator_pid", "pool_creator_pid", "creator_start_ticks",
-                  "pool_ino", "pool_name"],
-        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}"],
-        "offsets": [0, 8, 12, 16, 24, 32],
-        "itemsize": 96,
+                  "pool_ino", "pool_name", "pool_id"],
+        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}", "V16"],
+        "offsets": [0, 8, 12, 16, 24, 32, 96],
+        "itemsize": 112,
     }
 )
 
 # Versions and magics of the other sibling kinds (their modules lay out the rest).
-BT_LAYOUT_VERSION = 2
+BT_LAYOUT_VERSION = 3
 BT_MAGIC = 0x1A5E_4B76_7462_6C31
 BT_OWNER_OFFSET = 128  # in the 256-byte header's padding
-KV_LAYOUT_VERSION = 2
+KV_LAYOUT_VERSION = 3
 KV_MAGIC = 0x1A5E_4B76_6B76_7332
 KV_OWNER_OFFSET = 128  # in the 4 KiB header's padding
-STATS_VERSION = 2
+STATS_VERSION = 3
 STATS_MAGIC = 0x5348_4B56_5354_4101  # "SHKVSTA" + 1
 STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner record
 PUBLISHER_STATE_VERSION = 3
