@@ -7,6 +7,7 @@ scheduler process on a node. Follows vLLM v1's KV-cache layer name for name.
 from shmkv.pool.block_pool import BlockPool, KVCacheBlock, RepairReport
 from shmkv.errors import (
     FencedError,
+    ForkedPoolError,
     InvariantViolation,
     LayoutMismatchError,
     LockTimeoutError,
@@ -118,6 +119,7 @@ __all__ = [
     "NULL_BLOCK_ID",
     "OutOfBlocksError",
     "PlaceholderRange",
+    "ForkedPoolError",
     "PoolClosedError",
     "PoolFullError",
     "ProtocolError",

@@ -27,6 +27,13 @@ node has another identity, and the index drops what the old one held. A pool rep
 a crash keeps its identity and its stream stays exact: the events of a hold that was rolled
 back were never published (the publisher reads the log under the pool lock), and keys a
 rebuild drops are logged as ``BlockRemoved``.
+
+Redis Cluster: every script names every key it touches in KEYS, and a key prefix with a
+hash tag (``key_prefix="{shmkv}"``) puts them all in one slot. No script walks a whole
+source: clearing one (``forget_source``, a snapshot, an ``AllBlocksCleared``) is done by the
+client in chunks of ``CLEAR_CHUNK_KEYS`` keys, one short script each, so a large source
+never blocks Redis; a batch that clears is applied (with its seq) after its chunks, and a
+crash in between only makes the next attempt clear again.
 """
 
 from __future__ import annotations
@@ -58,64 +65,65 @@ APPLIED, DUPLICATE, OUT_OF_SYNC = 1, 0, -1
 _NO_WAIT_S = 0.001  # a subscriber's recv() that only takes what has arrived
 _BATCHES_PER_CALL = 256  # batches applied per Redis round trip
 
-_CLEAR_LUA = """
-local function clear_source(prefix, source)
-  local held = prefix .. ':k:' .. source
-  local members = redis.call('SMEMBERS', held)
-  for _, key in ipairs(members) do
-    redis.call('HDEL', prefix .. ':b:' .. key, source)
-  end
-  redis.call('DEL', held)
-  return #members
+# Every script names every key it touches in KEYS (Redis Cluster routes a script by its
+# KEYS; with a key prefix holding a hash tag, e.g. "{shmkv}", they all share one slot), and
+# none walks a whole source: clearing one is done in bounded chunks (``_clear_source``), so
+# a large source never blocks Redis for long.
+
+# Clears one chunk of a source's keys. KEYS: the source's held set, then the block hash key
+# of each of the chunk's members; ARGV: the source, then the members (<g>:<h>).
+_CLEAR_CHUNK_LUA = """
+local held, source = KEYS[1], ARGV[1]
+for i = 2, #KEYS do
+  redis.call('HDEL', KEYS[i], source)
+  redis.call('SREM', held, ARGV[i])
 end
+return #KEYS - 1
 """
 
-# ARGV: prefix, source, epoch, node, mode, then for each batch: its seq, scheduler, number
-# of ops n and n (op, group, hash) triples, op being 's' (stored), 'r' (removed) or 'c' (all
-# cleared; group and hash empty). Mode 'n' applies each batch only if it is the source's
-# next one of the same epoch, skips one already applied, and stops at the first that is
-# neither (the source is out of sync: unknown, of another epoch, or a batch is missing).
-# Mode 's' (one snapshot batch) first drops whatever the source held. Returns {in_sync
-# (1 or 0), batches applied, duplicates skipped}; the batches before a refused one stay.
-_APPLY_LUA = _CLEAR_LUA + """
-local prefix, source, epoch, node, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local meta = prefix .. ':s:' .. source
-local held = prefix .. ':k:' .. source
+# KEYS: the source's meta hash, its held set, the sources set, then the block key of each
+# 's'/'r' op, in op order. ARGV: source, epoch, node, mode, then for each batch: its seq,
+# scheduler, number of ops n and n (op, <g>:<h>) pairs, op being 's' (stored) or 'r'
+# (removed). Mode 'n' applies each batch only if it is the source's next one of the same
+# epoch, skips one already applied, and stops at the first that is neither (the source is
+# out of sync: unknown, of another epoch, or a batch is missing). Mode 's' (one snapshot
+# batch, the source cleared first by the client) applies it whatever came before. Returns
+# {in_sync (1 or 0), batches applied, duplicates skipped}; the batches before a refused one
+# stay. An AllBlocksCleared is the client's: it clears the source in chunks, then sends the
+# ops after it.
+_APPLY_LUA = """
+local meta, held, sources = KEYS[1], KEYS[2], KEYS[3]
+local source, epoch, node, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local last, scheduler = nil, nil
-if mode == 's' then
-  clear_source(prefix, source)
-elseif redis.call('HGET', meta, 'epoch') == epoch then
+if mode ~= 's' and redis.call('HGET', meta, 'epoch') == epoch then
   last = tonumber(redis.call('HGET', meta, 'seq'))
 end
 local applied, duplicates, in_sync = 0, 0, 1
-local i = 6
+local i, k = 5, 4
 while i <= #ARGV do
   local seq, nops = tonumber(ARGV[i]), tonumber(ARGV[i + 2])
-  local first, stop = i + 3, i + 2 + 3 * nops
+  local first, stop = i + 3, i + 2 + 2 * nops
   i = stop + 1
   if mode ~= 's' and last == nil then in_sync = 0; break end
   if mode ~= 's' and seq <= last then
     duplicates = duplicates + 1
+    k = k + nops
   elseif mode ~= 's' and seq ~= last + 1 then
     in_sync = 0
     break
   else
-    for j = first, stop, 3 do
-      local op = ARGV[j]
-      if op == 'c' then
-        clear_source(prefix, source)
+    for j = first, stop, 2 do
+      local block = KEYS[k]
+      local op, key = ARGV[j], ARGV[j + 1]
+      k = k + 1
+      if op == 's' then
+        redis.call('HINCRBY', block, source, 1)
+        redis.call('SADD', held, key)
       else
-        local key = ARGV[j + 1] .. ':' .. ARGV[j + 2]
-        local block = prefix .. ':b:' .. key
-        if op == 's' then
-          redis.call('HINCRBY', block, source, 1)
-          redis.call('SADD', held, key)
-        else
-          local left = redis.call('HINCRBY', block, source, -1)
-          if left <= 0 then
-            redis.call('HDEL', block, source)
-            redis.call('SREM', held, key)
-          end
+        local left = redis.call('HINCRBY', block, source, -1)
+        if left <= 0 then
+          redis.call('HDEL', block, source)
+          redis.call('SREM', held, key)
         end
       end
     end
@@ -125,23 +133,22 @@ while i <= #ARGV do
 end
 if applied > 0 then
   redis.call('HSET', meta, 'seq', last, 'epoch', epoch, 'node', node, 'scheduler', scheduler)
-  redis.call('SADD', prefix .. ':sources', source)
+  redis.call('SADD', sources, source)
 end
 return {in_sync, applied, duplicates}
 """
 
-# ARGV: prefix, group, hashes in prompt order. Returns {source, blocks, ...}.
+# KEYS: the block key of each hash, in prompt order. Returns {source, blocks, ...}.
 _LOOKUP_LUA = """
-local prefix, group = ARGV[1], ARGV[2]
 local alive, found = nil, {}
-for i = 3, #ARGV do
-  local holders = redis.call('HKEYS', prefix .. ':b:' .. group .. ':' .. ARGV[i])
+for i = 1, #KEYS do
+  local holders = redis.call('HKEYS', KEYS[i])
   local next_alive = {}
   local any = false
   for _, source in ipairs(holders) do
     if alive == nil or alive[source] then
       next_alive[source] = true
-      found[source] = i - 2
+      found[source] = i
       any = true
     end
   end
@@ -156,13 +163,15 @@ end
 return out
 """
 
-# ARGV: prefix, source. Drops the source and everything it held.
-_FORGET_LUA = _CLEAR_LUA + """
-local n = clear_source(ARGV[1], ARGV[2])
-redis.call('DEL', ARGV[1] .. ':s:' .. ARGV[2])
-redis.call('SREM', ARGV[1] .. ':sources', ARGV[2])
-return n
+# KEYS: the source's meta hash, the sources set; ARGV: the source (its keys are cleared
+# first, in chunks). Drops the source.
+_FORGET_LUA = """
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
 """
+
+CLEAR_CHUNK_KEYS = 1000  # keys of a source cleared per script call (bounded Redis time)
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,7 @@ class RedisPrefixIndex:
         self._apply = client.register_script(_APPLY_LUA)
         self._lookup = client.register_script(_LOOKUP_LUA)
         self._forget = client.register_script(_FORGET_LUA)
+        self._clear_chunk = client.register_script(_CLEAR_CHUNK_LUA)
 
     @classmethod
     def from_url(cls, url: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> RedisPrefixIndex:
@@ -253,32 +263,104 @@ class RedisPrefixIndex:
     def _run_apply(self, mode: str, source: str, batches: Sequence[tuple[int, KVEventBatch]],
                    epoch: int | str, node: str | None) -> ApplyResult:
         _check_name("source", source)
-        args: list[object] = [self.key_prefix, source, str(epoch), node or source, mode]
+        encoded = []  # (seq, scheduler, ops, has_clear); ops: [(op, "<g>:<h>")]
         for seq, batch in batches:
             if isinstance(seq, bool) or not isinstance(seq, int) or seq < (
                     -1 if mode == "s" else 0):
                 raise UsageError(f"seq must be a non-negative int, got {seq!r}")
-            ops: list[str] = []
+            ops: list[tuple[str, str]] = []
+            cleared = False
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
-                    ops += ["c", "", ""]
+                    ops, cleared = [], True  # what came before it in the batch is moot
                     continue
                 if not isinstance(event, (BlockStored, BlockRemoved)):
                     raise UsageError(f"not a KV-cache event: {type(event).__name__}")
                 op = "s" if isinstance(event, BlockStored) else "r"
                 group = str(event.group_idx or 0)
                 for block_hash in event.block_hashes:
-                    ops += [op, group, _hash_text(block_hash)]
+                    ops.append((op, f"{group}:{_hash_text(block_hash)}"))
             rank = batch.data_parallel_rank
-            args += [seq, "" if rank is None else rank, len(ops) // 3, *ops]
-        if len(args) == 5:
+            encoded.append((seq, "" if rank is None else rank, ops, cleared))
+        if not encoded:
             return ApplyResult(True, 0, 0)
-        in_sync, applied, duplicates = self._apply(args=args)
+        epoch = str(epoch)
+        if mode == "s":
+            self._clear_source(source)
+            return self._apply_run(mode, source, encoded, epoch, node)
+        applied = duplicates = 0
+        run: list = []
+        for item in encoded:
+            if not item[3]:
+                run.append(item)
+                continue
+            if run:  # the batches before the clearing one
+                result = self._apply_run("n", source, run, epoch, node)
+                applied, duplicates = applied + result.applied, duplicates + result.duplicates
+                if not result.in_sync:
+                    return ApplyResult(False, applied, duplicates)
+                run = []
+            verdict = self._next_verdict(source, epoch, item[0])
+            if verdict == OUT_OF_SYNC:
+                return ApplyResult(False, applied, duplicates)
+            if verdict == DUPLICATE:
+                duplicates += 1
+                continue
+            self._clear_source(source)  # in chunks, then the ops after the clear
+            result = self._apply_run("n", source, [item], epoch, node)
+            applied, duplicates = applied + result.applied, duplicates + result.duplicates
+            if not result.in_sync:
+                return ApplyResult(False, applied, duplicates)
+        if run:
+            result = self._apply_run("n", source, run, epoch, node)
+            return ApplyResult(result.in_sync, applied + result.applied,
+                               duplicates + result.duplicates)
+        return ApplyResult(True, applied, duplicates)
+
+    def _apply_run(self, mode: str, source: str, encoded: list, epoch: str,
+                   node: str | None) -> ApplyResult:
+        p = self.key_prefix
+        keys = [f"{p}:s:{source}", f"{p}:k:{source}", f"{p}:sources"]
+        args: list[object] = [source, epoch, node or source, mode]
+        for seq, scheduler, ops, _ in encoded:
+            args += [seq, scheduler, len(ops)]
+            for op, key in ops:
+                args += [op, key]
+                keys.append(f"{p}:b:{key}")
+        in_sync, applied, duplicates = self._apply(keys=keys, args=args)
         return ApplyResult(bool(int(in_sync)), int(applied), int(duplicates))
 
+    def _next_verdict(self, source: str, epoch: str, seq: int) -> int:
+        """Whether batch ``seq`` is the source's next one of ``epoch`` (APPLIED), one it
+        has (DUPLICATE), or neither (OUT_OF_SYNC), as the apply script decides it."""
+        have_epoch, have_seq = self._redis.hmget(f"{self.key_prefix}:s:{source}",
+                                                 ["epoch", "seq"])
+        if have_epoch is None or have_seq is None or _text(have_epoch) != epoch:
+            return OUT_OF_SYNC
+        last = int(_text(have_seq))
+        return DUPLICATE if seq <= last else APPLIED if seq == last + 1 else OUT_OF_SYNC
+
+    def _clear_source(self, source: str) -> int:
+        """Drops every key ``source`` holds, ``CLEAR_CHUNK_KEYS`` per script call, so that a
+        large source never blocks Redis for long; returns how many it held."""
+        p = self.key_prefix
+        held = f"{p}:k:{source}"
+        total = 0
+        while True:
+            members = [_text(m) for m in self._redis.srandmember(held, CLEAR_CHUNK_KEYS)]
+            if not members:
+                return total
+            total += int(self._clear_chunk(keys=[held, *(f"{p}:b:{m}" for m in members)],
+                                           args=[source, *members]))
+
     def forget_source(self, source: str) -> int:
-        """Drops a source and every key it held; returns how many keys it held."""
-        return int(self._forget(args=[self.key_prefix, _check_name("source", source)]))
+        """Drops a source and every key it held (in bounded chunks); returns how many keys
+        it held."""
+        _check_name("source", source)
+        n = self._clear_source(source)
+        self._forget(keys=[f"{self.key_prefix}:s:{source}", f"{self.key_prefix}:sources"],
+                     args=[source])
+        return n
 
     # -- routing
 
@@ -287,8 +369,8 @@ class RedisPrefixIndex:
         """For every source holding the first block, how many leading blocks it holds."""
         if not block_hashes:
             return {}
-        flat = self._lookup(args=[self.key_prefix, str(group),
-                                  *(_hash_text(h) for h in block_hashes)])
+        flat = self._lookup(keys=[f"{self.key_prefix}:b:{group}:{_hash_text(h)}"
+                                  for h in block_hashes])
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     # -- inspection

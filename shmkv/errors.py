@@ -41,6 +41,11 @@ class PoolClosedError(UsageError):
     """The pool, or a block handle of it, was used after ``close()``."""
 
 
+class ForkedPoolError(UsageError):
+    """A pool handle was used in a forked child of the process that opened it: the child
+    must attach the pool itself (the handle's slot, lock and liveness are the parent's)."""
+
+
 class SegmentError(ShmKVError):
     """Base class of shared-memory segment errors."""
 

@@ -30,6 +30,7 @@ Ordering relies on the stores of one process becoming visible in program order (
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -40,16 +41,21 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
+from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.liveness import pid_alive
+from shmkv.pool.segment import check_path, open_shm, secure_new_fd, semaphore_path
 from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
+    SegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
     ShmKVError,
     UsageError,
 )
+
+logger = logging.getLogger("shmkv.messages")
 
 PROTOCOL_VERSION = 1
 CHANNEL_MODE = 0o600
@@ -208,9 +214,16 @@ class Channel:
         self._tail = np.ndarray((1,), "<u8", buffer=mapping, offset=_field("tail"))
         self._pids = np.ndarray((2,), "<i4", buffer=mapping, offset=_field("producer_pid"))
         self._pid = os.getpid()
+        # Corrupt frame headers this consumer skipped, and the bytes skipped with them.
+        self.corrupt_frames = 0
+        self.corrupt_bytes_skipped = 0
         self.capacity_bytes = int(self._hdr[0]["capacity_bytes"])
         self._data = memoryview(mapping)[L.CHANNEL_HEADER_DTYPE.itemsize:]
-        bell = bytes(self._hdr[0]["doorbell"]).decode()
+        try:
+            bell = _checked_doorbell(bytes(self._hdr[0]["doorbell"]))
+        except SegmentError:
+            self._release()
+            raise
         self.doorbell_name = bell
         try:
             self._bell = posix_ipc.Semaphore(bell)
@@ -262,6 +275,7 @@ class Channel:
                 unlink_doorbell(bell)
             raise SegmentExistsError(f"channel segment {shm_name} already exists") from None
         try:
+            secure_new_fd(shm.fd)
             mapping = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
@@ -283,7 +297,7 @@ class Channel:
         """
         shm_name = channel_segment_name(name)
         try:
-            shm = posix_ipc.SharedMemory(shm_name)
+            shm = open_shm(shm_name, "channel")  # this user's, mode 0600, else refused
         except posix_ipc.ExistentialError:
             raise SegmentNotFoundError(f"no channel named {name!r} ({shm_name})") from None
         try:
@@ -380,6 +394,7 @@ class Channel:
                     f"(pid {pid}) is {'alive' if pid_alive(pid) else 'gone'}"
                 )
             time.sleep(_SEND_POLL_S)
+        _fence()  # the consumer's head (its reads done) before our stores over that space
         data = self._data
         if skip:
             data[pos:pos + 4] = L.CHANNEL_WRAP.to_bytes(4, "little")
@@ -387,17 +402,27 @@ class Channel:
         data[pos:pos + 4] = len(payload).to_bytes(4, "little")
         data[pos + 4:pos + 4 + len(payload)] = payload
         self._pids[0] = self._pid
+        _fence()  # the frame's bytes before the tail that publishes them
         self._tail[0] = tail + skip + frame  # publishes the frame
         self._bell.release()
 
     # -- consumer side
 
     def poll_bytes(self) -> bytes | None:
-        """The next frame's bytes, or None if the ring is empty; never waits."""
+        """The next frame's bytes, or None if the ring is empty; never waits.
+
+        A corrupt frame header (a length over half the ring, or a frame that runs past what
+        the producer published) never wedges the channel: its length cannot be trusted, so
+        the next frame boundary is unknown, and everything unread up to the producer's
+        `tail` (the one boundary a reader can trust) is skipped, counted in
+        ``corrupt_frames`` and ``corrupt_bytes_skipped``, and logged; reading goes on with
+        the frames sent after it (None is returned for this call)."""
         self._check_open()
-        head = int(self._head[0])
-        if head == int(self._tail[0]):
+        head = start = int(self._head[0])
+        tail = int(self._tail[0])
+        if head == tail:
             return None
+        _fence()  # the tail before the bytes it publishes
         cap = self.capacity_bytes
         data = self._data
         pos = head % cap
@@ -406,14 +431,26 @@ class Channel:
             head += cap - pos
             pos = 0
             length = int.from_bytes(data[0:4], "little")
-        if length > cap // 2:
-            raise ProtocolError(
-                f"channel {self.name!r} is corrupt: a frame of {length} bytes at {head}"
-            )
+        if tail - start > cap or length > cap // 2 or head + _pad8(_FRAME_LEN_BYTES + length) > tail:
+            self._skip_corrupt(start, tail, length)
+            return None
         payload = bytes(data[pos + 4:pos + 4 + length])
+        _fence()  # our reads of the frame before the head that gives its space back
         self._pids[1] = self._pid
         self._head[0] = head + _pad8(_FRAME_LEN_BYTES + length)
         return payload
+
+    def _skip_corrupt(self, head: int, tail: int, length: int) -> None:
+        _fence()
+        self._pids[1] = self._pid
+        self._head[0] = tail
+        self.corrupt_frames += 1
+        self.corrupt_bytes_skipped += tail - head
+        logger.warning(
+            "channel %r: corrupt frame header at %d (length %d, %d bytes published): "
+            "skipped the %d unread bytes up to the producer's tail", self.name, head, length,
+            tail - head, tail - head,
+        )
 
     def poll(self) -> Message | None:
         """The next message, or None if there is none; never waits.
@@ -483,6 +520,28 @@ def recv_any(channels: list[Channel], timeout_s: float | None = None
             pass
 
 
+def _checked_doorbell(raw: bytes) -> str:
+    """The doorbell name a channel's header names, if it is a shmkv doorbell name
+    (``/shmkv_bell-<valid name>``) of a semaphore of this user's with mode 0600; the header
+    is shared memory and is not trusted to name anything else (SegmentError)."""
+    try:
+        bell = raw.decode()
+    except UnicodeDecodeError:
+        bell = None
+    if bell is not None and bell.startswith("/shmkv_bell-"):
+        try:
+            L.validate_pool_name(bell[len("/shmkv_bell-"):])
+        except UsageError:
+            bell = None
+    else:
+        bell = None
+    if bell is None:
+        raise SegmentError(f"channel header names doorbell {raw!r}: not a shmkv doorbell "
+                           "name; refusing to open it")
+    check_path(semaphore_path(bell), f"doorbell semaphore {bell}")
+    return bell
+
+
 def create_doorbell(name: str) -> str:
     """Makes a doorbell semaphore for channels created with ``doorbell=``; returns its
     name. Remove it with :func:`unlink_doorbell`."""
@@ -492,6 +551,7 @@ def create_doorbell(name: str) -> str:
     except posix_ipc.ExistentialError:
         raise SegmentExistsError(f"doorbell semaphore {bell} already exists") from None
     sem.close()
+    os.chmod(semaphore_path(bell), CHANNEL_MODE)  # whatever the umask
     return bell
 
 

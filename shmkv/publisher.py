@@ -62,6 +62,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
 from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
+from shmkv.pool.segment import open_shm
 from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.events import (
     AllBlocksCleared,
@@ -84,11 +85,34 @@ IDENTITY_REQUEST = b"identity"
 """The replay request that asks only for ``pool_identity`` (a shmkv extension)."""
 
 
+# ZMQ transports that reach other hosts (anything else: ipc, inproc, or ZMQ's own error).
+_NETWORK_TRANSPORTS = ("tcp://", "pgm://", "epgm://", "udp://", "ws://", "wss://", "tipc://",
+                       "vmci://")
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint stays on this host: ipc:// and inproc://, or tcp:// on
+    127.0.0.0/8, ::1 or localhost (not 0.0.0.0, *, an interface name or another address)."""
+    import ipaddress
+
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def pool_identity(pool: BlockPool) -> str:
-    """A name for one incarnation of a pool: its segment, creator pid and NONE_HASH, so a
-    pool re-created under the same name (a node restart) has another identity."""
-    hdr = pool.header_snapshot()
-    return f"{pool.pool_name}:{int(hdr['creator_pid'])}:{bytes(hdr['none_hash'])[:4].hex()}"
+    """A name for one incarnation of a pool: its name and the 16 random bytes of its header's
+    ``pool_id`` (drawn at creation), so a pool re-created under the same name, even by a
+    process with the same pid (containers), has another identity."""
+    return f"{pool.pool_name}:{bytes(pool.header_snapshot()['pool_id']).hex()}"
 
 PUBLISHER_STATE_VERSION = L.PUBLISHER_STATE_VERSION
 _STATE_MAGIC = L.PUBLISHER_STATE_MAGIC
@@ -97,9 +121,7 @@ _STATE_DTYPE = np.dtype(
         ("magic", "<u8"),
         ("version", "<u4"),
         ("pid", "<i4"),            # the publisher that wrote it last
-        ("pool_creator_pid", "<u4"),
-        ("_pad", "<u4"),
-        ("pool_none_hash", "V8"),  # with the creator pid: which pool the position is in
+        ("pool_id", "V16"),        # which pool the position is in (its header's pool_id)
         ("base_seq", "<i8", (2,)),  # two log cursors; base_which says which one is valid
         ("base_pos", "<i8", (2,)),
         ("base_which", "<i8"),
@@ -130,7 +152,7 @@ def require_zmq():
 
 
 def state_segment_name(pool_name: str) -> str:
-    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v2``."""
+    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v<PUBLISHER_STATE_VERSION>``."""
     return L.sibling_segment_name("pub", pool_name, PUBLISHER_STATE_VERSION)
 
 
@@ -148,7 +170,7 @@ def saved_position(pool_name: str) -> dict | None:
     first batch not sent), ``pid`` (the publisher that saved it), ``running`` (whether a
     publisher holds the pool now), ``published`` and ``lost``; None if nothing was saved."""
     try:
-        shm = posix_ipc.SharedMemory(state_segment_name(pool_name))
+        shm = open_shm(state_segment_name(pool_name), "publisher state")
     except posix_ipc.ExistentialError:
         return None
     try:
@@ -191,8 +213,8 @@ class _PublisherState:
     def __init__(self, pool: BlockPool) -> None:
         self.name = state_segment_name(pool.pool_name)
         self._pool_name = pool.pool_name
-        shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREAT, mode=0o600,
-                                     size=_STATE_BYTES)
+        # created exclusively, or the existing one if this user's with mode 0600
+        shm = open_shm(self.name, "publisher state", create=True, size=_STATE_BYTES)
         self._fd = os.dup(shm.fd)
         shm.close_fd()
         try:
@@ -208,8 +230,7 @@ class _PublisherState:
         self._map = mmap.mmap(self._fd, _STATE_BYTES)
         self.row = np.ndarray((1,), dtype=_STATE_DTYPE, buffer=self._map)[0]
         self._words = memoryview(self._map).cast("q")  # the per-send stores, fast
-        hdr = pool.header_snapshot()
-        self._identity = (int(hdr["creator_pid"]), bytes(hdr["none_hash"])[:8])
+        self._identity = bytes(pool.header_snapshot()["pool_id"])
 
     def saved(self) -> tuple[EventCursor, int] | None:
         """(a log cursor, the first sequence number not sent) if the saved position
@@ -217,8 +238,7 @@ class _PublisherState:
         row = self.row
         if (int(row["magic"]) != _STATE_MAGIC
                 or int(row["version"]) != PUBLISHER_STATE_VERSION
-                or (int(row["pool_creator_pid"]), bytes(row["pool_none_hash"]))
-                != self._identity):
+                or bytes(row["pool_id"]) != self._identity):
             return None
         which = int(row["base_which"]) & 1
         base = EventCursor(int(row["base_seq"][which]), int(row["base_pos"][which]))
@@ -230,8 +250,7 @@ class _PublisherState:
         if int(row["magic"]) != _STATE_MAGIC:
             row["magic"] = 0
             row["version"] = PUBLISHER_STATE_VERSION
-            row["pool_creator_pid"] = self._identity[0]
-            row["pool_none_hash"] = self._identity[1]
+            row["pool_id"] = self._identity
             row["published"] = 0
             row["lost"] = 0
             row["base_which"] = 0
@@ -291,6 +310,10 @@ class KVEventPublisher:
         hwm: the PUB socket's high-water mark.
         max_batch_events: events copied out of the log per hold of the pool lock (they
             are decoded, if at all, after it is released).
+        allow_remote: bind a non-loopback address. The sockets have no authentication:
+            by default only loopback (127.0.0.0/8, ::1, localhost), ipc:// and inproc://
+            are bound, anything else is a PublisherError. Expose it behind a firewall that
+            admits only the indexers, or through a relay that uses ZMQ CURVE.
 
     Use it from one thread: ``poll()`` in a loop of your own, ``run()`` until ``stop()``,
     or ``start()`` for a background thread. ``close()`` saves nothing more; the position
@@ -312,6 +335,7 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         max_batch_events: int = 16,
+        allow_remote: bool = False,
     ) -> None:
         zmq = require_zmq()
         if start not in ("oldest", "end"):
@@ -329,6 +353,17 @@ class KVEventPublisher:
         self._owns_pool = isinstance(pool, str)
         self.pool = None
         self._read_labels = False
+        if bind and not allow_remote:
+            for what, addr in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+                if (addr is not None and addr.startswith(_NETWORK_TRANSPORTS)
+                        and not is_loopback_endpoint(addr)):
+                    raise PublisherError(
+                        f"{what} {addr!r} is not a loopback address: the publisher has no "
+                        "authentication, so it binds loopback only unless allow_remote=True "
+                        "(CLI: --allow-remote). To expose it, put it behind a firewall that "
+                        "admits only the indexers, or use ZMQ CURVE on a relay "
+                        "(docs/cluster-index.md)"
+                    )
         self.pool = BlockPool.attach(pool, label="shmkv-publish") if self._owns_pool else pool
         try:
             if not self.pool.event_log.capacity:
@@ -564,13 +599,18 @@ class KVEventPublisher:
 
     def snapshot(self) -> tuple[int, bytes]:
         """``(seq, payload)``: one batch that rebuilds the pool's prefix cache as it stood
-        right after log event ``seq`` (-1 if the log is empty), read under one hold of the
-        pool lock; hashes take the form ``int_hashes`` gives live batches."""
+        right after log event ``seq`` (-1 if the log is empty), read under one short hold
+        of the pool lock: the event cursor and a numpy copy of the cached rows' key fields
+        (``BlockPool.cached_key_arrays``); turning them into hashes and the batch happens
+        after the hold. Hashes take the form ``int_hashes`` gives live batches."""
         pool = self.pool
         as_int = bool(self.int_hashes) or (self.int_hashes is None and use_int_block_hashes())
         with pool.lock():
             seq = pool.event_cursor(from_start=False).seq - 1
-            groups = pool.cached_keys_by_group()
+            group_arr, hash_arr = pool.cached_key_arrays()
+        groups: dict[int, list[bytes]] = {}
+        for group, block_hash in zip(group_arr.tolist(), hash_arr.tolist(), strict=True):
+            groups.setdefault(group, []).append(bytes(block_hash))
         events: list[Any] = [AllBlocksCleared()]
         for group, hashes in sorted(groups.items()):
             events.append(BlockStored(

@@ -41,6 +41,7 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
+from shmkv.pool.segment import open_shm
 from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import LayoutMismatchError, UsageError
 
@@ -103,9 +104,8 @@ def _size(max_processes: int) -> int:
 class _StatsSegment:
     def __init__(self, pool_name: str, max_processes: int | None, create: bool) -> None:
         name = stats_segment_name(pool_name)
-        flags = posix_ipc.O_CREAT if create else 0
         size = _size(max_processes) if create else 0
-        shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=0)
+        shm = open_shm(name, "stats segment", create=create)  # this user's, 0600, no link
         try:
             if create and shm.size < size:
                 os.ftruncate(shm.fd, size)  # first opener sizes it; zeros = empty rows

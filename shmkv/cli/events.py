@@ -150,7 +150,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     pub = KVEventPublisher(args.name, args.endpoint, args.replay_endpoint, args.topic,
                            bind=not args.connect, int_hashes=True if args.int_hashes else None,
                            rank_from=args.rank_from, start=args.start,
-                           resume=not args.no_resume)
+                           resume=not args.no_resume, allow_remote=args.allow_remote)
     try:
         replay = f", replay on {pub.replay_endpoint}" if pub.replay_endpoint else ""
         print(f"publishing pool {args.name} on {pub.endpoint}{replay}, topic "
@@ -181,6 +181,10 @@ def add_publish_parser(sub) -> None:
                    help="PUB address, e.g. tcp://127.0.0.1:5557 (bound unless --connect)")
     p.add_argument("--replay-endpoint", metavar="ADDR", help="ROUTER address for replays")
     p.add_argument("--topic", default="", help="topic frame ('')")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="bind a non-loopback address (the sockets have no authentication: "
+                   "put them behind a firewall that admits only the indexers, or a CURVE "
+                   "relay); without it only loopback, ipc:// and inproc:// are bound")
     p.add_argument("--connect", action="store_true",
                    help="connect the PUB socket (to a relay) instead of binding it")
     p.add_argument("--int-hashes", action="store_true",

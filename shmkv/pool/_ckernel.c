@@ -112,6 +112,15 @@ typedef struct {
     Py_ssize_t buf_cap;
 } Kernel;
 
+/* Memory ordering (shmkv/pool/layout.py, "Memory ordering", says which store publishes
+ * which). STORE_REL(p, v): a release store (every earlier store is visible before it; a
+ * plain mov on x86-64, stlr on aarch64). COMPILER_BARRIER(): no store moves across it at
+ * compile time; what a SIGKILLed process leaves is a program-order prefix of its stores
+ * (the kernel drains the store buffer before another process can look), so the journal
+ * needs only this between its entry, journal_len and the data store. */
+#define STORE_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define COMPILER_BARRIER() __atomic_signal_fence(__ATOMIC_SEQ_CST)
+
 #define I32(k, b, f) (((int32_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
 #define I64(k, b, f) (((int64_t *)((k)->meta + (Py_ssize_t)(b) * ROW_BYTES))[f])
 #define HASHP(k, b) ((k)->meta + (Py_ssize_t)(b) * ROW_BYTES + HASH_BYTE_OFFSET)
@@ -126,10 +135,11 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
         entry[0] = ((int64_t)((const char *)p - k->base) << 4) | width;
         entry[1] = width == 4 ? (int64_t)*(const int32_t *)p : *(const int64_t *)p;
         FAULT_TICK();
-        k->hdr64[H_JOURNAL_LEN] = n + 1;
+        STORE_REL(&k->hdr64[H_JOURNAL_LEN], n + 1); /* publishes the entry */
     } else if (n >= 0) {
-        k->hdr64[H_JOURNAL_LEN] = JOURNAL_OVERFLOWED;
+        STORE_REL(&k->hdr64[H_JOURNAL_LEN], (int64_t)JOURNAL_OVERFLOWED);
     }
+    COMPILER_BARRIER(); /* the data store (J32/J64) comes after journal_len */
     FAULT_TICK();
 }
 
@@ -139,6 +149,7 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
         int32_t *p_ = &(lvalue);                    \
         int32_t v_ = (int32_t)(value);              \
         journal_save((k), p_, 4);                   \
+        COMPILER_BARRIER();                         \
         *p_ = v_;                                   \
     } while (0)
 #define J64(k, lvalue, value)                       \
@@ -146,6 +157,7 @@ static inline void journal_save(Kernel *k, const void *p, int width) {
         int64_t *p_ = &(lvalue);                    \
         int64_t v_ = (int64_t)(value);              \
         journal_save((k), p_, 8);                   \
+        COMPILER_BARRIER();                         \
         *p_ = v_;                                   \
     } while (0)
 
@@ -317,7 +329,10 @@ static int32_t index_lookup(Kernel *k, const unsigned char *hash, uint32_t group
 }
 
 /* Unlinks a key row (a block's own or an alias row) from its chain and clears its key (same
- * order as Python: unlink first, then clear the hash fields). Returns 1 if it held a key. */
+ * order as Python: unlink first, then clear the hash fields). Returns 1 if it held a key, 0
+ * if not, -1 (InvariantViolation set, nothing written) when the row is not in the chain of
+ * its bucket: the walk is bounded by the number of key rows, so a looping chain raises
+ * instead of spinning under the lock (BlockHashToBlockMap.pop, message for message). */
 static int index_pop(Kernel *k, int32_t b) {
     if (I32(k, b, F_HASH_TOKENS) == NO_HASH_TOKENS) return 0;
     uint32_t group = (uint32_t)I32(k, b, F_GROUP);
@@ -327,13 +342,28 @@ static int index_pop(Kernel *k, int32_t b) {
     if (cur == b) {
         J32(k, k->buckets[bucket], nxt);
     } else {
-        while (KEY_OK(k, cur)) {
-            int32_t after = I32(k, cur, F_INDEX_NEXT);
+        Py_ssize_t left = NUM_KEY_ROWS(k);
+        for (;;) {
+            int32_t after = KEY_OK(k, cur) ? I32(k, cur, F_INDEX_NEXT) : NO_BLOCK;
             if (after == b) {
                 J32(k, I32(k, cur, F_INDEX_NEXT), nxt);
                 break;
             }
             cur = after;
+            if (cur == NO_BLOCK || --left < 0) {
+                PyObject *msg = PyUnicode_FromFormat(
+                    "INV-HASH: corrupt shared state: block %d is not in the chain of its "
+                    "bucket %llu", (int)b, (unsigned long long)bucket);
+                if (msg) {
+                    PyObject *exc = PyObject_CallFunction(InvariantViolation, "([O])", msg);
+                    Py_DECREF(msg);
+                    if (exc) {
+                        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+                        Py_DECREF(exc);
+                    }
+                }
+                return -1;
+            }
         }
     }
     J32(k, I32(k, b, F_INDEX_NEXT), NO_BLOCK);
@@ -348,9 +378,13 @@ static PyObject *key_tuple(Kernel *k, int32_t b) {
 }
 
 /* Removes every key of block b: its own, then (if it had one) its alias; the Python
- * kernel's BlockHashToBlockMap.pop_all, write for write. */
-static void index_pop_all(Kernel *k, int32_t b) {
-    if (index_pop(k, b) && k->num_alias_rows) index_pop(k, (int32_t)(ALIAS0(k) + b));
+ * kernel's BlockHashToBlockMap.pop_all, write for write. -1 with InvariantViolation set on a
+ * corrupt chain (the caller's mutate() undoes what was written). */
+static int index_pop_all(Kernel *k, int32_t b) {
+    int popped = index_pop(k, b);
+    if (popped < 0) return -1;
+    if (popped && k->num_alias_rows && index_pop(k, (int32_t)(ALIAS0(k) + b)) < 0) return -1;
+    return 0;
 }
 
 /* Appends (hash, group) of each key index_pop_all(b) would remove to out. Returns 0 with an
@@ -368,6 +402,23 @@ static int append_keys(Kernel *k, int32_t b, PyObject *out) {
         Py_DECREF(key);
     }
     return 1;
+}
+
+/* A KV-cache group id: an int in [0, 2**31) (the row's group_id field), else UsageError with
+ * the Python kernel's message (_pykernel.check_group). Never truncated: 2**32 used to be
+ * group 0 here and a miss in Python. Returns 0 with the error set. */
+static int read_group(PyObject *o, uint32_t *out) {
+    if (PyLong_Check(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (v == -1 && PyErr_Occurred()) return 0;
+        if (!overflow && v >= 0 && v < (1LL << 31)) {
+            *out = (uint32_t)v;
+            return 1;
+        }
+    }
+    PyErr_Format(UsageError, "kv_cache_group_id %R is not an int in [0, 2**31)", o);
+    return 0;
 }
 
 static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
@@ -388,9 +439,9 @@ static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t narg
                      len);
         return NULL;
     }
-    unsigned long group = PyLong_AsUnsignedLong(args[1]);
-    if (group == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    int32_t found = index_lookup(k, (const unsigned char *)hash, (uint32_t)group);
+    uint32_t group;
+    if (!read_group(args[1], &group)) return NULL;
+    int32_t found = index_lookup(k, (const unsigned char *)hash, group);
     if (found == -2) return NULL;
     return PyLong_FromLong(found);
 }
@@ -431,9 +482,9 @@ static PyObject *Kernel_get_cached(Kernel *k, PyObject *const *args, Py_ssize_t 
     PyObject *out = PyList_New(n);
     if (!out) { Py_DECREF(groups); return NULL; }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long group = PyLong_AsUnsignedLong(items[i]);
-        if (group == (unsigned long)-1 && PyErr_Occurred()) goto fail;
-        int32_t b = index_lookup(k, hash, (uint32_t)group);
+        uint32_t group;
+        if (!read_group(items[i], &group)) goto fail;
+        int32_t b = index_lookup(k, hash, group);
         if (b == -2) goto fail;
         if (b == NO_BLOCK) {
             Py_DECREF(out);
@@ -492,7 +543,8 @@ static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     if (!kernel_alive(k)) return NULL;
-    unsigned long group = PyLong_AsUnsignedLong(args[1]);
+    uint32_t group;
+    if (!read_group(args[1], &group)) return NULL;
     Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
     if (PyErr_Occurred()) return NULL;
     PyObject *handles = args[3], *make = args[4];
@@ -514,7 +566,7 @@ static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t narg
                          HASH_BYTES, Py_TYPE(h)->tp_name);
             goto fail;
         }
-        int32_t b = index_lookup(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group);
+        int32_t b = index_lookup(k, (const unsigned char *)PyBytes_AS_STRING(h), group);
         if (b == -2) goto fail;
         if (b == NO_BLOCK) break;
         PyObject *handle = get_handle(handles, make, b);
@@ -533,9 +585,14 @@ fail:
 
 static PyObject *Kernel_insert(Kernel *k, PyObject *args) {
     Py_buffer hash;
-    unsigned int group;
+    PyObject *group_obj;
+    uint32_t group;
     int block, num_tokens;
-    if (!PyArg_ParseTuple(args, "y*Iii", &hash, &group, &block, &num_tokens)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*Oii", &hash, &group_obj, &block, &num_tokens)) return NULL;
+    if (!read_group(group_obj, &group)) {
+        PyBuffer_Release(&hash);
+        return NULL;
+    }
     if (!kernel_alive(k) || hash.len != HASH_BYTES || block < 0 || block >= k->num_blocks) {
         PyBuffer_Release(&hash);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "insert(): bad argument");
@@ -561,7 +618,10 @@ static PyObject *Kernel_evict(Kernel *k, PyObject *arg) {
         Py_DECREF(keys);
         return NULL;
     }
-    index_pop_all(k, (int32_t)b);
+    if (index_pop_all(k, (int32_t)b) < 0) {
+        Py_DECREF(keys);
+        return NULL;
+    }
     return keys;
 }
 
@@ -696,7 +756,10 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
     J64(k, k->hdr64[H_NUM_FREE], num_free - n);
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = k->ids_buf[i];
-        if (caching) index_pop_all(k, b);
+        if (caching && index_pop_all(k, b) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
         J32(k, I32(k, b, F_REF), 1);
         J32(k, k->ledger[b], k->ledger[b] + 1);
     }
@@ -820,8 +883,9 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t num_cached = PyLong_AsSsize_t(args[2]);
     Py_ssize_t ratio = PyLong_AsSsize_t(args[3]);
     Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    unsigned long group = PyLong_AsUnsignedLong(args[5]);
     if (PyErr_Occurred()) return NULL;
+    uint32_t group;
+    if (!read_group(args[5], &group)) return NULL;
     PyObject *mask = args[6], *evicted_out = args[7];
     PyObject *seq = PySequence_Fast(args[0], "cache_full_blocks() takes a sequence of blocks");
     if (!seq) return NULL;
@@ -906,8 +970,8 @@ static PyObject *Kernel_cache(Kernel *k, PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t i = k->first_buf[j], position = num_cached + i;
         int32_t b = ids[i];
         PyObject *h = hash_items[(position + 1) * ratio - 1];
-        index_pop_all(k, b); /* a shorter key (and any alias) gives way to the full one */
-        if (!index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), (uint32_t)group, b,
+        /* a shorter key (and any alias) gives way to the full one */
+        if (index_pop_all(k, b) < 0 || !index_insert(k, (const unsigned char *)PyBytes_AS_STRING(h), group, b,
                           (int32_t)((position + 1) * block_size))) {
             Py_CLEAR(result);
             goto done;
@@ -961,15 +1025,21 @@ static PyTypeObject KernelType = {
 /* ------------------------------------------------------------------ the pool lock */
 
 /* CLock: the pool lock of shmkv/pool/lock.py (same semaphore, same holder record, same
- * re-entrancy, fencing, lock-phase and take-over rules) with its fast path in C. Re-entrant
- * per thread; other threads of the process wait on the semaphore itself, with the GIL
- * released. Waits are cut in slices; after each empty slice `on_stall()` (Python) may take
+ * re-entrancy, fencing, lock-phase and take-over rules) with its fast path in C.
+ * shmkv/pool/lock.py (PoolLock) is the REFERENCE protocol; this is a port of it, and
+ * tests/unit/test_lock_protocol.py runs the same observations on both. Re-entrant per
+ * thread; other threads of the process first wait on a per-process gate (PoolLock's
+ * threading.RLock: the GIL released, at most timeout_s), so only one thread of the process
+ * at a time writes the process's lock_phase word: a waiting thread never overwrites the
+ * holder's HOLDING mark, which takeover reads. Waits are cut in slices; after each empty slice `on_stall()` (Python) may take
  * the lock over from a dead holder and returns True when it did. A hold that starts after a
  * take-over, or finds the undo journal non-empty, calls `on_dirty(took_over)` (Python: the
  * repair) before the caller's critical section runs. */
 typedef struct {
     PyObject_HEAD
     sem_t *sem;
+    PyThread_type_lock gate; /* the threads of this process, in front of the semaphore */
+    PyObject *forked;        /* NULL, or (in a forked child) the error every use raises */
     Py_buffer view;
     int has_view;
     int64_t *hdr64;
@@ -1018,6 +1088,11 @@ static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
         return -1;
     }
     l->hdr64 = (int64_t *)l->view.buf;
+    l->gate = PyThread_allocate_lock();
+    if (!l->gate) {
+        PyErr_NoMemory();
+        return -1;
+    }
     l->sem = sem_open(name, 0);
     if (l->sem == SEM_FAILED) {
         l->sem = NULL;
@@ -1036,6 +1111,7 @@ static int CLock_init(CLock *l, PyObject *args, PyObject *kwds) {
 
 static void CLock_dealloc(CLock *l) {
     if (l->sem) sem_close(l->sem);
+    if (l->gate) PyThread_free_lock(l->gate);
     if (l->has_view) PyBuffer_Release(&l->view);
     Py_XDECREF(l->record);
     Py_XDECREF(l->on_timeout);
@@ -1043,6 +1119,7 @@ static void CLock_dealloc(CLock *l) {
     Py_XDECREF(l->on_dirty);
     Py_XDECREF(l->events);
     Py_XDECREF(l->undo);
+    Py_XDECREF(l->forked);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
@@ -1093,12 +1170,13 @@ static int fenced(CLock *l) {
 static inline void set_phase(CLock *l, int64_t phase) {
     if (l->phase) {
         FAULT_TICK();
-        *l->phase = phase;
+        STORE_REL(l->phase, phase);
     }
 }
 
 /* Waits for the semaphore in slices, asking on_stall() after each empty one. Returns 1 when
- * acquired, 2 when taken over, 0 with an exception set. */
+ * acquired, 2 when taken over, 0 with an exception set, 3 with an exception set when the
+ * lock was taken over all the same (the caller gives the unit back). */
 static int wait_in_slices(CLock *l, int64_t start) {
     int64_t deadline = start + (int64_t)(l->timeout_s * 1e9);
     for (;;) {
@@ -1126,7 +1204,9 @@ static int wait_in_slices(CLock *l, int64_t start) {
             return 0;
         }
         PyObject *took = PyObject_CallNoArgs(l->on_stall);
-        if (!took) return 0;
+        /* on_stall wrote this process's holder word (it took the lock over), then raised:
+         * the unit is ours, give it back (PoolLock._abort_acquire, _STAGE_IN_STALL). */
+        if (!took) return l->hdr64[l->h_holder] == l->holder_word ? 3 : 0;
         int yes = PyObject_IsTrue(took);
         Py_DECREF(took);
         if (yes < 0) return 0;
@@ -1150,18 +1230,63 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
         l->depth++;
         Py_RETURN_NONE;
     }
+    if (l->forked) {
+        PyErr_SetObject((PyObject *)Py_TYPE(l->forked), l->forked);
+        return NULL;
+    }
     if (!l->sem || !l->has_view) {
         PyErr_SetString(UsageError, "the pool is closed; attach again to use it");
         return NULL;
     }
-    if (fenced(l)) return NULL; /* a reclaimed slot: touch nothing, not even its phase */
+    /* The gate (PoolLock._gate): one thread of the process at a time past it. */
+    if (!PyThread_acquire_lock(l->gate, NOWAIT_LOCK)) {
+        PyLockStatus st;
+        PY_TIMEOUT_T us = (PY_TIMEOUT_T)(l->timeout_s * 1e6);
+        int64_t gate_deadline = now_ns() + (int64_t)(l->timeout_s * 1e9);
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            st = PyThread_acquire_lock_timed(l->gate, us, 1);
+            Py_END_ALLOW_THREADS
+            if (st != PY_LOCK_INTR) break;
+            if (PyErr_CheckSignals() < 0) return NULL; /* Ctrl-C while waiting at the gate */
+            us = (PY_TIMEOUT_T)((gate_deadline - now_ns()) / 1000);
+            if (us < 0) us = 0;
+        }
+        if (st != PY_LOCK_ACQUIRED) {
+            PyObject *secs = PyFloat_FromDouble(l->timeout_s);
+            if (secs) {
+                PyErr_Format(LockTimeoutError,
+                             "pool lock: another thread of this process held it for over %S s",
+                             secs);
+                Py_DECREF(secs);
+            }
+            return NULL;
+        }
+    }
+    if (l->depth && l->owner == me) { /* cannot happen: the gate is not re-entrant */
+        PyThread_release_lock(l->gate);
+        PyErr_SetString(PyExc_RuntimeError, "pool lock gate");
+        return NULL;
+    }
+    if (fenced(l)) { /* a reclaimed slot: touch nothing, not even its phase */
+        PyThread_release_lock(l->gate);
+        return NULL;
+    }
     set_phase(l, PHASE_ACQUIRING);
     int64_t start = now_ns();
     int got = 1;
     if (l->enabled && sem_trywait(l->sem) != 0) {
         got = wait_in_slices(l, start);
+        if (got == 3) { /* taken over, then on_stall raised: give the unit back */
+            STORE_REL(&l->hdr64[l->h_holder], (int64_t)0);
+            STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)0);
+            STORE_REL(&l->hdr64[l->h_since], (int64_t)0);
+            sem_post(l->sem);
+            got = 0;
+        }
         if (!got) {
             set_phase(l, PHASE_IDLE);
+            PyThread_release_lock(l->gate);
             return NULL;
         }
     }
@@ -1170,16 +1295,17 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
     if (fenced(l)) { /* reclaimed while it waited: give the unit back, touch nothing more */
         if (l->enabled) sem_post(l->sem);
         set_phase(l, PHASE_IDLE);
+        PyThread_release_lock(l->gate);
         return NULL;
     }
     FAULT_TICK();
-    l->hdr64[l->h_holder] = l->holder_word;
+    STORE_REL(&l->hdr64[l->h_holder], l->holder_word);
     FAULT_TICK();
-    l->hdr64[l->h_incarnation] = (int64_t)l->incarnation;
+    STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)l->incarnation);
     FAULT_TICK();
-    l->hdr64[l->h_since] = now;
+    STORE_REL(&l->hdr64[l->h_since], now);
     FAULT_TICK();
-    l->hdr64[H_LOCK_SEQ] += 1;
+    STORE_REL(&l->hdr64[H_LOCK_SEQ], l->hdr64[H_LOCK_SEQ] + 1);
     l->depth = 1;
     l->owner = me;
     l->held_since = now;
@@ -1215,6 +1341,10 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
         l->depth--;
         Py_RETURN_NONE;
     }
+    if (l->forked) {
+        PyErr_SetObject((PyObject *)Py_TYPE(l->forked), l->forked);
+        return NULL;
+    }
     if (l->depth == 0 || !l->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "release of a pool lock that is not held");
         return NULL;
@@ -1224,16 +1354,17 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
     set_phase(l, PHASE_RELEASING);
     if (l->hdr64[H_JOURNAL_LEN] != 0) { /* commit: the hold's writes stand */
         FAULT_TICK();
-        l->hdr64[H_JOURNAL_LEN] = 0;
+        STORE_REL(&l->hdr64[H_JOURNAL_LEN], (int64_t)0); /* the commit */
     }
     FAULT_TICK();
-    l->hdr64[l->h_holder] = 0;
+    STORE_REL(&l->hdr64[l->h_holder], (int64_t)0);
     FAULT_TICK();
-    l->hdr64[l->h_incarnation] = 0;
+    STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)0);
     FAULT_TICK();
-    l->hdr64[l->h_since] = 0;
+    STORE_REL(&l->hdr64[l->h_since], (int64_t)0);
     if (l->enabled) sem_post(l->sem);
     set_phase(l, PHASE_IDLE);
+    PyThread_release_lock(l->gate);
     int64_t held = now_ns() - l->held_since;
     l->hold_ns_total += held;
     if (l->record != Py_None && PyList_GET_SIZE(l->record) > 0) {
@@ -1271,6 +1402,22 @@ static void chain_handled(PyObject *t, PyObject *v, PyObject *tb) {
     Py_XDECREF(t);
     Py_XDECREF(tb);
     PyErr_Restore(t2, v2, tb2);
+}
+
+/* mark_forked(error): in a forked child, every later acquire or release raises `error` and
+ * touches nothing (PoolLock.mark_forked). The gate may be held by a thread of the parent
+ * that the child does not have: it is never waited for again. */
+static PyObject *CLock_mark_forked(CLock *l, PyObject *error) {
+    if (!PyExceptionInstance_Check(error)) {
+        PyErr_SetString(PyExc_TypeError, "mark_forked() takes an exception instance");
+        return NULL;
+    }
+    Py_XSETREF(l->forked, Py_NewRef(error));
+    l->depth = 0;
+    l->owner = 0;
+    l->phase = NULL;
+    l->fence = NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *CLock_set_savepoint(CLock *l, PyObject *args) {
@@ -1331,8 +1478,11 @@ static PyObject *CLock_mutate(CLock *l, PyObject *const *args, Py_ssize_t nargs)
         PyObject *t = NULL, *v = NULL, *tb = NULL;
         if (!result) {
             PyErr_Fetch(&t, &v, &tb);
-            PyObject *u = PyObject_CallFunction(l->undo, "Ln", (long long)l->mark,
-                                                l->mark_events);
+            /* corrupt shared state found: undo, then repair (a third argument, True) */
+            PyObject *u = t && PyErr_GivenExceptionMatches(t, InvariantViolation)
+                ? PyObject_CallFunction(l->undo, "LnO", (long long)l->mark, l->mark_events,
+                                        Py_True)
+                : PyObject_CallFunction(l->undo, "Ln", (long long)l->mark, l->mark_events);
             if (u) {
                 Py_DECREF(u);
             } else {
@@ -1424,6 +1574,8 @@ static PyGetSetDef CLock_getset[] = {
 static PyMethodDef CLock_methods[] = {
     {"acquire", (PyCFunction)CLock_acquire, METH_NOARGS, "take the lock (or one more level)"},
     {"release", (PyCFunction)CLock_release, METH_NOARGS, "give back one level of the lock"},
+    {"mark_forked", (PyCFunction)CLock_mark_forked, METH_O,
+     "mark_forked(error): in a forked child, every later acquire/release raises error"},
     {"set_savepoint", (PyCFunction)CLock_set_savepoint, METH_VARARGS,
      "set_savepoint(events, undo): what mutate() rolls a failed call back with"},
     {"mutate", (PyCFunction)(void (*)(void))CLock_mutate, METH_FASTCALL,
@@ -1464,7 +1616,16 @@ static PyObject *set_errors(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* fence(): a full memory barrier, for the Python paths that publish through shared memory
+ * with plain numpy / memoryview stores (shmkv/pool/barriers.py). */
+static PyObject *mem_fence(PyObject *mod, PyObject *unused) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"fence", mem_fence, METH_NOARGS,
+     "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
     {"fault_arm", fault_arm, METH_O,
      "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},

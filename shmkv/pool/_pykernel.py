@@ -45,6 +45,14 @@ _MASK64 = (1 << 64) - 1
 _SEQUENCES = (list, tuple)
 _INT32_MAX = (1 << 31) - 1
 _read_u64 = struct.Struct("<Q").unpack_from
+_GROUP_LIMIT = 1 << 31  # group ids are ints in [0, 2**31): the rows' group_id field
+
+
+def check_group(group_id) -> None:
+    """Refuses a KV-cache group id that is not an int in [0, 2**31), with the C kernel's
+    message (``read_group`` in _ckernel.c): neither kernel truncates or wraps it."""
+    if not (isinstance(group_id, int) and 0 <= group_id < _GROUP_LIMIT):
+        raise UsageError(f"kv_cache_group_id {group_id!r} is not an int in [0, 2**31)")
 
 
 class PyKernel:
@@ -162,6 +170,7 @@ class PyKernel:
     # ------------------------------------------------------------------ prefix index
 
     def lookup(self, block_hash: bytes, group_id: int) -> int:
+        check_group(group_id)
         if type(block_hash) is not bytes:
             raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
         if len(block_hash) != _HASH_BYTES:
@@ -180,6 +189,8 @@ class PyKernel:
         word = _read_u64(block_hash)[0]
         found = []
         for group_id in group_ids:
+            if not (isinstance(group_id, int) and 0 <= group_id < _GROUP_LIMIT):
+                check_group(group_id)  # raises
             # BlockHashToBlockMap.get_one_block, inlined (reads only).
             if group_id:
                 cur = self._buckets[(word ^ ((group_id * _GROUP_MIX) & _MASK64)) & self._mask]
@@ -209,6 +220,7 @@ class PyKernel:
     def prefix(self, block_hashes, group_id: int, max_blocks: int, handles: list,
                make_handle) -> list:
         """Handles of the longest run of leading hashes cached in the group."""
+        check_group(group_id)
         if max_blocks >= 0:
             block_hashes = block_hashes[:max_blocks]
         found = []
@@ -225,6 +237,7 @@ class PyKernel:
         return found
 
     def insert(self, block_hash: bytes, group_id: int, block_id: int, num_tokens: int) -> None:
+        check_group(group_id)
         self._index.insert(block_hash, group_id, block_id, num_tokens)
 
     def cache(self, blocks, fine_hashes, num_cached: int, ratio: int, block_size: int,
@@ -235,6 +248,7 @@ class PyKernel:
         Returns:
             (block position in the request, hash) of each block cached, in order.
         """
+        check_group(group_id)
         ids = self._read_ids(blocks, "cache_full_blocks")
         htok = self._htok
         start = num_cached + 1

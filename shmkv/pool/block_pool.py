@@ -30,6 +30,7 @@ import logging
 import operator
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from shmkv.pool import layout as L
 from shmkv.pool._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
+    ForkedPoolError,
     InvariantViolation,
     LockTimeoutError,
     OutOfBlocksError,
@@ -71,6 +73,7 @@ from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
     WAIT_SLICE_S,
     PoolLock,
+    check_semaphore,
     create_semaphore,
     decode_holder,
     holder_word,
@@ -203,6 +206,21 @@ class BlockHandles(Sequence):
         return self._pool._handle(index % n)
 
 
+# Every open pool handle of this process, for the at-fork handler below.
+_OPEN_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """os.fork() in a process with open pools: in the child, each handle drops its
+    inherited liveness descriptor (without unlocking: the lock is the parent's, and must go
+    when the parent dies) and refuses every further use with ForkedPoolError."""
+    for pool in list(_OPEN_POOLS):
+        pool._forked_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class BlockPool:
     """A KV-cache block pool whose metadata lives in one POSIX shared-memory segment, shared
     by every process that attaches to it.
@@ -249,6 +267,8 @@ class BlockPool:
         self.hash_fn_name = cfg.hash_fn_name
         self.pool_name = segment.shm_name.split("-", 1)[1].rsplit("-v", 1)[0]
         self.pid = os.getpid()
+        self._forked_from = 0  # in a forked child: the pid that opened this handle
+        _OPEN_POOLS.add(self)
 
         buf = segment.buf
         mem = memoryview(buf)
@@ -301,6 +321,7 @@ class BlockPool:
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        check_semaphore(segment.shm_name)
         self._my_holder_word = holder_word(-1, self.pid)
         if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
             self._alive.close()
@@ -565,17 +586,40 @@ class BlockPool:
                 -1 if fence_index is None else base + 8 * fence_index, base + 8 * phase_index,
             )
 
+    def _forked_child(self) -> None:
+        """This process is a fork of the one that opened the handle (see
+        ``_after_fork_in_child``): the slot, its references and its lock marks are the
+        parent's. Drops the inherited liveness descriptor; every later call raises
+        ForkedPoolError (``close()`` only unmaps)."""
+        if self._forked_from or getattr(self, "_segment", None) is None:
+            return
+        self._forked_from = self.pid
+        error = ForkedPoolError(
+            f"pool {self.pool_name!r}: this handle was opened by pid {self.pid}, and this "
+            f"process (pid {os.getpid()}) is a fork of it; a forked child cannot use its "
+            "parent's handle (its slot, lock and liveness are the parent's): attach the pool "
+            "again in the child (BlockPool.attach), or start children with the 'spawn' "
+            "method"
+        )
+        alive = getattr(self, "_alive", None)
+        if alive is not None:
+            alive.drop_after_fork()
+        lock = getattr(self, "_lock", None)
+        if lock is not None and hasattr(lock, "mark_forked"):
+            lock.mark_forked(error)
+
     def close(self) -> None:
         """Gives back every reference this process holds and its process-table slot, then
-        unmaps the segment. Handles of this pool raise PoolClosedError afterwards."""
+        unmaps the segment. Handles of this pool raise PoolClosedError afterwards. In a
+        forked child (``ForkedPoolError``) it only unmaps: the slot is the parent's."""
         if self._segment.buf is None:
             return
         counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
                 self.process_table.release_slot(self.slot)
-        except (FencedError, PoolClosedError):
-            pass  # the slot is no longer ours: nothing of it to give back
+        except (FencedError, PoolClosedError, ForkedPoolError):
+            pass  # the slot is no longer ours (or is the parent's): nothing to give back
         finally:
             if counting:
                 _fault.end()
@@ -658,20 +702,26 @@ class BlockPool:
             for h, g in keys
         ])
 
-    def _undo_since(self, mark: int, num_events: int) -> None:
+    def _undo_since(self, mark: int, num_events: int, corrupt: bool = False) -> None:
         """A call failed half way (an exception out of the kernel, KeyboardInterrupt...):
         puts back every word it wrote since the journal stood at ``mark``, and drops the
         events it queued, so it changes nothing, as a rejected call. Calls made earlier in
         the same hold stand. If the journal overflowed meanwhile, rebuilds instead (valid,
-        not exact)."""
+        not exact).
+
+        ``corrupt``: the call raised InvariantViolation (a kernel found corrupt shared
+        state, e.g. a looping index chain); the pool is then repaired as after a dead hold
+        (``Repairer.repair_corruption``), still under the lock, so the next call of any
+        process finds it sound; the caller still gets the InvariantViolation."""
         del self._event_queue[num_events:]
         hdr = self._hdr64
-        if hdr[L.H_JOURNAL_LEN] == mark:
-            return
-        if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
-            undo(self._segment.buf, self._layout, hdr, start=mark)
-        else:
-            rebuild(self._segment_views)
+        if hdr[L.H_JOURNAL_LEN] != mark:
+            if mark >= 0 and hdr[L.H_JOURNAL_LEN] >= 0:
+                undo(self._segment.buf, self._layout, hdr, start=mark)
+            else:
+                rebuild(self._segment_views)
+        if corrupt:
+            self._repairer.repair_corruption()
 
     def _log_dropped_keys(self, keys: list[tuple[bytes, int]]) -> None:
         """A rebuild dropped these keys: event subscribers must forget them too."""
@@ -1326,14 +1376,21 @@ class BlockPool:
         and tools, not for the hot paths' callers. Raises PoolClosedError once closed."""
         return self._segment_views
 
-    def cached_keys_by_group(self) -> dict[int, list[bytes]]:
-        """The prefix cache's keys: for each KV-cache group, the hash of every block cached
-        in it, in block-id order (a key several blocks hold comes once per block)."""
+    def cached_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(group ids, hashes)`` of every cached block, in block-id order: numpy copies
+        made in one short hold of the lock (a mask and a copy of the cached rows' two key
+        fields; the conversion to Python objects is the caller's, after the hold)."""
         with self._lock:
             rows = self._blocks[1:self.num_gpu_blocks]
-            cached = rows[rows["hash_num_tokens"] != L.NO_HASH_TOKENS]
-            groups = cached["group_id"].tolist()
-            hashes = cached["block_hash"].tolist()
+            mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+            return rows["group_id"][mask], rows["block_hash"][mask]
+
+    def cached_keys_by_group(self) -> dict[int, list[bytes]]:
+        """The prefix cache's keys: for each KV-cache group, the hash of every block cached
+        in it, in block-id order (a key several blocks hold comes once per block). The lock
+        is held only for the copy (``cached_key_arrays``)."""
+        group_arr, hash_arr = self.cached_key_arrays()
+        groups, hashes = group_arr.tolist(), hash_arr.tolist()
         out: dict[int, list[bytes]] = {}
         for group, block_hash in zip(groups, hashes, strict=True):
             out.setdefault(group, []).append(bytes(block_hash))

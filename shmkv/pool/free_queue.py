@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shmkv.pool import layout as L
-from shmkv.errors import OutOfBlocksError, UsageError
+from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
 
 # Below this many blocks a Python loop over the links beats numpy's per-call overhead.
@@ -45,6 +45,15 @@ _NO_BLOCK = L.NO_BLOCK
 _H_NUM_FREE = L.H_NUM_FREE
 _H_HEAD_KEY = L.H_QUEUE_HEAD_KEY
 _H_TAIL_KEY = L.H_QUEUE_TAIL_KEY
+
+
+def _corrupt(what: str, row: int) -> InvariantViolation:
+    """The C kernel's error for a free-queue link that leaves the rows (``corrupt()``)."""
+    return InvariantViolation([f"INV-FREE/INV-HASH: corrupt shared state: {what} (row {row})"])
+
+
+_NOT_FREE = "free queue links to a row that is not a free block"
+_OUTSIDE = "free queue links outside the block rows"
 
 
 class FreeKVCacheBlockQueue:
@@ -136,8 +145,13 @@ class FreeKVCacheBlockQueue:
             raise OutOfBlocksError(f"Cannot get {n} free blocks from the pool")
         nxt_of, prev_of, head = self._next, self._prev, self.head
         cur = nxt_of[head]
+        # Links are shared memory: checked before the first write, as the C kernel does.
         if n == 1:
+            if not 0 < cur < head:
+                raise _corrupt(_NOT_FREE, cur)
             nxt = nxt_of[cur]
+            if not 0 <= nxt <= head + 1:
+                raise _corrupt(_OUTSIDE, nxt)
             nxt_of[head] = nxt
             prev_of[nxt] = head
             prev_of[cur] = _NO_BLOCK
@@ -146,8 +160,12 @@ class FreeKVCacheBlockQueue:
             return [cur], None
         popped = []
         for _ in range(n):
+            if not 0 < cur < head:
+                raise _corrupt(_NOT_FREE, cur)
             popped.append(cur)
             cur = nxt_of[cur]
+        if not 0 <= cur <= head + 1:
+            raise _corrupt(_OUTSIDE, cur)
         # Relink the head first, then clear the run's links (the order matters only to a
         # corrupt queue that loops, and stays the one it always was).
         nxt_of[head] = cur
@@ -168,7 +186,11 @@ class FreeKVCacheBlockQueue:
         """``popleft_n(1)[0]`` without the checks: the caller has made sure a block is free."""
         nxt_of, prev_of, head = self._next, self._prev, self.head
         first = nxt_of[head]
+        if not 0 < first < head:
+            raise _corrupt(_NOT_FREE, first)
         nxt = nxt_of[first]
+        if not 0 <= nxt <= head + 1:
+            raise _corrupt(_OUTSIDE, nxt)
         nxt_of[head] = nxt
         prev_of[nxt] = head
         prev_of[first] = _NO_BLOCK

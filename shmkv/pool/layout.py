@@ -12,7 +12,7 @@ Regions
 
 | # | region          | dtype         | shape                        | written by | guarded by | invariants |
 |---|-----------------|---------------|------------------------------|------------|------------|------------|
-| 0 | `header`        | HEADER_DTYPE  | `[1]` (256 B)                | creator; then the lock holder | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
+| 0 | `header`        | HEADER_DTYPE  | `[1]` (320 B)                | creator; then the lock holder | pool lock (mutable part) | INV-HDR, INV-CONSERVE |
 | 1 | `block_meta`    | BLOCK_DTYPE   | `[num_blocks + 2]`           | the kernels: `FreeKVCacheBlockQueue` (links), `BlockHashToBlockMap` (`index_next`, hash fields), ref counts | pool lock | INV-FREE, INV-QKEY, INV-REF, INV-HASH |
 | 2 | `block_alias`   | BLOCK_DTYPE   | `[num_blocks]` with ``FLAG_PARTIAL_KEYS``, else `[0]` | `BlockHashToBlockMap` (key fields only) | pool lock | INV-HASH, INV-ALIAS |
 | 3 | `index_buckets` | int32         | `[num_index_buckets]`        | `BlockHashToBlockMap` | pool lock | INV-HASH |
@@ -47,6 +47,9 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `hash_fn_name` (S16, 72): the block-hash function every process must use.
 - `none_hash` (V32, 88): the NONE_HASH seed digest every process chains its first block on.
 - `journal_entries` (u64, 120): size of region 7, the undo journal.
+- `pool_id` (V16, 256, after the mutable part): 16 random bytes drawn when the pool is
+  created: the identity of this pool, never of another one made under the same name or by
+  a reused pid (the publisher's identity and saved position are keyed on it).
 
 Mutable, written only under the pool lock:
 
@@ -101,7 +104,7 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
 | `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
-| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
+| `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post); ``PHASE_ABANDONED`` (an exception cut its acquire short just as the semaphore call returned: it may hold the semaphore; kept through its later waits until it holds the lock again): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
 
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
@@ -202,7 +205,7 @@ POSIX semaphore ``/shmkv_bell-<name>`` named in the channel's header (it has no 
 own), and a pool has its lock semaphore and ``.alive`` file (above).
 
 Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and holds an
-*owner record* (``OWNER_DTYPE``, 96 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
+*owner record* (``OWNER_DTYPE``, 112 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
 ``shmkv cleanup`` (``shmkv/pool/siblings.py``) reads only these to decide whose a sibling is:
 
 | field                 | type | meaning |
@@ -213,6 +216,7 @@ Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and h
 | `creator_start_ticks` | u64  | the creator's start time (``/proc/<pid>/stat`` field 22), so a reused pid is not taken for it |
 | `pool_ino`            | u64  | inode of the pool segment in /dev/shm when the segment was made: a pool re-created under the same name is another pool |
 | `pool_name`           | S64  | the pool the segment belongs to; empty: none |
+| `pool_id`             | V16  | that pool's header `pool_id` when the segment was made: the pool itself, whatever its name, creator pid or inode |
 
 A sibling is its creator's while the creator lives, and its pool's while that very pool is in
 use; when both are gone (or the pool is being removed as orphaned) cleanup removes it, and a
@@ -238,6 +242,29 @@ A frame is a u32 length, then that many bytes of msgpack, padded to 8 bytes; a l
 ``CHANNEL_WRAP`` means "the rest of this lap is empty, go on at the ring's start". A producer
 killed in the middle of a frame never advanced `tail`, so no reader sees half a frame.
 
+Memory ordering: which store publishes which
+--------------------------------------------
+
+Correct on weakly ordered CPUs (aarch64, GH200 nodes) as well as on x86-64 (TSO). In C
+(``_ckernel.c``): ``STORE_REL`` is a release store, ``COMPILER_BARRIER`` a compiler-only
+barrier; in Python, ``shmkv.pool.barriers.fence()`` is a full barrier (the C kernel's; a no-op
+without it, x86-64 only).
+
+- Undo journal: the entry's two words, then `journal_len` (release) publishes it, then a
+  compiler barrier, then the data store it undoes. Only a compiler barrier is needed before
+  the data: what a SIGKILLed holder leaves is a program-order prefix of its stores, and no
+  other process reads these words while the holder is alive (they are under the lock).
+- The commit: `journal_len = 0` (release) publishes the hold's writes as final; then the
+  holder record is cleared (release stores) and the semaphore posted (a full barrier).
+- Lock marks: `lock_phase` stores are release stores; HOLDING is stored before `holder`
+  (both release), RELEASING before `holder` is cleared, IDLE after the post.
+- Channel ring (``shmkv/messages.py``): the producer's frame bytes, fence, `tail` publishes
+  them; the consumer reads `tail`, fence, the frame, fence, `head` gives the space back; the
+  producer reads `head`, fence, then overwrites.
+- Block-table seqlock (``shmkv/ranks/block_table.py``): odd `seq`, fence, rows, fence, `step`,
+  fence, even `seq` publishes them; a reader reads an even `seq`, fence, the rows, fence, and
+  re-reads `seq` to validate the copy.
+
 Changelog
 ---------
 
@@ -249,10 +276,16 @@ Changelog
   `lock_seq`, `num_takeovers`; process rows gain `lock_phase` (labels shrink to 24 bytes).
 - v4: partial-block keys: the `block_alias` region (region 2; a block's second, partial
   key), so the regions after it move; the prefix index links key rows of both regions.
+- v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4); the header grows to
+  320 bytes with `pool_id` (16 random bytes at creation), so the regions after it move.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
-256 bytes; block tables and KV store in their headers' padding).
+256 bytes; block tables and KV store in their headers' padding). pub v3: the saved position
+is keyed on the pool's `pool_id` (was its creator pid and 8 bytes of NONE_HASH). ch v3, bt v3,
+kv v3, stats v3, pub v3: the owner record grows to 112 bytes with the pool's `pool_id`, which
+cleanup compares (a pool re-created under the name, even by a reused pid on a reused inode, is
+another pool).
 """
 
 from __future__ import annotations
@@ -265,7 +298,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -311,6 +344,8 @@ HEADER_DTYPE = np.dtype(
             "holder", "holder_incarnation", "holder_since_ns",
             "next_event_seq", "log_write_pos", "log_oldest_seq", "log_oldest_pos",
             "num_reaped", "num_events_dropped", "journal_len", "lock_seq", "num_takeovers",
+            # immutable again: the identity, drawn at creation
+            "pool_id",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -321,6 +356,7 @@ HEADER_DTYPE = np.dtype(
             "<i8", "<u8", "<i8",
             "<i8", "<i8", "<i8", "<i8",
             "<i8", "<i8", "<i8", "<u8", "<u8",
+            "V16",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -331,8 +367,9 @@ HEADER_DTYPE = np.dtype(
             160, 168, 176,
             184, 192, 200, 208,
             216, 224, 232, 240, 248,
+            256,
         ],
-        "itemsize": 256,
+        "itemsize": 320,
     }
 )
 
@@ -394,6 +431,7 @@ PHASE_IDLE = 0
 PHASE_ACQUIRING = 1
 PHASE_RELEASING = 2
 PHASE_HOLDING = 3
+PHASE_ABANDONED = 4  # an exception cut its acquire short: it may hold the unit (lock.py)
 # int64 words of a process row, for the locks' flat-view access.
 P_INCARNATION = PROC_DTYPE.fields["incarnation"][1] // 8
 P_LOCK_PHASE = PROC_DTYPE.fields["lock_phase"][1] // 8
@@ -649,7 +687,7 @@ def segment_name(pool_name: str) -> str:
 
 # ------------------------------------------------------------------ sibling segments
 
-CHANNEL_LAYOUT_VERSION = 2
+CHANNEL_LAYOUT_VERSION = 3
 CHANNEL_MAGIC = 0x1A5E_4B76_6843_7F01
 CHANNEL_WRAP = 0xFFFF_FFFF
 MAX_DOORBELL_NAME_BYTES = 88
@@ -674,24 +712,24 @@ OWNER_MAGIC = 0x1A5E_4B76_6F77_6E31
 OWNER_DTYPE = np.dtype(
     {
         "names": ["owner_magic", "creator_pid", "pool_creator_pid", "creator_start_ticks",
-                  "pool_ino", "pool_name"],
-        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}"],
-        "offsets": [0, 8, 12, 16, 24, 32],
-        "itemsize": 96,
+                  "pool_ino", "pool_name", "pool_id"],
+        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}", "V16"],
+        "offsets": [0, 8, 12, 16, 24, 32, 96],
+        "itemsize": 112,
     }
 )
 
 # Versions and magics of the other sibling kinds (their modules lay out the rest).
-BT_LAYOUT_VERSION = 2
+BT_LAYOUT_VERSION = 3
 BT_MAGIC = 0x1A5E_4B76_7462_6C31
 BT_OWNER_OFFSET = 128  # in the 256-byte header's padding
-KV_LAYOUT_VERSION = 2
+KV_LAYOUT_VERSION = 3
 KV_MAGIC = 0x1A5E_4B76_6B76_7332
 KV_OWNER_OFFSET = 128  # in the 4 KiB header's padding
-STATS_VERSION = 2
+STATS_VERSION = 3
 STATS_MAGIC = 0x5348_4B56_5354_4101  # "SHKVSTA" + 1
 STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner record
-PUBLISHER_STATE_VERSION = 2
+PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
 OFFLOAD_TIER_VERSION = 1  # the vLLM offload tier's table (shmkv/vllm.py)

@@ -29,6 +29,7 @@ import struct
 
 from shmkv.errors import SegmentError
 from shmkv.pool.layout import MAX_PROCESSES
+from shmkv.pool.segment import check_fd, secure_new_fd
 
 ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
 
@@ -50,11 +51,29 @@ class AliveLocks:
     """This process's view of the pool's lock file: claim a slot, test other slots."""
 
     def __init__(self, path: str, *, create: bool) -> None:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        # Created exclusively, never through a link, then owner/mode checked (segment.py).
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             self._fd = os.open(path, flags, 0o600)
         except FileNotFoundError as exc:
             raise SegmentError(f"the pool's lock file {path} is missing") from exc
+        except FileExistsError as exc:
+            raise SegmentError(
+                f"the pool's lock file {path} exists already (left by an earlier pool of this "
+                "name, or planted): remove it (shmkv cleanup) and create the pool again"
+            ) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SegmentError(f"the pool's lock file {path} is a symbolic link; refusing "
+                                   "to use it") from exc
+            raise
+        try:
+            if create:
+                secure_new_fd(self._fd)
+            check_fd(self._fd, f"the pool's lock file {path}")
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.path = path
         self.held_slot: int | None = None
 
@@ -95,6 +114,17 @@ class AliveLocks:
             return True
         answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, slot))
         return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    def drop_after_fork(self) -> None:
+        """In a forked child: closes the inherited descriptor WITHOUT unlocking. The OFD
+        lock belongs to the open file description the parent still uses (an F_UNLCK here
+        would drop the parent's lock); closing only drops the child's reference to it, so
+        the lock goes when the parent dies, whatever the child does (a child that kept the
+        descriptor would keep a SIGKILLed parent looking alive: no reap, no take-over)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.held_slot = None
 
     def close(self) -> None:
         """Closes the descriptor, which drops every lock this process held on the file."""

@@ -22,6 +22,12 @@ Protocol of one hold, every store in this order (the fault points of ``shmkv/poo
    before the caller's critical section.
 2. release: ``lock_phase = RELEASING``; ``journal_len = 0`` (the commit); the holder record
    cleared; the semaphore posted; ``lock_phase = IDLE``.
+3. an exception (KeyboardInterrupt, a signal handler's SystemExit) that cuts an acquire
+   short never leaves the semaphore taken without a mark: a unit surely taken is posted
+   back; one perhaps taken (the exception came as the semaphore call returned) leaves
+   ``lock_phase = ABANDONED``, which takeover reads like a dead waiter's ACQUIRING (and the
+   process keeps that mark through its next waits until it holds the lock again). A cut
+   release still commits, posts and marks IDLE (nested ``finally``).
 
 ``PoolLock`` is the pure-Python implementation; pools on the C kernel use
 ``shmkv.pool._ckernel.CLock``, the same protocol with its fast path in C.
@@ -34,6 +40,7 @@ bounded (``timeout_s``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from threading import get_ident
@@ -42,7 +49,7 @@ import posix_ipc
 
 from shmkv.pool import fault as _fault
 from shmkv.pool import layout as L
-from shmkv.errors import FencedError, LockTimeoutError
+from shmkv.errors import FencedError, InvariantViolation, LockTimeoutError
 
 _H_HOLDER = L.H_HOLDER
 _H_INCARNATION = L.H_HOLDER_INCARNATION
@@ -56,6 +63,11 @@ _FENCED = (
 )
 
 DEFAULT_LOCK_TIMEOUT_S = 10.0
+# What an acquire has so far (PoolLock._stage), for an exception that cuts it short.
+_STAGE_NONE = 0  # not the unit
+_STAGE_IN_WAIT = 1  # in (or just out of) the semaphore call: perhaps the unit
+_STAGE_IN_STALL = 2  # in on_stall: the unit iff the holder record is this process's
+_STAGE_HELD = 3  # surely the unit (HOLDING is stored)
 # Waits are cut in slices this long; after each, the waiter checks for a dead holder.
 WAIT_SLICE_S = 0.02
 
@@ -66,9 +78,30 @@ def lock_name(shm_name: str) -> str:
 
 
 def create_semaphore(shm_name: str) -> None:
-    """Creates the pool's semaphore (value 1, mode 0600); it must not exist yet."""
-    sem = posix_ipc.Semaphore(lock_name(shm_name), posix_ipc.O_CREX, mode=0o600, initial_value=1)
+    """Creates the pool's semaphore (value 1, mode 0600 whatever the umask); it must not
+    exist yet (SegmentError naming it if it does)."""
+    from shmkv.errors import SegmentError
+    from shmkv.pool.segment import SEGMENT_MODE, semaphore_path
+
+    try:
+        sem = posix_ipc.Semaphore(lock_name(shm_name), posix_ipc.O_CREX, mode=0o600,
+                                  initial_value=1)
+    except posix_ipc.ExistentialError:
+        raise SegmentError(
+            f"the pool's semaphore {lock_name(shm_name)} exists already (left by an earlier "
+            "pool of this name, or planted): remove it (shmkv cleanup) and create the pool "
+            "again"
+        ) from None
     sem.close()
+    os.chmod(semaphore_path(lock_name(shm_name)), SEGMENT_MODE)
+
+
+def check_semaphore(shm_name: str) -> None:
+    """Refuses the pool's semaphore unless it is this user's, mode 0600 (segment.py)."""
+    from shmkv.pool.segment import check_path, semaphore_path
+
+    name = lock_name(shm_name)
+    check_path(semaphore_path(name), f"the pool's semaphore {name}")
 
 
 def unlink_semaphore(shm_name: str) -> bool:
@@ -158,6 +191,17 @@ class PoolLock:
         self._events: list = []
         self._undo = None
         self._mark = (0, 0)
+        self._stage = _STAGE_NONE
+        self._abandoned = False  # a cut acquire may still hold the unit (PHASE_ABANDONED)
+        self._forked: Exception | None = None  # set in a forked child: what use raises
+
+    def mark_forked(self, error: Exception) -> None:
+        """In a forked child: every later acquire or release raises ``error`` and touches
+        nothing (a hold inherited from the parent is not the child's to give back)."""
+        self._forked = error
+        self._depth = 0
+        self._owner_thread = 0
+        self._proc64 = None
 
     def set_identity(self, slot: int, incarnation: int, proc64, fence_index: int | None,
                      phase_index: int) -> None:
@@ -185,6 +229,12 @@ class PoolLock:
     def acquire(self) -> None:
         """Takes the lock (or one more level of it).
 
+        No exception (KeyboardInterrupt, a signal handler's SystemExit...) can leave the
+        semaphore taken with neither a release nor a mark that takeover reads: an exception
+        from the moment the semaphore may be ours posts it back if it surely is, or else
+        leaves ``lock_phase = PHASE_ABANDONED`` (the unit may be here), which takeover
+        treats like a dead waiter's ACQUIRING mark (``shmkv/pool/takeover.py``).
+
         Raises:
             LockTimeoutError: not acquired within ``timeout_s``; names the holder.
             FencedError: this process's slot was reclaimed.
@@ -192,6 +242,8 @@ class PoolLock:
         if self._depth and self._owner_thread == get_ident():
             self._depth += 1  # nested in this thread's hold: nothing else to do
             return
+        if self._forked is not None:
+            raise self._forked
         gate = self._gate
         if not gate.acquire(False) and not gate.acquire(timeout=self.timeout_s):
             raise LockTimeoutError(
@@ -199,25 +251,26 @@ class PoolLock:
             )
         try:
             took_over = self._take_semaphore()
+            now = _monotonic_ns()
+            hdr = self._hdr64
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_HOLDER] = self._holder_word
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_INCARNATION] = self._incarnation
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_SINCE] = now
+            if _fault.armed:
+                _fault.tick()
+            hdr[_H_LOCK_SEQ] += 1
+            self._depth = 1
+            self._owner_thread = get_ident()
+            self._stage = _STAGE_NONE  # held: from here release() gives it back
         except BaseException:
-            gate.release()
+            self._abort_acquire()
             raise
-        now = _monotonic_ns()
-        hdr = self._hdr64
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_HOLDER] = self._holder_word
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_INCARNATION] = self._incarnation
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_SINCE] = now
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_LOCK_SEQ] += 1
-        self._depth = 1
-        self._owner_thread = get_ident()
         self._held_since = now
         self.num_acquired += 1
         if self.record is not None:
@@ -229,30 +282,73 @@ class PoolLock:
                 self.release()
                 raise
 
+    def _abort_acquire(self) -> None:
+        """An exception cut an acquire short. Its stage says what this process has: nothing
+        (phase back to IDLE), surely the unit (holder record cleared, the semaphore posted,
+        IDLE), or perhaps the unit (the exception came right after the semaphore call
+        returned: ABANDONED, for takeover, and this lock remembers it). Every step runs
+        even if another exception lands in the one before; the gate is always released."""
+        stage, self._stage = self._stage, _STAGE_NONE
+        hdr, mine = self._hdr64, self._holder_word
+        if stage == _STAGE_IN_STALL:  # on_stall may have taken the lock over, then been cut
+            stage = _STAGE_HELD if hdr[_H_HOLDER] == mine else _STAGE_NONE
+        try:
+            if stage == _STAGE_HELD:
+                if hdr[_H_HOLDER] == mine:
+                    hdr[_H_HOLDER] = 0
+                    hdr[_H_INCARNATION] = 0
+                    hdr[_H_SINCE] = 0
+                if self._enabled:
+                    self._sem.release()
+        finally:
+            try:
+                if stage == _STAGE_IN_WAIT:
+                    self._abandoned = True
+                proc = self._proc64
+                if proc is not None:
+                    proc[self._phase_index] = (
+                        L.PHASE_ABANDONED if self._abandoned else L.PHASE_IDLE
+                    )
+            finally:
+                self._gate.release()
+
     def _take_semaphore(self) -> bool:
-        """Fence check, phase, semaphore. Returns True if the lock was taken over."""
+        """Fence check, phase, semaphore. Returns True if the lock was taken over.
+
+        ``self._stage`` tracks, with plain attribute stores (no bytecode between them and
+        the calls they bracket can raise), whether the unit may be this process's."""
         if self._fenced():  # a reclaimed slot: touch nothing, not even its phase
             raise FencedError(_FENCED)
-        self._set_phase(L.PHASE_ACQUIRING)
+        # ABANDONED instead of ACQUIRING while an earlier, cut acquire may hold the unit.
+        self._set_phase(L.PHASE_ABANDONED if self._abandoned else L.PHASE_ACQUIRING)
         self._waited = 0
         took_over = False
         if self._enabled:
+            self._stage = _STAGE_IN_WAIT
             try:
                 self._sem.acquire(0)  # the uncontended case: no clock, no timed wait
             except posix_ipc.BusyError:
+                self._stage = _STAGE_NONE
                 start = _monotonic_ns()
-                try:
-                    took_over = self._wait_in_slices(start)
-                except BaseException:
-                    self._set_phase(L.PHASE_IDLE)
-                    raise
+                took_over = self._wait_in_slices(start)
                 self._waited = _monotonic_ns() - start
                 self.wait_ns_total += self._waited
-        self._set_phase(L.PHASE_HOLDING)  # first thing with the unit: see shmkv/pool/takeover.py
+        # The first thing with the unit (see shmkv/pool/takeover.py), inline: no call
+        # between the semaphore and this store but the fault tick.
+        if _fault.armed:
+            _fault.tick()
+        proc = self._proc64
+        if proc is not None:
+            proc[self._phase_index] = L.PHASE_HOLDING
+        self._stage = _STAGE_HELD
+        self._abandoned = False
         if self._fenced():  # reclaimed while it waited: give the unit back, touch nothing more
-            if self._enabled:
-                self._sem.release()
-            self._set_phase(L.PHASE_IDLE)
+            self._stage = _STAGE_NONE
+            try:
+                if self._enabled:
+                    self._sem.release()
+            finally:
+                self._set_phase(L.PHASE_IDLE)
             raise FencedError(_FENCED)
         return took_over
 
@@ -260,56 +356,75 @@ class PoolLock:
         deadline = start + int(self.timeout_s * 1e9)
         while True:
             left = (deadline - _monotonic_ns()) / 1e9
+            wait_s = max(0.0, min(self.slice_s, left))
+            self._stage = _STAGE_IN_WAIT
             try:
-                self._sem.acquire(max(0.0, min(self.slice_s, left)))
+                self._sem.acquire(wait_s)
                 return False
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 # SignalError: a signal cut the wait short (posix_ipc does not retry EINTR);
                 # its Python handler runs at the next bytecode, Ctrl-C raising from here.
-                pass
+                self._stage = _STAGE_NONE
+            self._stage = _STAGE_IN_STALL
             if self._on_stall():
                 return True
+            self._stage = _STAGE_NONE
             if _monotonic_ns() >= deadline:
                 raise LockTimeoutError(self._timeout_message())
 
     def release(self) -> None:
         """Gives back one level of the lock; the last level commits the undo journal,
-        clears the holder record and posts the semaphore."""
+        clears the holder record and posts the semaphore. An exception landing anywhere in
+        it (KeyboardInterrupt) still lets every later step run: the commit, the post, the
+        IDLE mark and the gate."""
         if self._depth > 1:
             self._depth -= 1  # still held by this thread's outer level
             return
+        if self._forked is not None:
+            raise self._forked
         self._depth = 0
         self._owner_thread = 0
         hdr = self._hdr64
-        self._set_phase(L.PHASE_RELEASING)
-        if hdr[_H_JOURNAL_LEN]:  # commit: the hold's writes stand
-            if _fault.armed:
-                _fault.tick()
-            hdr[_H_JOURNAL_LEN] = 0
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_HOLDER] = 0
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_INCARNATION] = 0
-        if _fault.armed:
-            _fault.tick()
-        hdr[_H_SINCE] = 0
-        if self._enabled:
-            self._sem.release()
-        self._set_phase(L.PHASE_IDLE)
+        try:
+            self._set_phase(L.PHASE_RELEASING)
+        finally:
+            try:
+                if hdr[_H_JOURNAL_LEN]:  # commit: the hold's writes stand
+                    if _fault.armed:
+                        _fault.tick()
+                    hdr[_H_JOURNAL_LEN] = 0
+                if _fault.armed:
+                    _fault.tick()
+                hdr[_H_HOLDER] = 0
+                if _fault.armed:
+                    _fault.tick()
+                hdr[_H_INCARNATION] = 0
+                if _fault.armed:
+                    _fault.tick()
+                hdr[_H_SINCE] = 0
+                if self._enabled:
+                    self._sem.release()
+            finally:
+                try:
+                    if _fault.armed:
+                        _fault.tick()
+                    proc = self._proc64
+                    if proc is not None:
+                        proc[self._phase_index] = L.PHASE_IDLE
+                finally:
+                    self._gate.release()
         held = _monotonic_ns() - self._held_since
         self.hold_ns_total += held
         if self.record is not None:
             self.record[-1] = (self.record[-1][0], held)
-        self._gate.release()
 
     # ------------------------------------------------------------------ one call's hold
 
     def set_savepoint(self, events: list, undo) -> None:
         """What :meth:`mutate` needs to roll a failed call back: the pool's list of queued
         events, and ``undo(journal_len, num_events)``, which puts back every word written
-        since the journal stood at ``journal_len`` and drops the events queued since."""
+        since the journal stood at ``journal_len`` and drops the events queued since; called with
+        a third argument, True, when the call raised InvariantViolation: repair the pool too."""
         self._events = events
         self._undo = undo
 
@@ -321,6 +436,9 @@ class PoolLock:
         savepoint (the journal's length and the number of queued events), runs ``fn``; if
         ``fn`` raises (bad input found half way, KeyboardInterrupt...), undoes what it wrote
         since the savepoint and re-raises, so the call changes nothing; gives the lock back.
+        An ``InvariantViolation`` (corrupt shared state: a looping chain...) also has the
+        undo repair the pool (``undo(mark, num_events, True)``) before the lock is given
+        back, so the next call finds it sound.
         Calls made before it in the same hold stand. ``CLock.mutate`` is the same in C.
 
         Args:
@@ -336,20 +454,30 @@ class PoolLock:
             taking the lock.
         """
         counting = _fault.planned is not None and _fault.begin(op)
+        me = get_ident()
+        depth0 = self._depth if self._owner_thread == me else 0
+        outer = self._mark
         try:
             self.acquire()
-            outer, self._mark = self._mark, (self._hdr64[_H_JOURNAL_LEN], len(self._events))
+            # From here the finally gives the level back, even if an exception (Ctrl-C)
+            # lands right after acquire() returned.
+            self._mark = (self._hdr64[_H_JOURNAL_LEN], len(self._events))
             try:
                 return fn(*args)
-            except BaseException:
-                self._undo(*self._mark)
+            except BaseException as exc:
+                if isinstance(exc, InvariantViolation):  # corrupt state: undo, then repair
+                    self._undo(*self._mark, True)
+                else:
+                    self._undo(*self._mark)
                 raise
-            finally:
-                self._mark = outer
-                self.release()
         finally:
-            if counting:
-                _fault.end()
+            self._mark = outer
+            try:
+                if self._depth > depth0 and self._owner_thread == me:
+                    self.release()
+            finally:
+                if counting:
+                    _fault.end()
 
     def savepoint(self) -> None:
         """Moves the savepoint of the running :meth:`mutate` call to here: what the call

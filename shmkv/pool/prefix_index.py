@@ -242,9 +242,9 @@ class BlockHashToBlockMap:
         if cur == block_id:
             buckets[bucket] = nxt
         else:
-            limit = len(self.inext_raw)
+            limit = rows = len(self.inext_raw)
             while True:
-                after = inext[cur]
+                after = inext[cur] if 0 <= cur < rows else _NO_BLOCK
                 if after == block_id:
                     inext[cur] = nxt
                     break

@@ -26,8 +26,8 @@ Catalogue (error messages and tests quote the ids):
 - **INV-PROC**: an active slot has a pid and a non-zero incarnation; a free slot has neither.
 - **INV-JOURNAL**: ``journal_len`` is in ``[0, journal_entries]`` or ``JOURNAL_OVERFLOWED``;
   each counted entry names an aligned 4- or 8-byte word inside the segment, past the
-  header's immutable part; every process row's ``lock_phase`` is IDLE, ACQUIRING, HOLDING or
-  RELEASING.
+  header's immutable part; every process row's ``lock_phase`` is IDLE, ACQUIRING, HOLDING,
+  RELEASING or ABANDONED.
   (Outside any hold ``journal_len`` is 0; checks run inside one, where it may not be.)
 - **INV-LOG**: the event ring's pointers are ordered (``oldest_pos <= write_pos <= oldest_pos
   + capacity``, ``oldest_seq <= next_seq``) and the records between them carry consecutive
@@ -375,7 +375,7 @@ def _check_journal(views: SegmentViews, out: list[str]) -> None:
             out.append(f"INV-JOURNAL: entry {i} names {int(widths[i])} byte(s) at offset "
                        f"{int(offsets[i])}: not an aligned word of the segment's mutable part")
     phases = views.procs["lock_phase"]
-    odd = np.flatnonzero((phases < L.PHASE_IDLE) | (phases > L.PHASE_HOLDING))
+    odd = np.flatnonzero((phases < L.PHASE_IDLE) | (phases > L.PHASE_ABANDONED))
     if len(odd):
         slot = int(odd[0])
         out.append(f"INV-JOURNAL: slot {slot} has lock_phase {int(phases[slot])}")

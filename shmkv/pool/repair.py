@@ -114,6 +114,33 @@ class Repairer:
         logger.warning("pool %s: repaired after a dead hold: %s", self.pool_name,
                        self.last_repair)
 
+    def repair_corruption(self) -> None:
+        """A kernel found corrupt shared state (and raised InvariantViolation) in a call of
+        this process: reaps the dead, rebuilds the derived structures (free queue, index,
+        ref counts) from the authoritative ones (the rebuild bumps the epoch), and reports in
+        ``last_repair``, as after a dead hold. The caller holds the pool lock. A rebuild
+        that fails marks the pool POISONED (``shmkv recover`` is then the way back)."""
+        t0 = time.perf_counter()
+        views = self._views
+        try:
+            reaped, released = self._process_table.reap_dead()
+            report = rebuild(views)
+            if report.dropped_keys:
+                self._on_dropped_keys(report.dropped_keys)
+        except BaseException:
+            self._header["state"] = L.STATE_POISONED
+            logger.error("pool %s: repair of corrupt shared state failed; the pool is marked "
+                         "POISONED", self.pool_name)
+            raise
+        self.last_repair = RepairReport(
+            cause="a kernel found corrupt shared state (InvariantViolation)", took_over=False,
+            journal_entries_undone=0, rebuilt=True, processes_reaped=reaped,
+            references_released=released, seconds=time.perf_counter() - t0,
+            epoch=int(views.hdr64[L.H_EPOCH]),
+        )
+        logger.warning("pool %s: repaired after corrupt shared state: %s", self.pool_name,
+                       self.last_repair)
+
     def repair(self) -> dict:
         """Reaps the dead, checks every invariant and, if any is broken, rebuilds the
         derived structures from the authoritative ones and checks again. A POISONED pool

@@ -3,12 +3,23 @@
 ``posix_ipc.SharedMemory`` + ``mmap``, mode 0600. Never ``multiprocessing.shared_memory``: on
 Python < 3.13 its resource tracker unlinks a segment when any attaching process exits.
 Attach validates the header in a fixed order and names the first field that is wrong.
+
+Every file and segment shmkv opens (the pool segment, its liveness file, its semaphore, the
+stats and publisher-state segments, channels and their doorbells, block tables) follows one
+rule, :func:`check_fd` / :func:`check_path`: created exclusively (``O_EXCL``; shm_open adds
+``O_NOFOLLOW``, plain files are opened with it), then ``fchmod`` 0600 whatever the umask;
+opened only if it is a regular file owned by this user (the pool's owner: attach refuses a
+pool segment of another uid) with mode exactly 0600. Anything else is refused with a
+SegmentError naming the file: another user must not be able to plant one (a foreign
+``.alive`` would let them block reaping and take-over).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import secrets
+import stat
 
 import numpy as np
 import posix_ipc
@@ -17,6 +28,77 @@ from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, SegmentError, SegmentExistsError, SegmentNotFoundError
 
 SEGMENT_MODE = 0o600
+SHM_DIR = "/dev/shm"
+
+
+def _problems(st: os.stat_result) -> list[str]:
+    out = []
+    if not stat.S_ISREG(st.st_mode):
+        out.append("not a regular file")
+    if st.st_uid != os.geteuid():
+        out.append(f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != SEGMENT_MODE:
+        out.append(f"mode {mode:04o}, not {SEGMENT_MODE:04o}")
+    return out
+
+
+def check_fd(fd: int, what: str) -> None:
+    """Refuses an opened file or segment that is not a regular file of this user with mode
+    0600 (SegmentError naming ``what``: kind and name)."""
+    problems = _problems(os.fstat(fd))
+    if problems:
+        raise SegmentError(f"{what}: {'; '.join(problems)}; refusing to use it")
+
+
+def check_path(path: str, what: str) -> None:
+    """``check_fd`` for a file known only by path (a POSIX semaphore, /dev/shm/sem.<name>),
+    without following a symbolic link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # the caller's open reports it missing
+    problems = _problems(st)
+    if problems:
+        raise SegmentError(f"{what}: {'; '.join(problems)}; refusing to use it")
+
+
+def semaphore_path(sem_name: str) -> str:
+    """Where Linux keeps a named POSIX semaphore: /dev/shm/sem.<name without the slash>."""
+    return f"{SHM_DIR}/sem.{sem_name.lstrip('/')}"
+
+
+def secure_new_fd(fd: int) -> None:
+    """A file or segment just created exclusively: mode 0600 whatever the umask."""
+    os.fchmod(fd, SEGMENT_MODE)
+
+
+def open_shm(shm_name: str, what: str, *, create: bool = False,
+             size: int = 0) -> posix_ipc.SharedMemory:
+    """Opens a sibling shared-memory segment by the rule above: with ``create``, created
+    exclusively if it does not exist (``size`` bytes, mode 0600), else the existing one;
+    either way refused unless this user's with mode 0600.
+
+    Raises:
+        posix_ipc.ExistentialError: it does not exist (and ``create`` is False).
+        SegmentError: naming the segment, when it is another user's, or not 0600.
+    """
+    shm = None
+    if create:
+        try:
+            shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=SEGMENT_MODE,
+                                         size=size)
+            secure_new_fd(shm.fd)
+        except posix_ipc.ExistentialError:
+            shm = None
+    if shm is None:
+        shm = posix_ipc.SharedMemory(shm_name)
+    try:
+        check_fd(shm.fd, f"{what} {shm_name}")
+    except BaseException:
+        shm.close_fd()
+        raise
+    return shm
 
 
 class Segment:
@@ -47,6 +129,7 @@ class Segment:
                 "first if it is stale"
             ) from exc
         try:
+            secure_new_fd(shm.fd)
             mapping = mmap.mmap(shm.fd, size_bytes)
         except BaseException:
             shm.close_fd()
@@ -74,6 +157,7 @@ class Segment:
                     f"segment {shm_name} is owned by uid {owner}, not by this user "
                     f"(uid {os.geteuid()}); refusing to attach"
                 )
+            check_fd(shm.fd, f"segment {shm_name}")
             if shm.size == 0:
                 raise LayoutMismatchError(
                     f"segment {shm_name} is empty (0 bytes): not a shmkv segment"
@@ -124,6 +208,7 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     hdr["event_log_bytes"] = cfg.event_log_bytes
     hdr["journal_entries"] = cfg.journal_entries
     hdr["hash_fn_name"] = cfg.hash_fn_name.encode()
+    hdr["pool_id"] = secrets.token_bytes(16)  # this pool, not another of its name or pid
     hdr["epoch"] = 1
     del hdr
 

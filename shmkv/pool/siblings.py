@@ -67,7 +67,7 @@ def owner_record(pool_name: str | None = None, *, creator: bool = True) -> np.nd
         if identity is None:
             raise SegmentNotFoundError(f"no pool named {pool_name!r} to record as the owner")
         rec["pool_name"] = pool_name.encode()
-        rec["pool_creator_pid"], rec["pool_ino"] = identity
+        rec["pool_creator_pid"], rec["pool_ino"], rec["pool_id"] = identity
     rec["owner_magic"] = L.OWNER_MAGIC
     return rec
 
@@ -77,8 +77,9 @@ def write_owner(buf, offset: int, record: np.ndarray) -> None:
     np.ndarray((1,), L.OWNER_DTYPE, buffer=buf, offset=offset)[:] = record
 
 
-def pool_identity(pool_name: str) -> tuple[int, int] | None:
-    """(creator pid, inode) of a pool's segment now; None if there is no such pool."""
+def pool_identity(pool_name: str) -> tuple[int, int, bytes] | None:
+    """(creator pid, inode, ``pool_id``) of a pool's segment now; None if there is no such
+    pool."""
     path = SHM_DIR + L.segment_name(pool_name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -92,7 +93,7 @@ def pool_identity(pool_name: str) -> tuple[int, int] | None:
     if len(head) < L.HEADER_DTYPE.itemsize:
         return None
     hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
-    return int(hdr["creator_pid"]), int(st.st_ino)
+    return int(hdr["creator_pid"]), int(st.st_ino), bytes(hdr["pool_id"])
 
 
 # ------------------------------------------------------------------ the plan
@@ -140,15 +141,19 @@ def _any_lock_held(path: str) -> bool:
 class _Pool:
     """What cleanup learnt of one pool segment."""
 
-    def __init__(self, verdict: Verdict, creator_pid: int = 0, ino: int = 0) -> None:
+    def __init__(self, verdict: Verdict, creator_pid: int = 0, ino: int = 0,
+                 pool_id: bytes = b"") -> None:
         self.verdict = verdict
         self.creator_pid = creator_pid
         self.ino = ino
+        self.pool_id = pool_id
 
 
 def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
+    pool_id = b""
+
     def keep(reason: str, creator: int = 0) -> _Pool:
-        return _Pool(Verdict(entry, "pool", name, False, reason), creator, st.st_ino)
+        return _Pool(Verdict(entry, "pool", name, False, reason), creator, st.st_ino, pool_id)
 
     problem = _foreign(st)
     if problem:
@@ -170,13 +175,14 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
             return keep(f"corrupt header: layout_version {int(hdr['layout_version'])} in a "
                         f"v{L.LAYOUT_VERSION} name: left alone")
         creator = int(hdr["creator_pid"])
+        pool_id = bytes(hdr["pool_id"])
         state = int(hdr["state"])
         if state == L.STATE_INITIALIZING:
             if pid_alive(creator):
                 return keep(f"being created by pid {creator}", creator)
             return _Pool(Verdict(entry, "pool", name, True,
                                  f"its creator pid {creator} died while creating it"),
-                         creator, st.st_ino)
+                         creator, st.st_ino, pool_id)
         if state not in (L.STATE_READY, L.STATE_POISONED):
             return keep(f"corrupt header: state {state}: left alone", creator)
         from shmkv.pool.segment import Segment, read_config
@@ -211,7 +217,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
     return _Pool(Verdict(entry, "pool", name, True,
                          f"no live process attached ({dead} dead), creator pid {creator} "
                          "dead" + ("; it was POISONED" if poisoned else "")),
-                 creator, st.st_ino)
+                 creator, st.st_ino, pool_id)
 
 
 def _slot_alive(entry: str, slot: int, row) -> bool:
@@ -307,7 +313,8 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
         return v
     pool = pools.get(pool_name)
     same = (pool is not None and pool.ino == int(rec["pool_ino"])
-            and pool.creator_pid == int(rec["pool_creator_pid"]))
+            and pool.creator_pid == int(rec["pool_creator_pid"])
+            and pool.pool_id == bytes(rec["pool_id"]))
     if same and not pool.verdict.remove:
         v.reason = f"its pool {pool_name} stays ({pool.verdict.reason})"
         return v

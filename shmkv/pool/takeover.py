@@ -21,6 +21,9 @@ situations:
      taking the semaphore and marking HOLDING: with no process HOLDING or RELEASING, the
      unit can only be there. Take over.
 
+   - a process marked ABANDONED (live or dead: an exception cut its acquire short just as
+     the semaphore call returned, ``shmkv/pool/lock.py``) counts as a dead ACQUIRING one.
+
    The one case this cannot tell apart: a live process stopped (SIGSTOP, or starved) for
    ``stuck_after_s`` in the single instruction between taking the semaphore and its HOLDING
    store, while a dead process's mark is around.
@@ -94,8 +97,8 @@ class TakeOver:
                 if alive:
                     return []  # it has the unit, or posts it: slow, not dead
                 dead_with_unit.append(slot)
-            elif phase == L.PHASE_ACQUIRING and not alive:
-                dead_waiting.append(slot)
+            elif (phase == L.PHASE_ACQUIRING and not alive) or phase == L.PHASE_ABANDONED:
+                dead_waiting.append(slot)  # ABANDONED: a cut acquire, the unit may be there
         return dead_with_unit or dead_waiting
 
     def _stuck_without_holder(self) -> bool:

@@ -31,8 +31,10 @@ Ordering (the seqlock). The writer makes `seq` odd before its first store of a s
 is unchanged (``read``). A zero-copy reader (``reading``) waits for an even `seq` and the
 step it was told about, uses the shared tensors in place, and checks on exit that `seq`
 did not move: the scheduler must not write while its rank computes (the step handshake;
-``TornReadError`` if it did). The stores and loads are ordered as written on x86-64 (TSO);
-a weakly ordered CPU would need fences around `seq`.
+``TornReadError`` if it did). Fences (``shmkv/pool/barriers.py``) order the odd `seq`
+before the row stores, the rows before `step` and the even `seq`, and on the reader's side
+`seq` before the rows and the rows before the re-read of `seq`, so this holds on weakly
+ordered CPUs (aarch64) too, not only on x86-64 (TSO).
 
 KV store (``KVStore``)
 ----------------------
@@ -73,6 +75,7 @@ import numpy as np
 
 from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
+from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, write_owner
 
@@ -527,6 +530,7 @@ class SharedBlockTables:
             # keeps it odd until its own commit.
             if self._seqlock and int(self._words[_SEQ_WORD]) % 2 == 0:
                 self._words[_SEQ_WORD] += 1
+                _fence()  # odd seq before the first row store
             self._writing = True
 
     def _check_row(self, row: object, what: str = "row") -> int:
@@ -707,8 +711,10 @@ class SharedBlockTables:
         if step <= self.step:
             raise UsageError(f"step {step} is not after the last published step {self.step}")
         self._begin_write()
+        _fence()  # the rows before step and the even seq that publish them
         self._swords[_STEP_WORD] = step
         if self._seqlock:
+            _fence()
             self._words[_SEQ_WORD] += 1  # even: published
         self._writing = False
 
@@ -719,6 +725,7 @@ class SharedBlockTables:
         while True:
             seq = int(self._words[_SEQ_WORD])
             if seq % 2 == 0 and (min_step is None or self.step >= min_step):
+                _fence()  # seq (and step) before the rows read after it
                 return seq
             if time.monotonic() > deadline:
                 raise TornReadError(
@@ -753,6 +760,7 @@ class SharedBlockTables:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
             tables = [t.index_select(0, idx) for t in self._t()[1]]
             num_blocks = self._t()[0].index_select(1, idx)
+            _fence()  # the rows before the seq re-read that validates them
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return BlockTableSnapshot(step, idx, tables, num_blocks, self.block_sizes)
@@ -792,6 +800,7 @@ class SharedBlockTables:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
             slots = [torch.from_numpy(_slots_np(table, token_rows, positions, bs))
                      for table, bs in zip(self._tables_np, self.block_sizes, strict=True)]
+            _fence()  # the rows before the seq re-read that validates them
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return step, slots
@@ -805,6 +814,7 @@ class SharedBlockTables:
         seq = self._wait_even(time.monotonic() + timeout_s, step)
         yield BlockTableSnapshot(self.step, torch.arange(self.max_num_reqs),
                                  list(self._t()[1]), self._t()[0], self.block_sizes)
+        _fence()
         if int(self._words[_SEQ_WORD]) != seq:
             raise TornReadError(
                 f"block tables {self.name} were written during a zero-copy read (seq {seq} -> "

@@ -19,7 +19,7 @@ import uuid
 import numpy as np
 import pytest
 
-from shmkv import BlockPool
+from shmkv import BlockPool, InvariantViolation
 from shmkv.pool import layout as L
 from tests.conftest import KERNELS
 from tests.crash import scenarios as S
@@ -101,7 +101,8 @@ def test_kill_at_every_store(kernel, op, forker):
     kill_at_every_store(kernel, op, forker)
 
 
-@pytest.mark.xfail(strict=True, reason="without the journal's rollback a killed call's "
+@pytest.mark.xfail(strict=True, raises=InvariantViolation,
+                   reason="without the journal's rollback a killed call's "
                    "half-done writes stay: the harness must see it")
 def test_kill_at_every_store_without_rollback_is_detected(forker, monkeypatch):
     import shmkv.pool.block_pool

@@ -298,3 +298,28 @@ def test_waits(made):
             proc.wait(30)
         proc.stdout.close()
         BlockPool.unlink(pool)
+
+
+def test_a_poisoned_pool_with_a_live_process_stays(spawn_ctx, name):
+    """Issue 15, item 6 (verified here, fixed by the cleanup rewrite): a POISONED pool whose
+    creator is dead but that a live process still uses (``shmkv recover`` could fix it) is
+    kept with its reason, not counted as an orphan; once that process is gone it goes."""
+    import struct
+
+    maker, _ = _start(spawn_ctx, workers.make_pool_and_siblings, name)
+    user, stop = _start(spawn_ctx, workers.attach_and_wait, name)
+    try:
+        _kill(maker)
+        state_at = L.HEADER_DTYPE.fields["state"][1]
+        with open(f"/dev/shm{L.segment_name(name)}", "r+b") as f:
+            f.seek(state_at)
+            f.write(struct.pack("<I", L.STATE_POISONED))
+        made = _objects(name)
+        out = shmkv("cleanup")
+        assert _objects(name) == made, out.stdout
+        assert f"kept pool {name}: 1 live process(es) attached (pid {user.pid})" in out.stdout
+    finally:
+        stop.set()
+        assert join_processes([user], 60) == [0]
+    out = shmkv("cleanup")
+    assert _objects(name) == [], out.stdout

@@ -13,6 +13,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from shmkv import BlockPool  # noqa: E402
+from shmkv.pool import layout as L  # noqa: E402
 from shmkv.events import BlockStored, decode_batch, external_block_hash  # noqa: E402
 from shmkv.publisher import (  # noqa: E402
     END_SEQ,
@@ -534,4 +535,4 @@ def test_shmkv_publish_errors(events_pool, pool_name):
         assert "Traceback" not in out.stderr
     ok = shmkv("publish", pool_name, "--endpoint", "tcp://127.0.0.1:0", "--duration", "0.2")
     assert ok.returncode == 0, ok.stderr
-    assert os.path.exists(f"/dev/shm/shmkv_pub-{pool_name}-v2")
+    assert os.path.exists(f"/dev/shm/shmkv_pub-{pool_name}-v{L.PUBLISHER_STATE_VERSION}")

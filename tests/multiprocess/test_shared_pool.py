@@ -58,8 +58,9 @@ def test_concurrent_churn_keeps_invariants(spawn_ctx, pool_factory, num_procs, k
     assert [p["slot"] for p in pool.processes()] == [pool.slot]
 
 
-@pytest.mark.xfail(strict=True, reason="without the pool lock, concurrent processes corrupt "
-                   "the pool; this proves the stress test can see it")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="without the pool lock, concurrent processes corrupt the pool; "
+                   "this proves the stress test can see it")
 def test_churn_without_the_lock_is_detected(spawn_ctx, pool_factory):
     """The same churn with the lock disabled in every worker is caught: a worker fails its
     own checks or the final invariant check fails."""

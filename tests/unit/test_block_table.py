@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from shmkv.pool import layout as L  # noqa: E402
 from shmkv.ranks.block_table import (  # noqa: E402
     BT_HEADER_DTYPE,
     KV_HEADER_DTYPE,
@@ -96,7 +97,7 @@ def test_create_sizes_names_and_mode(name, tables):
     assert tables.max_num_blocks_per_req == (16, 4)  # cdiv(64, bs)
     assert tables.step == -1 and tables.seq == 0
     path = f"/dev/shm{block_tables_segment_name(name)}"
-    assert block_tables_segment_name(name) == f"/shmkv_bt-{name}-v2"
+    assert block_tables_segment_name(name) == f"/shmkv_bt-{name}-v{L.BT_LAYOUT_VERSION}"
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert tables.block_table(0).dtype == torch.int32
     assert tuple(tables.block_table(1).shape) == (8, 4)
@@ -204,7 +205,8 @@ def test_attach_validates_the_header_naming_the_field(name, tables):
     hdr = np.ndarray((1,), BT_HEADER_DTYPE, buffer=tables._segment.buf)
     for field, value, match in [
         ("magic", 1234, "header field magic is '0x4d2', expected '0x1a5e4b7674626c31'"),
-        ("layout_version", 99, "header field layout_version is 99, expected 2"),
+        ("layout_version", 99,
+         f"header field layout_version is 99, expected {L.BT_LAYOUT_VERSION}"),
         ("total_bytes", 64, "header field total_bytes is 64"),
         ("num_groups", 9, "header field num_groups is 9, expected 1..8"),
     ]:
@@ -309,7 +311,8 @@ def test_kv_store_attach_validates_the_header(name):
         hdr = np.ndarray((1,), KV_HEADER_DTYPE, buffer=kv._segment.buf)
         for field, value, match in [
             ("magic", 7, "header field magic is '0x7'"),
-            ("layout_version", 3, "header field layout_version is 3, expected 2"),
+            ("layout_version", 99,
+             f"header field layout_version is 99, expected {L.KV_LAYOUT_VERSION}"),
             ("dtype", b"int7", "header field dtype is 'int7'"),
             ("element_bytes", 2, "header field element_bytes is 2, expected 4"),
             ("num_blocks", 5, "header field total_bytes"),

@@ -103,6 +103,26 @@ def test_c_kernel_corrupt_queue_raises_not_crashes(make_pool, bad_next):
         pool.get_new_blocks(5)
 
 
+@pytest.mark.parametrize("bad_next", [10**6, -7, 0])
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_corrupt_queue_link_is_refused_alike_then_repaired(make_pool, bad_next, n):
+    """Both kernels refuse a free-queue link that leaves the free blocks with the same
+    InvariantViolation, before any write, and the pool is repaired at once. The Python
+    kernel used to raise IndexError, or follow -7 and 0 (negative and null rows) and
+    corrupt the pool further."""
+    pool = make_pool(8)
+    if n == 1:
+        pool._blocks["next"][pool.layout.free_head] = bad_next
+    else:
+        pool._blocks["next"][2] = bad_next
+    row = bad_next
+    with pytest.raises(InvariantViolation, match=f"corrupt shared state: free queue links .*"
+                       f"\\(row {row}\\)"):
+        pool.get_new_blocks(n)
+    pool.check_invariants()
+    assert len(pool.get_new_blocks(n)) == n
+
+
 @needs_c
 def test_c_kernel_corrupt_index_chain_raises_not_loops(make_pool):
     """A prefix-index chain that loops raises InvariantViolation instead of spinning."""
@@ -127,3 +147,92 @@ def test_unknown_kernel_is_a_usage_error(pool_name):
         BlockPool.create(pool_name, 8, kernel="fortran")
     with pytest.raises(Exception, match="no shared-memory segment"):
         BlockPool.attach(pool_name)
+
+
+def _cached_pair(pool):
+    """Two cached blocks of one request; returns (block ids, the first block's bucket)."""
+    req = make_request(32)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+    key = pool._index.block_key(blocks[0].block_id)
+    return [b.block_id for b in blocks], pool._index.bucket_of(bytes(key[0]), int(key[1]))
+
+
+def test_index_pop_of_block_missing_from_its_chain_raises_then_repairs(make_pool):
+    """A hashed block whose bucket chain does not reach it: popping its key raises
+    InvariantViolation on both kernels (the C kernel used to go on silently, leaving the
+    chain as it was), the call changes nothing, and the pool is repaired under the same
+    hold: the invariants hold again and the block is found by its key."""
+    pool = make_pool(8)
+    (b0, b1), bucket = _cached_pair(pool)
+    key = pool._index.block_key(b0)
+    buckets = pool.layout.view(pool._segment.buf, "index_buckets")
+    buckets[bucket] = -1  # the chain no longer reaches b0
+    with pytest.raises(InvariantViolation, match=f"block {b0} is not in the chain"):
+        pool.evict_blocks({b0})
+    pool.check_invariants()
+    assert pool.last_repair is not None and pool.last_repair.rebuilt
+    assert pool.get_cached_block(bytes(key[0]), [0])[0].block_id == b0
+
+
+def _pop_in_looping_chain(name: str) -> None:
+    """Child: evicts a block whose bucket chain loops before reaching it."""
+    pool = BlockPool.attach(name)
+    try:
+        pool.evict_blocks({1})
+    except InvariantViolation as exc:
+        assert "not in the chain" in str(exc), exc
+        pool.check_invariants()
+        pool.close()
+        raise SystemExit(0)
+    raise SystemExit(3)  # no error: the corruption went unnoticed
+
+
+@needs_c
+def test_c_index_pop_of_looping_chain_raises_not_spins(pool_name):
+    """A bucket chain that loops before it reaches the block being unlinked: the C kernel
+    used to spin for ever inside the lock (and the GIL); it raises InvariantViolation, and
+    the pool is repaired. Run in a spawned process with a timeout: the old kernel hangs."""
+    import multiprocessing as mp
+
+    pool = BlockPool.create(pool_name, 8, kernel="c")
+    try:
+        (b0, b1), bucket = _cached_pair(pool)
+        assert b0 == 1
+        buckets = pool.layout.view(pool._segment.buf, "index_buckets")
+        buckets[bucket] = 5
+        pool._blocks["index_next"][5] = 5  # a self-loop ahead of block 1
+        ctx = mp.get_context("spawn")
+        child = ctx.Process(target=_pop_in_looping_chain, args=(pool_name,))
+        child.start()
+        child.join(20)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+            pytest.fail("the C kernel spun in a looping index chain")
+        assert child.exitcode == 0
+        pool.check_invariants()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("group", [1 << 32, (1 << 32) + 3, 1 << 31, -1, "0", 0.0, None])
+def test_out_of_range_group_ids_are_refused_alike(make_pool, group):
+    """A group id outside [0, 2**31) or not an int is refused with one message by both
+    kernels, in every call that takes one. The C kernel used to truncate 2**32 to group 0
+    (and hit group 0's block) where the Python kernel missed."""
+    pool = make_pool(8)
+    req = make_request(32)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+    message = f"kv_cache_group_id {group!r} is not an int in \\[0, 2\\*\\*31\\)"
+    with pytest.raises(UsageError, match=message):
+        pool.get_cached_block(req.block_hashes[0], [0, group])
+    with pytest.raises(UsageError, match=message):
+        pool._kernel.lookup(req.block_hashes[0], group)
+    with pytest.raises(UsageError, match=message):
+        pool._kernel.prefix(req.block_hashes, group, -1, pool._handles, pool._handle)
+    with pytest.raises(UsageError, match=message):
+        pool._kernel.insert(bytes(32), group, 5, 16)
+    assert pool.get_cached_block(req.block_hashes[0], [0])[0].block_id == blocks[0].block_id
+    pool.check_invariants()

@@ -195,3 +195,35 @@ def test_a_closed_channel_says_so(make_channel):
 def test_bad_names_are_refused():
     with pytest.raises(UsageError, match="contains '/'"):
         Channel.create("a/b")
+
+
+def test_a_corrupt_frame_header_is_skipped_counted_and_the_channel_goes_on():
+    """A frame header whose length is garbage (over half the ring, or past what was
+    published): the reader used to raise ProtocolError without advancing head, for ever.
+    Now the unread bytes up to the tail are skipped and counted, and later frames arrive."""
+    from shmkv.messages import Channel
+    from tests.conftest import unique_pool_name
+
+    name = unique_pool_name("ch")
+    ch = Channel.create(name, 4096)
+    try:
+        for payload in (b"one", b"two", b"three"):
+            ch.send_bytes(payload)
+        assert ch.poll_bytes() == b"one"
+        head = int(ch._head[0]) % ch.capacity_bytes
+        ch._data[head:head + 4] = (10**6).to_bytes(4, "little")  # "two" is now garbage
+        assert ch.poll_bytes() is None
+        assert ch.poll_bytes() is None  # not wedged: the ring is simply empty now
+        assert ch.corrupt_frames == 1 and ch.corrupt_bytes_skipped == 8 + 16
+        ch.send_bytes(b"four")
+        assert ch.poll_bytes() == b"four"
+        # A length that fits the ring but runs past the published tail is corrupt too.
+        ch.send_bytes(b"five")
+        head = int(ch._head[0]) % ch.capacity_bytes
+        ch._data[head:head + 4] = (1000).to_bytes(4, "little")
+        assert ch.poll_bytes() is None and ch.corrupt_frames == 2
+        ch.send_bytes(b"six")
+        assert ch.poll_bytes() == b"six"
+    finally:
+        ch.close()
+        Channel.unlink(name)

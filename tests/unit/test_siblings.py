@@ -125,3 +125,29 @@ def test_a_sibling_with_a_torn_owner_record_is_left_alone(pool_name):
         assert not v.remove and v.reason == "corrupt owner record: left alone"
     finally:
         Channel.unlink(pool_name)
+
+
+def test_a_sibling_of_another_pool_of_the_same_name_pid_and_inode_goes(pool_name):
+    """Issue 15, item 7: the owner record names its pool by the header's random pool_id
+    too. A sibling whose record matches the live pool's name, creator pid and inode but
+    not its pool_id (a pool re-created by a reused pid on a reused inode) belongs to a pool
+    that is gone: cleanup removes it. It used to be kept as the live pool's."""
+    from shmkv.stats import PoolStats, stats_segment_name
+
+    with BlockPool.create(pool_name, 8) as pool:
+        stats = PoolStats.open(pool)
+        entry = stats_segment_name(pool_name).lstrip("/")
+        mine = [v for v in siblings.plan() if v.entry == entry]
+        assert len(mine) == 1 and not mine[0].remove, mine
+        rec = np.ndarray((1,), L.OWNER_DTYPE, buffer=stats._seg.mem,
+                         offset=L.STATS_OWNER_OFFSET)
+        assert bytes(rec[0]["pool_id"]) == bytes(pool.header_snapshot()["pool_id"])
+        rec[0]["pool_id"] = bytes(16)  # another pool's identity, all else the same
+        del rec
+        mine = [v for v in siblings.plan() if v.entry == entry]
+        assert len(mine) == 1 and mine[0].remove, mine
+        assert "a pool of that name now is another one" in mine[0].reason
+        stats.close()
+    import posix_ipc
+
+    posix_ipc.unlink_shared_memory(stats_segment_name(pool_name))
