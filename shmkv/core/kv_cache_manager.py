@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -63,6 +64,8 @@ from shmkv.core.kv_cache_interface import (
     get_kv_cache_spec_sliding_window,
 )
 from shmkv.core.single_type_kv_cache_manager import MambaManager, trim_null_head
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KVCacheBlockCopy", "KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 
@@ -503,11 +506,14 @@ class KVCacheManager:
         events = self.block_pool.take_events()
         meta = self.kv_cache_event_metadata
         for event in events:
-            if isinstance(event, BlockStored) and event.group_idx is not None and (
-                0 <= event.group_idx < len(meta)
-            ):
-                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = (
-                    meta[event.group_idx])
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(meta):
+                # vLLM's warning, word for word; the event goes out unannotated.
+                logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = (
+                meta[event.group_idx])
         return events
 
     # ------------------------------------------------------------------ views
