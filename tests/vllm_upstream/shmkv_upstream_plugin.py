@@ -190,6 +190,17 @@ def _classes() -> dict:
                 _touched = True
                 super().__init__(to_shmkv(kv_cache_spec), *args, **kwargs)
 
+        if "reachable_block_mask" in vars(shm_cls):
+            shm_mask = shm_cls.reachable_block_mask
+            mask_sig = inspect.signature(shm_mask)
+
+            def reachable_block_mask(*args, **kwargs):
+                bound = mask_sig.bind(*args, **kwargs)
+                if "kv_cache_spec" in bound.arguments:
+                    bound.arguments["kv_cache_spec"] = to_shmkv(bound.arguments["kv_cache_spec"])
+                return shm_mask(*bound.args, **bound.kwargs)
+
+            Manager.reachable_block_mask = staticmethod(reachable_block_mask)
         Manager.__name__ = Manager.__qualname__ = shm_cls.__name__
         return Manager
 
@@ -291,6 +302,14 @@ def _shmkv_pools():
             shmkv.BlockPool.unlink(name)
 
 
+def _crash_line(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return f"{os.path.basename(crash.path)}:{crash.lineno}: {crash.message}"[:400]
+    lines = str(report.longrepr).strip().splitlines()
+    return lines[-1][:400] if lines else ""
+
+
 def pytest_runtest_logreport(report):
     entry = _results.setdefault(report.nodeid, {"outcome": "passed", "touched": False})
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
@@ -299,11 +318,10 @@ def pytest_runtest_logreport(report):
         else:
             entry["outcome"] = report.outcome
         if report.outcome == "failed":
-            entry["error"] = report.longreprtext.strip().splitlines()[-1][:300] \
-                if report.longreprtext else ""
+            entry["error"] = _crash_line(report)
     elif report.when == "teardown" and report.outcome == "failed":
         entry["outcome"] = "failed"
-        entry["error"] = "teardown: " + (report.longreprtext.strip().splitlines() or [""])[-1]
+        entry["error"] = "teardown: " + _crash_line(report)
     if report.when == "call" or report.when == "teardown":
         entry["touched"] = entry.get("touched", False) or _touched
 
