@@ -335,6 +335,41 @@ class KVCacheManager:
         boundary = num_hit + num_uncached if num_uncached else 0
         return self.create_kv_cache_blocks(computed), num_hit, boundary
 
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local hit of a request scheduled with a KV connector: ``get_computed_blocks``'
+        triple plus ``hit_diverged`` (vLLM 0.33.0's call).
+
+        On a hybrid model with Mamba layers and a full-attention group, the full-attention
+        group's own hit is the local prefix (the connector transfers the rest, Mamba state
+        included), and ``hit_diverged`` says that some group's hit is shorter; when a group
+        hit deeper than full attention (its full-attention blocks were evicted), or on any
+        other model, it is ``get_computed_blocks`` with ``hit_diverged`` False. The
+        per-group lookup reports no shared-prefix boundary (0).
+        """
+        coordinator = self.coordinator
+        if not (self.kv_cache_config.has_mamba_layers
+                and getattr(coordinator, "full_attention_group_id", None) is not None):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        fa_group_id = coordinator.full_attention_group_id
+        with self._lock:
+            computed, per_group = coordinator.find_longest_cache_hit_per_group(
+                request.block_hashes, max_cache_hit_length)
+            if any(hit > per_group[fa_group_id] for hit in per_group):
+                return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+            if any(computed):
+                self._begin_lookup_hold()
+                self._pending_hits[request.request_id] = computed
+                self._hits_to_verify.pop(request.request_id, None)
+        num_local = per_group[fa_group_id]
+        return (self.create_kv_cache_blocks(computed), num_local, 0,
+                min(per_group) < num_local)
+
     # ------------------------------------------------------------------ allocation
 
     def allocate_slots(
