@@ -11,12 +11,12 @@ run as they are, each with a one-line reason.
   the Hugging Face hub, offline in CI; or a ``VllmConfig`` that needs a device platform).
 
 ``KNOWN_GAPS``: run as strict xfails (so a fix that makes one pass fails the run until it is
-taken off): what shmkv still lacks, by item of issue 20. Keys are node ids relative to
+taken off): what shmkv still lacks, by item of issue 20 ("gap:" for what the issue does not
+list; "by design:" where shmkv refuses with a clearer error on purpose). Keys are node ids relative to
 ``tests/vllm_upstream/_upstream``; a key without ``[params]`` covers every parametrization.
 """
 
 P = "tests/v1/core/"
-TWINS = "tests/vllm_upstream/test_twins.py::"
 
 DESELECTED: dict[str, str] = {
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_duplicate_checks_all_blocks_for_hash":
@@ -193,7 +193,7 @@ KNOWN_GAPS: dict[str, str] = {
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_opted_out_scratch_group_keeps_partial_hash_hits":
         "item 2: CircularBufferSpec / CircularBufferManager",
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_requires_hash_boundary":
-        "gap: cache_partial_block off a hash-unit boundary (shmkv refuses with UsageError where vLLM asserts a different message)",
+        "by design: vLLM asserts (AssertionError), shmkv raises UsageError (docs/errors.md)",
     P + "test_kv_cache_utils.py::test_effective_attention_block_size_matches_events":
         "item 6: vLLM's EngineCore does not recognise the managers' (converted) specs",
     P + "test_mamba_align_chunk_split.py::test_lookahead_split_caches_partial_tail_boundary[2]":
