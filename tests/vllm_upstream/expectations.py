@@ -188,10 +188,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 3: DCP on a hybrid model",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_hybrid_partial_hash_hit_uses_cow_under_dcp[4]":
         "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_kpool_tail_supports_128_token_partial_hash_hits":
-        "item 2: CircularBufferSpec / CircularBufferManager",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_opted_out_scratch_group_keeps_partial_hash_hits":
-        "item 2: CircularBufferSpec / CircularBufferManager",
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_requires_hash_boundary":
         "by design: vLLM asserts (AssertionError), shmkv raises UsageError (docs/errors.md)",
     P + "test_kv_cache_utils.py::test_effective_attention_block_size_matches_events":
