@@ -182,8 +182,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 3: DCP on a hybrid model",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_partial_hit_with_eagle_rewinds_one_hash_unit":
         "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_full_attention_eagle_drops_one_hash_unit":
-        "gap: FullAttentionManager refuses the test's spec (shmkv's isinstance check after conversion)",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_hybrid_partial_hash_hit_uses_cow_under_dcp[2]":
         "item 3: DCP on a hybrid model",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_hybrid_partial_hash_hit_uses_cow_under_dcp[4]":

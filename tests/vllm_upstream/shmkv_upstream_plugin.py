@@ -183,6 +183,17 @@ def _classes() -> dict:
         _touched = True
         return M.get_manager_for_kv_cache_spec(to_shmkv(kv_cache_spec), *args, **kwargs)
 
+    def _spec_converting(method):
+        sig = inspect.signature(method)
+
+        def call(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            if "kv_cache_spec" in bound.arguments:
+                bound.arguments["kv_cache_spec"] = to_shmkv(bound.arguments["kv_cache_spec"])
+            return method(*bound.args, **bound.kwargs)
+
+        return call
+
     def manager_class(shm_cls):
         class Manager(shm_cls):
             def __init__(self, kv_cache_spec, *args, **kwargs):
@@ -190,17 +201,10 @@ def _classes() -> dict:
                 _touched = True
                 super().__init__(to_shmkv(kv_cache_spec), *args, **kwargs)
 
-        if "reachable_block_mask" in vars(shm_cls):
-            shm_mask = shm_cls.reachable_block_mask
-            mask_sig = inspect.signature(shm_mask)
-
-            def reachable_block_mask(*args, **kwargs):
-                bound = mask_sig.bind(*args, **kwargs)
-                if "kv_cache_spec" in bound.arguments:
-                    bound.arguments["kv_cache_spec"] = to_shmkv(bound.arguments["kv_cache_spec"])
-                return shm_mask(*bound.args, **bound.kwargs)
-
-            Manager.reachable_block_mask = staticmethod(reachable_block_mask)
+        # Class-level calls that take a spec (vLLM's tests call them on the class).
+        for name in ("reachable_block_mask", "find_longest_cache_hit"):
+            if hasattr(shm_cls, name):
+                setattr(Manager, name, staticmethod(_spec_converting(getattr(shm_cls, name))))
         Manager.__name__ = Manager.__qualname__ = shm_cls.__name__
         return Manager
 
