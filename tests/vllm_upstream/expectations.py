@@ -11,8 +11,8 @@ run as they are, each with a one-line reason.
   the Hugging Face hub, offline in CI; or a ``VllmConfig`` that needs a device platform).
 
 ``KNOWN_GAPS``: run as strict xfails (so a fix that makes one pass fails the run until it is
-taken off): what shmkv still lacks, by item of issue 20 ("gap:" for what the issue does not
-list; "by design:" where shmkv refuses with a clearer error on purpose). Keys are node ids relative to
+taken off): what shmkv still lacks, by item of issue 20 ("by design:" where shmkv refuses
+with a clearer error on purpose). Keys are node ids relative to
 ``tests/vllm_upstream/_upstream``; a key without ``[params]`` covers every parametrization.
 """
 
@@ -87,13 +87,13 @@ DESELECTED: dict[str, str] = {
 
 KNOWN_GAPS: dict[str, str] = {
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-150-43-0-16-32-False-2]":
-        "gap: cache_partial_block off a hash-unit boundary (shmkv refuses, vLLM keys it)",
+        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-150-43-None-16-32-False-2]":
-        "gap: cache_partial_block off a hash-unit boundary (shmkv refuses, vLLM keys it)",
+        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-40-25-0-16-32-False-2]":
-        "gap: cache_partial_block off a hash-unit boundary (shmkv refuses, vLLM keys it)",
+        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-40-25-None-16-32-False-2]":
-        "gap: cache_partial_block off a hash-unit boundary (shmkv refuses, vLLM keys it)",
+        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-4-2-2-7-0]":
         "item 3: DCP on a hybrid model",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-127-1]":
