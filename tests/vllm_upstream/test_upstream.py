@@ -30,6 +30,8 @@ def results():
     return upstream.run_upstream("shmkv", upstream.FILES)
 
 
+# The first test waits for the whole upstream session (its fixture).
+@pytest.mark.timeout(upstream.TIMEOUT_S + 60)
 @pytest.mark.parametrize("path", upstream.FILES)
 def test_vllm_upstream_file_passes_on_shmkv(results, path):
     mine = {k: v for k, v in results.items() if k.split("::", 1)[0] == path}
