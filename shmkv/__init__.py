@@ -47,6 +47,7 @@ from shmkv.core.kv_cache_coordinator import (
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -64,6 +65,7 @@ from shmkv.pool.layout import LAYOUT_VERSION, NULL_BLOCK_ID
 from shmkv.core.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 from shmkv.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
@@ -93,6 +95,8 @@ __all__ = [
     "BlockStored",
     "ChunkedLocalAttentionManager",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferManager",
+    "CircularBufferSpec",
     "CrossAttentionManager",
     "CrossAttentionSpec",
     "DEFAULT_NONE_HASH_SEED",

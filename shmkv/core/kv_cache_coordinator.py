@@ -130,8 +130,8 @@ def resolve_prefix_cache_retention_interval(
         )
     if value < 0 or value % scheduler_block_size != 0:
         raise UsageError(
-            f"{source}={value} must be 0 or a positive multiple of scheduler_block_size "
-            f"({scheduler_block_size})"
+            f"prefix_cache_retention_interval ({value}) must be non-negative and a multiple "
+            f"of scheduler_block_size ({scheduler_block_size}) (from {source})"
         )
     return value
 

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 __all__ = [
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferSpec",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
@@ -605,6 +606,35 @@ class CrossAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         max_encoder_len = vllm_config.scheduler_config.max_num_encoder_input_tokens
         return cdiv(max_encoder_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """One block per request, for the request's whole lifetime: a ring of ``block_size``
+    rows holding the raw keys of the token group still being compressed (vLLM 0.33.0's).
+    Never prefix cached; no slot mapping (the ring is indexed by position modulo its size).
+    """
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return None
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return self.page_size_bytes
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        return 1
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        return all(isinstance(spec, CircularBufferSpec) for spec in kv_cache_specs.values())
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True)

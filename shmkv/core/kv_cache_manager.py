@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -63,6 +64,8 @@ from shmkv.core.kv_cache_interface import (
     get_kv_cache_spec_sliding_window,
 )
 from shmkv.core.single_type_kv_cache_manager import MambaManager, trim_null_head
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KVCacheBlockCopy", "KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 
@@ -332,6 +335,41 @@ class KVCacheManager:
         boundary = num_hit + num_uncached if num_uncached else 0
         return self.create_kv_cache_blocks(computed), num_hit, boundary
 
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local hit of a request scheduled with a KV connector: ``get_computed_blocks``'
+        triple plus ``hit_diverged`` (vLLM 0.33.0's call).
+
+        On a hybrid model with Mamba layers and a full-attention group, the full-attention
+        group's own hit is the local prefix (the connector transfers the rest, Mamba state
+        included), and ``hit_diverged`` says that some group's hit is shorter; when a group
+        hit deeper than full attention (its full-attention blocks were evicted), or on any
+        other model, it is ``get_computed_blocks`` with ``hit_diverged`` False. The
+        per-group lookup reports no shared-prefix boundary (0).
+        """
+        coordinator = self.coordinator
+        if not (self.kv_cache_config.has_mamba_layers
+                and getattr(coordinator, "full_attention_group_id", None) is not None):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        fa_group_id = coordinator.full_attention_group_id
+        with self._lock:
+            computed, per_group = coordinator.find_longest_cache_hit_per_group(
+                request.block_hashes, max_cache_hit_length)
+            if any(hit > per_group[fa_group_id] for hit in per_group):
+                return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+            if any(computed):
+                self._begin_lookup_hold()
+                self._pending_hits[request.request_id] = computed
+                self._hits_to_verify.pop(request.request_id, None)
+        num_local = per_group[fa_group_id]
+        return (self.create_kv_cache_blocks(computed), num_local, 0,
+                min(per_group) < num_local)
+
     # ------------------------------------------------------------------ allocation
 
     def allocate_slots(
@@ -503,11 +541,14 @@ class KVCacheManager:
         events = self.block_pool.take_events()
         meta = self.kv_cache_event_metadata
         for event in events:
-            if isinstance(event, BlockStored) and event.group_idx is not None and (
-                0 <= event.group_idx < len(meta)
-            ):
-                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = (
-                    meta[event.group_idx])
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(meta):
+                # vLLM's warning, word for word; the event goes out unannotated.
+                logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = (
+                meta[event.group_idx])
         return events
 
     # ------------------------------------------------------------------ views

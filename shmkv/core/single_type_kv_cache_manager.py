@@ -50,6 +50,7 @@ from shmkv.hashing import BlockHashListWithBlockSize
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
@@ -65,6 +66,7 @@ from shmkv.core.kv_cache_interface import (
 
 __all__ = [
     "ChunkedLocalAttentionManager",
+    "CircularBufferManager",
     "CrossAttentionManager",
     "FullAttentionManager",
     "MambaManager",
@@ -171,8 +173,10 @@ class SingleTypeKVCacheManager(ABC):
         self.block_pool = block_pool
         self.enable_caching = enable_caching
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
-        self._record_new_block_ids = needs_kv_cache_zeroing and isinstance(
-            kv_cache_spec, AttentionSpec
+        # The ring of a circular buffer is never zeroed by the worker (vLLM's rule).
+        self._record_new_block_ids = (
+            needs_kv_cache_zeroing and isinstance(kv_cache_spec, AttentionSpec)
+            and not isinstance(kv_cache_spec, CircularBufferSpec)
         )
         self.new_block_ids: list[int] = []
         self.req_to_blocks: defaultdict[str, list[Block]] = defaultdict(list)
@@ -1390,6 +1394,97 @@ class MambaManager(SingleTypeKVCacheManager):
         return self.kv_cache_group_id, source, boundary_tokens
 
 
+class CircularBufferManager(FullAttentionManager):
+    """A ``CircularBufferSpec`` group: claims the ring's one block when a request first
+    allocates, keeps it until the request is freed; no prefix caching, nothing skipped, no
+    worker zeroing (vLLM 0.33.0's)."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
+
+    def _claim_ring_block(self, request_id: str, record_for_zeroing: bool = True
+                          ) -> list[Block]:
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_blocks)
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids.extend(block.block_id for block in new_blocks)
+        return new_blocks
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Block],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[Block]:
+        return self._claim_ring_block(request_id)
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        self._claim_ring_block(request_id, record_for_zeroing)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: Any,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[Block], ...], int]:
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        return
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Block],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        return
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        return
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Cross attention of an encoder-decoder model: the encoder's KV is allocated once per
     request and never shared, so there are no hits and nothing is cached."""
@@ -1479,6 +1574,7 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     MambaSpec: MambaManager,
     CrossAttentionSpec: CrossAttentionManager,
+    CircularBufferSpec: CircularBufferManager,
 }
 
 
