@@ -377,6 +377,16 @@ class KVCacheCoordinator(ABC):
                 replay_boundaries=boundaries,
             )
 
+    def emit_cached_block_events(self, request: Any,
+                                 computed_blocks: Sequence[Sequence[Block]]) -> None:
+        """One ``BlockStored`` per group with a hit, for blocks reused from the prefix cache
+        (``BlockPool.emit_cached_block_events``; nothing in the pool changes)."""
+        for group_id, group_blocks in enumerate(computed_blocks):
+            if group_blocks:
+                spec = self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+                self.block_pool.emit_cached_block_events(
+                    request, len(group_blocks), spec.block_size, group_id)
+
     def reset_prefix_cache(self) -> bool:
         """Drops the whole prefix cache (False, and nothing changes, if blocks are in use)."""
         return self.block_pool.reset_prefix_cache()

@@ -328,6 +328,11 @@ class KVCacheManager:
         with self._lock:
             computed, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
                 request.block_hashes, max_cache_hit_length)
+            # vLLM's "full" report mode: the reused blocks are announced as stored too, so
+            # an outside consumer (a router, the cluster index) learns of every hit.
+            if (num_hit > 0 and self.enable_kv_cache_events
+                    and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
+                self.coordinator.emit_cached_block_events(request, computed)
             if any(computed):
                 self._begin_lookup_hold()
                 self._pending_hits[request.request_id] = computed

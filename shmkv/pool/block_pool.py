@@ -301,6 +301,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(
             self._i32, self._i64, self._hdr64, self._blocks, layout, self._journal
         )
+        self.free_block_queue.block_handle = self._handle
         self._key_rows = layout.key_rows(buf)
         self._index = BlockHashToBlockMap(
             buf, key_i32, buckets, self._key_rows, layout.view(buf, "index_buckets"), layout,
@@ -1190,7 +1191,8 @@ class BlockPool:
             raise UsageError(f"move_block_hashes(): the destination block {dst} must hold no key")
         htok = self._index._htok_raw
         moved = []
-        for row in (src, index.alias0 + src):
+        rows = (src, index.alias0 + src) if index.has_aliases else (src,)
+        for row in rows:
             key = index.block_key(row)
             if key is not None:
                 moved.append((bytes(key[0]), key[1], htok[row]))
@@ -1395,6 +1397,68 @@ class BlockPool:
         for group, block_hash in zip(groups, hashes, strict=True):
             out.setdefault(group, []).append(bytes(block_hash))
         return out
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether the block's holder may change its contents in place (vLLM's call): not the
+        null block, exactly one reference (in any process), and no prefix-cache key, so no
+        other request can reach it.
+
+        Raises:
+            UsageError: not a block handle, or an id out of range.
+        """
+        block_id = self._check_block_arg(block, "is_block_writable")
+        if block_id == _NULL:
+            return False
+        with self._lock:
+            handle = self._handle(block_id)
+            return handle.ref_cnt == 1 and handle.block_hash is None
+
+    def emit_cached_block_events(self, request: Any, num_cached_blocks: int, block_size: int,
+                                 kv_cache_group_id: int) -> None:
+        """Records a ``BlockStored`` for the first ``num_cached_blocks`` blocks of a request
+        that were prefix-cache hits (vLLM's call): nothing in the pool changes, the event
+        only tells consumers (a router, the cluster index) that the blocks were reused. It
+        reads as vLLM's: no parent, the tokens of the whole hit, one extra-keys entry per
+        block. Does nothing with events off or no hit.
+
+        Args:
+            request: anything with ``.block_hashes`` (at ``hash_block_size``) and
+                ``.all_token_ids``.
+            num_cached_blocks: the hit's length in blocks of ``block_size``.
+            block_size: the group's block size, a multiple of ``hash_block_size``.
+            kv_cache_group_id: the group.
+
+        Raises:
+            UsageError: a bad argument, or fewer hashes than the hit needs; nothing is
+                recorded then.
+        """
+        for label, value in (("num_cached_blocks", num_cached_blocks),
+                             ("block_size", block_size),
+                             ("kv_cache_group_id", kv_cache_group_id)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(
+                    f"emit_cached_block_events(): {label} must be an int >= 0, got {value!r}"
+                )
+        hbs = self.hash_block_size
+        if block_size == 0 or block_size % hbs:
+            raise UsageError(
+                f"emit_cached_block_events(): block_size {block_size} is not a positive "
+                f"multiple of hash_block_size {hbs}"
+            )
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        ratio = block_size // hbs
+        fine_hashes = request.block_hashes
+        if len(fine_hashes) // ratio < num_cached_blocks:
+            raise UsageError(
+                f"emit_cached_block_events(): the request has {len(fine_hashes)} block hashes "
+                f"at {hbs} tokens, {len(fine_hashes) // ratio} at block size {block_size}; "
+                f"{num_cached_blocks} are needed"
+            )
+        cached = [(i, fine_hashes[(i + 1) * ratio - 1]) for i in range(num_cached_blocks)]
+        event = self._block_stored_event(request, cached, 0, num_cached_blocks, block_size,
+                                         kv_cache_group_id, fine_hashes, ratio)
+        self._lock.mutate("emit", self._log_events, [event])
 
     def get_free_block_ids(self) -> list[int]:
         """The free queue, head (evicted first) to tail."""

@@ -25,7 +25,7 @@ NOTE: only this class writes ``prev``, ``next`` and ``queue_key`` (and the heade
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -91,6 +91,8 @@ class FreeKVCacheBlockQueue:
         self._key = JournaledView(self._key_raw, journal, meta + 8 * _KEY, row)
         self.head = layout.free_head
         self.tail = layout.free_tail
+        #: block id -> the pool's ``KVCacheBlock`` handle; set by the pool that owns the queue.
+        self.block_handle = None
 
     def release(self) -> None:
         """Releases the strided views (before the pool releases the views they come from);
@@ -357,6 +359,46 @@ class FreeKVCacheBlockQueue:
             out.append(cur)
             cur = nxt_of[cur]
         return out
+
+    def get_all_free_blocks(self) -> list:
+        """The free blocks as the pool's handles, head (evicted first) to tail: vLLM's call of
+        the same name. For tests and tools; O(num_free_blocks).
+
+        Raises:
+            UsageError: the queue is not a pool's (no ``block_handle`` was set).
+        """
+        return [self._handle_of(b) for b in self.get_all_free_block_ids()]
+
+    def iter_blocks_after(self, cursor) -> Iterator:
+        """Yields the free blocks (the pool's handles) in eviction order after ``cursor``, a
+        block on the queue, or from the head if it is None: vLLM's call of the same name.
+
+        The walk reads the links as it goes, so the caller holds the pool lock while it
+        iterates (``with pool.lock(): ...``) if other processes may change the queue.
+
+        Raises:
+            UsageError: ``cursor`` is not a free block of this pool, or the queue is not a
+                pool's.
+        """
+        nxt_of = self.next_raw
+        if cursor is None:
+            cur = nxt_of[self.head]
+        else:
+            block_id = getattr(cursor, "block_id", None)
+            if (not isinstance(block_id, int) or not 0 < block_id < self.head
+                    or nxt_of[block_id] == _NO_BLOCK):
+                raise UsageError(f"iter_blocks_after(): {cursor!r} is not a free block")
+            cur = nxt_of[block_id]
+        steps = 0
+        while cur != self.tail and cur != _NO_BLOCK and steps <= self.tail:
+            yield self._handle_of(cur)
+            cur = nxt_of[cur]
+            steps += 1
+
+    def _handle_of(self, block_id: int):
+        if self.block_handle is None:
+            raise UsageError("this free queue belongs to no pool: it has no block handles")
+        return self.block_handle(block_id)
 
     def __len__(self) -> int:
         return self.num_free_blocks

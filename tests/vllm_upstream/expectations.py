@@ -31,6 +31,10 @@ DESELECTED: dict[str, str] = {
         "private: caches standalone KVCacheBlock(i) objects never taken from the pool (block 0 is the pool's null block); twin: test_cache_full_blocks_counts_keys",
     P + "test_prefix_caching.py::test_cache_blocks_multi_group":
         "private: caches standalone KVCacheBlock(i) objects never taken from the pool (block 0 is the pool's null block); twin: test_cache_full_blocks_counts_keys",
+    P + "test_prefix_caching.py::test_prefill[sha256]":
+        "private: reads the free list's sentinel nodes (fake_free_list_head/tail) to see an empty queue; twin: test_free_queue_empties_when_every_block_is_taken",
+    P + "test_prefix_caching.py::test_prefill[sha256_cbor]":
+        "private: reads the free list's sentinel nodes (fake_free_list_head/tail) to see an empty queue; twin: test_free_queue_empties_when_every_block_is_taken",
     P + "test_prefix_caching.py::test_cache_hit_local_and_external":
         "private: reads the free list's sentinel node (free_block_queue.fake_free_list_head); twin: test_free_queue_order_after_local_and_external_hit",
     P + "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups":
@@ -208,14 +212,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_device_eviction_keeps_host_prefix":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_emit_cached_block_events":
-        "item 5: BlockPool.emit_cached_block_events",
-    P + "test_prefix_caching.py::test_emit_cached_block_events_disabled":
-        "item 5: BlockPool.emit_cached_block_events",
-    P + "test_prefix_caching.py::test_emit_cached_block_events_zero_cached":
-        "item 5: BlockPool.emit_cached_block_events",
-    P + "test_prefix_caching.py::test_evict":
-        "item 5: FreeKVCacheBlockQueue.get_all_free_blocks",
     P + "test_prefix_caching.py::test_hisparse_aborted_tail_restore_retains_both_endpoints":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_builds_dma_row_mirrors_across_pages":
@@ -324,16 +320,8 @@ KNOWN_GAPS: dict[str, str] = {
         "item 4: num_hash_lookahead_tokens",
     P + "test_prefix_caching.py::test_mamba_partial_hit_requires_matching_lookahead_tokens[2-2]":
         "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_prefill[sha256]":
-        "item 5: FreeKVCacheBlockQueue.get_all_free_blocks",
-    P + "test_prefix_caching.py::test_prefill[sha256_cbor]":
-        "item 5: FreeKVCacheBlockQueue.get_all_free_blocks",
-    P + "test_prefix_caching.py::test_prefill_plp":
-        "item 5: FreeKVCacheBlockQueue.get_all_free_blocks",
     P + "test_prefix_caching.py::test_prefix_cache_hit_uses_per_group_dcp_geometry[False]":
         "item 3: DCP on a hybrid model",
     P + "test_prefix_caching.py::test_prefix_cache_hit_uses_per_group_dcp_geometry[True]":
         "item 3: DCP on a hybrid model",
-    P + "test_prefix_caching.py::test_swa_free_split_keeps_cached_tail_ahead_of_scratch":
-        "item 5: FreeKVCacheBlockQueue.get_all_free_blocks",
 }
