@@ -922,20 +922,10 @@ class BlockPool:
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        for label, value in (("num_cached_blocks", num_cached_blocks),
-                             ("num_full_blocks", num_full_blocks),
-                             ("block_size", block_size),
-                             ("kv_cache_group_id", kv_cache_group_id)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"cache_full_blocks(): {label} must be an int >= 0, got {value!r}")
-        if kv_cache_group_id >= 1 << 31:
-            raise UsageError(f"cache_full_blocks(): kv_cache_group_id {kv_cache_group_id} >= 2**31")
-        hbs = self.hash_block_size
-        if block_size == 0 or block_size % hbs:
-            raise UsageError(
-                f"cache_full_blocks(): block_size {block_size} is not a positive multiple of "
-                f"hash_block_size {hbs}"
-            )
+        ratio, fine_hashes = self._check_hash_run(
+            "cache_full_blocks", request,
+            (("num_cached_blocks", num_cached_blocks), ("num_full_blocks", num_full_blocks)),
+            num_full_blocks, block_size, kv_cache_group_id)
         new_full = list(blocks[num_cached_blocks:num_full_blocks])
         num_new = num_full_blocks - num_cached_blocks
         if len(new_full) != num_new:
@@ -948,17 +938,43 @@ class BlockPool:
                 f"cache_full_blocks(): block_mask has {len(block_mask)} entries for "
                 f"{num_new} blocks"
             )
-        ratio = block_size // hbs
-        fine_hashes = request.block_hashes
-        if len(fine_hashes) // ratio < num_full_blocks:
-            raise UsageError(
-                f"cache_full_blocks(): the request has {len(fine_hashes)} block hashes at "
-                f"{hbs} tokens, {len(fine_hashes) // ratio} at block size {block_size}; "
-                f"{num_full_blocks} are needed"
-            )
         self._lock.mutate("cache", self._cache_locked, request, new_full, fine_hashes,
                           num_cached_blocks, num_full_blocks, ratio, block_size,
                           kv_cache_group_id, block_mask)
+
+    def _check_hash_run(self, what: str, request: Any, counts: tuple[tuple[str, Any], ...],
+                        num_blocks: int, block_size: int, group_id: int
+                        ) -> tuple[int, Sequence[bytes]]:
+        """Checks the arguments of a call on a request's first ``num_blocks`` blocks of
+        ``block_size`` tokens in group ``group_id``: the counts (name, value) are ints >= 0,
+        so is the group (below 2**31), the block size is a positive multiple of
+        ``hash_block_size`` and the request has the hashes. Returns (block size / hash block
+        size, the request's hashes).
+
+        Raises:
+            UsageError: naming the call and the argument.
+        """
+        for label, value in (*counts, ("block_size", block_size),
+                             ("kv_cache_group_id", group_id)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"{what}(): {label} must be an int >= 0, got {value!r}")
+        if group_id >= 1 << 31:
+            raise UsageError(f"{what}(): kv_cache_group_id {group_id} >= 2**31")
+        hbs = self.hash_block_size
+        if block_size == 0 or block_size % hbs:
+            raise UsageError(
+                f"{what}(): block_size {block_size} is not a positive multiple of "
+                f"hash_block_size {hbs}"
+            )
+        ratio = block_size // hbs
+        fine_hashes = request.block_hashes
+        if len(fine_hashes) // ratio < num_blocks:
+            raise UsageError(
+                f"{what}(): the request has {len(fine_hashes)} block hashes at {hbs} tokens, "
+                f"{len(fine_hashes) // ratio} at block size {block_size}; {num_blocks} are "
+                f"needed"
+            )
+        return ratio, fine_hashes
 
     def _cache_locked(self, request, new_full, fine_hashes, num_cached_blocks,
                       num_full_blocks, ratio, block_size, group_id, block_mask) -> None:
@@ -1432,29 +1448,11 @@ class BlockPool:
             UsageError: a bad argument, or fewer hashes than the hit needs; nothing is
                 recorded then.
         """
-        for label, value in (("num_cached_blocks", num_cached_blocks),
-                             ("block_size", block_size),
-                             ("kv_cache_group_id", kv_cache_group_id)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(
-                    f"emit_cached_block_events(): {label} must be an int >= 0, got {value!r}"
-                )
-        hbs = self.hash_block_size
-        if block_size == 0 or block_size % hbs:
-            raise UsageError(
-                f"emit_cached_block_events(): block_size {block_size} is not a positive "
-                f"multiple of hash_block_size {hbs}"
-            )
+        ratio, fine_hashes = self._check_hash_run(
+            "emit_cached_block_events", request, (("num_cached_blocks", num_cached_blocks),),
+            num_cached_blocks, block_size, kv_cache_group_id)
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
-        ratio = block_size // hbs
-        fine_hashes = request.block_hashes
-        if len(fine_hashes) // ratio < num_cached_blocks:
-            raise UsageError(
-                f"emit_cached_block_events(): the request has {len(fine_hashes)} block hashes "
-                f"at {hbs} tokens, {len(fine_hashes) // ratio} at block size {block_size}; "
-                f"{num_cached_blocks} are needed"
-            )
         cached = [(i, fine_hashes[(i + 1) * ratio - 1]) for i in range(num_cached_blocks)]
         event = self._block_stored_event(request, cached, 0, num_cached_blocks, block_size,
                                          kv_cache_group_id, fine_hashes, ratio)
