@@ -253,15 +253,17 @@ def test_two_schedulers_one_consistent_stream(events_pool, spawn_ctx):
     pool = events_pool
     pub_ep, replay_ep = endpoints()
     start = spawn_ctx.Event()
-    with KVEventPublisher(pool.pool_name, pub_ep, replay_ep, rank_from="label").start(), \
-            KVEventSubscriber(pub_ep, replay_ep, start_seq=0) as sub:
+    publisher = KVEventPublisher(pool.pool_name, pub_ep, replay_ep, rank_from="label")
+    with publisher.start(), KVEventSubscriber(pub_ep, replay_ep, start_seq=0) as sub:
         procs = [spawn_ctx.Process(target=event_workers.scheduler,
                                    args=(pool.pool_name, i, 1000 * i, 40, start))
                  for i in range(2)]
         for p in procs:
             p.start()
+        # The schedulers start once the publisher has read both labels: a process that
+        # attached, logged and left between two of its polls would be named by its slot.
         deadline = time.monotonic() + 60
-        while {"scheduler-0", "scheduler-1"} - {p["label"] for p in pool.processes()}:
+        while {"scheduler-0", "scheduler-1"} - set(publisher._labels.values()):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         start.set()
