@@ -86,3 +86,47 @@ def segment_image(pool: BlockPool) -> bytes:
     size = 16 * pool.layout.config.journal_entries
     image[start:start + size] = bytes(size)
     return bytes(image)
+
+
+def interrupt_once_serving(cmd: list[str], *, cwd, env: dict, wait_s: float,
+                           settle_s: float = 0.0) -> tuple[int, str, str, int]:
+    """Starts ``cmd`` in a new session, waits until its progress line ("requests") shows on
+    stderr, waits ``settle_s`` more, then sends SIGINT to its whole process group, as Ctrl-C
+    does. A process still running after 60 s is SIGKILLed (the caller's assertions fail).
+
+    Returns:
+        (exit code, stdout, stderr, pid of the command).
+    """
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=cwd, start_new_session=True)
+    seen = threading.Event()
+    chunks: list[bytes] = []
+
+    def read_stderr():
+        while True:
+            b = proc.stderr.read1(4096)
+            if not b:
+                return
+            chunks.append(b)
+            if b"requests" in b"".join(chunks):
+                seen.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(wait_s), b"".join(chunks).decode()
+        time.sleep(settle_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    reader.join(10)
+    return proc.returncode, stdout.decode(), b"".join(chunks).decode(), proc.pid

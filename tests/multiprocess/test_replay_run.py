@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import interrupt_once_serving
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,43 +195,18 @@ def test_ctrl_c_of_a_replay_leaves_nothing(tmp_path):
     interrupted, no process left, nothing of the run in /dev/shm."""
     trace = _mooncake(tmp_path / "long.jsonl",
                       [([k % 50, 1000 + k, 2000 + k, 3000 + k], 64) for k in range(60000)])
-    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "replay", "--trace",
-                             str(trace), "--trace-block-tokens", "16", "--schedulers", "2",
-                             "--blocks", "512", "--progress", "--json", "c.json",
-                             "--plot", ""],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
-                            cwd=tmp_path, start_new_session=True)
-    seen = threading.Event()
-    chunks: list[bytes] = []
-
-    def read_stderr():
-        while True:
-            b = proc.stderr.read1(4096)
-            if not b:
-                return
-            chunks.append(b)
-            if b"requests" in b"".join(chunks):
-                seen.set()
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
-    try:
-        assert seen.wait(TIMEOUT_S), b"".join(chunks).decode()
-        time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    reader.join(10)
-    stderr = b"".join(chunks).decode()
-    assert proc.returncode == 130, stdout.decode() + stderr
+    returncode, stdout, stderr, pid = interrupt_once_serving(
+        [sys.executable, "-m", "shmkv.cli", "replay", "--trace",
+         str(trace), "--trace-block-tokens", "16", "--schedulers", "2",
+         "--blocks", "512", "--progress", "--json", "c.json",
+         "--plot", ""],
+        cwd=tmp_path, env=_env(), wait_s=TIMEOUT_S, settle_s=0.5)
+    assert returncode == 130, stdout + stderr
     assert "Traceback" not in stderr
     f = json.loads((tmp_path / "c.json").read_text())
     assert any(p.startswith("interrupted") for p in f["problems"])
     assert f["requests"] < f["requests_total"]
-    assert _leftovers(proc.pid) == []
+    assert _leftovers(pid) == []
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in f["processes"].values()) and time.monotonic() < deadline:
         time.sleep(0.1)

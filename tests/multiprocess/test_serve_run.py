@@ -9,11 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import interrupt_once_serving
 
 pytest.importorskip("torch")
 
@@ -181,41 +182,17 @@ def test_ctrl_c_stops_everything_and_cleans_up(tmp_path):
     """SIGINT to the whole process group (what Ctrl-C does) in the middle of a run: exit
     130, no traceback, every child gone and /dev/shm as before."""
     out = tmp_path / "run.json"
-    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", "--schedulers", "2",
-                             "--blocks", "512", "--progress", "--json", str(out),
-                             "--plot", ""],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
-                            cwd=tmp_path, start_new_session=True)
-    seen = threading.Event()
-    chunks: list[bytes] = []
-
-    def read_stderr():
-        while True:
-            b = proc.stderr.read1(4096)
-            if not b:
-                return
-            chunks.append(b)
-            if b"requests" in b"".join(chunks):
-                seen.set()
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
-    try:
-        assert seen.wait(RUN_TIMEOUT_S), b"".join(chunks).decode()
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    reader.join(10)
-    stderr = b"".join(chunks).decode()
-    assert proc.returncode == 130, stdout.decode() + stderr
+    returncode, stdout, stderr, pid = interrupt_once_serving(
+        [sys.executable, "-m", "shmkv.cli", "run", "--schedulers", "2",
+         "--blocks", "512", "--progress", "--json", str(out),
+         "--plot", ""],
+        cwd=tmp_path, env=_env(), wait_s=RUN_TIMEOUT_S)
+    assert returncode == 130, stdout + stderr
     assert "Traceback" not in stderr
     f = json.loads(out.read_text())
     assert any(p.startswith("interrupted") for p in f["problems"])
     assert f["requests"] < f["requests_total"]
-    _check_clean(f, proc.pid)
+    _check_clean(f, pid)
 
 
 def test_bad_arguments_exit_2_without_traceback(tmp_path):
