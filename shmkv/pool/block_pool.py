@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -177,6 +176,20 @@ class KVCacheBlock:
     @property
     def is_null(self) -> bool:
         return self.block_id == _NULL
+
+    @property
+    def prev_free_block(self):
+        """The block before this one on the free queue (a handle, or the queue's head end),
+        or None if this block is not on it: vLLM's field, read from the shared links."""
+        queue = self._pool.free_block_queue
+        return queue.linked(queue.prev_raw[self.block_id])
+
+    @property
+    def next_free_block(self):
+        """The block after this one on the free queue (a handle, or the queue's tail end),
+        or None if this block is not on it: vLLM's field, read from the shared links."""
+        queue = self._pool.free_block_queue
+        return queue.linked(queue.next_raw[self.block_id])
 
     def __repr__(self) -> str:
         try:

@@ -47,6 +47,30 @@ _H_HEAD_KEY = L.H_QUEUE_HEAD_KEY
 _H_TAIL_KEY = L.H_QUEUE_TAIL_KEY
 
 
+class FreeListEnd:
+    """The head or the tail of the free list as vLLM's code sees its sentinel nodes
+    (``fake_free_list_head`` / ``fake_free_list_tail``): its links read the queue's shared
+    rows, like a block handle's ``prev_free_block`` / ``next_free_block``."""
+
+    __slots__ = ("_queue", "block_id")
+
+    def __init__(self, queue: FreeKVCacheBlockQueue, block_id: int) -> None:
+        self._queue = queue
+        self.block_id = block_id
+
+    @property
+    def prev_free_block(self):
+        return self._queue.linked(self._queue.prev_raw[self.block_id])
+
+    @property
+    def next_free_block(self):
+        return self._queue.linked(self._queue.next_raw[self.block_id])
+
+    def __repr__(self) -> str:
+        end = "head" if self.block_id == self._queue.head else "tail"
+        return f"FreeListEnd({end})"
+
+
 def _corrupt(what: str, row: int) -> InvariantViolation:
     """The C kernel's error for a free-queue link that leaves the rows (``corrupt()``)."""
     return InvariantViolation([f"INV-FREE/INV-HASH: corrupt shared state: {what} (row {row})"])
@@ -93,6 +117,8 @@ class FreeKVCacheBlockQueue:
         self.tail = layout.free_tail
         #: block id -> the pool's ``KVCacheBlock`` handle; set by the pool that owns the queue.
         self.block_handle = None
+        self.fake_free_list_head = FreeListEnd(self, self.head)
+        self.fake_free_list_tail = FreeListEnd(self, self.tail)
 
     def release(self) -> None:
         """Releases the strided views (before the pool releases the views they come from);
@@ -394,6 +420,17 @@ class FreeKVCacheBlockQueue:
             yield self._handle_of(cur)
             cur = nxt_of[cur]
             steps += 1
+
+    def linked(self, block_id: int):
+        """What a link names: a block's handle, one of the list's two ends, or None (a
+        block that is not on the queue links nowhere, and neither do the ends outward)."""
+        if block_id == _NO_BLOCK:
+            return None
+        if block_id == self.head:
+            return self.fake_free_list_head
+        if block_id == self.tail:
+            return self.fake_free_list_tail
+        return self._handle_of(block_id)
 
     def _handle_of(self, block_id: int):
         if self.block_handle is None:

@@ -145,3 +145,20 @@ def test_move_block_hashes_without_alias_rows_moves_the_key(make_checked_pool):
     pool.move_block_hashes(a, b)
     assert a.block_hash is None and b.block_hash is not None
     assert pool.get_cached_block(req.block_hashes[0], [0]) == [b]
+
+
+def test_free_list_links_read_as_vllms_fields(make_checked_pool):
+    """``prev_free_block`` / ``next_free_block`` of handles and of the list's two ends
+    (``fake_free_list_head`` / ``_tail``) follow the shared links; off the queue: None."""
+    pool = make_checked_pool(5)
+    queue = pool.free_block_queue
+    head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
+    assert head.prev_free_block is None and tail.next_free_block is None
+    assert head.next_free_block.block_id == 1 and tail.prev_free_block.block_id == 4
+    taken = pool.get_new_blocks(4)
+    assert head.next_free_block is tail and tail.prev_free_block is head
+    assert taken[0].prev_free_block is None and taken[0].next_free_block is None
+    pool.free_blocks([taken[1], taken[0]])
+    first = head.next_free_block
+    assert first is taken[1] and first.prev_free_block is head
+    assert first.next_free_block is taken[0] and taken[0].next_free_block is tail

@@ -31,18 +31,6 @@ DESELECTED: dict[str, str] = {
         "private: caches standalone KVCacheBlock(i) objects never taken from the pool (block 0 is the pool's null block); twin: test_cache_full_blocks_counts_keys",
     P + "test_prefix_caching.py::test_cache_blocks_multi_group":
         "private: caches standalone KVCacheBlock(i) objects never taken from the pool (block 0 is the pool's null block); twin: test_cache_full_blocks_counts_keys",
-    P + "test_prefix_caching.py::test_prefill[sha256]":
-        "private: reads the free list's sentinel nodes (fake_free_list_head/tail) to see an empty queue; twin: test_free_queue_empties_when_every_block_is_taken",
-    P + "test_prefix_caching.py::test_prefill[sha256_cbor]":
-        "private: reads the free list's sentinel nodes (fake_free_list_head/tail) to see an empty queue; twin: test_free_queue_empties_when_every_block_is_taken",
-    P + "test_prefix_caching.py::test_cache_hit_local_and_external":
-        "private: reads the free list's sentinel node (free_block_queue.fake_free_list_head); twin: test_free_queue_order_after_local_and_external_hit",
-    P + "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups":
-        "private: reads the free list's sentinel node (free_block_queue.fake_free_list_head); twin: test_free_queue_order_after_local_and_external_hit",
-    P + "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups_preempt_and_reallocate":
-        "private: reads the free list's sentinel node (free_block_queue.fake_free_list_head); twin: test_free_queue_order_after_local_and_external_hit",
-    P + "test_prefix_caching.py::test_cache_hit_local_and_external_two_groups_preempt_and_reallocate":
-        "private: reads the free list's sentinel node (free_block_queue.fake_free_list_head); twin: test_free_queue_order_after_local_and_external_hit",
     P + "test_prefix_caching.py::test_different_block_size":
         "private: pops entries from the index by key and block id (cached_block_hash_to_block.pop(key, id)); twin: test_hits_after_evicting_chosen_blocks",
     P + "test_prefix_caching.py::test_eagle_with_sliding_window":
