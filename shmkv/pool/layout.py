@@ -762,6 +762,27 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"
+# Siblings named after their pool alone (``/shmkv_<kind>-<pool>-v<version>``): they go
+# with the pool on ``shmkv unlink``. Channels, block tables and KV stores carry a rank or
+# replica suffix and belong to a serving run, which removes them itself.
+POOL_NAMED_SIBLINGS = ("pub", "stats", "offload")
+# The vLLM offload tier's data region is vLLM's own file (its CPU worker names it
+# ``/dev/shm/vllm_offload_<engine_id>.mmap``, plus a suffix per rank); shmkv picks the
+# engine id, ``shmkv_offload_data-<pool>``, so every replica maps the same bytes.
+OFFLOAD_DATA_REGION_PREFIX = "vllm_offload_shmkv_offload_data-"  # + pool + ".mmap..."
+
+
+def offload_data_region_engine_id(pool: str) -> str:
+    """The ``engine_id`` under which every replica's workers map a pool's data region."""
+    return OFFLOAD_DATA_REGION_PREFIX[len("vllm_offload_"):] + validate_pool_name(pool)
+
+
+def offload_data_region_pool(entry: str) -> str | None:
+    """The pool a /dev/shm entry is the offload data region of, or None if it is not one."""
+    if not entry.startswith(OFFLOAD_DATA_REGION_PREFIX):
+        return None
+    pool, sep, _ = entry[len(OFFLOAD_DATA_REGION_PREFIX):].partition(".mmap")
+    return pool if sep and pool else None
 
 
 def sibling_segment_name(kind: str, name: str, version: int) -> str:
