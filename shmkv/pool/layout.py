@@ -103,7 +103,7 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `incarnation` | u64  | a random id drawn at attach; a process whose slot no longer carries it is fenced |
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
-| `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
+| `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection; kept after release until the slot is reused |
 | `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post); ``PHASE_ABANDONED`` (an exception cut its acquire short just as the semaphore call returned: it may hold the semaphore; kept through its later waits until it holds the lock again): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
 
 A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;

@@ -106,11 +106,13 @@ class ProcessTable:
         return out
 
     def labels(self) -> dict[int, str]:
-        """The label of every active slot, by slot. Cheap, and read without the lock (a
-        label is written once, at attach), so a reader may call it at every poll."""
-        procs = self._procs
-        return {slot: bytes(procs[slot]["label"]).decode(errors="replace")
-                for slot in self.active_slots()}
+        """The label of every slot that has one, by slot: an attached process's, or a free
+        slot's last process's (kept until the slot is reused, so a reader that polls, such
+        as the publisher, can still name the events of a process that attached, logged and
+        left between two polls). Cheap, and read without the lock (a label is written
+        once, at attach), so a reader may call it at every poll."""
+        return {slot: label.decode(errors="replace")
+                for slot, label in enumerate(self._procs["label"].tolist()) if label}
 
     def live_pids(self) -> list[int]:
         """The pids of every slot not free (for messages)."""
@@ -130,10 +132,15 @@ class ProcessTable:
         """A FREE slot whose liveness byte this process could take, or None. A free row
         still marked ACQUIRING or RELEASING is skipped: its process died taking or giving
         back the lock (maybe holding the semaphore), and the mark is how a waiter finds out;
-        the repair clears it. Takes no lock (the kernel arbitrates the byte)."""
+        the repair clears it. Slots that keep no label are taken first, so a released
+        slot's label (``labels``) lives as long as the table has room. Takes no lock (the
+        kernel arbitrates the byte)."""
         procs = self._procs
         usable = (procs["state"] == L.SLOT_FREE) & (procs["lock_phase"] == L.PHASE_IDLE)
-        for slot in np.flatnonzero(usable).tolist():
+        unlabelled = procs["label"] == b""
+        order = np.concatenate([np.flatnonzero(usable & unlabelled),
+                                np.flatnonzero(usable & ~unlabelled)])
+        for slot in order.tolist():
             if self._alive.claim(slot):
                 if self._procs[slot]["state"] == L.SLOT_FREE:
                     return slot
@@ -214,7 +221,7 @@ class ProcessTable:
         proc["incarnation"] = 0
         proc["start_ticks"] = 0
         proc["attach_ns"] = 0
-        proc["label"] = b""
+        # The label stays until the slot is reused (``labels``).
         if not own:
             proc["lock_phase"] = L.PHASE_IDLE
         return released
