@@ -11,7 +11,7 @@ from shmkv import BlockPool, Request
 from shmkv.pool.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.multiprocess import kv_manager_workers as manager_workers
-from tests.multiprocess.conftest import run_processes
+from tests.multiprocess.conftest import join_processes, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -160,3 +160,45 @@ def test_dcp_processes_match_vllm(spawn_ctx, kernel, dcp, hbs):
             assert pool.get_num_free_blocks() == num_blocks - 1
         finally:
             BlockPool.unlink(name)
+
+
+@pytest.mark.parametrize("delay_s", [0.05, 0.5])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dcp_manager_killed_mid_serve(spawn_ctx, pool_factory, kernel, delay_s):
+    """kill -9 of one of two processes serving under DCP (full attention + Mamba "align",
+    dcp 2), wherever it is (inside the pool lock or not, half way through a copy-on-write
+    hit or a partial-tail key): the other finishes its requests, and after reap_dead every
+    block is back and every invariant holds."""
+    import os
+    import signal
+    import time
+
+    pool = pool_factory(120, **_pool_kw("full+mamba-dcp2"))
+    victim = spawn_ctx.Process(target=manager_workers.serve,
+                               args=(pool.pool_name, kernel, "full+mamba-dcp2", 7, 10**6, 0,
+                                     600.0))
+    survivor = spawn_ctx.Process(target=manager_workers.serve,
+                                 args=(pool.pool_name, kernel, "full+mamba-dcp2", 8, 150, 0,
+                                       90.0))
+    victim.start()
+    survivor.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p["label"] == "manager-7" and p["references"] > 0
+                      for p in pool.processes()):  # the victim is serving
+            assert time.monotonic() < deadline and victim.is_alive(), "the victim never served"
+            time.sleep(0.01)
+        time.sleep(delay_s)  # a moment into the victim's serving, not a timing assertion
+        assert victim.is_alive()
+        os.kill(victim.pid, signal.SIGKILL)
+        codes = join_processes([victim, survivor])
+        assert codes == [-signal.SIGKILL, 0], f"exit codes {codes} (see stderr)"
+        pool.reap_dead()
+        pool.check_invariants()
+        assert pool.get_num_free_blocks() == 119
+        assert [p["slot"] for p in pool.processes()] == [pool.slot]
+    finally:
+        for p in (victim, survivor):
+            if p.is_alive():
+                p.kill()
+                p.join(10)
