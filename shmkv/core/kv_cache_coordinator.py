@@ -20,13 +20,21 @@ shmkv differences from vLLM:
   ``metrics_collector`` are accepted for signature parity; events are the pool's setting.
 - Refusals are :class:`~shmkv.errors.UsageError` (a ValueError) with a message, where vLLM
   asserts: Unitary with ``hash_block_size != block_size`` under caching; Hybrid with fewer
-  than two KV-cache groups or no prefix-cacheable group; Hybrid with decode- or
-  prefill-context parallelism (vLLM allows some sharded layouts; shmkv ports none of them);
-  an invalid retention interval.
+  than two KV-cache groups or no prefix-cacheable group; Hybrid with context parallelism
+  over a group kind vLLM does not shard (``_check_context_parallel_groups``); an invalid
+  retention interval.
+- Context parallelism on a hybrid model (vLLM's per-group geometry): each manager's
+  ``dcp_world_size`` is the coordinator's for a DCP-sharded spec (attention), 1 for a
+  replicated one (Mamba, whose snapshots every rank keeps whole; a draft group with
+  ``dcp_sharded=False``), and its ``block_size`` is the spec's times that. Each group is
+  looked up at its own geometry, so a full-attention hit may end inside a sharded block
+  (copied on write like any partial hit) while the Mamba snapshot it resumes on is a whole
+  replicated block. Nothing of it is shared state: the pool holds blocks and keys as for
+  any other geometry, and every process attached to one pool must use the same one.
 - Partial (sub-block) hash hits are on, as in vLLM, when a Mamba "align" group's block is
-  bigger than ``hash_block_size`` and every other cacheable group's manager can look up
-  hash boundaries inside a block (``enable_partial_hash_hits``; the hit alignment is then
-  ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
+  bigger than ``hash_block_size`` (under DCP: at least as big) and every other cacheable
+  group's manager can look up hash boundaries inside its (DCP-scaled) block
+  (``enable_partial_hash_hits``; the hit alignment is then ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
   ``partial_keys=True`` (a block may then hold a second key, see ``shmkv/pool/layout.py``); a
   coordinator whose groups have blocks bigger than ``hash_block_size`` warns when its pool
   has none. Reuse events in "full" report mode are not emitted.
@@ -48,6 +56,7 @@ from typing import Any, NamedTuple
 
 from shmkv.errors import UsageError
 from shmkv.core.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -538,21 +547,36 @@ class SpecGroup(NamedTuple):
     use_eagle: bool
 
 
+def dcp_block_size(spec: Any, dcp_world_size: int) -> int:
+    """Tokens one block of ``spec`` spans under decode-context parallelism: a DCP-sharded
+    spec (attention) splits each block's tokens over the ranks, so the block covers
+    ``dcp_world_size`` times more; a replicated one (Mamba, an opted-out draft) keeps its
+    size (vLLM's ``resolve_dcp_kv_block_size``)."""
+    return spec.block_size * (dcp_world_size if spec.dcp_sharded else 1)
+
+
 def partial_hash_hits_enabled(kv_cache_groups: Sequence[Any], hash_block_size: int,
+                              dcp_world_size: int = 1,
                               manager_classes: Sequence[type] | None = None) -> bool:
-    """Whether a model's prefix-cache hits may end inside a block (vLLM's rule, without
-    context parallelism): some Mamba "align" group has blocks bigger than
-    ``hash_block_size``, and (given ``manager_classes``, one per group) every cacheable group
-    whose block is bigger than ``hash_block_size`` has a manager that can look up the hash
-    boundaries inside a block (``supports_fine_grained_hash_lookup``); else a warning says
-    which do not, and hits stay block aligned."""
+    """Whether a model's prefix-cache hits may end inside a block (vLLM's rule): some Mamba
+    "align" group has blocks bigger than ``hash_block_size`` (or, under DCP, at least as
+    big: DCP makes the full-attention blocks coarser than the hashes instead), and (given
+    ``manager_classes``, one per group) every cacheable group whose DCP-scaled block is not
+    ``hash_block_size`` has a manager that can look up the hash boundaries inside a block
+    (``supports_fine_grained_hash_lookup``); else a warning says which do not, and hits stay
+    block aligned."""
     def layer_specs(spec: Any) -> list[Any]:
         inner = getattr(spec, "kv_cache_specs", None)
         return list(inner.values()) if isinstance(inner, dict) else [spec]
 
+    def finer_than_mamba(spec: Any) -> bool:
+        if dcp_world_size > 1:
+            return spec.block_size >= hash_block_size
+        return spec.block_size > hash_block_size
+
     if not any(
         isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
-        and spec.block_size > hash_block_size
+        and finer_than_mamba(spec)
         for group in kv_cache_groups for spec in layer_specs(group.kv_cache_spec)
     ):
         return False
@@ -562,13 +586,38 @@ def partial_hash_hits_enabled(kv_cache_groups: Sequence[Any], hash_block_size: i
         cls.__name__
         for group, cls in zip(kv_cache_groups, manager_classes, strict=True)
         if group.kv_cache_spec.prefix_cacheable and not cls.supports_fine_grained_hash_lookup
-        and group.kv_cache_spec.block_size != hash_block_size
+        and dcp_block_size(group.kv_cache_spec, dcp_world_size) != hash_block_size
     })
     if unsupported:
         logger.warning("Disabling fine-grained prefix-cache hits because these KV cache managers "
                        "require block-aligned lookups: %s.", ", ".join(unsupported))
         return False
     return True
+
+
+def _check_context_parallel_groups(kv_cache_config: KVCacheConfig, dcp_world_size: int,
+                                   pcp_world_size: int) -> None:
+    """The group kinds context parallelism can serve (vLLM's rule), checked before anything
+    is built: under PCP, full attention or a replicated attention group (a draft); under
+    DCP, full attention or any replicated group (Mamba keeps its whole state on every rank,
+    so its blocks and snapshots are not sharded)."""
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        replicated = not spec.dcp_sharded
+        if pcp_world_size > 1 and not (
+            isinstance(spec, FullAttentionSpec) or (isinstance(spec, AttentionSpec) and replicated)
+        ):
+            raise UsageError(
+                f"prefill-context parallelism (pcp_world_size={pcp_world_size}) supports only "
+                f"full attention and replicated draft groups; group {i} is "
+                f"{type(spec).__name__}"
+            )
+        if dcp_world_size > 1 and not (isinstance(spec, FullAttentionSpec) or replicated):
+            raise UsageError(
+                f"decode-context parallelism (dcp_world_size={dcp_world_size}) on a hybrid "
+                "model supports only full-attention, Mamba and replicated draft groups; "
+                f"group {i} is {type(spec).__name__}"
+            )
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
@@ -601,12 +650,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"HybridKVCacheCoordinator needs at least two KV-cache groups, got {num_groups}"
                 " (use UnitaryKVCacheCoordinator, or get_kv_cache_coordinator)"
             )
-        if dcp_world_size > 1 or pcp_world_size > 1:
-            raise UsageError(
-                "shmkv's HybridKVCacheCoordinator does not support decode- or prefill-context "
-                f"parallelism (dcp_world_size={dcp_world_size}, "
-                f"pcp_world_size={pcp_world_size})"
-            )
+        _check_context_parallel_groups(kv_cache_config, dcp_world_size, pcp_world_size)
         super().__init__(
             kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, enable_caching,
             enable_kv_cache_events, dcp_world_size, pcp_world_size, scheduler_block_size,
@@ -629,7 +673,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # Sub-block hits need Mamba "align" blocks finer-hashed than they are big, and every
         # other cacheable group able to probe inside a block.
         self.enable_partial_hash_hits = bool(allow_partial_hash_hits) and partial_hash_hits_enabled(
-            kv_cache_config.kv_cache_groups, hash_block_size,
+            kv_cache_config.kv_cache_groups, hash_block_size, dcp_world_size,
             [type(m) for m in self.single_type_managers],
         )
         for manager in self.single_type_managers:

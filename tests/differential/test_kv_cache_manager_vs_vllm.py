@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from math import lcm
 
 import pytest
 
@@ -87,6 +88,11 @@ GROUPS = {
                                   _mamba(m, num_prefill_checkpoint_blocks=1,
                                          prefill_checkpoint_alignment=1)],
     "full+cross": lambda m: [_attn(m, "FullAttentionSpec"), _attn(m, "CrossAttentionSpec")],
+    # A DCP draft: an MLA group that keeps its KV replicated (dcp_sharded=False) next to a
+    # sharded target and a (always replicated) Mamba group.
+    "full+mla-replicated+mamba": lambda m: [_attn(m, "FullAttentionSpec"),
+                                            _attn(m, "MLAAttentionSpec", dcp_sharded=False),
+                                            _mamba(m)],
 }
 
 
@@ -106,6 +112,7 @@ class Setup:
     # and new prompts may repeat an earlier one up to its boundary (sub-block hits)
     junction: bool = False  # enable_mamba_shared_prefix_checkpoint; requests keep the
     # shared-prefix boundary of their lookup, and a chunk may end there (the scheduler's split)
+    dcp: int = 1  # decode-context parallelism: sharded groups' blocks span dcp x BS tokens
 
 
 SETUPS = [
@@ -152,6 +159,21 @@ SETUPS = [
     # lookup found other requests' hits diverge from the cache.
     Setup("full+mamba-coarse-junction-eagle", "full+mamba", hash_block_size=2,
           use_eagle=True, stop_at_boundary=True, junction=True),
+    # Decode-context parallelism on a hybrid model: full attention's blocks span dcp x BS
+    # tokens, Mamba's stay BS (replicated snapshots). Hits may end inside a full-attention
+    # block even with hashes as coarse as the Mamba blocks, and are then copied on write.
+    Setup("full+mamba-dcp2", "full+mamba", dcp=2),
+    Setup("full+mamba-dcp2-tails", "full+mamba", dcp=2, stop_at_boundary=True),
+    Setup("full+mamba-dcp2-eagle", "full+mamba", dcp=2, use_eagle=True),
+    Setup("full+mamba-dcp2-retention0", "full+mamba", dcp=2, retention=0),
+    Setup("full+mamba-dcp4-tails", "full+mamba", dcp=4, stop_at_boundary=True),
+    Setup("full+mamba-dcp2-coarse-tails", "full+mamba", dcp=2, hash_block_size=2,
+          stop_at_boundary=True),
+    Setup("full+mamba-dcp2-coarse-tails-eagle", "full+mamba", dcp=2, hash_block_size=2,
+          use_eagle=True, stop_at_boundary=True),
+    Setup("full+mamba-ckpt-dcp2-tails", "full+mamba-ckpt", dcp=2, stop_at_boundary=True),
+    Setup("full+mla-replicated+mamba-dcp2-tails", "full+mla-replicated+mamba", dcp=2,
+          stop_at_boundary=True),
 ]
 
 
@@ -164,9 +186,12 @@ def _config(mod, setup: Setup, num_blocks: int):
 
 def _make_managers(setup: Setup, num_blocks: int, make_pool):
     hbs = setup.hash_block_size
+    # Under DCP the full-attention blocks (dcp x BS) are coarser than the hashes even at
+    # hbs == BS, so partial keys are needed then too.
     pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=hbs,
-                     enable_kv_cache_events=True, partial_keys=hbs != BS)
-    common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": hbs,
+                     enable_kv_cache_events=True, partial_keys=hbs != BS or setup.dcp > 1)
+    common = {"max_model_len": 256, "scheduler_block_size": lcm(BS * setup.dcp, BS),
+              "hash_block_size": hbs, "dcp_world_size": setup.dcp,
               "enable_caching": setup.enable_caching, "log_stats": True,
               "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
     if setup.junction:

@@ -259,11 +259,56 @@ def test_hybrid_refuses_fewer_than_two_groups(make_pool):
                                  BS, BS, block_pool=pool)
 
 
-@pytest.mark.parametrize("dcp,pcp", [(2, 1), (1, 2)])
-def test_hybrid_refuses_context_parallelism(make_pool, dcp, pcp):
+def _mamba(bs: int = BS) -> MambaSpec:
+    return MambaSpec(bs, ((2, 4),), ("float32",), mamba_cache_mode="align")
+
+
+@pytest.mark.parametrize("specs,dcp,pcp,kind", [
+    ((full(), swa(32)), 2, 1, "decode-context parallelism .* group 1 is SlidingWindowSpec"),
+    ((full(), swa(32)), 1, 2, "prefill-context parallelism .* group 1 is SlidingWindowSpec"),
+    ((full(), _mamba()), 1, 2, "prefill-context parallelism .* group 1 is MambaSpec"),
+])
+def test_hybrid_refuses_context_parallelism_over_groups_vllm_does_not_shard(
+        make_pool, specs, dcp, pcp, kind):
     pool = make_pool(20, hash_block_size=BS)
-    with pytest.raises(UsageError, match="context parallelism"):
-        _coordinator(pool, config(20, full(), swa(32)), dcp=dcp, pcp=pcp)
+    before = pool.get_free_block_ids()
+    with pytest.raises(UsageError, match=kind):
+        _coordinator(pool, config(20, *specs), bs=BS * max(dcp, pcp), dcp=dcp, pcp=pcp)
+    assert pool.get_free_block_ids() == before
+    pool.check_invariants()
+
+
+def test_hybrid_dcp_uses_each_groups_geometry(make_pool):
+    """Full attention + Mamba "align" under DCP 2: full attention's blocks span 2 x 4 tokens,
+    Mamba's stay 4 (replicated); a hit ends on a Mamba snapshot inside a full-attention
+    block, whose tail block the next allocation copies."""
+    bs, dcp = 4, 2
+    pool = make_pool(40, hash_block_size=bs, partial_keys=True)
+    m = KVCacheManager(config(40, full(bs), _mamba(bs)), 1024, scheduler_block_size=bs * dcp,
+                       hash_block_size=bs, dcp_world_size=dcp, block_pool=pool)
+    fa, mamba = m.coordinator.single_type_managers
+    assert (fa.dcp_world_size, fa.block_size) == (dcp, bs * dcp)
+    assert (mamba.dcp_world_size, mamba.block_size) == (1, bs)
+    assert m.coordinator.enable_partial_hash_hits  # hashes as coarse as Mamba's blocks
+    a = req(pool, "a", range(13))
+    assert m.allocate_slots(a, 12) is not None  # a chunk ending at 12 keeps a state there
+    a.num_computed_tokens = 12
+    assert m.allocate_slots(a, 1) is not None
+    m.free(a)
+    m.new_step_starts()  # a partial hit waits for the step after the one that wrote it
+    b = req(pool, "b", list(range(12)) + [99] * 4)
+    hit, n, _ = m.get_computed_blocks(b)
+    assert n == 12 and [len(g) for g in hit.blocks] == [2, 3]
+    tail = hit.blocks[0][-1].block_id
+    new = m.allocate_slots(b, 4, n, hit)
+    assert new is not None
+    copies, retained = m.take_kv_cache_block_copies()
+    assert [(c.src_block_id, c.dst_block_id) for c in copies] == [
+        (tail, new.get_block_ids()[0][0])]
+    pool.free_blocks(retained)
+    m.free(b)
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == 39
 
 
 def test_refuses_a_missing_or_mismatched_pool(make_pool):

@@ -86,98 +86,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
     P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-40-25-None-16-32-False-2]":
         "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-4-2-2-7-0]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-127-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-128-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-129-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-7040-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-7168-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-7296-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-128-896-7449-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-16-16-512-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-False-8-16-16-513-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-4-2-2-7-0]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-127-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-128-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-129-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-7040-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-7168-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-7296-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-128-896-7449-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-16-16-512-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[0-True-8-16-16-513-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-4-2-2-7-0]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-127-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-128-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-129-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-7040-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-7168-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-7296-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-128-896-7449-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-16-16-512-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-False-8-16-16-513-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-4-2-2-7-0]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-127-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-128-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-129-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-7040-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-7168-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-7296-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-128-896-7449-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-16-16-512-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_fine_hit_retention_uses_hash_alignment[32-True-8-16-16-513-1]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_joint_hit_is_bounded_by_replicated_mamba_snapshots":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_partial_hit_resumes_on_replicated_mamba_snapshot[2]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_partial_hit_resumes_on_replicated_mamba_snapshot[4]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_dcp_partial_hit_with_eagle_rewinds_one_hash_unit":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_hybrid_partial_hash_hit_uses_cow_under_dcp[2]":
-        "item 3: DCP on a hybrid model",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_hybrid_partial_hash_hit_uses_cow_under_dcp[4]":
-        "item 3: DCP on a hybrid model",
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_requires_hash_boundary":
         "by design: vLLM asserts (AssertionError), shmkv raises UsageError (docs/errors.md)",
     P + "test_kv_cache_utils.py::test_effective_attention_block_size_matches_events":
@@ -308,8 +216,4 @@ KNOWN_GAPS: dict[str, str] = {
         "item 4: num_hash_lookahead_tokens",
     P + "test_prefix_caching.py::test_mamba_partial_hit_requires_matching_lookahead_tokens[2-2]":
         "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_prefix_cache_hit_uses_per_group_dcp_geometry[False]":
-        "item 3: DCP on a hybrid model",
-    P + "test_prefix_caching.py::test_prefix_cache_hit_uses_per_group_dcp_geometry[True]":
-        "item 3: DCP on a hybrid model",
 }
