@@ -194,7 +194,9 @@ class KVCacheCoordinator(ABC):
             hash_block_size: tokens per request block hash; must be the pool's.
             metrics_collector: accepted for parity, unused.
             num_prefill_lookahead: prefill lookahead tokens of multi-module MTP.
-            num_hash_lookahead_tokens: accepted for parity (lookahead hashes are not ported).
+            num_hash_lookahead_tokens: tokens after each block its hash covers; must be the
+                pool's (``BlockPool.create(num_hash_lookahead_tokens=...)``), which every
+                process hashes with.
             block_pool: the attached shmkv ``BlockPool`` all groups share (required).
             prefix_cache_retention_interval: see the module docstring.
 
@@ -211,6 +213,13 @@ class KVCacheCoordinator(ABC):
             raise UsageError(
                 f"hash_block_size={hash_block_size} but the pool hashes "
                 f"{block_pool.hash_block_size}-token blocks"
+            )
+        pool_lookahead = getattr(block_pool, "num_hash_lookahead_tokens", 0)
+        if num_hash_lookahead_tokens != pool_lookahead:
+            raise UsageError(
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r} but the pool's block "
+                f"hashes cover {pool_lookahead} lookahead tokens (BlockPool.create("
+                f"num_hash_lookahead_tokens=...))"
             )
         if enable_caching and not block_pool.enable_caching:
             raise UsageError("enable_caching=True but the pool was created without caching")

@@ -89,7 +89,8 @@ def to_vllm_events(events):
 
 # ------------------------------------------------------------------ the shims
 
-def _new_pool(num_blocks, enable_caching, hash_block_size, enable_kv_cache_events):
+def _new_pool(num_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
+              num_hash_lookahead_tokens=0, medium="GPU"):
     import shmkv
 
     global _touched
@@ -98,7 +99,8 @@ def _new_pool(num_blocks, enable_caching, hash_block_size, enable_kv_cache_event
     pool = shmkv.BlockPool.create(
         name, num_blocks, enable_caching=enable_caching, hash_block_size=hash_block_size,
         enable_kv_cache_events=enable_kv_cache_events, max_processes=2, partial_keys=True,
-        lock_timeout_s=LOCK_TIMEOUT_S,
+        lock_timeout_s=LOCK_TIMEOUT_S, num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        medium=medium,
     )
     pool.__class__ = _classes()["BlockPool"]
     _test_pools.append((name, pool))
@@ -121,9 +123,10 @@ def _classes() -> dict:
         _shim_raw_events = False
 
         def __new__(cls, num_gpu_blocks, enable_caching, hash_block_size,
-                    enable_kv_cache_events=False, metrics_collector=None):
+                    enable_kv_cache_events=False, metrics_collector=None,
+                    num_hash_lookahead_tokens=0, medium="GPU"):
             pool = _new_pool(num_gpu_blocks, enable_caching, hash_block_size,
-                             enable_kv_cache_events)
+                             enable_kv_cache_events, num_hash_lookahead_tokens, medium)
             pool.metrics_collector = metrics_collector
             return pool
 
@@ -153,7 +156,8 @@ def _classes() -> dict:
             config = to_shmkv(kv_cache_config)
             if block_pool is None:
                 block_pool = _new_pool(config.num_blocks, a["enable_caching"],
-                                       a["hash_block_size"], a["enable_kv_cache_events"])
+                                       a["hash_block_size"], a["enable_kv_cache_events"],
+                                       a["num_hash_lookahead_tokens"])
             super().__init__(config, *args, block_pool=block_pool, **kwargs)
 
         def take_events(self):
@@ -175,7 +179,8 @@ def _classes() -> dict:
             a.apply_defaults()
             a = a.arguments
             kwargs["block_pool"] = _new_pool(config.num_blocks, a["enable_caching"],
-                                             a["hash_block_size"], a["enable_kv_cache_events"])
+                                             a["hash_block_size"], a["enable_kv_cache_events"],
+                                             a["num_hash_lookahead_tokens"])
         return C.get_kv_cache_coordinator(config, *args, **kwargs)
 
     def get_manager_for_kv_cache_spec(kv_cache_spec, *args, **kwargs):
