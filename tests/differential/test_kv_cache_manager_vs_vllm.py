@@ -106,6 +106,8 @@ class Setup:
     # and new prompts may repeat an earlier one up to its boundary (sub-block hits)
     junction: bool = False  # enable_mamba_shared_prefix_checkpoint; requests keep the
     # shared-prefix boundary of their lookup, and a chunk may end there (the scheduler's split)
+    hash_lookahead: int = 0  # num_hash_lookahead_tokens: each hash also covers the next L
+    # tokens (the pool's, so its hasher's), events carry them, Mamba checkpoints move back
 
 
 SETUPS = [
@@ -152,6 +154,17 @@ SETUPS = [
     # lookup found other requests' hits diverge from the cache.
     Setup("full+mamba-coarse-junction-eagle", "full+mamba", hash_block_size=2,
           use_eagle=True, stop_at_boundary=True, junction=True),
+    # num_hash_lookahead_tokens: a block's hash waits for the L tokens after it, so hits,
+    # keys, events (lookahead_token_ids) and the Mamba checkpoint boundary all move.
+    Setup("full-hashla1", "full", hash_lookahead=1, max_lookahead=1),
+    Setup("full+swa-hashla2", "full+swa", hash_lookahead=2),
+    Setup("full+mamba-hashla2", "full+mamba", hash_lookahead=2),
+    Setup("full+mamba-coarse-tails-hashla2", "full+mamba", hash_block_size=2,
+          stop_at_boundary=True, hash_lookahead=2),
+    Setup("full+mamba-ckpt-coarse-tails-hashla3", "full+mamba-ckpt", hash_block_size=2,
+          stop_at_boundary=True, hash_lookahead=3),
+    Setup("full+mamba-coarse-tails-hashla1-eagle", "full+mamba", hash_block_size=2,
+          use_eagle=True, stop_at_boundary=True, hash_lookahead=1),
 ]
 
 
@@ -165,10 +178,12 @@ def _config(mod, setup: Setup, num_blocks: int):
 def _make_managers(setup: Setup, num_blocks: int, make_pool):
     hbs = setup.hash_block_size
     pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=hbs,
-                     enable_kv_cache_events=True, partial_keys=hbs != BS)
+                     enable_kv_cache_events=True, partial_keys=hbs != BS,
+                     num_hash_lookahead_tokens=setup.hash_lookahead)
     common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": hbs,
               "enable_caching": setup.enable_caching, "log_stats": True,
-              "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
+              "enable_kv_cache_events": True, "use_eagle": setup.use_eagle,
+              "num_hash_lookahead_tokens": setup.hash_lookahead}
     if setup.junction:
         common["enable_mamba_shared_prefix_checkpoint"] = True
     ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
@@ -237,7 +252,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
 
     def boundary_of(prompt_len: int) -> int:
         return shm_specs.get_mamba_prefill_checkpoint_position(
-            prompt_len, setup.hash_block_size, setup.use_eagle)
+            prompt_len, setup.hash_block_size, setup.use_eagle, setup.hash_lookahead)
 
     def maybe_stop(req, num_computed: int, n: int) -> int:
         """With stop_at_boundary, half the time ends the chunk on the prompt's boundary;
