@@ -30,7 +30,7 @@ import logging
 import operator
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -334,6 +334,9 @@ class BlockPool:
         self.blocks = BlockHandles(self)
         self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
+        # unpin_blocks' callbacks, block id -> on_reuse: private to this process (a callback
+        # cannot live in shared memory), fired when this process reuses the block.
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
@@ -1278,7 +1281,45 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
-        return self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+        blocks = self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        return blocks
+
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Fires (once) the ``unpin_blocks`` callback of each block being reused."""
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
+                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Drops one reference from each block, which stays readable until it is reused
+        (vLLM's call, for KV a reader still streams from). Blocks reaching ``ref_cnt`` 0
+        join the tail of the free queue, hashed or not, so they are the last to be evicted
+        and count as free; ``on_reuse(block)`` fires when this process's ``get_new_blocks``
+        hands the block out again, or when its ``reset_prefix_cache`` succeeds.
+
+        NOTE: the callbacks are this process's (vLLM's pool has one process): a block that
+        another process of a shared pool allocates is not reported here. A block unpinned
+        twice keeps the last callback, as in vLLM.
+
+        Args:
+            blocks: handles of this pool that this process holds, the null block excluded.
+            on_reuse: called with the block's handle when it is reused.
+
+        Raises:
+            UsageError: a bad handle, the null block, a block unpinned more times than it is
+                referenced or than this process references it, or ``on_reuse`` not
+                callable. Nothing is changed then.
+        """
+        if not callable(on_reuse):
+            raise UsageError(f"unpin_blocks(): on_reuse must be callable, got {on_reuse!r}")
+        blocks = list(blocks)
+        self._lock.mutate("unpin", self._kernel.unpin, blocks)
+        for block in blocks:
+            self._reuse_watchers[block.block_id] = on_reuse
 
     def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self._hdr64[_H_NUM_FREE]:
@@ -1354,7 +1395,10 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        return self._lock.mutate("reset", self._reset_locked)
+        done = self._lock.mutate("reset", self._reset_locked)
+        if done and self._reuse_watchers:  # every block's contents are forgotten
+            self._notify_reuse([self._handle(b) for b in list(self._reuse_watchers)])
+        return done
 
     def _reset_locked(self) -> bool:
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()
