@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from shmkv.errors import UsageError
+from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -204,6 +205,7 @@ class KVCacheCoordinator(ABC):
             UsageError: no pool, a pool that does not match, inconsistent block sizes, an
                 invalid retention interval.
         """
+        kv_cache_config = from_vllm(kv_cache_config)  # vLLM's config as shmkv's
         if block_pool is None:
             raise UsageError(
                 "a shmkv coordinator needs block_pool=<an attached shmkv BlockPool>; it does "
@@ -824,6 +826,7 @@ def get_kv_cache_coordinator(
     Raises:
         UsageError: the chosen coordinator refuses the configuration (see the module doc).
     """
+    kv_cache_config = from_vllm(kv_cache_config)  # vLLM's config as shmkv's (vllm_objects.py)
     common = {
         "dcp_world_size": dcp_world_size,
         "pcp_world_size": pcp_world_size,

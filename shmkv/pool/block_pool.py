@@ -460,6 +460,8 @@ class BlockPool:
         """
         if event_log_bytes is None:
             event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES if enable_kv_cache_events else 0
+        if isinstance(num_hash_lookahead_tokens, bool):  # vLLM's callers pass one (0 or 1)
+            num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         config = L.PoolConfig(
             num_blocks=num_gpu_blocks,
             hash_block_size=hash_block_size,

@@ -180,13 +180,19 @@ def test_lookahead_is_the_pools_for_every_process(make_pool):
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", (1 << 16) + 1])
+@pytest.mark.parametrize("bad", [-1, 1.5, None, "2", (1 << 16) + 1])
 def test_bad_lookahead_is_refused(kernel, pool_name, bad):
     """A bad num_hash_lookahead_tokens is a UsageError naming it; no segment is left."""
     with pytest.raises(UsageError, match="num_hash_lookahead_tokens"):
         BlockPool.create(pool_name, 8, num_hash_lookahead_tokens=bad, kernel=kernel)
     with pytest.raises(SegmentNotFoundError):
         BlockPool.attach(pool_name)
+
+
+def test_bool_lookahead_is_taken_as_vllm_takes_it(make_pool):
+    """vLLM's callers may pass a bool (its own tests do): True is one token, False none."""
+    assert make_pool(8, num_hash_lookahead_tokens=True).num_hash_lookahead_tokens == 1
+    assert make_pool(8, num_hash_lookahead_tokens=False).num_hash_lookahead_tokens == 0
 
 
 def test_manager_refuses_another_lookahead(make_pool):

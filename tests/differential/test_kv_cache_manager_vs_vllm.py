@@ -108,6 +108,7 @@ class Setup:
     # shared-prefix boundary of their lookup, and a chunk may end there (the scheduler's split)
     hash_lookahead: int = 0  # num_hash_lookahead_tokens: each hash also covers the next L
     # tokens (the pool's, so its hasher's), events carry them, Mamba checkpoints move back
+    vllm_objects: bool = False  # shmkv's manager is given vLLM's own KVCacheConfig and specs
 
 
 SETUPS = [
@@ -165,6 +166,13 @@ SETUPS = [
           stop_at_boundary=True, hash_lookahead=3),
     Setup("full+mamba-coarse-tails-hashla1-eagle", "full+mamba", hash_block_size=2,
           use_eagle=True, stop_at_boundary=True, hash_lookahead=1),
+    # vLLM's own KVCacheConfig and specs given to shmkv's manager as they are (item 6).
+    Setup("full+swa-vllm-objects", "full+swa", vllm_objects=True),
+    Setup("full+chunked-vllm-objects", "full+chunked", vllm_objects=True),
+    Setup("full+mamba-ckpt-coarse-tails-vllm-objects", "full+mamba-ckpt", hash_block_size=2,
+          stop_at_boundary=True, vllm_objects=True),
+    Setup("full+cross-nocache-vllm-objects", "full+cross", enable_caching=False,
+          encoder_tokens=10, vllm_objects=True),
 ]
 
 
@@ -186,7 +194,8 @@ def _make_managers(setup: Setup, num_blocks: int, make_pool):
               "num_hash_lookahead_tokens": setup.hash_lookahead}
     if setup.junction:
         common["enable_mamba_shared_prefix_checkpoint"] = True
-    ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
+    ours = KVCacheManager(_config(vllm_specs if setup.vllm_objects else shm_specs, setup,
+                                  num_blocks), block_pool=pool, **common)
     theirs = vllm_manager.KVCacheManager(_config(vllm_specs, setup, num_blocks), **common)
     return ours, theirs, pool
 

@@ -172,8 +172,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 3: DCP on a hybrid model",
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_requires_hash_boundary":
         "by design: vLLM asserts (AssertionError), shmkv raises UsageError (docs/errors.md)",
-    P + "test_kv_cache_utils.py::test_effective_attention_block_size_matches_events":
-        "item 6: vLLM's EngineCore does not recognise the managers' (converted) specs",
     P + "test_prefix_caching.py::test_can_fit_full_sequence_hisparse_caps_resident_pages":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[0-0-2-False]":
