@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from shmkv.errors import UsageError
+from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -203,7 +204,9 @@ class KVCacheCoordinator(ABC):
             hash_block_size: tokens per request block hash; must be the pool's.
             metrics_collector: accepted for parity, unused.
             num_prefill_lookahead: prefill lookahead tokens of multi-module MTP.
-            num_hash_lookahead_tokens: accepted for parity (lookahead hashes are not ported).
+            num_hash_lookahead_tokens: tokens after each block its hash covers; must be the
+                pool's (``BlockPool.create(num_hash_lookahead_tokens=...)``), which every
+                process hashes with.
             block_pool: the attached shmkv ``BlockPool`` all groups share (required).
             prefix_cache_retention_interval: see the module docstring.
 
@@ -211,6 +214,7 @@ class KVCacheCoordinator(ABC):
             UsageError: no pool, a pool that does not match, inconsistent block sizes, an
                 invalid retention interval.
         """
+        kv_cache_config = from_vllm(kv_cache_config)  # vLLM's config as shmkv's
         if block_pool is None:
             raise UsageError(
                 "a shmkv coordinator needs block_pool=<an attached shmkv BlockPool>; it does "
@@ -220,6 +224,13 @@ class KVCacheCoordinator(ABC):
             raise UsageError(
                 f"hash_block_size={hash_block_size} but the pool hashes "
                 f"{block_pool.hash_block_size}-token blocks"
+            )
+        pool_lookahead = getattr(block_pool, "num_hash_lookahead_tokens", 0)
+        if num_hash_lookahead_tokens != pool_lookahead:
+            raise UsageError(
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r} but the pool's block "
+                f"hashes cover {pool_lookahead} lookahead tokens (BlockPool.create("
+                f"num_hash_lookahead_tokens=...))"
             )
         if enable_caching and not block_pool.enable_caching:
             raise UsageError("enable_caching=True but the pool was created without caching")
@@ -859,6 +870,7 @@ def get_kv_cache_coordinator(
     Raises:
         UsageError: the chosen coordinator refuses the configuration (see the module doc).
     """
+    kv_cache_config = from_vllm(kv_cache_config)  # vLLM's config as shmkv's (vllm_objects.py)
     common = {
         "dcp_world_size": dcp_world_size,
         "pcp_world_size": pcp_world_size,

@@ -64,6 +64,7 @@ from shmkv.core.kv_cache_interface import (
     get_kv_cache_spec_sliding_window,
 )
 from shmkv.core.single_type_kv_cache_manager import MambaManager, trim_null_head
+from shmkv.core.vllm_objects import from_vllm, is_vllm_object, to_vllm_events
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,9 @@ class KVCacheManager:
         """
         if watermark < 0.0:
             raise UsageError(f"watermark must be non-negative, got {watermark}")
+        # Built from vLLM's own config (vllm_objects.py): its callers get vLLM's event classes.
+        self._vllm_events = is_vllm_object(kv_cache_config)
+        kv_cache_config = from_vllm(kv_cache_config)
         self.max_model_len = max_model_len
         if max_in_flight_tokens is None:
             max_in_flight_tokens = max_model_len
@@ -554,7 +558,7 @@ class KVCacheManager:
                 continue
             event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = (
                 meta[event.group_idx])
-        return events
+        return to_vllm_events(events) if self._vllm_events else events
 
     # ------------------------------------------------------------------ views
 

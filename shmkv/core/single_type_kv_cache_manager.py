@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from shmkv.hashing import BlockHashListWithBlockSize
+from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -164,6 +165,7 @@ class SingleTypeKVCacheManager(ABC):
                 ``get_num_blocks_to_allocate(apply_admission_cap=True)`` (sliding window and
                 chunked local); None: no cap.
         """
+        kv_cache_spec = from_vllm(kv_cache_spec)  # vLLM's spec, bridged (vllm_objects.py)
         self.scheduler_block_size = scheduler_block_size
         self.cache_hit_alignment_tokens = scheduler_block_size
         self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
@@ -1600,6 +1602,7 @@ def get_manager_for_kv_cache_spec(
         AssertionError: no manager for the spec type (as vLLM).
         NotImplementedError: a non-default role (HiSparse is not ported).
     """
+    kv_cache_spec = from_vllm(kv_cache_spec)  # vLLM's spec, bridged (vllm_objects.py)
     if role not in (None, "default"):
         raise NotImplementedError(f"KV cache group role {role!r} is not supported by shmkv")
     manager_class = next(

@@ -835,6 +835,68 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* unpin(blocks): drop one reference per handle like free, but every block reaching 0 joins
+ * the tail of the free queue, hashed or not (vLLM's unpin_blocks: a last-resort eviction
+ * candidate that stays readable until reused). The null block is refused, not skipped.
+ * Checks first (the null block, then ref_cnt, then this process's ledger), then writes. */
+static PyObject *Kernel_unpin(Kernel *k, PyObject *arg) {
+    if (!kernel_alive(k)) return NULL;
+    PyObject *seq = PySequence_Fast(arg, "unpin_blocks() takes an iterable of blocks");
+    if (!seq) return NULL;
+    Py_ssize_t n = read_ids(k, seq, "unpin_blocks");
+    Py_DECREF(seq);
+    if (n < 0) return NULL;
+    int32_t *ids = k->ids_buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ids[i] == NULL_BLOCK_ID) {
+            PyErr_SetString(UsageError, "unpin_blocks(): block 0 is the null block");
+            return NULL;
+        }
+    }
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (I32(k, b, F_REF) < ++k->scratch[b] && bad < 0) bad = i;
+    }
+    if (bad >= 0) {
+        int32_t b = ids[bad];
+        int32_t times = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ids[i] == b) times++;
+        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+        PyErr_Format(UsageError, "unpin_blocks(): block %d has ref_cnt %d but is unpinned %d "
+                     "time(s)", b, I32(k, b, F_REF), times);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (k->ledger[b] < k->scratch[b] && bad < 0) bad = i;
+    }
+    if (bad >= 0) {
+        int32_t b = ids[bad];
+        int32_t times = k->scratch[b];
+        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+        PyErr_Format(UsageError,
+                     "unpin_blocks(): block %d is unpinned %d time(s) but this process holds %d "
+                     "reference(s) to it (ref_cnt %d)",
+                     b, times, k->ledger[b], I32(k, b, F_REF));
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+    if (!ROW_OK(k, I32(k, k->tail, F_PREV)))
+        return corrupt("a free-queue sentinel links outside the block rows", k->tail);
+    Py_ssize_t nlast = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        int32_t ref = I32(k, b, F_REF) - 1;
+        J32(k, I32(k, b, F_REF), ref);
+        J32(k, k->ledger[b], k->ledger[b] - 1);
+        if (ref == 0) k->last_buf[nlast++] = b;
+    }
+    queue_append_n(k, k->last_buf, nlast);
+    Py_RETURN_NONE;
+}
+
 /* touch(blocks): one more reference each; ref-0 blocks leave the free queue. */
 static PyObject *Kernel_touch(Kernel *k, PyObject *arg) {
     if (!kernel_alive(k)) return NULL;
@@ -1001,6 +1063,8 @@ static PyMethodDef Kernel_methods[] = {
      "allocate(n, caching, handles, make_handle, evicted_out) -> list of handles"},
     {"free", (PyCFunction)(void (*)(void))Kernel_free, METH_FASTCALL,
      "free(blocks, caching): drop one reference per block, requeue blocks reaching 0"},
+    {"unpin", (PyCFunction)Kernel_unpin, METH_O,
+     "unpin(blocks): drop a reference per block, queueing blocks reaching 0 at the tail"},
     {"touch", (PyCFunction)Kernel_touch, METH_O,
      "touch(blocks): add a reference per block, taking ref-0 blocks out of the queue"},
     {"release", (PyCFunction)Kernel_release, METH_NOARGS,

@@ -8,7 +8,7 @@ everything before their first write, and raise the same errors with the same mes
 Kernel interface (both kernels):
 
 - ``allocate(n, caching, handles, make_handle, evicted_out) -> list[KVCacheBlock]``
-- ``free(blocks, caching)`` / ``touch(blocks)``
+- ``free(blocks, caching)`` / ``unpin(blocks)`` / ``touch(blocks)``
 - ``cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask,
   evicted_out) -> [(position, hash)]``
 - ``get_cached(block_hash, group_ids, handles, make_handle) -> list | None``
@@ -476,6 +476,41 @@ class PyKernel:
             self._queue.prepend_n(evict_first)
         if len(evict_last):
             self._queue.append_n(evict_last)
+
+    def unpin(self, blocks) -> None:
+        """``free`` for vLLM's ``unpin_blocks``: every block reaching ref_cnt 0 joins the
+        tail of the free queue, hashed or not, and the null block is refused, not skipped."""
+        ids = self._read_ids(blocks, "unpin_blocks")
+        if _NULL in ids:
+            raise UsageError("unpin_blocks(): block 0 is the null block")
+        ref_of = self._ref
+        led = self._led
+        seen: Counter[int] = Counter()
+        for block_id in ids:
+            seen[block_id] += 1
+            if ref_of[block_id] < seen[block_id]:
+                raise UsageError(
+                    f"unpin_blocks(): block {block_id} has ref_cnt {ref_of[block_id]} but is "
+                    f"unpinned {ids.count(block_id)} time(s)"
+                )
+        seen.clear()
+        for block_id in ids:
+            seen[block_id] += 1
+            if led[block_id] < seen[block_id]:
+                raise UsageError(
+                    f"unpin_blocks(): block {block_id} is unpinned {ids.count(block_id)} "
+                    f"time(s) but this process holds {led[block_id]} reference(s) to it "
+                    f"(ref_cnt {ref_of[block_id]})"
+                )
+        released = []
+        for block_id in ids:
+            ref = ref_of[block_id] - 1
+            ref_of[block_id] = ref
+            led[block_id] -= 1
+            if ref == 0:
+                released.append(block_id)
+        if released:
+            self._queue.append_n(released)
 
     def _raise_double_free(self, ids: list[int], block_id: int) -> None:
         ref = self._ref[block_id]

@@ -30,7 +30,7 @@ import logging
 import operator
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     RequestBlockHasher,
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     get_hash_fn_by_name,
     none_hash,
     to_event_extra_keys,
@@ -278,6 +279,7 @@ class BlockPool:
         self.medium = cfg.medium
         self.max_processes = cfg.max_processes
         self.hash_fn_name = cfg.hash_fn_name
+        self.num_hash_lookahead_tokens = cfg.num_hash_lookahead_tokens
         self.pool_name = segment.shm_name.split("-", 1)[1].rsplit("-v", 1)[0]
         self.pid = os.getpid()
         self._forked_from = 0  # in a forked child: the pid that opened this handle
@@ -332,6 +334,9 @@ class BlockPool:
         self.blocks = BlockHandles(self)
         self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
+        # unpin_blocks' callbacks, block id -> on_reuse: private to this process (a callback
+        # cannot live in shared memory), fired when this process reuses the block.
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
@@ -413,6 +418,7 @@ class BlockPool:
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         partial_keys: bool = False,
+        num_hash_lookahead_tokens: int = 0,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
 
@@ -443,6 +449,10 @@ class BlockPool:
                 block can hold a partial prefix-cache key besides its own, as vLLM's can
                 (``cache_partial_block``): wanted when a KV-cache group's blocks are bigger
                 than ``hash_block_size`` (see ``shmkv/pool/layout.py``, "Alias rows").
+            num_hash_lookahead_tokens: vLLM's: each block hash also covers this many tokens
+                after its block (speculative decoding, whose drafter's KV at a block's last
+                position depends on them). Kept in the segment, so every process hashes the
+                same way; the KV events carry those tokens (``lookahead_token_ids``).
 
         Raises:
             UsageError: a bad name or config value.
@@ -450,6 +460,8 @@ class BlockPool:
         """
         if event_log_bytes is None:
             event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES if enable_kv_cache_events else 0
+        if isinstance(num_hash_lookahead_tokens, bool):  # vLLM's callers pass one (0 or 1)
+            num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         config = L.PoolConfig(
             num_blocks=num_gpu_blocks,
             hash_block_size=hash_block_size,
@@ -461,6 +473,7 @@ class BlockPool:
             hash_fn_name=hash_fn_name,
             journal_entries=0 if journal_entries is None else journal_entries,
             partial_keys=partial_keys,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         if not isinstance(partial_keys, bool):
             raise UsageError(f"partial_keys must be a bool, got {partial_keys!r}")
@@ -854,7 +867,8 @@ class BlockPool:
         """A request block hasher with the pool's hash function, block size and NONE_HASH, so
         hashes computed in any process match."""
         return RequestBlockHasher(
-            self.hash_block_size, get_hash_fn_by_name(self.hash_fn_name), self.none_hash
+            self.hash_block_size, get_hash_fn_by_name(self.hash_fn_name), self.none_hash,
+            self.num_hash_lookahead_tokens,
         )
 
     # ------------------------------------------------------------------ vLLM API
@@ -1018,12 +1032,14 @@ class BlockPool:
         # One entry per cached block, as vLLM: the block's hash extra keys (LoRA,
         # multimodal, cache_salt, prompt embeds) in their untagged event form.
         block_keys = []
+        lookahead_ids: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
         mm_idx = 0
         for position, _ in cached:
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, position * block_size, (position + 1) * block_size, mm_idx
-            )
+            end = (position + 1) * block_size
+            keys, mm_idx = self._event_extra_keys(request, position * block_size, end, mm_idx)
             block_keys.append(keys)
+            if lookahead_ids is not None:
+                lookahead_ids.append(self._lookahead_token_ids(request, end))
         extra_keys = to_event_extra_keys(block_keys)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
@@ -1037,7 +1053,20 @@ class BlockPool:
             extra_keys=extra_keys,
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
+            lookahead_token_ids=lookahead_ids,
         )
+
+    def _event_extra_keys(self, request, start: int, end: int, mm_idx: int):
+        """A block's extra keys for its event: over the same window as its hash (the block
+        and, with lookahead, the tokens after it)."""
+        if self.num_hash_lookahead_tokens:
+            return generate_lookahead_block_hash_extra_keys(
+                request, start, end, end + self.num_hash_lookahead_tokens, mm_idx)
+        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+    def _lookahead_token_ids(self, request, block_end: int) -> list[int]:
+        """The tokens after a block that its hash covers (``BlockStored.lookahead_token_ids``)."""
+        return list(request.all_token_ids[block_end:block_end + self.num_hash_lookahead_tokens])
 
     def cache_partial_block(
         self,
@@ -1187,7 +1216,7 @@ class BlockPool:
         parent = (external_block_hash(request.block_hashes[num_hash_blocks - 2], as_int)
                   if num_hash_blocks > 1 else None)
         start = num_tokens - hbs
-        extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, 0)
+        extra_keys, _ = self._event_extra_keys(request, start, num_tokens, 0)
         lora = getattr(request, "lora_request", None)
         return BlockStored(
             block_hashes=[external_block_hash(block_hash, as_int)],
@@ -1200,6 +1229,8 @@ class BlockPool:
             extra_keys=to_event_extra_keys([extra_keys]),
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
+            lookahead_token_ids=([self._lookahead_token_ids(request, num_tokens)]
+                                 if self.num_hash_lookahead_tokens else None),
         )
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
@@ -1252,7 +1283,45 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
-        return self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+        blocks = self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        return blocks
+
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Fires (once) the ``unpin_blocks`` callback of each block being reused."""
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
+                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Drops one reference from each block, which stays readable until it is reused
+        (vLLM's call, for KV a reader still streams from). Blocks reaching ``ref_cnt`` 0
+        join the tail of the free queue, hashed or not, so they are the last to be evicted
+        and count as free; ``on_reuse(block)`` fires when this process's ``get_new_blocks``
+        hands the block out again, or when its ``reset_prefix_cache`` succeeds.
+
+        NOTE: the callbacks are this process's (vLLM's pool has one process): a block that
+        another process of a shared pool allocates is not reported here. A block unpinned
+        twice keeps the last callback, as in vLLM.
+
+        Args:
+            blocks: handles of this pool that this process holds, the null block excluded.
+            on_reuse: called with the block's handle when it is reused.
+
+        Raises:
+            UsageError: a bad handle, the null block, a block unpinned more times than it is
+                referenced or than this process references it, or ``on_reuse`` not
+                callable. Nothing is changed then.
+        """
+        if not callable(on_reuse):
+            raise UsageError(f"unpin_blocks(): on_reuse must be callable, got {on_reuse!r}")
+        blocks = list(blocks)
+        self._lock.mutate("unpin", self._kernel.unpin, blocks)
+        for block in blocks:
+            self._reuse_watchers[block.block_id] = on_reuse
 
     def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self._hdr64[_H_NUM_FREE]:
@@ -1328,7 +1397,10 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        return self._lock.mutate("reset", self._reset_locked)
+        done = self._lock.mutate("reset", self._reset_locked)
+        if done and self._reuse_watchers:  # every block's contents are forgotten
+            self._notify_reuse([self._handle(b) for b in list(self._reuse_watchers)])
+        return done
 
     def _reset_locked(self) -> bool:
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()

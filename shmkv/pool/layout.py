@@ -50,6 +50,9 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `pool_id` (V16, 256, after the mutable part): 16 random bytes drawn when the pool is
   created: the identity of this pool, never of another one made under the same name or by
   a reused pid (the publisher's identity and saved position are keyed on it).
+- `num_hash_lookahead_tokens` (u4, 272): vLLM's ``num_hash_lookahead_tokens``: each block
+  hash also covers that many tokens after its block, so it is part of what a key means and
+  every process must hash the same way (it also shapes the KV events' lookahead token ids).
 
 Mutable, written only under the pool lock:
 
@@ -278,6 +281,7 @@ Changelog
   key), so the regions after it move; the prefix index links key rows of both regions.
 - v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4); the header grows to
   320 bytes with `pool_id` (16 random bytes at creation), so the regions after it move.
+- v6: `num_hash_lookahead_tokens` (header offset 272, in the padding: no region moves).
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -298,7 +302,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -330,6 +334,7 @@ MIN_JOURNAL_ENTRIES = 64
 MAX_JOURNAL_ENTRIES = 1 << 28
 JOURNAL_OVERFLOWED = -1
 MAX_LABEL_BYTES = 24
+MAX_HASH_LOOKAHEAD_TOKENS = 1 << 16  # speculative tokens per step are a handful
 
 HEADER_DTYPE = np.dtype(
     {
@@ -344,8 +349,8 @@ HEADER_DTYPE = np.dtype(
             "holder", "holder_incarnation", "holder_since_ns",
             "next_event_seq", "log_write_pos", "log_oldest_seq", "log_oldest_pos",
             "num_reaped", "num_events_dropped", "journal_len", "lock_seq", "num_takeovers",
-            # immutable again: the identity, drawn at creation
-            "pool_id",
+            # immutable again: the identity, drawn at creation; then more config echo
+            "pool_id", "num_hash_lookahead_tokens",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -356,7 +361,7 @@ HEADER_DTYPE = np.dtype(
             "<i8", "<u8", "<i8",
             "<i8", "<i8", "<i8", "<i8",
             "<i8", "<i8", "<i8", "<u8", "<u8",
-            "V16",
+            "V16", "<u4",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -367,7 +372,7 @@ HEADER_DTYPE = np.dtype(
             160, 168, 176,
             184, 192, 200, 208,
             216, 224, 232, 240, 248,
-            256,
+            256, 272,
         ],
         "itemsize": 320,
     }
@@ -457,6 +462,7 @@ class PoolConfig:
     hash_fn_name: str = "sha256"
     journal_entries: int = 0  # 0: default_journal_entries(num_blocks, partial_keys)
     partial_keys: bool = False  # the block_alias region (a block's second, partial key)
+    num_hash_lookahead_tokens: int = 0  # tokens after each block its hash covers
 
     def __post_init__(self) -> None:
         if self.journal_entries == 0 and isinstance(self.num_blocks, int):
@@ -512,6 +518,13 @@ class PoolConfig:
             raise UsageError(
                 f"journal_entries must be an int in [{MIN_JOURNAL_ENTRIES}, "
                 f"{MAX_JOURNAL_ENTRIES}], got {self.journal_entries!r}"
+            )
+        if (isinstance(self.num_hash_lookahead_tokens, bool)
+                or not isinstance(self.num_hash_lookahead_tokens, int)
+                or not 0 <= self.num_hash_lookahead_tokens <= MAX_HASH_LOOKAHEAD_TOKENS):
+            raise UsageError(
+                f"num_hash_lookahead_tokens must be an int in [0, {MAX_HASH_LOOKAHEAD_TOKENS}], "
+                f"got {self.num_hash_lookahead_tokens!r}"
             )
         if self.hash_fn_name not in ("sha256", "sha256_cbor"):
             raise UsageError(

@@ -96,6 +96,11 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
         pool.cache_partial_block(victim_second_request(), held["cached"][1], 16, 0, 32)
     elif op == "move":
         pool.move_block_hashes(held["cached"][1], held["plain"][0])
+    elif op == "unpin":
+        # A hashed block and an unhashed one reach 0 (both to the tail); the shared one
+        # keeps the survivor's reference.
+        pool.unpin_blocks([held["cached"][0], held["plain"][1], held["shared"][0]],
+                          lambda block: None)
     elif op == "reset":
         assert pool.reset_prefix_cache()
     elif op == "reap":
@@ -107,7 +112,7 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
 
 
 OPS = ("allocate", "free", "touch", "cache", "evict", "partial", "move", "reset", "reap",
-       "attach", "close")
+       "attach", "close", "unpin")
 
 
 def zombie(name: str, kernel: str) -> None:

@@ -49,7 +49,11 @@ def _workload(pool: BlockPool, rng: random.Random) -> list:
             running.append(blocks)
             results.append([b.block_id for b in blocks])
         elif op < 0.85 and running:
-            pool.free_blocks(reversed(running.pop(rng.randrange(len(running)))))
+            blocks = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.3:  # to the queue's tail, hashed or not; reported on reuse
+                pool.unpin_blocks(blocks, lambda b: results.append(("reused", b.block_id)))
+            else:
+                pool.free_blocks(reversed(blocks))
         elif op < 0.95:
             pool.evict_blocks({rng.randrange(pool.num_gpu_blocks)})
         else:

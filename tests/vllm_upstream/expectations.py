@@ -78,20 +78,8 @@ DESELECTED: dict[str, str] = {
 }
 
 KNOWN_GAPS: dict[str, str] = {
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-150-43-0-16-32-False-2]":
-        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-150-43-None-16-32-False-2]":
-        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-40-25-0-16-32-False-2]":
-        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
-    P + "prefix_cache/test_partial_prefix_cache_hits.py::test_checkpoint_reservation_matches_worker[100-40-25-None-16-32-False-2]":
-        "item 4: num_hash_lookahead_tokens (lookahead 2: checkpoint position and partial key past the hashed tokens)",
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_requires_hash_boundary":
         "by design: vLLM asserts (AssertionError), shmkv raises UsageError (docs/errors.md)",
-    P + "test_kv_cache_utils.py::test_effective_attention_block_size_matches_events":
-        "item 6: vLLM's EngineCore does not recognise the managers' (converted) specs",
-    P + "test_mamba_align_chunk_split.py::test_lookahead_split_caches_partial_tail_boundary[2]":
-        "item 4: num_hash_lookahead_tokens",
     P + "test_prefix_caching.py::test_can_fit_full_sequence_hisparse_caps_resident_pages":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[0-0-2-False]":
@@ -202,18 +190,4 @@ KNOWN_GAPS: dict[str, str] = {
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_host_receive_completion_without_spill_metadata[True]":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_kv_events_reconstruct_lookahead_block_hashes[1]":
-        "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_kv_events_reconstruct_lookahead_block_hashes[2]":
-        "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_lookahead_checkpoint_has_available_hash[128-1-2-1089-1024]":
-        "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_lookahead_checkpoint_has_available_hash[128-1-3-1089-1024]":
-        "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_lookahead_checkpoint_has_available_hash[64-1-2-1089-1024]":
-        "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_lookahead_checkpoint_has_available_hash[64-1-3-1089-1024]":
-        "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_mamba_partial_hit_requires_matching_lookahead_tokens[2-2]":
-        "item 4: num_hash_lookahead_tokens",
 }
