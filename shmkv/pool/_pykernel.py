@@ -522,18 +522,16 @@ class PyKernel:
                 block_id = self._read_ids(blocks, "free_blocks")[0]  # raises its error
             if block_id == _NULL:
                 return
-            ref_of = self._ref
-            ref = ref_of[block_id]
+            ref = self._ref_view[block_id]  # reads: the raw views
             if ref < 1:
                 self._raise_double_free([block_id], block_id)
-            led = self._led
-            if led[block_id] < 1:
+            if self._led_view[block_id] < 1:
                 self._raise_not_held([block_id], block_id)
             if ref == 1:
                 self._free_one(block_id, caching and self._htok[block_id] != _NO_HASH_TOKENS)
                 return
-            ref_of[block_id] = ref - 1
-            led[block_id] -= 1
+            self._ref[block_id] = ref - 1
+            self._led[block_id] -= 1
             return
         ids, arr = self._read_ids_array(blocks, "free_blocks")
         if (_NULL in ids) if arr is None else (arr == _NULL).any():  # the null block is skipped

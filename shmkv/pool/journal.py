@@ -18,7 +18,7 @@ side writes through :class:`JournaledView` (single words, for the hot paths) and
 
 from __future__ import annotations
 
-from array import array
+import struct
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from shmkv.pool import layout as L
 
 _H_LEN = L.H_JOURNAL_LEN
 _OVERFLOWED = L.JOURNAL_OVERFLOWED
+_PACKERS: dict[int, struct.Struct] = {}  # save_words: entries -> their packer
 
 
 class Journal:
@@ -104,7 +105,10 @@ class Journal:
                 hdr[_H_LEN] = _OVERFLOWED
             return
         if 0 <= n and n + k <= self.capacity:
-            self._ent[2 * n:2 * (n + k)] = array("q", words)
+            packer = _PACKERS.get(k)
+            if packer is None:
+                packer = _PACKERS[k] = struct.Struct(f"<{2 * k}q")
+            packer.pack_into(self._ent, 16 * n, *words)
             hdr[_H_LEN] = n + k
         elif n >= 0:
             hdr[_H_LEN] = _OVERFLOWED
