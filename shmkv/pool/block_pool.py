@@ -334,7 +334,7 @@ class BlockPool:
         self._event_queue: list[KVCacheEvent] = []
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
-        self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
         check_semaphore(segment.shm_name)
         self._my_holder_word = holder_word(-1, self.pid)
         if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
