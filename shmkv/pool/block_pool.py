@@ -867,6 +867,8 @@ class BlockPool:
 
         Raises:
             UsageError: the hash is not 32 bytes.
+            InvariantViolation: the hash's index chain is corrupt (it loops); the pool is
+                repaired under the same hold, so the next call finds it sound.
         """
         lock = self._lock
         lock.acquire()
@@ -874,6 +876,9 @@ class BlockPool:
             return self._kernel.get_cached(
                 block_hash, kv_cache_group_ids, self._handles, self._handle
             )
+        except InvariantViolation:
+            self._repairer.repair_corruption()  # a lookup found it: repaired as by a write
+            raise
         finally:
             lock.release()
 
@@ -901,6 +906,9 @@ class BlockPool:
                 block_hashes, kv_cache_group_id, -1 if max_num_blocks is None else max_num_blocks,
                 self._handles, self._handle,
             )
+        except InvariantViolation:
+            self._repairer.repair_corruption()  # a lookup found it: repaired as by a write
+            raise
         finally:
             lock.release()
 
