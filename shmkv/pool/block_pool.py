@@ -605,8 +605,9 @@ class BlockPool:
         ``_after_fork_in_child``): the slot, its references and its lock marks are the
         parent's. Drops the inherited liveness descriptor; every later call raises
         ForkedPoolError (``close()`` only unmaps)."""
-        if self._forked_from or getattr(self, "_segment", None) is None:
-            return
+        segment = getattr(self, "_segment", None)
+        if self._forked_from or segment is None or segment.buf is None:
+            return  # already marked, or closed (its views are gone): nothing to drop
         self._forked_from = self.pid
         error = ForkedPoolError(
             f"pool {self.pool_name!r}: this handle was opened by pid {self.pid}, and this "
