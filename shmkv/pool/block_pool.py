@@ -572,7 +572,9 @@ class BlockPool:
                     if slot is None:
                         raise PoolFullError(
                             f"pool {self.pool_name}: all {self.max_processes} process slots "
-                            f"are held by live processes (pids {table.live_pids()})"
+                            f"are held by live processes (pids {table.live_pids()}), or "
+                            "their liveness locks by children a dead process forked "
+                            "without Python's at-fork hooks (free once those exit)"
                         )
                     self._set_lock_identity(slot, None)
                 incarnation = table.fill_row(slot, self.pid, label)
