@@ -31,13 +31,11 @@ import operator
 import os
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shmkv.pool import fault as _fault
-from shmkv.pool import layout as L
-from shmkv.pool._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
     ForkedPoolError,
@@ -49,7 +47,6 @@ from shmkv.errors import (
     SegmentError,
     UsageError,
 )
-from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -58,7 +55,6 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
-from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     RequestBlockHasher,
     generate_block_hash_extra_keys,
@@ -66,6 +62,11 @@ from shmkv.hashing import (
     none_hash,
     to_event_extra_keys,
 )
+from shmkv.pool import fault as _fault
+from shmkv.pool import layout as L
+from shmkv.pool._pykernel import PyKernel
+from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
+from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
 from shmkv.pool.liveness import AliveLocks, alive_path
 from shmkv.pool.lock import (
@@ -83,7 +84,7 @@ from shmkv.pool.lock import (
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 from shmkv.pool.process_table import ProcessTable
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
-from shmkv.pool.repair import RepairReport, Repairer
+from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
@@ -217,6 +218,27 @@ class BlockHandles(Sequence):
         if not -n <= index < n:
             raise IndexError(f"block id {index} out of range [0, {n})")
         return self._pool._handle(index % n)
+
+
+# A snapshot of the cached keys copies at most this many block rows per hold of the lock
+# (about 0.3 ms of numpy work per hold for 32,768 rows), and makes this many chunked copies
+# before it copies all in one hold (BlockPool.cached_key_snapshot).
+SNAPSHOT_CHUNK_BLOCKS = 32_768
+SNAPSHOT_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class KeySnapshot:
+    """``BlockPool.cached_key_snapshot``'s answer: the group ids and hashes of every cached
+    block in block-id order, as they stood right before event ``next_seq``; ``attempts``:
+    copies made (``SNAPSHOT_ATTEMPTS + 1``: the last was one hold of the whole pool);
+    ``holds``: holds of the lock taken."""
+
+    next_seq: int
+    group_ids: np.ndarray
+    hashes: np.ndarray
+    attempts: int
+    holds: int
 
 
 # Every open pool handle of this process, for the at-fork handler below.
@@ -1421,17 +1443,66 @@ class BlockPool:
     def cached_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(group ids, hashes)`` of every cached block, in block-id order: numpy copies
         made in one short hold of the lock (a mask and a copy of the cached rows' two key
-        fields; the conversion to Python objects is the caller's, after the hold)."""
+        fields; the conversion to Python objects is the caller's, after the hold). On a
+        large pool prefer ``cached_key_snapshot``, whose holds are bounded."""
         with self._lock:
             rows = self._blocks[1:self.num_gpu_blocks]
             mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
             return rows["group_id"][mask], rows["block_hash"][mask]
 
+    def cached_key_snapshot(self, chunk_blocks: int = SNAPSHOT_CHUNK_BLOCKS,
+                            attempts: int = SNAPSHOT_ATTEMPTS) -> KeySnapshot:
+        """The key fields of every cached block, as ``cached_key_arrays``, copied in holds
+        of the lock of at most ``chunk_blocks`` rows each, and consistent: the copy is of
+        one state of the pool, the one right before event ``next_seq``.
+
+        Every change of a block's key under the lock logs an event in the same hold (or
+        counts one dropped), and a repair bumps the epoch; so the copy is consistent if
+        every hold saw the same (``next_event_seq``, ``num_events_dropped``, ``epoch``)
+        stamp. A copy whose stamp moved is started again; after ``attempts`` copies the
+        last is made in one hold (``attempts`` 0: at once). Without an event log a stamp
+        proves nothing, and one hold copies all.
+
+        Raises:
+            UsageError: ``chunk_blocks`` < 1 or ``attempts`` < 0.
+        """
+        if (isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
+                or isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0):
+            raise UsageError(f"cached_key_snapshot(): chunk_blocks must be an int >= 1 and "
+                             f"attempts an int >= 0, got {chunk_blocks!r}, {attempts!r}")
+        n, hdr = self.num_gpu_blocks, self._hdr64
+        words = [L.H_NEXT_EVENT_SEQ, L.H_NUM_EVENTS_DROPPED, L.H_EPOCH]
+        holds = 0
+        for attempt in range(1, attempts + 1 if self._log.capacity else 1):
+            groups, hashes = [], []
+            stamp = None
+            for lo in range(1, n, chunk_blocks):
+                with self._lock:
+                    holds += 1
+                    now = [hdr[w] for w in words]
+                    if stamp is not None and now != stamp:
+                        break  # the cache changed between two holds: start again
+                    stamp = now
+                    rows = self._blocks[lo:min(lo + chunk_blocks, n)]
+                    mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+                    groups.append(rows["group_id"][mask])
+                    hashes.append(rows["block_hash"][mask])
+            else:
+                if stamp is None:  # a pool of the null block alone
+                    break
+                return KeySnapshot(int(stamp[0]), np.concatenate(groups),
+                                   np.concatenate(hashes), attempt, holds)
+        with self._lock:
+            next_seq = int(hdr[L.H_NEXT_EVENT_SEQ])
+            group_arr, hash_arr = self.cached_key_arrays()
+        return KeySnapshot(next_seq, group_arr, hash_arr, attempts + 1, holds + 1)
+
     def cached_keys_by_group(self) -> dict[int, list[bytes]]:
         """The prefix cache's keys: for each KV-cache group, the hash of every block cached
-        in it, in block-id order (a key several blocks hold comes once per block). The lock
-        is held only for the copy (``cached_key_arrays``)."""
-        group_arr, hash_arr = self.cached_key_arrays()
+        in it, in block-id order (a key several blocks hold comes once per block). Copied in
+        bounded, consistent holds of the lock (``cached_key_snapshot``)."""
+        snap = self.cached_key_snapshot()
+        group_arr, hash_arr = snap.group_ids, snap.hashes
         groups, hashes = group_arr.tolist(), hash_arr.tolist()
         out: dict[int, list[bytes]] = {}
         for group, block_hash in zip(groups, hashes, strict=True):

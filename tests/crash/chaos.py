@@ -57,6 +57,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -64,8 +65,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-
-import threading
 
 from shmkv import BlockPool, ForkedPoolError, InvariantViolation, OutOfBlocksError, ShmKVError
 from shmkv.pool import layout as L
@@ -127,7 +126,7 @@ def _chain_error(exc: InvariantViolation) -> bool:
 class _PublisherThread:
     """The second thread of a worker: reads the event log as a publisher does (batches of
     16 events, each read under the lock) and every 32 reads the cached keys of a snapshot
-    (``cached_key_arrays``: bounded holds). Stopped before the handle closes."""
+    (``cached_key_snapshot``: bounded holds). Stopped before the handle closes."""
 
     def __init__(self, pool: BlockPool, hb, base: int) -> None:
         self._pool, self._hb, self._base = pool, hb, base
@@ -145,7 +144,7 @@ class _PublisherThread:
                 pool.read_events(cursor, 16)
                 reads += 1
                 if reads % 32 == 0:
-                    pool.cached_key_arrays()
+                    pool.cached_key_snapshot(chunk_blocks=16)
                 self._hb[self._base + F_PUB_READS] += 1
                 self._stop.wait(0.002)
         except BaseException as exc:  # noqa: BLE001  (the main thread reports it)
