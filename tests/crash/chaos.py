@@ -180,7 +180,7 @@ def _fork(pool: BlockPool, rng: random.Random, children: dict) -> None:
     else:
         import ctypes
 
-        nap = rng.uniform(0.05, 1.0)
+        nap = rng.uniform(0.02, 0.5)
         pid = ctypes.PyDLL(None).fork()
         if pid == 0:
             time.sleep(nap)
@@ -660,7 +660,8 @@ class _Driver:
             self.name, cfg.num_blocks, kernel=cfg.kernel, label="chaos-driver",
             # A raw-forked child keeps its dead parent's liveness byte (so the slot, once
             # reaped, cannot be claimed) until it exits: room for those with forks on.
-            max_processes=cfg.max_processes or (2 * cfg.workers + 2 if cfg.fork_p
+            # (A soak of 500 kills with 2 * workers + 2 slots ran out of them once.)
+            max_processes=cfg.max_processes or (4 * cfg.workers + 2 if cfg.fork_p
                                                 else cfg.workers + 2),
             lock_timeout_s=cfg.lock_timeout_s, stuck_after_s=cfg.stuck_after_s,
             partial_keys=True,
