@@ -572,8 +572,8 @@ def _read_pool(row: dict, entry: str) -> None:
         procs = layout.view(segment.buf, "proc_table")
         active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
         pids = {slot: int(procs[slot]["pid"]) for slot in active}
+        alive = AliveLocks(alive_path(f"/{entry}"), create=False, procs=procs.copy())
         del procs
-        alive = AliveLocks(alive_path(f"/{entry}"), create=False)
         try:
             live = [slot for slot in active if alive.is_alive(slot)]
         finally:

@@ -31,13 +31,11 @@ import operator
 import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shmkv.pool import fault as _fault
-from shmkv.pool import layout as L
-from shmkv.pool._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
     ForkedPoolError,
@@ -49,7 +47,6 @@ from shmkv.errors import (
     SegmentError,
     UsageError,
 )
-from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -58,7 +55,6 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
-from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     RequestBlockHasher,
     generate_block_hash_extra_keys,
@@ -67,6 +63,11 @@ from shmkv.hashing import (
     none_hash,
     to_event_extra_keys,
 )
+from shmkv.pool import fault as _fault
+from shmkv.pool import layout as L
+from shmkv.pool._pykernel import PyKernel
+from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
+from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
 from shmkv.pool.liveness import AliveLocks, alive_path
 from shmkv.pool.lock import (
@@ -84,7 +85,7 @@ from shmkv.pool.lock import (
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 from shmkv.pool.process_table import ProcessTable
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
-from shmkv.pool.repair import RepairReport, Repairer
+from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
@@ -220,6 +221,27 @@ class BlockHandles(Sequence):
         return self._pool._handle(index % n)
 
 
+# A snapshot of the cached keys copies at most this many block rows per hold of the lock
+# (about 0.3 ms of numpy work per hold for 32,768 rows), and makes this many chunked copies
+# before it copies all in one hold (BlockPool.cached_key_snapshot).
+SNAPSHOT_CHUNK_BLOCKS = 32_768
+SNAPSHOT_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class KeySnapshot:
+    """``BlockPool.cached_key_snapshot``'s answer: the group ids and hashes of every cached
+    block in block-id order, as they stood right before event ``next_seq``; ``attempts``:
+    copies made (``SNAPSHOT_ATTEMPTS + 1``: the last was one hold of the whole pool);
+    ``holds``: holds of the lock taken."""
+
+    next_seq: int
+    group_ids: np.ndarray
+    hashes: np.ndarray
+    attempts: int
+    holds: int
+
+
 # Every open pool handle of this process, for the at-fork handler below.
 _OPEN_POOLS: weakref.WeakSet = weakref.WeakSet()
 
@@ -339,7 +361,7 @@ class BlockPool:
         self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
-        self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
         check_semaphore(segment.shm_name)
         self._my_holder_word = holder_word(-1, self.pid)
         if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
@@ -585,7 +607,9 @@ class BlockPool:
                     if slot is None:
                         raise PoolFullError(
                             f"pool {self.pool_name}: all {self.max_processes} process slots "
-                            f"are held by live processes (pids {table.live_pids()})"
+                            f"are held by live processes (pids {table.live_pids()}), or "
+                            "their liveness locks by children a dead process forked "
+                            "without Python's at-fork hooks (free once those exit)"
                         )
                     self._set_lock_identity(slot, None)
                 incarnation = table.fill_row(slot, self.pid, label)
@@ -618,8 +642,9 @@ class BlockPool:
         ``_after_fork_in_child``): the slot, its references and its lock marks are the
         parent's. Drops the inherited liveness descriptor; every later call raises
         ForkedPoolError (``close()`` only unmaps)."""
-        if self._forked_from or getattr(self, "_segment", None) is None:
-            return
+        segment = getattr(self, "_segment", None)
+        if self._forked_from or segment is None or segment.buf is None:
+            return  # already marked, or closed (its views are gone): nothing to drop
         self._forked_from = self.pid
         error = ForkedPoolError(
             f"pool {self.pool_name!r}: this handle was opened by pid {self.pid}, and this "
@@ -881,6 +906,8 @@ class BlockPool:
 
         Raises:
             UsageError: the hash is not 32 bytes.
+            InvariantViolation: the hash's index chain is corrupt (it loops); the pool is
+                repaired under the same hold, so the next call finds it sound.
         """
         lock = self._lock
         lock.acquire()
@@ -888,6 +915,9 @@ class BlockPool:
             return self._kernel.get_cached(
                 block_hash, kv_cache_group_ids, self._handles, self._handle
             )
+        except InvariantViolation:
+            self._repairer.repair_corruption()  # a lookup found it: repaired as by a write
+            raise
         finally:
             lock.release()
 
@@ -915,6 +945,9 @@ class BlockPool:
                 block_hashes, kv_cache_group_id, -1 if max_num_blocks is None else max_num_blocks,
                 self._handles, self._handle,
             )
+        except InvariantViolation:
+            self._repairer.repair_corruption()  # a lookup found it: repaired as by a write
+            raise
         finally:
             lock.release()
 
@@ -1482,17 +1515,66 @@ class BlockPool:
     def cached_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(group ids, hashes)`` of every cached block, in block-id order: numpy copies
         made in one short hold of the lock (a mask and a copy of the cached rows' two key
-        fields; the conversion to Python objects is the caller's, after the hold)."""
+        fields; the conversion to Python objects is the caller's, after the hold). On a
+        large pool prefer ``cached_key_snapshot``, whose holds are bounded."""
         with self._lock:
             rows = self._blocks[1:self.num_gpu_blocks]
             mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
             return rows["group_id"][mask], rows["block_hash"][mask]
 
+    def cached_key_snapshot(self, chunk_blocks: int = SNAPSHOT_CHUNK_BLOCKS,
+                            attempts: int = SNAPSHOT_ATTEMPTS) -> KeySnapshot:
+        """The key fields of every cached block, as ``cached_key_arrays``, copied in holds
+        of the lock of at most ``chunk_blocks`` rows each, and consistent: the copy is of
+        one state of the pool, the one right before event ``next_seq``.
+
+        Every change of a block's key under the lock logs an event in the same hold (or
+        counts one dropped), and a repair bumps the epoch; so the copy is consistent if
+        every hold saw the same (``next_event_seq``, ``num_events_dropped``, ``epoch``)
+        stamp. A copy whose stamp moved is started again; after ``attempts`` copies the
+        last is made in one hold (``attempts`` 0: at once). Without an event log a stamp
+        proves nothing, and one hold copies all.
+
+        Raises:
+            UsageError: ``chunk_blocks`` < 1 or ``attempts`` < 0.
+        """
+        if (isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
+                or isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0):
+            raise UsageError(f"cached_key_snapshot(): chunk_blocks must be an int >= 1 and "
+                             f"attempts an int >= 0, got {chunk_blocks!r}, {attempts!r}")
+        n, hdr = self.num_gpu_blocks, self._hdr64
+        words = [L.H_NEXT_EVENT_SEQ, L.H_NUM_EVENTS_DROPPED, L.H_EPOCH]
+        holds = 0
+        for attempt in range(1, attempts + 1 if self._log.capacity else 1):
+            groups, hashes = [], []
+            stamp = None
+            for lo in range(1, n, chunk_blocks):
+                with self._lock:
+                    holds += 1
+                    now = [hdr[w] for w in words]
+                    if stamp is not None and now != stamp:
+                        break  # the cache changed between two holds: start again
+                    stamp = now
+                    rows = self._blocks[lo:min(lo + chunk_blocks, n)]
+                    mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+                    groups.append(rows["group_id"][mask])
+                    hashes.append(rows["block_hash"][mask])
+            else:
+                if stamp is None:  # a pool of the null block alone
+                    break
+                return KeySnapshot(int(stamp[0]), np.concatenate(groups),
+                                   np.concatenate(hashes), attempt, holds)
+        with self._lock:
+            next_seq = int(hdr[L.H_NEXT_EVENT_SEQ])
+            group_arr, hash_arr = self.cached_key_arrays()
+        return KeySnapshot(next_seq, group_arr, hash_arr, attempts + 1, holds + 1)
+
     def cached_keys_by_group(self) -> dict[int, list[bytes]]:
         """The prefix cache's keys: for each KV-cache group, the hash of every block cached
-        in it, in block-id order (a key several blocks hold comes once per block). The lock
-        is held only for the copy (``cached_key_arrays``)."""
-        group_arr, hash_arr = self.cached_key_arrays()
+        in it, in block-id order (a key several blocks hold comes once per block). Copied in
+        bounded, consistent holds of the lock (``cached_key_snapshot``)."""
+        snap = self.cached_key_snapshot()
+        group_arr, hash_arr = snap.group_ids, snap.hashes
         groups, hashes = group_arr.tolist(), hash_arr.tolist()
         out: dict[int, list[bytes]] = {}
         for group, block_hash in zip(groups, hashes, strict=True):

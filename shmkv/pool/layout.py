@@ -96,7 +96,7 @@ row ``free_tail = num_blocks + 1`` are the free queue's sentinels: ``block_meta[
 is the first free block and ``block_meta[free_tail].prev`` the last. An empty queue links the
 two sentinels to each other.
 
-Process table rows (``PROC_DTYPE``, 64 bytes)
+Process table rows (``PROC_DTYPE``, 72 bytes)
 ---------------------------------------------
 
 | field         | type | meaning |
@@ -107,9 +107,13 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
 | `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection; kept after release until the slot is reused |
+| `pid_ns`      | u64  | the inode of the process's pid namespace (``/proc/self/ns/pid``), 0 if unknown: `pid` and `start_ticks` mean something only to a reader in the same namespace |
 | `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post); ``PHASE_ABANDONED`` (an exception cut its acquire short just as the semaphore call returned: it may hold the semaphore; kept through its later waits until it holds the lock again): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
 
-A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
+A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file
+and, to a reader in the row's pid namespace, `pid` runs (not a zombie) with `start_ticks`
+(the liveness rule, ``shmkv/pool/liveness.py``: a forked child holding the inherited lock, or a reused
+pid, does not keep a dead process alive);
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
 
 The undo journal (region 7, ``JOURNAL_DTYPE``, 16 bytes per entry)
@@ -282,6 +286,8 @@ Changelog
 - v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4); the header grows to
   320 bytes with `pool_id` (16 random bytes at creation), so the regions after it move.
 - v6: `num_hash_lookahead_tokens` (header offset 272, in the padding: no region moves).
+- v7: process rows grow to 72 bytes with `pid_ns`, so liveness can also check `pid` and
+  `start_ticks` (issue 15, item 3).
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -302,7 +308,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -420,14 +426,14 @@ H_JOURNAL_LEN = HEADER_DTYPE.fields["journal_len"][1] // 8
 H_LOCK_SEQ = HEADER_DTYPE.fields["lock_seq"][1] // 8
 H_NUM_TAKEOVERS = HEADER_DTYPE.fields["num_takeovers"][1] // 8
 
-# One row per process-table slot (64 bytes).
+# One row per process-table slot (72 bytes).
 PROC_DTYPE = np.dtype(
     {
         "names": ["state", "pid", "incarnation", "start_ticks", "attach_ns", "label",
-                  "lock_phase"],
-        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S24", "<i8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 56],
-        "itemsize": 64,
+                  "pid_ns", "lock_phase"],
+        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S24", "<u8", "<i8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 56, 64],
+        "itemsize": 72,
     }
 )
 SLOT_FREE = 0

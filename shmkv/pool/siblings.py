@@ -202,7 +202,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
     finally:
         os.close(fd)
     active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
-    live = [s for s in active if _slot_alive(entry, s, procs[s])]
+    live = [s for s in active if _slot_alive(entry, s, procs)]
     poisoned = state == L.STATE_POISONED
     if live:
         pids = ", ".join(str(int(procs[s]["pid"])) for s in live)
@@ -220,17 +220,17 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
                  creator, st.st_ino, pool_id)
 
 
-def _slot_alive(entry: str, slot: int, row) -> bool:
-    """A slot is live while its process holds the slot's byte of ``.alive``; without that
-    file, while its pid lives with the recorded start time."""
+def _slot_alive(entry: str, slot: int, procs: np.ndarray) -> bool:
+    """A slot is live by the liveness rule (``AliveLocks.is_alive``); without the pool's
+    ``.alive`` file, while its pid lives with the recorded start time."""
     from shmkv.errors import SegmentError
     from shmkv.pool.liveness import AliveLocks
 
     path = f"{SHM_DIR}/{entry}.alive"
     try:
-        locks = AliveLocks(path, create=False)
+        locks = AliveLocks(path, create=False, procs=procs)
     except SegmentError:
-        return pid_alive(int(row["pid"]), int(row["start_ticks"]))
+        return pid_alive(int(procs[slot]["pid"]), int(procs[slot]["start_ticks"]))
     try:
         return locks.is_alive(slot)
     finally:
