@@ -298,6 +298,31 @@ class KVCacheCoordinator(ABC):
             prefix_cache_retention_interval, kv_cache_config, scheduler_block_size
         )
 
+    def cache_geometry(self) -> str:
+        """How this coordinator's blocks hold KV, canonically: the hash block size, then per
+        group its spec class (shmkv's), block size, page size and context parallelism.
+        Processes whose descriptions differ must not share cached blocks
+        (``BlockPool.claim_cache_geometry``)."""
+        parts = [f"hash_block_size={self.hash_block_size}"]
+        for i, (group, manager) in enumerate(zip(self.kv_cache_config.kv_cache_groups,
+                                                 self.single_type_managers, strict=True)):
+            spec = group.kv_cache_spec
+            kind = next(c.__name__ for c in type(spec).__mro__
+                        if c.__module__.startswith("shmkv.") or c is object)
+            try:
+                page = spec.page_size_bytes
+            except Exception:  # noqa: BLE001  (a spec without a page size of its own)
+                page = "?"
+            parts.append(f"{i}:{kind}(block_size={manager.block_size}, page_size_bytes={page}, "
+                         f"dcp={manager.dcp_world_size}, pcp={manager.pcp_world_size})")
+        return "; ".join(parts)
+
+    def _bind_pool_geometry(self) -> None:
+        """With prefix caching, binds the pool to this geometry or refuses it (UsageError).
+        The last step of a coordinator's construction, so a refused one changes nothing."""
+        if self.enable_caching:
+            self.block_pool.claim_cache_geometry(self.cache_geometry())
+
     # ------------------------------------------------------------------ allocation
 
     def get_num_blocks_to_allocate(
@@ -531,6 +556,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"({hash_block_size}) == the group's block size ({self.block_size})"
             )
         manager.use_eagle = 0 in self.drop_eagle_group_ids
+        self._bind_pool_geometry()
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
@@ -690,6 +716,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
         self.verify_and_split_kv_cache_groups()
+        self._bind_pool_geometry()
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:

@@ -26,6 +26,7 @@ wrong width...) raises ``UsageError`` before it changes anything.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 import os
@@ -1489,6 +1490,44 @@ class BlockPool:
         """The pool's global event ring (``capacity`` 0 when events are off). Read it
         under ``pool.lock()``: ``event_log.read_raw(cursor, limit)``."""
         return self._log
+
+    def claim_cache_geometry(self, geometry: str) -> None:
+        """Binds the pool to one geometry of its blocks' contents, or checks it is this one.
+
+        A prefix hit hands a process KV that another process wrote: both must lay blocks out
+        the same way (groups, block sizes, page sizes, context parallelism). The first call
+        on a pool records a digest of ``geometry`` in the header (``cache_geometry``);
+        every later one, in any process, must give the same description.
+
+        Args:
+            geometry: a canonical description of the caller's layout (the coordinator's
+                ``cache_geometry()``).
+
+        Raises:
+            UsageError: not a non-empty str, or the pool is bound to another geometry;
+                nothing changes.
+        """
+        if not isinstance(geometry, str) or not geometry:
+            raise UsageError(f"claim_cache_geometry(): geometry must be a non-empty str, "
+                             f"got {geometry!r}")
+        digest = int.from_bytes(hashlib.blake2b(geometry.encode(), digest_size=8).digest(),
+                                "little") >> 1 or 1  # 63 bits, never 0 (0: unbound)
+        with self._lock:
+            bound = int(self._hdr64[L.H_CACHE_GEOMETRY])
+            if bound == 0:  # one aligned store, outside the journal (layout.py)
+                self._hdr64[L.H_CACHE_GEOMETRY] = digest
+                return
+        if bound != digest:
+            raise UsageError(
+                f"pool {self.pool_name} holds KV laid out for another KV-cache configuration "
+                f"(geometry digest {bound:#x}); this one is {geometry} ({digest:#x}). Every "
+                "process sharing a pool must use the same groups, block sizes, page sizes and "
+                "context parallelism: give this configuration a pool of its own")
+
+    @property
+    def cache_geometry(self) -> int:
+        """The digest the pool is bound to (``claim_cache_geometry``), 0 if none yet."""
+        return int(self._hdr64[L.H_CACHE_GEOMETRY])
 
     def header_snapshot(self) -> np.void:
         """A copy of the segment header, one structured record (``shmkv/pool/layout.py``,

@@ -53,6 +53,13 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `num_hash_lookahead_tokens` (u4, 272): vLLM's ``num_hash_lookahead_tokens``: each block
   hash also covers that many tokens after its block, so it is part of what a key means and
   every process must hash the same way (it also shapes the KV events' lookahead token ids).
+- `cache_geometry` (i64, 280): 0 until the first prefix-caching KV-cache coordinator binds
+  the pool, then a 63-bit digest of how its blocks hold KV (each group's kind, block size and
+  page size, the hash block size, decode/prefill context parallelism;
+  ``BlockPool.claim_cache_geometry``). A coordinator of another geometry is refused: its
+  hits would read KV laid out for another configuration. Written once, from 0, in one
+  aligned store under the lock and outside the journal (a holder that dies after it leaves
+  the pool bound, which is what it was about to use it for).
 
 Mutable, written only under the pool lock:
 
@@ -287,7 +294,7 @@ Changelog
   320 bytes with `pool_id` (16 random bytes at creation), so the regions after it move.
 - v6: `num_hash_lookahead_tokens` (header offset 272, in the padding: no region moves).
 - v7: process rows grow to 72 bytes with `pid_ns`, so liveness can also check `pid` and
-  `start_ticks` (issue 15, item 3).
+  `start_ticks` (issue 15, item 3); header `cache_geometry` (offset 280, in the padding).
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -357,6 +364,8 @@ HEADER_DTYPE = np.dtype(
             "num_reaped", "num_events_dropped", "journal_len", "lock_seq", "num_takeovers",
             # immutable again: the identity, drawn at creation; then more config echo
             "pool_id", "num_hash_lookahead_tokens",
+            # written once, by the first KV-cache coordinator (``claim_cache_geometry``)
+            "cache_geometry",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -368,6 +377,7 @@ HEADER_DTYPE = np.dtype(
             "<i8", "<i8", "<i8", "<i8",
             "<i8", "<i8", "<i8", "<u8", "<u8",
             "V16", "<u4",
+            "<i8",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -379,6 +389,7 @@ HEADER_DTYPE = np.dtype(
             184, 192, 200, 208,
             216, 224, 232, 240, 248,
             256, 272,
+            280,
         ],
         "itemsize": 320,
     }
@@ -425,6 +436,7 @@ H_NUM_EVENTS_DROPPED = HEADER_DTYPE.fields["num_events_dropped"][1] // 8
 H_JOURNAL_LEN = HEADER_DTYPE.fields["journal_len"][1] // 8
 H_LOCK_SEQ = HEADER_DTYPE.fields["lock_seq"][1] // 8
 H_NUM_TAKEOVERS = HEADER_DTYPE.fields["num_takeovers"][1] // 8
+H_CACHE_GEOMETRY = HEADER_DTYPE.fields["cache_geometry"][1] // 8
 
 # One row per process-table slot (72 bytes).
 PROC_DTYPE = np.dtype(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shmkv import (
+    BlockPool,
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     KVCacheManager,
@@ -237,11 +238,45 @@ def _coordinator(pool, cfg, bs=BS, hash_bs=BS, caching=True, **kw):
 
 
 def test_factory_picks_the_coordinator(make_pool):
-    pool = make_pool(20, hash_block_size=BS)
-    assert isinstance(_coordinator(pool, config(20, full())), UnitaryKVCacheCoordinator)
-    assert isinstance(_coordinator(pool, config(20, full(), swa(32))), HybridKVCacheCoordinator)
-    assert isinstance(_coordinator(pool, config(20), caching=False),
-                      KVCacheCoordinatorNoPrefixCache)
+    # A pool each: a pool's cached blocks hold one geometry (below).
+    assert isinstance(_coordinator(make_pool(20, hash_block_size=BS), config(20, full())),
+                      UnitaryKVCacheCoordinator)
+    assert isinstance(_coordinator(make_pool(20, hash_block_size=BS),
+                                   config(20, full(), swa(32))), HybridKVCacheCoordinator)
+    assert isinstance(_coordinator(make_pool(20, hash_block_size=BS), config(20),
+                                   caching=False), KVCacheCoordinatorNoPrefixCache)
+
+
+def test_a_pool_holds_one_cache_geometry(make_pool):
+    """The first prefix-caching coordinator binds the pool to its geometry; one that lays
+    blocks out otherwise (block size, context parallelism, groups) is refused with nothing
+    changed, whatever process it is in; the same geometry, or no caching, is welcome."""
+    from tests.helpers import segment_image
+
+    pool = make_pool(40, hash_block_size=BS, partial_keys=True)
+    assert pool.cache_geometry == 0
+    first = _coordinator(pool, config(40, full(), swa(32)))
+    bound = pool.cache_geometry
+    assert bound != 0 and "SlidingWindowSpec" in first.cache_geometry()
+    _coordinator(pool, config(40, full(), swa(32)))  # the same geometry: welcome
+    other = BlockPool.attach(pool.pool_name, kernel=pool.kernel)
+    try:
+        before = segment_image(pool)
+        for cfg, kw in ((config(40, full()), {}),
+                        (config(40, full(2 * BS), swa(32, 2 * BS)), {"bs": 2 * BS}),
+                        (config(40, full(), _mamba()), {"dcp": 2, "bs": 2 * BS})):
+            with pytest.raises(UsageError, match="another KV-cache configuration"):
+                _coordinator(other, cfg, **kw)
+            assert segment_image(pool) == before and pool.cache_geometry == bound
+        _coordinator(other, config(40, full()), caching=False)  # shares no KV: welcome
+        _coordinator(other, config(40, full(), swa(32)))
+        for bad in ("", None, 3):
+            with pytest.raises(UsageError, match="geometry must be a non-empty str"):
+                other.claim_cache_geometry(bad)
+        assert segment_image(pool) == before
+    finally:
+        other.close()
+    pool.check_invariants()
 
 
 def test_unitary_refuses_hash_block_size_mismatch(make_pool):
@@ -343,6 +378,7 @@ def test_retention_interval_sources(make_pool, monkeypatch):
         _coordinator(pool, config(20, full(), swa(32)))
     monkeypatch.delenv("SHMKV_PREFIX_CACHE_RETENTION_INTERVAL")
     # full attention alone ignores retention: only 0 (or unset) is accepted
+    pool = make_pool(20, hash_block_size=BS)  # another geometry: a pool of its own
     assert _coordinator(pool, config(20, full(), retention=0)).retention_interval == 0
     with pytest.raises(UsageError, match="no sliding-window or Mamba"):
         _coordinator(pool, config(20, full(), retention=16))
