@@ -474,9 +474,7 @@ def rebuild(pool: Any) -> RebuildReport:
     is_free[L.NULL_BLOCK_ID] = False
     free = np.flatnonzero(is_free)
     attrs = _read_fields(views, 16, 16, row_bytes)  # group_id, hash_num_tokens, queue_key
-    # take, not compress: a mask over a strided field is compressed item by item, several
-    # times slower than gathering by index (12 ms against 2 at a million blocks).
-    keys = attrs["queue_key"][:n].take(free)
+    keys = np.compress(is_free, attrs["queue_key"][:n])
     hashed, dropped = _clean_hash_fields(views, attrs)
     groups = attrs["group_id"][hashed]
     aliases, alias_links = _clean_alias_rows(views, hashed, dropped)
