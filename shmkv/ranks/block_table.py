@@ -693,7 +693,7 @@ class SharedBlockTables:
             flat: list[int] = []
             ends: list[int] = []
             starts = lengths[g] if appending else [0] * len(rows_list)
-            for r, ids, start in zip(rows_list, block_ids_per_row, starts):
+            for r, ids, start in zip(rows_list, block_ids_per_row, starts, strict=True):
                 ids = ids[g]
                 if type(ids) is not list and type(ids) is not tuple:
                     return None
