@@ -73,6 +73,7 @@ from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
 from shmkv.pool.liveness import AliveLocks, alive_path
 from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
+    SPIN_S,
     WAIT_SLICE_S,
     PoolLock,
     check_semaphore,
@@ -391,6 +392,7 @@ class BlockPool:
                                         self.process_table.describe_holder),
                 self._takeover.on_stall, self._repairer.on_dirty,
             )
+            self._lock.spin_s = SPIN_S
         else:
             self._lock = PoolLock(
                 segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
