@@ -242,6 +242,11 @@ class Runner:
         self.problems: list[str] = []  # what went wrong (exit code 1)
         self.notes: list[str] = []  # what happened on purpose (--kill-one)
         self.killed: set[int] = set()
+        # Children that died of SIGTERM while this process was not (yet) interrupted: a
+        # SIGTERM to the whole process group can reach a child before this process has
+        # handled its own, so they are judged at the end (a problem only if this run was
+        # not interrupted).
+        self.sigterm_deaths: list[str] = []
         self.peak_blocks_held: dict[int, int] = {}  # per scheduler, as its stats said
         # Everything made, for the finally.
         self.pools: list[BlockPool] = []
@@ -434,9 +439,13 @@ class Runner:
             who.join(1)
             if starting:
                 raise ShmKVError(f"{who.name} exited with code {who.exitcode} while starting")
-            where = self.notes if i in self.killed else self.problems
-            where.append(f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}"
-                         + (" (--kill-one)" if i in self.killed else ""))
+            what = f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}"
+            if i in self.killed:
+                self.notes.append(what + " (--kill-one)")
+            elif who.exitcode in (128 + signal.SIGTERM, -signal.SIGTERM):
+                self.sigterm_deaths.append(what)
+            else:
+                self.problems.append(what)
             for p in procs:
                 if p.is_alive():
                     p.kill()
@@ -707,6 +716,10 @@ class Runner:
             if in_use:
                 self.problems.append(f"pool {pool.pool_name}: {in_use} blocks still in use "
                                      "after every scheduler stopped")
+        if self.interrupted == "SIGTERM":
+            self.notes.extend(f"{what}: stopped by SIGTERM too" for what in self.sigterm_deaths)
+        else:
+            self.problems.extend(self.sigterm_deaths)
         if self.interrupted:
             self.problems.append(f"interrupted ({self.interrupted})")
         figs = figures(self, getattr(self, "records", {}), stats, timeline, pool_checks,
