@@ -835,6 +835,61 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* unpin(blocks): as free, but every block reaching 0 goes to the tail of the free queue in
+   the order given, hashed or not (BlockPool.unpin_blocks). Checks first, then writes. */
+static PyObject *Kernel_unpin(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "unpin(blocks)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "unpin_blocks() takes an iterable of blocks");
+    if (!seq) return NULL;
+    Py_ssize_t n = read_ids(k, seq, "unpin_blocks");
+    Py_DECREF(seq);
+    if (n < 0) return NULL;
+    int32_t *ids = k->ids_buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ids[i] == NULL_BLOCK_ID) {
+            PyErr_SetString(UsageError, "unpin_blocks(): the null block is never referenced");
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]]++;
+    int32_t bad = -1, bad_kind = 0;
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++)
+        if (I32(k, ids[i], F_REF) < k->scratch[ids[i]]) { bad = ids[i]; bad_kind = 1; }
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++)
+        if (k->ledger[ids[i]] < k->scratch[ids[i]]) { bad = ids[i]; bad_kind = 2; }
+    if (bad >= 0) {
+        int32_t times = k->scratch[bad];
+        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+        if (bad_kind == 1)
+            PyErr_Format(UsageError,
+                         "unpin_blocks(): block %d has ref_cnt %d but is unpinned %d time(s)",
+                         bad, I32(k, bad, F_REF), times);
+        else
+            PyErr_Format(UsageError,
+                         "unpin_blocks(): block %d is unpinned %d time(s) but this process "
+                         "holds %d reference(s) to it (ref_cnt %d)",
+                         bad, times, k->ledger[bad], I32(k, bad, F_REF));
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+    if (!ROW_OK(k, I32(k, k->head, F_NEXT)) || !ROW_OK(k, I32(k, k->tail, F_PREV)))
+        return corrupt("a free-queue sentinel links outside the block rows", k->head);
+    Py_ssize_t nlast = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        int32_t ref = I32(k, b, F_REF) - 1;
+        J32(k, I32(k, b, F_REF), ref);
+        J32(k, k->ledger[b], k->ledger[b] - 1);
+        if (ref == 0) k->last_buf[nlast++] = b;
+    }
+    queue_append_n(k, k->last_buf, nlast);
+    Py_RETURN_NONE;
+}
+
 /* touch(blocks): one more reference each; ref-0 blocks leave the free queue. */
 static PyObject *Kernel_touch(Kernel *k, PyObject *arg) {
     if (!kernel_alive(k)) return NULL;
@@ -1001,6 +1056,8 @@ static PyMethodDef Kernel_methods[] = {
      "allocate(n, caching, handles, make_handle, evicted_out) -> list of handles"},
     {"free", (PyCFunction)(void (*)(void))Kernel_free, METH_FASTCALL,
      "free(blocks, caching): drop one reference per block, requeue blocks reaching 0"},
+    {"unpin", (PyCFunction)(void (*)(void))Kernel_unpin, METH_FASTCALL,
+     "unpin(blocks): drop one reference per block, blocks reaching 0 to the queue's tail"},
     {"touch", (PyCFunction)Kernel_touch, METH_O,
      "touch(blocks): add a reference per block, taking ref-0 blocks out of the queue"},
     {"release", (PyCFunction)Kernel_release, METH_NOARGS,

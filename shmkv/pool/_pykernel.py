@@ -477,6 +477,39 @@ class PyKernel:
         if len(evict_last):
             self._queue.append_n(evict_last)
 
+    def unpin(self, blocks) -> None:
+        """``BlockPool.unpin_blocks``: one reference less on each block, as ``free`` but
+        every block reaching 0 joins the tail of the free queue (a last-resort eviction
+        candidate), hashed or not, in the order given. Checks first, then writes."""
+        ids = self._read_ids(blocks, "unpin_blocks")
+        if _NULL in ids:
+            raise UsageError("unpin_blocks(): the null block is never referenced")
+        seen: Counter[int] = Counter(ids)
+        ref_of = self._ref
+        led = self._led
+        for block_id in ids:
+            if ref_of[block_id] < seen[block_id]:
+                raise UsageError(
+                    f"unpin_blocks(): block {block_id} has ref_cnt {ref_of[block_id]} but is "
+                    f"unpinned {seen[block_id]} time(s)"
+                )
+        for block_id in ids:
+            if led[block_id] < seen[block_id]:
+                raise UsageError(
+                    f"unpin_blocks(): block {block_id} is unpinned {seen[block_id]} time(s) but "
+                    f"this process holds {led[block_id]} reference(s) to it "
+                    f"(ref_cnt {ref_of[block_id]})"
+                )
+        released = []
+        for block_id in ids:
+            ref = ref_of[block_id] - 1
+            ref_of[block_id] = ref
+            led[block_id] -= 1
+            if ref == 0:
+                released.append(block_id)
+        if released:
+            self._queue.append_n(released)
+
     def _raise_double_free(self, ids: list[int], block_id: int) -> None:
         ref = self._ref[block_id]
         times = ids.count(block_id)

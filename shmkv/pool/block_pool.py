@@ -30,7 +30,7 @@ import logging
 import operator
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -332,6 +332,9 @@ class BlockPool:
         self.blocks = BlockHandles(self)
         self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
+        # unpin_blocks: block id -> what to call when this process hands the block out again
+        # (or resets the cache). Process-local: see unpin_blocks.
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
@@ -1252,7 +1255,39 @@ class BlockPool:
                 ) from None
         if num_blocks < 0:
             raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
-        return self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+        blocks = self._lock.mutate("allocate", self._allocate_locked, num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        return blocks
+
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
+                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Drops one reference from each block, as ``free_blocks`` does, but a block reaching
+        0 joins the tail of the free queue whether it has a key or not (evicted last) and
+        stays readable: it counts as free, and ``on_reuse(block)`` is called when this
+        process's ``get_new_blocks`` hands it out again or ``reset_prefix_cache`` succeeds,
+        so the caller stops reading it (vLLM's call, used by HiSparse's resident pages).
+
+        The watcher lives in this process only: a block another process allocates is not
+        reported here.
+
+        Raises:
+            UsageError: ``on_reuse`` not callable, the null block, a bad handle, or a block
+                unpinned more times than it (or this process) is referenced. Nothing is
+                changed then.
+        """
+        if not callable(on_reuse):
+            raise UsageError(f"unpin_blocks(): on_reuse must be callable, got {on_reuse!r}")
+        blocks = list(blocks)
+        self._lock.mutate("unpin", self._kernel.unpin, blocks)
+        for block in blocks:
+            self._reuse_watchers[block.block_id] = on_reuse
 
     def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self._hdr64[_H_NUM_FREE]:
@@ -1328,7 +1363,10 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        return self._lock.mutate("reset", self._reset_locked)
+        reset = self._lock.mutate("reset", self._reset_locked)
+        if reset and self._reuse_watchers:
+            self._notify_reuse([self._handle(b) for b in list(self._reuse_watchers)])
+        return reset
 
     def _reset_locked(self) -> bool:
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()

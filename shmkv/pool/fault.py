@@ -34,7 +34,7 @@ else:  # CLock.mutate starts and ends the count of a planned call here, from C
 ENV_VAR = "SHMKV_FAULT"
 OPERATIONS = (
     "allocate", "free", "touch", "cache", "evict", "reset", "reap", "attach", "close",
-    "partial", "move",
+    "partial", "move", "unpin",
 )
 
 # The plan: (op, n) waiting for its call, or None. `armed` is True while a call counts.
