@@ -47,6 +47,7 @@ from shmkv.errors import (
     PoolClosedError,
     PoolFullError,
     SegmentError,
+    SegmentExistsError,
     UsageError,
 )
 from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
@@ -631,6 +632,8 @@ class BlockPool:
         forked child (``ForkedPoolError``) it only unmaps: the slot is the parent's."""
         if self._segment.buf is None:
             return
+        for tier in self.__dict__.pop("_tiers", {}).values():
+            tier.close()
         counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
@@ -650,6 +653,58 @@ class BlockPool:
             self._index.release()
             self._journal.release()
             self._release_views()
+
+    # The tiers a pool may have besides its own blocks, each a pool in its own segment named
+    # "<pool name>.<tier>": closed with this handle, unlinked with this pool.
+    TIERS = ("host",)
+
+    def tier(self, tier: str, num_blocks: int, *, enable_caching: bool,
+             medium: str = "CPU") -> BlockPool:
+        """This pool's ``tier`` (HiSparse's host pages: ``"host"``), a pool of ``num_blocks``
+        blocks in the segment ``<name>.<tier>``: created by the first process that asks,
+        attached by the others, with this pool's hash size, events, process slots, partial
+        keys and kernel. It is as shared and as crash-safe as this pool, with its own lock;
+        its events are queued with this handle's (``take_events`` returns both, in order).
+        The same handle is returned on later calls.
+
+        Raises:
+            UsageError: an unknown tier, or ``num_blocks`` / ``enable_caching`` that differ
+                from the tier's (made by another process, or by an earlier call).
+        """
+        if tier not in self.TIERS:
+            raise UsageError(f"tier must be one of {self.TIERS}, got {tier!r}")
+        tiers = self.__dict__.setdefault("_tiers", {})
+        pool = tiers.get(tier)
+        if pool is None:
+            name = f"{self.pool_name}.{tier}"
+            cfg = self._layout.config
+            try:
+                pool = BlockPool.create(
+                    name, num_blocks, enable_caching=enable_caching,
+                    hash_block_size=self.hash_block_size,
+                    enable_kv_cache_events=self.enable_kv_cache_events, medium=medium,
+                    max_processes=self.max_processes, hash_fn_name=self.hash_fn_name,
+                    kernel=self.kernel, label=f"{tier}-tier",
+                    lock_timeout_s=self._lock.timeout_s, partial_keys=cfg.partial_keys,
+                )
+            except SegmentExistsError:
+                pool = BlockPool.attach(
+                    name, num_gpu_blocks=num_blocks, enable_caching=enable_caching,
+                    hash_block_size=self.hash_block_size,
+                    enable_kv_cache_events=self.enable_kv_cache_events, kernel=self.kernel,
+                    label=f"{tier}-tier", lock_timeout_s=self._lock.timeout_s,
+                )
+            # One queue for both, as vLLM's SharedEventQueueBlockPool: the savepoint of the
+            # tier's lock then counts this queue's entries.
+            pool._event_queue = self._event_queue
+            pool._lock.set_savepoint(self._event_queue, pool._undo_since)
+            tiers[tier] = pool
+        elif pool.num_gpu_blocks != num_blocks or pool.enable_caching != bool(enable_caching):
+            raise UsageError(
+                f"the {tier} tier has {pool.num_gpu_blocks} blocks (caching "
+                f"{pool.enable_caching}), asked for {num_blocks} (caching {enable_caching})"
+            )
+        return pool
 
     def _release_views(self) -> None:
         self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED
@@ -671,7 +726,11 @@ class BlockPool:
 
         Processes that have it mapped keep working until they close it.
         """
-        return BlockPool._unlink_all(L.segment_name(name))
+        found = BlockPool._unlink_all(L.segment_name(name))
+        for tier in BlockPool.TIERS:
+            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
+                BlockPool._unlink_all(L.segment_name(f"{name}.{tier}"))
+        return found
 
     @staticmethod
     def _unlink_all(shm_name: str) -> bool:
@@ -688,9 +747,10 @@ class BlockPool:
 
     def __exit__(self, *exc: object) -> None:
         shm_name = self._segment.shm_name
+        name = self.pool_name
         self.close()
         if self._owner:
-            self._unlink_all(shm_name)
+            self.unlink(name)
 
     # ------------------------------------------------------------------ helpers
 
