@@ -184,8 +184,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 6: vLLM's EngineCore does not recognise the managers' (converted) specs",
     P + "test_mamba_align_chunk_split.py::test_lookahead_split_caches_partial_tail_boundary[2]":
         "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_can_fit_full_sequence_hisparse_caps_resident_pages":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[0-0-2-False]":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[0-0-2-True]":
@@ -198,65 +196,13 @@ KNOWN_GAPS: dict[str, str] = {
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[64-32-3-True]":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_device_eviction_keeps_host_prefix":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_aborted_tail_restore_retains_both_endpoints":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_builds_dma_row_mirrors_across_pages":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_capacity_query_does_not_require_hot_blocks":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_cleanup_publishes_only_finalized_terminal_pages[aborted]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_cleanup_publishes_only_finalized_terminal_pages[running]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_cleanup_publishes_only_finalized_terminal_pages[stopped]":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_deferred_free_retains_host_blocks_until_fence":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_does_not_write_back_reprefillable_tokens":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_events_report_host_and_device_placement":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_external_import_survives_capacity_retry":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_external_import_uses_hard_gpu_footprint":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_finished_request_leaves_free_copies":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_full_pool_keeps_pages_pinned_until_preemption":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_host_backed_request_accepts_local_prefix_hit":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_host_cow_copy_is_drained_without_a_gpu_pool":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_host_exhaustion_defers_allocation[False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_host_exhaustion_defers_allocation[True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_host_import_ignores_unsealed_tail":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_host_prefix_can_be_completed_by_indexer_offload":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_import_capacity_includes_hits_and_cow[False-15-1-False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_import_capacity_includes_hits_and_cow[False-15-2-True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_import_capacity_includes_hits_and_cow[False-16-1-True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_import_capacity_includes_hits_and_cow[True-16-1-False]":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_indexer_offload_is_capped_by_missing_host_prefix":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_inflight_host_import_reserves_remaining_gpu_pages":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_keeps_resident_pages_until_hot_buffer_is_allocated[False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_keeps_resident_pages_until_hot_buffer_is_allocated[True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_materialization_respects_per_step_spill_budget[1]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_materialization_respects_per_step_spill_budget[3]":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_materializes_prefix_without_allocating_hot_blocks[1]":
         "item 1: HiSparse groups",
@@ -264,35 +210,15 @@ KNOWN_GAPS: dict[str, str] = {
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_preempted_prefill_resumes_from_durable_prefix":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_prefill_reads_host_once_it_fills_admission_window[3-False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_prefill_reads_host_once_it_fills_admission_window[4-True]":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_prefix_hit_adopts_gpu_shadow_pages":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_prefix_hit_under_pressure_adopts_surviving_copies[10-adopted_pages1]":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_prefix_hit_under_pressure_adopts_surviving_copies[7-adopted_pages0]":
         "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_readmitted_request_resends_its_full_residency":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_recomputation_does_not_complete_failed_host_import":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_reports_when_context_is_fully_resident":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_reset_prefix_cache_drops_copies":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_residency_update_sends_only_changed_pages":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_resident_request_can_grow_without_hot_capacity":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_reused_copy_is_not_adopted":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_hisparse_terminal_prefix_waits_for_all_workers_and_preserves_identity":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_host_receive_completion_without_spill_metadata[False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_host_receive_completion_without_spill_metadata[True]":
         "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_kv_events_reconstruct_lookahead_block_hashes[1]":
         "item 4: num_hash_lookahead_tokens",
