@@ -49,6 +49,7 @@ from shmkv.core.single_type_kv_cache_manager import (
     spec_manager_map,
     trim_null_head,
 )
+from shmkv.errors import UsageError
 from shmkv.events import MEDIUM_CPU
 
 if TYPE_CHECKING:
@@ -503,12 +504,12 @@ class HiSparseCoordinator:
                 if not isinstance(manager, HiSparseResidentManager):
                     raise TypeError("HiSparse resident specs require resident cache managers.")
                 if group.host_resident:
-                    raise ValueError("a HiSparse resident group cannot be host_resident")
+                    raise UsageError("a HiSparse resident group cannot be host_resident")
                 resident.append(manager)
                 resident_group_ids.append(group_id)
             if isinstance(manager, HiSparseHotManager):
                 if group.host_resident:
-                    raise ValueError("a HiSparse hot group cannot be host_resident")
+                    raise UsageError("a HiSparse hot group cannot be host_resident")
                 hot.append(manager)
             if isinstance(manager, (HiSparseHotManager, HiSparseResidentManager)):
                 manager.coordinator = self
@@ -520,10 +521,10 @@ class HiSparseCoordinator:
         for group_id, manager in enumerate(managers):
             if isinstance(manager, HiSparseSourceManager):
                 if self.host_manager is not None:
-                    raise ValueError("Only one HiSparse host group is supported.")
+                    raise UsageError("Only one HiSparse host group is supported.")
                 num_host_blocks = kv_cache_config.hisparse_host_num_blocks
                 if num_host_blocks is None:
-                    raise ValueError("HiSparse host group needs host capacity.")
+                    raise UsageError("HiSparse host group needs host capacity.")
                 self.host_group_id = group_id
                 self.host_manager = manager
                 manager.coordinator = self
@@ -533,15 +534,15 @@ class HiSparseCoordinator:
         self.transition_watermark = 0
         if self.resident_managers:
             if self.host_manager is None or self.host_group_id is None:
-                raise ValueError("HiSparse resident groups need a HiSparse host group.")
+                raise UsageError("HiSparse resident groups need a HiSparse host group.")
             if self.host_group_id > min(resident_group_ids):
-                raise ValueError("HiSparse host group must precede resident groups.")
+                raise UsageError("HiSparse host group must precede resident groups.")
             sizes = {m.block_size for m in self.resident_managers}
             if len(sizes) != 1:
-                raise ValueError("HiSparse resident cache groups must use one block size.")
+                raise UsageError("HiSparse resident cache groups must use one block size.")
             resident_block_size = sizes.pop()
             if self.host_manager.block_size != resident_block_size:
-                raise ValueError("HiSparse host and resident block sizes must match.")
+                raise UsageError("HiSparse host and resident block sizes must match.")
             self.max_spill_pages = max_model_len // resident_block_size
             self.gpu_pool = self.resident_managers[0].block_pool
             # Requests move to reading from the host once the pool is this low, so that
@@ -1117,7 +1118,8 @@ def get_hisparse_coordinator(kv_cache_manager: KVCacheManager) -> HiSparseCoordi
     the first request is admitted), then found on the managers it binds.
 
     Raises:
-        ValueError: the config has no HiSparse host group, or an inconsistent one.
+        UsageError: (a ValueError, as vLLM's) the config has no HiSparse host group, or an
+            inconsistent one (vLLM's messages).
     """
     managers = tuple(kv_cache_manager.coordinator.single_type_managers)
     for manager in managers:
@@ -1129,5 +1131,5 @@ def get_hisparse_coordinator(kv_cache_manager: KVCacheManager) -> HiSparseCoordi
         num_reprefillable_tokens=kv_cache_manager.coordinator.num_reprefillable_tokens,
     )
     if coordinator.host_manager is None:
-        raise ValueError("No HiSparse cache group is configured.")
+        raise UsageError("No HiSparse cache group is configured.")
     return coordinator

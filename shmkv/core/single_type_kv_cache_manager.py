@@ -1610,11 +1610,14 @@ def get_manager_for_kv_cache_spec(
         AssertionError: no manager for the spec type (as vLLM).
         UsageError: a role that is not a ``KVCacheGroupRole`` value.
     """
-    if role is not None and role not in {r.value for r in KVCacheGroupRole}:
-        raise UsageError(
-            f"KV cache group role must be one of {[r.value for r in KVCacheGroupRole]}, "
-            f"got {role!r}"
-        )
+    if role is not None:
+        try:  # a str, or any str enum with these values (vLLM's KVCacheGroupRole)
+            role = KVCacheGroupRole(role)
+        except ValueError:
+            raise UsageError(
+                f"KV cache group role must be one of {[r.value for r in KVCacheGroupRole]}, "
+                f"got {role!r}"
+            ) from None
     manager_class = role_manager_map.get(role) if role is not None else None
     if manager_class is None:
         manager_class = next(

@@ -336,6 +336,7 @@ class BlockPool:
         # unpin_blocks: block id -> what to call when this process hands the block out again
         # (or resets the cache). Process-local: see unpin_blocks.
         self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        self._tiers: dict[str, BlockPool] = {}  # tier(): this handle's tiers, by name
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
@@ -632,7 +633,8 @@ class BlockPool:
         forked child (``ForkedPoolError``) it only unmaps: the slot is the parent's."""
         if self._segment.buf is None:
             return
-        for tier in self.__dict__.pop("_tiers", {}).values():
+        tiers, self._tiers = self._tiers, {}
+        for tier in tiers.values():
             tier.close()
         counting = _fault.planned is not None and _fault.begin("close")
         try:
@@ -673,8 +675,7 @@ class BlockPool:
         """
         if tier not in self.TIERS:
             raise UsageError(f"tier must be one of {self.TIERS}, got {tier!r}")
-        tiers = self.__dict__.setdefault("_tiers", {})
-        pool = tiers.get(tier)
+        pool = self._tiers.get(tier)
         if pool is None:
             name = f"{self.pool_name}.{tier}"
             cfg = self._layout.config
@@ -698,7 +699,7 @@ class BlockPool:
             # tier's lock then counts this queue's entries.
             pool._event_queue = self._event_queue
             pool._lock.set_savepoint(self._event_queue, pool._undo_since)
-            tiers[tier] = pool
+            self._tiers[tier] = pool
         elif pool.num_gpu_blocks != num_blocks or pool.enable_caching != bool(enable_caching):
             raise UsageError(
                 f"the {tier} tier has {pool.num_gpu_blocks} blocks (caching "
@@ -1380,6 +1381,21 @@ class BlockPool:
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
+        if self._tiers:
+            # As vLLM's pool, blocks of another pool (a tier's) are freed in theirs, after
+            # this pool's own.
+            ordered_blocks = list(ordered_blocks)
+            other: dict[BlockPool, list[KVCacheBlock]] = {}
+            for block in ordered_blocks:
+                pool = getattr(block, "_pool", self)
+                if pool is not self:
+                    other.setdefault(pool, []).append(block)
+            if other:
+                own = [b for b in ordered_blocks if getattr(b, "_pool", self) is self]
+                self._lock.mutate("free", self._kernel.free, own, self.enable_caching)
+                for pool, blocks in other.items():
+                    pool.free_blocks(blocks)
+                return
         self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:

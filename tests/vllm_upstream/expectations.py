@@ -184,42 +184,6 @@ KNOWN_GAPS: dict[str, str] = {
         "item 6: vLLM's EngineCore does not recognise the managers' (converted) specs",
     P + "test_mamba_align_chunk_split.py::test_lookahead_split_caches_partial_tail_boundary[2]":
         "item 4: num_hash_lookahead_tokens",
-    P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[0-0-2-False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[0-0-2-True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[16-16-2-False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[16-16-2-True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[64-32-3-False]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_connector_completes_partial_prefix_without_importing_missing_host_kv[64-32-3-True]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_deferred_free_retains_host_blocks_until_fence":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_host_backed_request_accepts_local_prefix_hit":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_host_prefix_can_be_completed_by_indexer_offload":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_indexer_offload_is_capped_by_missing_host_prefix":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_materializes_prefix_without_allocating_hot_blocks[1]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_materializes_prefix_without_allocating_hot_blocks[3]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_preempted_prefill_resumes_from_durable_prefix":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_prefix_hit_adopts_gpu_shadow_pages":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_prefix_hit_under_pressure_adopts_surviving_copies[10-adopted_pages1]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_prefix_hit_under_pressure_adopts_surviving_copies[7-adopted_pages0]":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_reused_copy_is_not_adopted":
-        "item 1: HiSparse groups",
-    P + "test_prefix_caching.py::test_hisparse_terminal_prefix_waits_for_all_workers_and_preserves_identity":
-        "item 1: HiSparse groups",
     P + "test_prefix_caching.py::test_kv_events_reconstruct_lookahead_block_hashes[1]":
         "item 4: num_hash_lookahead_tokens",
     P + "test_prefix_caching.py::test_kv_events_reconstruct_lookahead_block_hashes[2]":

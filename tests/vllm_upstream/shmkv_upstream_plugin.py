@@ -70,7 +70,11 @@ def to_shmkv(obj):
         cls = getattr(S, type(obj).__name__, None)
         if cls is None:
             raise NotImplementedError(f"shmkv has no {type(obj).__name__}")
-        kwargs = {f.name: to_shmkv(getattr(obj, f.name)) for f in dataclasses.fields(cls)
+        # A group's role stays vLLM's enum member (shmkv takes any value of its roles):
+        # vLLM's code reading the manager's config tests it by identity
+        # (``group.role is KVCacheGroupRole.HISPARSE_INDEXER``).
+        kwargs = {f.name: getattr(obj, f.name) if f.name == "role" else
+                  to_shmkv(getattr(obj, f.name)) for f in dataclasses.fields(cls)
                   if f.init and hasattr(obj, f.name)}
         return cls(**kwargs)
     return obj
@@ -256,6 +260,11 @@ def install_shims() -> None:
                  "RSWAManager"):
         if name in c and hasattr(vstm, name):
             setattr(vstm, name, c[name])
+    # vLLM's offloading connector checks the manager's coordinator by vLLM's class name.
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as voffload
+    from shmkv.core import kv_cache_coordinator as shm_coord
+
+    voffload.HybridKVCacheCoordinator = shm_coord.HybridKVCacheCoordinator
     import vllm.v1.hisparse.coordinator as vhisparse
 
     hisparse_modules = [vstm, vhisparse]
