@@ -120,7 +120,7 @@ def _trace(events):
 def _lifecycle(impl, make_pool, num_resident_groups):
     """Prefill, write-back, hot region, pressure that reuses unpinned copies, a host prefix
     hit that adopts surviving copies, and the end of both requests."""
-    side = HiSide(impl, make_pool, hisparse_config(14, 16, num_resident_groups))
+    side = HiSide(impl, make_pool, hisparse_config(8 + 12 * num_resident_groups, 16, num_resident_groups))
     out = []
     a = side.request("a", range(5 * BS))
     out.append(side.step(a, 5 * BS))
@@ -129,8 +129,10 @@ def _lifecycle(impl, make_pool, num_resident_groups):
     out.append(side.coordinator.all_context_pages_resident([("a", 5 * BS, 0)]))
     out.append(side.counts())
     side.check()
-    side.coordinator.hot_managers[0].require_hot("a")    # a asks to read from the host
-    out.append(side.step(a, 0))                   # the hot region; clean pages unpinned
+    for hot in side.coordinator.hot_managers:      # a asks to read from the host
+        hot.require_hot("a")
+    a.append_output_token_ids(1)
+    out.append(side.step(a, 1))                   # the hot region; clean pages unpinned
     out.append((side.resident_row("a"), side.counts()))
     side.check()
     # Pressure: b's new blocks reuse a's unpinned copies, which a then reads from the host.
@@ -149,7 +151,8 @@ def _lifecycle(impl, make_pool, num_resident_groups):
                          new_computed_blocks=hit))
     out.append((side.resident_row("c"), side.residency("c")))
     out.append(side.transfers())
-    out.append(side.coordinator.build_row_mirrors([("c", num_hit, c.num_tokens - num_hit)]))
+    out.append([(m.source_starts, m.destination_start, m.num_rows) for m in
+                side.coordinator.build_row_mirrors([("c", num_hit, c.num_tokens - num_hit)])])
     side.check()
     for r in (b, c):
         side.manager.free(r)
@@ -165,9 +168,9 @@ def test_hisparse_lifecycle_matches_vllm(make_pool, num_resident_groups):
     trace = traces["vllm"]
     # The scenario reaches what it is about: pages written back, copies reused under
     # pressure (a host-only page in a's row), and a host hit on c's prefix.
-    assert trace[1] and trace[9] is not None
-    assert 0 in trace[10][0]
-    assert trace[12][0] == 5 * BS
+    assert trace[1] and trace[5] is not None and trace[7] is not None
+    assert 0 in trace[9][0]
+    assert trace[11][0] == 5 * BS
 
 
 def _import_and_cow(impl, make_pool, available):
@@ -211,6 +214,7 @@ def _host_exhaustion(impl, make_pool):
     a = side.request("a", range(3 * BS))
     b = side.request("b", range(100, 100 + 3 * BS))
     out = [side.step(a, 3 * BS), side.step(b, 3 * BS), side.counts()]
+    out.append(side.transfers())   # a's spills hold its host pages until they complete
     side.manager.free(a)
     out += [side.step(b, 3 * BS), side.counts()]
     side.manager.free(b)
@@ -222,4 +226,4 @@ def _host_exhaustion(impl, make_pool):
 def test_hisparse_host_exhaustion_matches_vllm(make_pool):
     traces = {impl: _host_exhaustion(impl, make_pool) for impl in IMPLS}
     assert traces["shmkv"] == traces["vllm"]
-    assert traces["vllm"][1] is None and traces["vllm"][3] is not None
+    assert traces["vllm"][1] is None and traces["vllm"][4] is not None
