@@ -96,6 +96,9 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
         pool.cache_partial_block(victim_second_request(), held["cached"][1], 16, 0, 32)
     elif op == "move":
         pool.move_block_hashes(held["cached"][1], held["plain"][0])
+    elif op == "unpin":
+        # HiSparse's release of clean resident pages: to the queue's tail, hashed or not.
+        pool.unpin_blocks(held["cached"] + held["plain"], lambda block: None)
     elif op == "reset":
         assert pool.reset_prefix_cache()
     elif op == "reap":
@@ -106,8 +109,8 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
         raise ValueError(op)
 
 
-OPS = ("allocate", "free", "touch", "cache", "evict", "partial", "move", "reset", "reap",
-       "attach", "close")
+OPS = ("allocate", "free", "touch", "cache", "evict", "partial", "move", "unpin", "reset",
+       "reap", "attach", "close")
 
 
 def zombie(name: str, kernel: str) -> None:
