@@ -569,6 +569,12 @@ class HiSparseCoordinator:
         # Unpinned GPU block id -> the (request, page) pairs still reading it.
         self._owners: dict[int, set[tuple[str, int]]] = {}
 
+    def _poll_reuse(self) -> None:
+        """Pages whose unpinned GPU copy another scheduler process has taken become
+        host-only now (this process's own allocations report theirs at once)."""
+        if self.gpu_pool is not None:
+            self.gpu_pool.poll_reuse()
+
     def _state(self, request_id: str) -> _RequestState:
         state = self.request_states.get(request_id)
         if state is None:
@@ -765,6 +771,7 @@ class HiSparseCoordinator:
     def advance_scheduled(self, requests: Iterable[tuple[str, int]]) -> None:
         """Per-step work for scheduled (request id, tokens computed once the step ends): the
         last ``num_reprefillable_tokens`` are not final, so they are not written back."""
+        self._poll_reuse()
         if not self.resident_managers:
             return
         for request_id, num_tokens in requests:
@@ -899,6 +906,7 @@ class HiSparseCoordinator:
         scheduled tokens). A page without a GPU copy or without a host block is skipped
         alone: its neighbours are still mirrored (a window only moves forward, so skipping
         them would leave their host rows stale for good)."""
+        self._poll_reuse()
         if not self.resident_managers or self.host_manager is None:
             return ()
         block_size = self.resident_managers[0].block_size
@@ -933,6 +941,7 @@ class HiSparseCoordinator:
 
     def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
         """Whether every scheduled request reads only GPU-resident KV."""
+        self._poll_reuse()
         if not self.resident_managers:
             return False
         first = self.resident_managers[0]
@@ -952,6 +961,7 @@ class HiSparseCoordinator:
                                ) -> dict[str, SparseKVResidencyUpdate]:
         """For the scheduled requests, the GPU blocks the worker does not know yet: stale
         pages, then pages appended since the last update. Unscheduled requests keep theirs."""
+        self._poll_reuse()
         updates: dict[str, SparseKVResidencyUpdate] = {}
         if not self.resident_managers:
             return updates

@@ -336,6 +336,9 @@ class BlockPool:
         # unpin_blocks: block id -> what to call when this process hands the block out again
         # (or resets the cache). Process-local: see unpin_blocks.
         self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        # Watched block id -> (queue_key, epoch) when this process's release put it in the
+        # free queue, None while a reference is held (invariant "watch-stamp": poll_reuse).
+        self._watch_stamps: dict[int, tuple[int, int] | None] = {}
         self._tiers: dict[str, BlockPool] = {}  # tier(): this handle's tiers, by name
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
@@ -1324,8 +1327,46 @@ class BlockPool:
     def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
         for block in blocks:
             watcher = self._reuse_watchers.pop(block.block_id, None)
+            self._watch_stamps.pop(block.block_id, None)
             if watcher is not None:
                 watcher(block)
+
+    def _stamp_watched(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Records the stamp of each watched block this process just released."""
+        stamps = self._watch_stamps
+        with self._lock:
+            epoch = int(self._hdr64[L.H_EPOCH])
+            for block in blocks:
+                block_id = block.block_id
+                if block_id in self._reuse_watchers:
+                    stamps[block_id] = (int(self._blocks["queue_key"][block_id]), epoch) \
+                        if self._ref_col[block_id] == 0 else None
+
+    def poll_reuse(self) -> int:
+        """Calls the watcher (``unpin_blocks``) of every watched block another process has
+        taken since this process released it, and returns how many. In one process this
+        finds nothing: the process's own ``get_new_blocks`` calls the watchers itself.
+
+        Invariant "watch-stamp": a watched block still holds what it held when unpinned while
+        this process references it, or while nobody does and its ``queue_key`` and the pool's
+        ``epoch`` are those recorded at this process's last release of it (every entry into
+        the free queue takes a key never used before, and a rebuild bumps the epoch). A block
+        referenced by more than this process is counted as taken: conservative, a reader
+        of a HiSparse page then reads the host copy, which is durable.
+        """
+        if not self._reuse_watchers:
+            return 0
+        reused: list[int] = []
+        with self._lock:
+            epoch = int(self._hdr64[L.H_EPOCH])
+            mine = self._ledger[self.slot]
+            for block_id in self._reuse_watchers:
+                ref = int(self._ref_col[block_id])
+                if ref > int(mine[block_id]) or ref == 0 and self._watch_stamps.get(block_id) != (
+                        int(self._blocks["queue_key"][block_id]), epoch):
+                    reused.append(block_id)
+        self._notify_reuse([self._handle(b) for b in reused])
+        return len(reused)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
                      on_reuse: Callable[[KVCacheBlock], None]) -> None:
@@ -1335,8 +1376,8 @@ class BlockPool:
         process's ``get_new_blocks`` hands it out again or ``reset_prefix_cache`` succeeds,
         so the caller stops reading it (vLLM's call, used by HiSparse's resident pages).
 
-        The watcher lives in this process only: a block another process allocates is not
-        reported here.
+        Another process allocating the block is reported by :meth:`poll_reuse` (HiSparse's
+        coordinator polls at each step), not at the moment it happens.
 
         Raises:
             UsageError: ``on_reuse`` not callable, the null block, a bad handle, or a block
@@ -1346,9 +1387,11 @@ class BlockPool:
         if not callable(on_reuse):
             raise UsageError(f"unpin_blocks(): on_reuse must be callable, got {on_reuse!r}")
         blocks = list(blocks)
-        self._lock.mutate("unpin", self._kernel.unpin, blocks)
-        for block in blocks:
-            self._reuse_watchers[block.block_id] = on_reuse
+        with self._lock:  # the stamps in the same hold: no other process comes between
+            self._lock.mutate("unpin", self._kernel.unpin, blocks)
+            for block in blocks:
+                self._reuse_watchers[block.block_id] = on_reuse
+            self._stamp_watched(blocks)
 
     def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self._hdr64[_H_NUM_FREE]:
@@ -1392,10 +1435,19 @@ class BlockPool:
                     other.setdefault(pool, []).append(block)
             if other:
                 own = [b for b in ordered_blocks if getattr(b, "_pool", self) is self]
-                self._lock.mutate("free", self._kernel.free, own, self.enable_caching)
+                with self._lock:
+                    self._lock.mutate("free", self._kernel.free, own, self.enable_caching)
+                    if self._reuse_watchers:
+                        self._stamp_watched(own)
                 for pool, blocks in other.items():
                     pool.free_blocks(blocks)
                 return
+        if self._reuse_watchers:
+            ordered_blocks = list(ordered_blocks)
+            with self._lock:
+                self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
+                self._stamp_watched(ordered_blocks)
+            return
         self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:

@@ -154,3 +154,31 @@ def test_a_role_that_is_not_a_role_is_refused(make_pool):
                        enable_caching=True, block_pool=pool)
     assert pool.get_num_free_blocks() == 15
     pool.check_invariants()
+
+
+def test_poll_reuse_reports_blocks_another_process_took(make_pool):
+    """Invariant "watch-stamp": a block another process allocates is reported by the next
+    poll_reuse, even once that process has freed it again; this process's own touch and
+    free of a watched block is not a reuse."""
+    pool = make_pool(7, hash_block_size=BS)
+    a, b, c = pool.get_new_blocks(3)
+    seen = []
+    pool.unpin_blocks([a, b, c], seen.append)
+    pool.touch([c])                           # this process reads c again, then lets it go
+    pool.free_blocks([c])
+    assert pool.poll_reuse() == 0 and seen == []
+    assert free_ids(pool) == [3, 4, 5, 6, 1, 2]   # c, unhashed, freed to the front
+    other = BlockPool.attach(pool.pool_name, label="other")
+    try:
+        taken = other.get_new_blocks(5)       # c, 4, 5, 6, then a
+        assert ids(taken) == [3, 4, 5, 6, 1] and seen == []   # another process: no call yet
+        assert pool.poll_reuse() == 2 and seen == [a, c]
+        other.free_blocks(taken)
+        assert pool.poll_reuse() == 0         # only b is watched now, and untouched
+        other.free_blocks(other.get_new_blocks(6))  # takes b too, and gives it back
+        assert pool.get_num_free_blocks() == 6 and b.ref_cnt == 0
+        assert pool.poll_reuse() == 1 and seen == [a, c, b]
+        assert pool._reuse_watchers == {} and pool._watch_stamps == {}
+        pool.check_invariants()
+    finally:
+        other.close()
