@@ -68,3 +68,46 @@ def serve(name: str, request_id: str, prompt: list[int], results, die: bool) -> 
     manager.free(req)
     results.put((num_hit, host.get_num_free_blocks(), pool.get_num_free_blocks()))
     pool.close()
+
+
+def read_then_lose(name: str, ready, taken, results) -> None:
+    """Admits a 5-page prompt, writes it back, moves the request to reading from the host
+    (its clean pages are unpinned), then, once another process has taken every free block,
+    reports its resident row before and after (the worker's residency update)."""
+    pool = BlockPool.attach(name, label="reader")
+    manager = KVCacheManager(hisparse_config(pool.num_gpu_blocks), max_model_len=64,
+                             scheduler_block_size=BS, hash_block_size=BS, enable_caching=True,
+                             block_pool=pool)
+    coordinator = get_hisparse_coordinator(manager)
+    req = Request("r", list(range(5 * BS)), block_hasher=pool.make_block_hasher())
+    assert manager.allocate_slots(req, req.num_tokens) is not None
+    coordinator.advance_scheduled([("r", req.num_tokens)])
+    req.num_computed_tokens = req.num_tokens
+    command = coordinator.build_offload_command()
+    counts = {t.transfer_id: 1 for t in command.page_transfers}
+    coordinator.update_spills(counts, counts)
+    for hot in coordinator.hot_managers:
+        hot.require_hot("r")
+    req.append_output_token_ids(1)
+    assert manager.allocate_slots(req, 1) is not None
+    coordinator.advance_scheduled([("r", req.num_tokens)])   # unpins the clean pages
+    resident = coordinator.resident_managers[0]
+    before = [b.block_id for b in resident.get_residency_row("r")]
+    ready.set()
+    assert taken.wait(30)
+    update = coordinator.take_residency_updates(["r"])["r"]
+    after = [b.block_id for b in resident.get_residency_row("r")]
+    pool.check_invariants()
+    results.put((before, after, update.block_ids[0]))
+    manager.free(req)
+    pool.close()
+
+
+def take_everything(name: str, ready, taken) -> None:
+    """Takes every free block of the device pool (so the reader's unpinned copies too) and
+    gives them back, then says so."""
+    assert ready.wait(30)
+    pool = BlockPool.attach(name, label="taker")
+    pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+    taken.set()
+    pool.close()

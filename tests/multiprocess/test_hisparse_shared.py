@@ -12,7 +12,7 @@ import pytest
 from shmkv import BlockPool
 from tests.conftest import unique_pool_name
 from tests.multiprocess import hisparse_workers as W
-from tests.multiprocess.conftest import run_processes
+from tests.multiprocess.conftest import join_processes, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,3 +48,27 @@ def test_host_tier_is_shared_and_survives_a_kill(spawn_ctx, kernel):
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
         pool.check_invariants()
         host.check_invariants()
+
+
+@pytest.mark.parametrize("kernel", ["python", "c"])
+def test_a_copy_another_process_reuses_becomes_host_only(spawn_ctx, kernel):
+    """The reader's unpinned clean pages (all but the two tail pages) are taken by another
+    process, which gives them back at once; the reader's next step sees them gone (the
+    worker is told to read them from the host) and keeps the pinned tail."""
+    from shmkv.pool.block_pool import _ckernel
+
+    if kernel == "c" and _ckernel is None:
+        pytest.skip("shmkv.pool._ckernel is not built")
+    name = unique_pool_name("hisr")
+    with BlockPool.create(name, 40, hash_block_size=W.BS, kernel=kernel) as pool:
+        ready, taken, results = spawn_ctx.Event(), spawn_ctx.Event(), spawn_ctx.Queue()
+        procs = [spawn_ctx.Process(target=W.read_then_lose, args=(name, ready, taken, results)),
+                 spawn_ctx.Process(target=W.take_everything, args=(name, ready, taken))]
+        for p in procs:
+            p.start()
+        before, after, sent = results.get(timeout=60)
+        assert join_processes(procs) == [0, 0]
+        assert 0 not in before and len(before) == 6
+        assert after == [0, 0, 0, 0] + before[4:] and sent == after
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        pool.check_invariants()
