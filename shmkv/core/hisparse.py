@@ -115,6 +115,18 @@ class SparseKVOffloadCommand:
 # --------------------------------------------------------------------------- managers
 
 
+def _bound(manager: Any) -> HiSparseCoordinator:
+    """The coordinator a HiSparse manager is bound to (by get_hisparse_coordinator)."""
+    if manager.coordinator is None:
+        raise UsageError(
+            f"{type(manager).__name__} (group {manager.kv_cache_group_id}) has no HiSparse "
+            "coordinator: call get_hisparse_coordinator(kv_cache_manager) before the first "
+            "request is admitted"
+        )
+    return manager.coordinator
+
+
+
 class HiSparseSourceManager(FullAttentionManager):
     """The source group: full attention whose blocks are host pages from the pool's host tier.
     A request gets a host block for every page (admission fails when the tier is full), and
@@ -162,14 +174,16 @@ class HiSparseSourceManager(FullAttentionManager):
     ) -> int:
         """0 when the host tier can give the blocks (they never count against the device
         pool), else more blocks than the device pool has: admission fails."""
+        coordinator = _bound(self)  # before anything is allocated
         needed = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, total_computed_tokens,
             num_local_computed_tokens, num_tokens_main_model,
         )
         if needed <= self.block_pool.get_num_free_blocks():
             return 0
-        assert self.coordinator is not None and self.coordinator.gpu_pool is not None
-        return self.coordinator.gpu_pool.num_gpu_blocks + 1
+        if coordinator.gpu_pool is None:
+            raise UsageError("a HiSparse host group needs resident groups to admit requests")
+        return coordinator.gpu_pool.num_gpu_blocks + 1
 
     def allocate_external_computed_blocks(
         self,
@@ -181,8 +195,7 @@ class HiSparseSourceManager(FullAttentionManager):
         if num_external_computed_tokens <= 0:
             return
         # The connector fills these pages; they become readable when the load completes.
-        assert self.coordinator is not None
-        self.coordinator.record_pending_host_import(
+        _bound(self).record_pending_host_import(
             request_id, num_local_computed_tokens + num_external_computed_tokens
         )
         super().allocate_external_computed_blocks(
@@ -193,8 +206,7 @@ class HiSparseSourceManager(FullAttentionManager):
     def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None,
                      *, replay_boundaries: Sequence[int]) -> None:
         """Deferred: the coordinator publishes the pages whose host copies are durable."""
-        assert self.coordinator is not None
-        self.coordinator.publish_when_ready(
+        _bound(self).publish_when_ready(
             request, num_tokens, retention_interval, replay_boundaries=replay_boundaries
         )
 
@@ -206,8 +218,7 @@ class HiSparseSourceManager(FullAttentionManager):
                              replay_boundaries=replay_boundaries)
 
     def pop_blocks_for_free(self, request_id: str) -> list[Block]:
-        assert self.coordinator is not None
-        self.coordinator.free(request_id)
+        _bound(self).free(request_id)
         return super().pop_blocks_for_free(request_id)
 
 
@@ -273,8 +284,7 @@ class HiSparseHotManager(_HiSparseAuxiliaryManager):
                                   num_external_computed_tokens: int) -> None:
         assert not new_computed_blocks
         self.num_cached_block[request_id] = 0
-        assert self.coordinator is not None
-        if num_local_computed_tokens > 0 or not self.coordinator.resident_managers:
+        if num_local_computed_tokens > 0 or not _bound(self).resident_managers:
             self.require_hot(request_id)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
@@ -362,8 +372,7 @@ class HiSparseResidentManager(_HiSparseAuxiliaryManager):
         num_host_pages = cdiv(num_local_computed_tokens, self.block_size)
         req_blocks.extend([self._null_block] * num_host_pages)
         self.num_cached_block[request_id] = 0
-        assert self.coordinator is not None
-        self.coordinator.commit_computed_blocks(request_id, num_host_pages)
+        _bound(self).commit_computed_blocks(request_id, num_host_pages)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[Block]:
@@ -378,8 +387,7 @@ class HiSparseResidentManager(_HiSparseAuxiliaryManager):
     def pop_blocks_for_free(self, request_id: str) -> list[Block]:
         """The blocks the request still pins (residency applied); the coordinator has
         already released the clean ones."""
-        assert self.coordinator is not None
-        self.coordinator.free(request_id)
+        _bound(self).free(request_id)
         blocks = self.get_residency_row(request_id)
         self.residency_changes.pop(request_id, None)
         super().pop_blocks_for_free(request_id)
@@ -1094,7 +1102,7 @@ class HiSparseCoordinator:
         if state is None:
             return
         publication = state.publication
-        if publication is not None and publication.request.is_finished() and state.pending_pages:
+        if publication is not None and _is_finished(publication.request) and state.pending_pages:
             assert self.host_manager is not None
             publication.detached_blocks = (
                 self.host_manager.req_to_blocks[request_id][:publication.num_pages]
@@ -1121,6 +1129,14 @@ class HiSparseCoordinator:
                 else:
                     continue
                 manager.drop_resident_page(request_id, page_idx)
+
+
+def _is_finished(request: Any) -> bool:
+    """vLLM's ``Request.is_finished()``. A request without it (``shmkv.Request`` has no
+    status) counts as preempted: its pages with copies still running are not published,
+    which costs only cache hits, never correctness."""
+    is_finished = getattr(request, "is_finished", None)
+    return bool(is_finished()) if callable(is_finished) else False
 
 
 def get_hisparse_coordinator(kv_cache_manager: KVCacheManager) -> HiSparseCoordinator:

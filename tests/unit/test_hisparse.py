@@ -15,6 +15,7 @@ from shmkv import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    Request,
     UsageError,
     get_hisparse_coordinator,
 )
@@ -182,3 +183,20 @@ def test_poll_reuse_reports_blocks_another_process_took(make_pool):
         pool.check_invariants()
     finally:
         other.close()
+
+
+def test_admitting_before_the_coordinator_is_bound_is_refused(make_pool):
+    pool = make_pool(16, hash_block_size=BS)
+    cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=_groups(),
+                        hisparse_host_num_blocks=8)
+    manager = KVCacheManager(cfg, max_model_len=64, scheduler_block_size=BS,
+                             hash_block_size=BS, enable_caching=True, block_pool=pool)
+    req = Request("r", list(range(2 * BS)), block_hasher=pool.make_block_hasher())
+    with pytest.raises(UsageError, match="call get_hisparse_coordinator"):
+        manager.allocate_slots(req, req.num_tokens)
+    assert pool.get_num_free_blocks() == 15     # nothing was allocated
+    coordinator = get_hisparse_coordinator(manager)
+    assert manager.allocate_slots(req, req.num_tokens) is not None
+    assert coordinator.get_host_block_pool().get_num_free_blocks() == 7 - 2
+    manager.free(req)
+    pool.check_invariants()
