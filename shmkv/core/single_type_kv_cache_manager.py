@@ -35,7 +35,8 @@ still running on its boundary block moves the block's keys to a copy
 (``num_prefill_checkpoint_blocks > 0``) export the state at the prompt's boundary from a chunk
 that crosses it into a block of its own, keyed there. A pool made without
 ``partial_keys=True`` keeps a block's own partial key but not a second one (see
-``shmkv/pool/layout.py``). The HiSparse and circular-buffer managers are left out.
+``shmkv/pool/layout.py``). HiSparse's managers live in ``shmkv/core/hisparse.py``, which
+registers them here (``spec_manager_map``, ``role_manager_map``).
 """
 
 from __future__ import annotations
