@@ -495,6 +495,11 @@ class BlockPool:
             segment.close()
             cls._unlink_all(shm_name)
             raise
+        # A tier left by an earlier pool of this name describes pages of a pool that is gone
+        # (its host copies would be taken for this pool's): the new pool starts without one.
+        for tier in cls.TIERS:
+            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
+                cls._unlink_all(L.segment_name(f"{name}.{tier}"))
         return pool
 
     def _initialize(self) -> None:

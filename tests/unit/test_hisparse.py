@@ -200,3 +200,23 @@ def test_admitting_before_the_coordinator_is_bound_is_refused(make_pool):
     assert coordinator.get_host_block_pool().get_num_free_blocks() == 7 - 2
     manager.free(req)
     pool.check_invariants()
+
+
+def test_a_new_pool_does_not_inherit_a_stale_host_tier(make_pool):
+    """A host tier whose pool was unlinked without it (its creator killed) is not attached
+    by the next pool of that name: that pool's host pages would claim copies that are gone."""
+    pool = make_pool(8, hash_block_size=BS)
+    name = pool.pool_name
+    stale = BlockPool.create(f"{name}.host", 6, hash_block_size=BS)  # as a killed run left it
+    stale.cache_full_blocks(make_request(BS, block_size=BS), stale.get_new_blocks(1), 0, 1, BS, 0)
+    stale.close()
+    pool.close()
+    BlockPool._unlink_all(pool._segment.shm_name)   # the device pool only
+    fresh = BlockPool.create(name, 8, hash_block_size=BS)
+    try:
+        host = fresh.tier("host", 6, enable_caching=True)
+        assert host.get_num_free_blocks() == 5 and len(host.cached_keys_by_group()) == 0
+        host.check_invariants()
+    finally:
+        fresh.close()
+        BlockPool.unlink(name)
