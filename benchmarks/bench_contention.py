@@ -40,19 +40,22 @@ import numpy as np
 from shmkv import BlockPool, Request
 from shmkv.plot import PlotUnavailable
 from shmkv.pool.block_pool import default_kernel
+from shmkv.pool.lock import SPIN_S
 
 HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPTS = [list(range(10_000 * p, 10_000 * p + 64)) for p in range(4)]
 RUNNING = 8
 
 
-def scheduler(name: str, index: int, seconds: float, kernel: str, start, results) -> None:
+def scheduler(name: str, index: int, seconds: float, kernel: str, spin_s: float, start,
+              results) -> None:
     """One scheduler process; puts (requests, elapsed_s, waits_ns, holds_ns) on results."""
     pool = BlockPool.attach(name, kernel=kernel, label=f"bench-{index}")
     hasher = pool.make_block_hasher()
     bs = pool.hash_block_size
     rng = random.Random(index)
     lock = pool.lock()
+    lock.spin_s = spin_s
     lock.record = []
     running: list[list] = []
     served = 0
@@ -83,14 +86,16 @@ def scheduler(name: str, index: int, seconds: float, kernel: str, start, results
     results.put((served, elapsed, waits, holds))
 
 
-def run_config(num_procs: int, seconds: float, kernel: str, num_blocks: int) -> dict:
+def run_config(num_procs: int, seconds: float, kernel: str, num_blocks: int,
+               spin_s: float) -> dict:
     name = f"bench-contention-{os.getpid()}-{num_procs}"
     ctx = mp.get_context("spawn")
     pool = BlockPool.create(name, num_blocks, max_processes=num_procs + 1, kernel=kernel,
                             label="bench-parent")
     try:
         start, results = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=scheduler, args=(name, i, seconds, kernel, start, results))
+        procs = [ctx.Process(target=scheduler, args=(name, i, seconds, kernel, spin_s, start,
+                                                       results))
                  for i in range(num_procs)]
         for p in procs:
             p.start()
@@ -115,6 +120,7 @@ def run_config(num_procs: int, seconds: float, kernel: str, num_blocks: int) -> 
         "bench": "contention",
         "processes": num_procs,
         "kernel": kernel,
+        "spin_us": round(spin_s * 1e6, 3),
         "seconds": round(elapsed, 3),
         "requests": served,
         "requests_per_s": round(served / elapsed, 1),
@@ -130,12 +136,19 @@ def run_config(num_procs: int, seconds: float, kernel: str, num_blocks: int) -> 
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("processes", "requests/s", "speedup", "wait p50 us", "wait p99 us",
-              "hold p50 us", "hold p99 us")
-    base = rows[0]["requests_per_s"] if rows and rows[0]["processes"] == 1 else None
+    """One line per (spin, processes): the speedup over one process with the same spin, and
+    the requests/s against the first spin setting's at the same process count (the before /
+    after of spinning, in one run)."""
+    header = ("spin us", "processes", "requests/s", "speedup", "vs first spin", "wait p50 us",
+              "wait p99 us", "hold p50 us", "hold p99 us")
+    one = {r["spin_us"]: r["requests_per_s"] for r in rows if r["processes"] == 1}
+    first = {}
+    for r in rows:
+        first.setdefault(r["processes"], r["requests_per_s"])
     body = [
-        (str(r["processes"]), f"{r['requests_per_s']:,.0f}",
-         f"{r['requests_per_s'] / base:.2f}x" if base else "-",
+        (f"{r['spin_us']:g}", str(r["processes"]), f"{r['requests_per_s']:,.0f}",
+         f"{r['requests_per_s'] / one[r['spin_us']]:.2f}x" if r["spin_us"] in one else "-",
+         f"{r['requests_per_s'] / first[r['processes']]:.2f}x",
          f"{r['wait_p50_us']:.1f}", f"{r['wait_p99_us']:.1f}", f"{r['hold_p50_us']:.1f}",
          f"{r['hold_p99_us']:.1f}")
         for r in rows
@@ -178,29 +191,37 @@ def main(argv: list[str] | None = None) -> int:
                         "reported (3)")
     parser.add_argument("--quick", action="store_true", help="1 round of 1 s runs")
     parser.add_argument("--kernel", default=default_kernel(), choices=["c", "python"])
+    parser.add_argument("--spin-us", default="",
+                        help="comma-separated spin times of the lock's waiters, in us, each "
+                        "run at every process count in the same run (e.g. 0,20: before and "
+                        f"after spinning); default the pool's ({SPIN_S * 1e6:g})")
     parser.add_argument("--blocks", type=int, default=4096, help="pool size (4096)")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON lines to PATH")
     parser.add_argument("--plot", metavar="PATH", default=str(HERE / "results" / "contention.png"),
                         help="PNG plot path (benchmarks/results/contention.png)")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.procs.split(",")]
+    spins = [float(x) * 1e-6 for x in args.spin_us.split(",")] if args.spin_us else [SPIN_S]
     seconds = 1.0 if args.quick else args.seconds
     rounds = 1 if args.quick else args.rounds
     # The machines here drift (other tenants, frequency): interleave the configurations over
     # several rounds and report, per configuration, the run with the median throughput.
-    runs: dict[int, list[dict]] = {n: [] for n in counts}
-    total = rounds * len(counts)
+    # Each process count runs with every spin setting back to back, so the before and after
+    # of a spin share the machine's state; the table groups them by spin.
+    configs = [(spin, n) for n in counts for spin in spins]
+    runs: dict[tuple[float, int], list[dict]] = {c: [] for c in configs}
+    total = rounds * len(configs)
     for r in range(rounds):
-        for i, n in enumerate(counts):
-            print(f"[{r * len(counts) + i + 1}/{total}] round {r + 1}: {n} process(es), "
-                  f"{seconds:g} s ...", file=sys.stderr, flush=True)
-            runs[n].append(run_config(n, seconds, args.kernel, args.blocks))
+        for i, (spin, n) in enumerate(configs):
+            print(f"[{r * len(configs) + i + 1}/{total}] round {r + 1}: {n} process(es), "
+                  f"spin {spin * 1e6:g} us, {seconds:g} s ...", file=sys.stderr, flush=True)
+            runs[spin, n].append(run_config(n, seconds, args.kernel, args.blocks, spin))
     rows = []
-    for n in counts:
-        ordered = sorted(runs[n], key=lambda row: row["requests_per_s"])
+    for c in sorted(configs):
+        ordered = sorted(runs[c], key=lambda row: row["requests_per_s"])
         row = dict(ordered[len(ordered) // 2])
         row["rounds"] = rounds
-        row["requests_per_s_all"] = [x["requests_per_s"] for x in runs[n]]
+        row["requests_per_s_all"] = [x["requests_per_s"] for x in runs[c]]
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
@@ -214,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_path = Path(args.plot)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        plot(rows, plot_path)
+        plot([r for r in rows if r["spin_us"] == rows[-1]["spin_us"]], plot_path)
         print(f"plot: {plot_path}")
     except PlotUnavailable as e:
         print(f"plot: {e}")

@@ -599,15 +599,15 @@ class KVEventPublisher:
 
     def snapshot(self) -> tuple[int, bytes]:
         """``(seq, payload)``: one batch that rebuilds the pool's prefix cache as it stood
-        right after log event ``seq`` (-1 if the log is empty), read under one short hold
-        of the pool lock: the event cursor and a numpy copy of the cached rows' key fields
-        (``BlockPool.cached_key_arrays``); turning them into hashes and the batch happens
-        after the hold. Hashes take the form ``int_hashes`` gives live batches."""
+        right after log event ``seq`` (-1 if the log is empty), read in bounded holds of
+        the pool lock (``BlockPool.cached_key_snapshot``: numpy copies of at most
+        ``SNAPSHOT_CHUNK_BLOCKS`` rows' key fields per hold, of one state of the pool, whose
+        position in the log is ``seq``); turning them into hashes and the batch happens
+        after the holds. Hashes take the form ``int_hashes`` gives live batches."""
         pool = self.pool
         as_int = bool(self.int_hashes) or (self.int_hashes is None and use_int_block_hashes())
-        with pool.lock():
-            seq = pool.event_cursor(from_start=False).seq - 1
-            group_arr, hash_arr = pool.cached_key_arrays()
+        snap = pool.cached_key_snapshot()
+        seq, group_arr, hash_arr = snap.next_seq - 1, snap.group_ids, snap.hashes
         groups: dict[int, list[bytes]] = {}
         for group, block_hash in zip(group_arr.tolist(), hash_arr.tolist(), strict=True):
             groups.setdefault(group, []).append(bytes(block_hash))

@@ -61,7 +61,6 @@ second shared structure with its own crash story; LRU is what the shared tier of
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import time
@@ -105,7 +104,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
-from shmkv.pool.siblings import owner_record, write_owner
+from shmkv.pool.siblings import owner_record, unlink_offload_data_region, write_owner
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 
 __all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]  # noqa: F822 (lazy)
@@ -137,7 +136,6 @@ ENCODE_CACHE_ENTRIES = 1 << 16
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
 ATTACH_TIMEOUT_S = 10.0  # how long an attacher waits for the creator to finish
 
-DATA_REGION_PREFIX = "shmkv_offload_data-"  # + pool name: vLLM's region engine id
 
 
 def _pack_rank(major: int, minor: int) -> int:
@@ -152,7 +150,7 @@ def tier_table_name(pool: str) -> str:
 def data_region_engine_id(pool: str) -> str:
     """The ``engine_id`` under which every replica's workers map the tier's data region
     (vLLM names the file ``/dev/shm/vllm_offload_<engine_id>.mmap``)."""
-    return DATA_REGION_PREFIX + L.validate_pool_name(pool)
+    return L.offload_data_region_engine_id(pool)
 
 
 class _ClosedLock:
@@ -436,13 +434,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         L.validate_pool_name(pool)
         removed = BlockPool.unlink(pool)
         removed = Segment.unlink(tier_table_name(pool)) or removed
-        for path in glob.glob(f"/dev/shm/vllm_offload_{data_region_engine_id(pool)}.mmap*"):
-            try:
-                os.unlink(path)
-                removed = True
-            except FileNotFoundError:
-                pass
-        return removed
+        return bool(unlink_offload_data_region(pool)) or removed
 
     @property
     def pool(self) -> BlockPool:

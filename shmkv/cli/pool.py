@@ -292,12 +292,10 @@ def add_recover_parser(sub) -> None:
 # ---------------------------------------------------------------------------- unlink
 
 def cmd_unlink(args: argparse.Namespace) -> int:
-    from shmkv.publisher import unlink_state
-    from shmkv.stats import unlink_stats
+    from shmkv.pool.siblings import unlink_pool_siblings
 
     L.validate_pool_name(args.name)
-    extras = [what for what, gone in (("publisher position", unlink_state(args.name)),
-                                      ("stats", unlink_stats(args.name))) if gone]
+    extras = unlink_pool_siblings(args.name)
     if BlockPool.unlink(args.name):
         print(f"removed pool {args.name}" + (f" (and its {', '.join(extras)})"
                                              if extras else ""))
@@ -311,8 +309,9 @@ def cmd_unlink(args: argparse.Namespace) -> int:
 
 def add_unlink_parser(sub) -> None:
     unlink = sub.add_parser("unlink", help="remove a pool",
-                            description="Removes a pool's segment, lock and lock file. "
-                            "Processes that have it mapped keep working. Exit 1 if none.")
+                            description="Removes a pool's segment, lock and lock file, and "
+                            "what is named after the pool alone (publisher position, stats, "
+                            "the vLLM offload tier's table and data region). Processes that have it mapped keep working. Exit 1 if none.")
     unlink.add_argument("name", help="pool name")
     unlink.set_defaults(func=cmd_unlink)
 
@@ -573,8 +572,8 @@ def _read_pool(row: dict, entry: str) -> None:
         procs = layout.view(segment.buf, "proc_table")
         active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
         pids = {slot: int(procs[slot]["pid"]) for slot in active}
+        alive = AliveLocks(alive_path(f"/{entry}"), create=False, procs=procs.copy())
         del procs
-        alive = AliveLocks(alive_path(f"/{entry}"), create=False)
         try:
             live = [slot for slot in active if alive.is_alive(slot)]
         finally:

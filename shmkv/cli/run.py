@@ -28,11 +28,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     caps = _capacities(args.blocks)
     if (caps is None or args.schedulers < 1 or min(caps) < 16 or args.conversations < 1
             or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1
-            or args.trace_block_tokens < 1 or args.time_scale < 0):
+            or args.trace_block_tokens < 1 or args.time_scale < 0
+            or not 0 <= args.rank_nice <= 19):
         print(f"{name}: --schedulers, --conversations, --max-num-seqs, "
               "--max-num-batched-tokens and --trace-block-tokens must be >= 1, --blocks a "
-              "number >= 16 (or several, comma-separated), --time-scale >= 0",
-              file=sys.stderr)
+              "number >= 16 (or several, comma-separated), --time-scale >= 0, --rank-nice "
+              "0 to 19", file=sys.stderr)
         return EXIT_ERROR
     if args.trace_format and not args.trace:
         print(f"{name}: --trace-format needs --trace", file=sys.stderr)
@@ -71,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, concurrency=args.concurrency,
-                    kill_one=args.kill_one,
+                    kill_one=args.kill_one, rank_nice=args.rank_nice,
                     check_tokens=not args.no_check, timeout_s=args.timeout, model=model,
                     model_free=model_free, time_scale=args.time_scale)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -224,6 +225,10 @@ def _add_run_arguments(run, replay: bool) -> None:
                      help="requests a scheduler runs at once (8)")
     run.add_argument("--max-num-batched-tokens", type=int, default=512,
                      help="tokens a scheduler step computes at most (512)")
+    run.add_argument("--rank-nice", type=int, default=10, metavar="N",
+                     help="how much nicer (lower priority) the rank processes run than the "
+                     "schedulers, so that a rank does not preempt a scheduler holding the "
+                     "pool lock (0 to 19; 10)")
     run.add_argument("--max-model-len", type=int, default=512,
                      help="longest prompt plus output, in tokens (512)")
     run.add_argument("--concurrency", type=int, default=16,

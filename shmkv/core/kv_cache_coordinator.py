@@ -20,13 +20,21 @@ shmkv differences from vLLM:
   ``metrics_collector`` are accepted for signature parity; events are the pool's setting.
 - Refusals are :class:`~shmkv.errors.UsageError` (a ValueError) with a message, where vLLM
   asserts: Unitary with ``hash_block_size != block_size`` under caching; Hybrid with fewer
-  than two KV-cache groups or no prefix-cacheable group; Hybrid with decode- or
-  prefill-context parallelism (vLLM allows some sharded layouts; shmkv ports none of them);
-  an invalid retention interval.
+  than two KV-cache groups or no prefix-cacheable group; Hybrid with context parallelism
+  over a group kind vLLM does not shard (``_check_context_parallel_groups``); an invalid
+  retention interval.
+- Context parallelism on a hybrid model (vLLM's per-group geometry): each manager's
+  ``dcp_world_size`` is the coordinator's for a DCP-sharded spec (attention), 1 for a
+  replicated one (Mamba, whose snapshots every rank keeps whole; a draft group with
+  ``dcp_sharded=False``), and its ``block_size`` is the spec's times that. Each group is
+  looked up at its own geometry, so a full-attention hit may end inside a sharded block
+  (copied on write like any partial hit) while the Mamba snapshot it resumes on is a whole
+  replicated block. Nothing of it is shared state: the pool holds blocks and keys as for
+  any other geometry, and every process attached to one pool must use the same one.
 - Partial (sub-block) hash hits are on, as in vLLM, when a Mamba "align" group's block is
-  bigger than ``hash_block_size`` and every other cacheable group's manager can look up
-  hash boundaries inside a block (``enable_partial_hash_hits``; the hit alignment is then
-  ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
+  bigger than ``hash_block_size`` (under DCP: at least as big) and every other cacheable
+  group's manager can look up hash boundaries inside its (DCP-scaled) block
+  (``enable_partial_hash_hits``; the hit alignment is then ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
   ``partial_keys=True`` (a block may then hold a second key, see ``shmkv/pool/layout.py``); a
   coordinator whose groups have blocks bigger than ``hash_block_size`` warns when its pool
   has none. Reuse events in "full" report mode are not emitted.
@@ -47,7 +55,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from shmkv.errors import UsageError
+from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -194,7 +204,9 @@ class KVCacheCoordinator(ABC):
             hash_block_size: tokens per request block hash; must be the pool's.
             metrics_collector: accepted for parity, unused.
             num_prefill_lookahead: prefill lookahead tokens of multi-module MTP.
-            num_hash_lookahead_tokens: accepted for parity (lookahead hashes are not ported).
+            num_hash_lookahead_tokens: tokens after each block its hash covers; must be the
+                pool's (``BlockPool.create(num_hash_lookahead_tokens=...)``), which every
+                process hashes with.
             block_pool: the attached shmkv ``BlockPool`` all groups share (required).
             prefix_cache_retention_interval: see the module docstring.
 
@@ -202,6 +214,7 @@ class KVCacheCoordinator(ABC):
             UsageError: no pool, a pool that does not match, inconsistent block sizes, an
                 invalid retention interval.
         """
+        kv_cache_config = from_vllm(kv_cache_config)  # vLLM's config as shmkv's
         if block_pool is None:
             raise UsageError(
                 "a shmkv coordinator needs block_pool=<an attached shmkv BlockPool>; it does "
@@ -211,6 +224,13 @@ class KVCacheCoordinator(ABC):
             raise UsageError(
                 f"hash_block_size={hash_block_size} but the pool hashes "
                 f"{block_pool.hash_block_size}-token blocks"
+            )
+        pool_lookahead = getattr(block_pool, "num_hash_lookahead_tokens", 0)
+        if num_hash_lookahead_tokens != pool_lookahead:
+            raise UsageError(
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r} but the pool's block "
+                f"hashes cover {pool_lookahead} lookahead tokens (BlockPool.create("
+                f"num_hash_lookahead_tokens=...))"
             )
         if enable_caching and not block_pool.enable_caching:
             raise UsageError("enable_caching=True but the pool was created without caching")
@@ -277,6 +297,31 @@ class KVCacheCoordinator(ABC):
         self.retention_interval = resolve_prefix_cache_retention_interval(
             prefix_cache_retention_interval, kv_cache_config, scheduler_block_size
         )
+
+    def cache_geometry(self) -> str:
+        """How this coordinator's blocks hold KV, canonically: the hash block size, then per
+        group its spec class (shmkv's), block size, page size and context parallelism.
+        Processes whose descriptions differ must not share cached blocks
+        (``BlockPool.claim_cache_geometry``)."""
+        parts = [f"hash_block_size={self.hash_block_size}"]
+        for i, (group, manager) in enumerate(zip(self.kv_cache_config.kv_cache_groups,
+                                                 self.single_type_managers, strict=True)):
+            spec = group.kv_cache_spec
+            kind = next(c.__name__ for c in type(spec).__mro__
+                        if c.__module__.startswith("shmkv.") or c is object)
+            try:
+                page = spec.page_size_bytes
+            except Exception:  # noqa: BLE001  (a spec without a page size of its own)
+                page = "?"
+            parts.append(f"{i}:{kind}(block_size={manager.block_size}, page_size_bytes={page}, "
+                         f"dcp={manager.dcp_world_size}, pcp={manager.pcp_world_size})")
+        return "; ".join(parts)
+
+    def _bind_pool_geometry(self) -> None:
+        """With prefix caching, binds the pool to this geometry or refuses it (UsageError).
+        The last step of a coordinator's construction, so a refused one changes nothing."""
+        if self.enable_caching:
+            self.block_pool.claim_cache_geometry(self.cache_geometry())
 
     # ------------------------------------------------------------------ allocation
 
@@ -515,6 +560,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"({hash_block_size}) == the group's block size ({self.block_size})"
             )
         manager.use_eagle = 0 in self.drop_eagle_group_ids
+        self._bind_pool_geometry()
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
@@ -542,21 +588,36 @@ class SpecGroup(NamedTuple):
     use_eagle: bool
 
 
+def dcp_block_size(spec: Any, dcp_world_size: int) -> int:
+    """Tokens one block of ``spec`` spans under decode-context parallelism: a DCP-sharded
+    spec (attention) splits each block's tokens over the ranks, so the block covers
+    ``dcp_world_size`` times more; a replicated one (Mamba, an opted-out draft) keeps its
+    size (vLLM's ``resolve_dcp_kv_block_size``)."""
+    return spec.block_size * (dcp_world_size if spec.dcp_sharded else 1)
+
+
 def partial_hash_hits_enabled(kv_cache_groups: Sequence[Any], hash_block_size: int,
+                              dcp_world_size: int = 1,
                               manager_classes: Sequence[type] | None = None) -> bool:
-    """Whether a model's prefix-cache hits may end inside a block (vLLM's rule, without
-    context parallelism): some Mamba "align" group has blocks bigger than
-    ``hash_block_size``, and (given ``manager_classes``, one per group) every cacheable group
-    whose block is bigger than ``hash_block_size`` has a manager that can look up the hash
-    boundaries inside a block (``supports_fine_grained_hash_lookup``); else a warning says
-    which do not, and hits stay block aligned."""
+    """Whether a model's prefix-cache hits may end inside a block (vLLM's rule): some Mamba
+    "align" group has blocks bigger than ``hash_block_size`` (or, under DCP, at least as
+    big: DCP makes the full-attention blocks coarser than the hashes instead), and (given
+    ``manager_classes``, one per group) every cacheable group whose DCP-scaled block is not
+    ``hash_block_size`` has a manager that can look up the hash boundaries inside a block
+    (``supports_fine_grained_hash_lookup``); else a warning says which do not, and hits stay
+    block aligned."""
     def layer_specs(spec: Any) -> list[Any]:
         inner = getattr(spec, "kv_cache_specs", None)
         return list(inner.values()) if isinstance(inner, dict) else [spec]
 
+    def finer_than_mamba(spec: Any) -> bool:
+        if dcp_world_size > 1:
+            return spec.block_size >= hash_block_size
+        return spec.block_size > hash_block_size
+
     if not any(
         isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
-        and spec.block_size > hash_block_size
+        and finer_than_mamba(spec)
         for group in kv_cache_groups for spec in layer_specs(group.kv_cache_spec)
     ):
         return False
@@ -566,13 +627,38 @@ def partial_hash_hits_enabled(kv_cache_groups: Sequence[Any], hash_block_size: i
         cls.__name__
         for group, cls in zip(kv_cache_groups, manager_classes, strict=True)
         if group.kv_cache_spec.prefix_cacheable and not cls.supports_fine_grained_hash_lookup
-        and group.kv_cache_spec.block_size != hash_block_size
+        and dcp_block_size(group.kv_cache_spec, dcp_world_size) != hash_block_size
     })
     if unsupported:
         logger.warning("Disabling fine-grained prefix-cache hits because these KV cache managers "
                        "require block-aligned lookups: %s.", ", ".join(unsupported))
         return False
     return True
+
+
+def _check_context_parallel_groups(kv_cache_config: KVCacheConfig, dcp_world_size: int,
+                                   pcp_world_size: int) -> None:
+    """The group kinds context parallelism can serve (vLLM's rule), checked before anything
+    is built: under PCP, full attention or a replicated attention group (a draft); under
+    DCP, full attention or any replicated group (Mamba keeps its whole state on every rank,
+    so its blocks and snapshots are not sharded)."""
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        replicated = not spec.dcp_sharded
+        if pcp_world_size > 1 and not (
+            isinstance(spec, FullAttentionSpec) or (isinstance(spec, AttentionSpec) and replicated)
+        ):
+            raise UsageError(
+                f"prefill-context parallelism (pcp_world_size={pcp_world_size}) supports only "
+                f"full attention and replicated draft groups; group {i} is "
+                f"{type(spec).__name__}"
+            )
+        if dcp_world_size > 1 and not (isinstance(spec, FullAttentionSpec) or replicated):
+            raise UsageError(
+                f"decode-context parallelism (dcp_world_size={dcp_world_size}) on a hybrid "
+                "model supports only full-attention, Mamba and replicated draft groups; "
+                f"group {i} is {type(spec).__name__}"
+            )
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
@@ -605,12 +691,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"HybridKVCacheCoordinator needs at least two KV-cache groups, got {num_groups}"
                 " (use UnitaryKVCacheCoordinator, or get_kv_cache_coordinator)"
             )
-        if dcp_world_size > 1 or pcp_world_size > 1:
-            raise UsageError(
-                "shmkv's HybridKVCacheCoordinator does not support decode- or prefill-context "
-                f"parallelism (dcp_world_size={dcp_world_size}, "
-                f"pcp_world_size={pcp_world_size})"
-            )
+        _check_context_parallel_groups(kv_cache_config, dcp_world_size, pcp_world_size)
         super().__init__(
             kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, enable_caching,
             enable_kv_cache_events, dcp_world_size, pcp_world_size, scheduler_block_size,
@@ -633,12 +714,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # Sub-block hits need Mamba "align" blocks finer-hashed than they are big, and every
         # other cacheable group able to probe inside a block.
         self.enable_partial_hash_hits = bool(allow_partial_hash_hits) and partial_hash_hits_enabled(
-            kv_cache_config.kv_cache_groups, hash_block_size,
+            kv_cache_config.kv_cache_groups, hash_block_size, dcp_world_size,
             [type(m) for m in self.single_type_managers],
         )
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = self._cache_hit_alignment_tokens
         self.verify_and_split_kv_cache_groups()
+        self._bind_pool_geometry()
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:
@@ -819,6 +901,7 @@ def get_kv_cache_coordinator(
     Raises:
         UsageError: the chosen coordinator refuses the configuration (see the module doc).
     """
+    kv_cache_config = from_vllm(kv_cache_config)  # vLLM's config as shmkv's (vllm_objects.py)
     common = {
         "dcp_world_size": dcp_world_size,
         "pcp_world_size": pcp_world_size,

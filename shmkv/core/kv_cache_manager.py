@@ -63,7 +63,12 @@ from shmkv.core.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
-from shmkv.core.single_type_kv_cache_manager import MambaManager, trim_null_head
+from shmkv.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    MambaManager,
+    trim_null_head,
+)
+from shmkv.core.vllm_objects import from_vllm, is_vllm_object, to_vllm_events
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +194,9 @@ class KVCacheManager:
         """
         if watermark < 0.0:
             raise UsageError(f"watermark must be non-negative, got {watermark}")
+        # Built from vLLM's own config (vllm_objects.py): its callers get vLLM's event classes.
+        self._vllm_events = is_vllm_object(kv_cache_config)
+        kv_cache_config = from_vllm(kv_cache_config)
         self.max_model_len = max_model_len
         if max_in_flight_tokens is None:
             max_in_flight_tokens = max_model_len
@@ -242,6 +250,17 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)))
         self._lock = self.block_pool.lock()
+        # The managers whose decode steps may take the no-pool path of ``allocate_slots``
+        # (``_slots_already_allocated``), or () when some group may not: only plain full
+        # attention, whose steps free nothing (no window) and, with blocks the size of the
+        # hashes, key nothing but whole blocks.
+        managers = self.coordinator.single_type_managers
+        self._no_pool_decode_managers = managers if managers and all(
+            type(m) is FullAttentionManager
+            and (not m.enable_caching or m.block_size == self.block_pool.hash_block_size)
+            for m in managers
+        ) else ()
+        self._hash_block_size = self.block_pool.hash_block_size
         self._lookup_hold = False
         # Requests looked up under the current lookup hold: request id -> hit blocks.
         self._pending_hits: dict[str, tuple[Sequence[Block], ...]] = {}
@@ -407,6 +426,19 @@ class KVCacheManager:
                 "num_new_tokens must be greater than 0 when there are no computed tokens "
                 "to adopt"
             )
+        if (new_computed_blocks is None and self._no_pool_decode_managers
+                and num_new_computed_tokens == 0 and num_external_computed_tokens == 0
+                and reserved_blocks == 0 and not full_sequence_must_fit
+                and self._slots_already_allocated(request, num_new_tokens,
+                                                  num_lookahead_tokens,
+                                                  delay_cache_blocks, has_scheduled_reqs)):
+            # What the general path below does at its end, cheaply when nothing is pending.
+            if self._lookup_hold or self._pending_hits or self._hits_to_verify:
+                self._pending_hits.pop(request.request_id, None)
+                self._hits_to_verify.pop(request.request_id, None)
+                if not self._pending_hits:
+                    self.release_lookup_hold()
+            return self.empty_kv_cache_blocks
         try:
             with self._lock:
                 return self._allocate_slots_locked(
@@ -420,6 +452,47 @@ class KVCacheManager:
             self._hits_to_verify.pop(request.request_id, None)
             if not self._pending_hits:
                 self.release_lookup_hold()
+
+    def _slots_already_allocated(self, request: Any, num_new_tokens: int,
+                                 num_lookahead_tokens: int, delay_cache_blocks: bool,
+                                 has_scheduled_reqs: bool) -> bool:
+        """Whether this ``allocate_slots`` of a running request, with no hit to adopt, would
+        change nothing and return no block: every group's blocks already hold the new slots
+        and no block becomes full enough to cache (the decode step inside a block). Then
+        the general path would only read the pool (free-block count: 0 needed always fits
+        when nothing is reserved) and return the empty result, so the caller returns it
+        without taking the lock or walking the coordinator. Reads only this process's state.
+
+        Only for ``_no_pool_decode_managers`` (plain full attention): their
+        ``remove_skipped_blocks`` frees nothing, their ``cache_blocks`` keys only blocks
+        past ``num_cached_block``, and a pending copy-on-write (``_partial_hit_reqs``)
+        sends the call to the general path.
+        """
+        if self.watermark_blocks and has_scheduled_reqs and self._is_waiting(request):
+            return False
+        request_id = request.request_id
+        max_model_len = self.max_model_len
+        total_computed = min(request.num_computed_tokens, max_model_len)
+        num_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens,
+                            max_model_len)
+        # Tokens the general path would cache up to (a bound: coordinators may lower it).
+        num_to_cache = 0
+        if self.enable_caching and not delay_cache_blocks:
+            num_to_cache = min(total_computed + num_new_tokens, request.num_tokens,
+                               len(request.block_hashes) * self._hash_block_size)
+        for manager in self._no_pool_decode_managers:
+            num_cached = manager.num_cached_block.get(request_id)
+            if num_cached is None:  # not running: the general path decides
+                return False
+            blocks = manager.req_to_blocks.get(request_id)
+            block_size = manager.block_size
+            if blocks is None or len(blocks) * block_size < num_need_slot:
+                return False
+            if num_to_cache // block_size > num_cached or request_id in (
+                manager._partial_hit_reqs
+            ):
+                return False
+        return True
 
     def _is_waiting(self, request: Any) -> bool:
         name = _status_name(request)
@@ -554,7 +627,7 @@ class KVCacheManager:
                 continue
             event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = (
                 meta[event.group_idx])
-        return events
+        return to_vllm_events(events) if self._vllm_events else events
 
     # ------------------------------------------------------------------ views
 

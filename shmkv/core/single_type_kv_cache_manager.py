@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 from shmkv.errors import UsageError
 from shmkv.hashing import BlockHashListWithBlockSize
+from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -168,6 +169,7 @@ class SingleTypeKVCacheManager(ABC):
                 ``get_num_blocks_to_allocate(apply_admission_cap=True)`` (sliding window and
                 chunked local); None: no cap.
         """
+        kv_cache_spec = from_vllm(kv_cache_spec)  # vLLM's spec, bridged (vllm_objects.py)
         self.scheduler_block_size = scheduler_block_size
         self.cache_hit_alignment_tokens = scheduler_block_size
         self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
@@ -1611,6 +1613,7 @@ def get_manager_for_kv_cache_spec(
         AssertionError: no manager for the spec type (as vLLM).
         UsageError: a role that is not a ``KVCacheGroupRole`` value.
     """
+    kv_cache_spec = from_vllm(kv_cache_spec)  # vLLM's spec, bridged (vllm_objects.py)
     if role is not None:
         try:  # a str, or any str enum with these values (vLLM's KVCacheGroupRole)
             role = KVCacheGroupRole(role)

@@ -835,15 +835,13 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* unpin(blocks): as free, but every block reaching 0 goes to the tail of the free queue in
-   the order given, hashed or not (BlockPool.unpin_blocks). Checks first, then writes. */
-static PyObject *Kernel_unpin(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "unpin(blocks)");
-        return NULL;
-    }
+/* unpin(blocks): drop one reference per handle like free, but every block reaching 0 joins
+ * the tail of the free queue, hashed or not (vLLM's unpin_blocks: a last-resort eviction
+ * candidate that stays readable until reused). The null block is refused, not skipped.
+ * Checks first (the null block, then ref_cnt, then this process's ledger), then writes. */
+static PyObject *Kernel_unpin(Kernel *k, PyObject *arg) {
     if (!kernel_alive(k)) return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "unpin_blocks() takes an iterable of blocks");
+    PyObject *seq = PySequence_Fast(arg, "unpin_blocks() takes an iterable of blocks");
     if (!seq) return NULL;
     Py_ssize_t n = read_ids(k, seq, "unpin_blocks");
     Py_DECREF(seq);
@@ -851,33 +849,42 @@ static PyObject *Kernel_unpin(Kernel *k, PyObject *const *args, Py_ssize_t nargs
     int32_t *ids = k->ids_buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (ids[i] == NULL_BLOCK_ID) {
-            PyErr_SetString(UsageError, "unpin_blocks(): the null block is never referenced");
+            PyErr_SetString(UsageError, "unpin_blocks(): block 0 is the null block");
             return NULL;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]]++;
-    int32_t bad = -1, bad_kind = 0;
-    for (Py_ssize_t i = 0; i < n && bad < 0; i++)
-        if (I32(k, ids[i], F_REF) < k->scratch[ids[i]]) { bad = ids[i]; bad_kind = 1; }
-    for (Py_ssize_t i = 0; i < n && bad < 0; i++)
-        if (k->ledger[ids[i]] < k->scratch[ids[i]]) { bad = ids[i]; bad_kind = 2; }
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (I32(k, b, F_REF) < ++k->scratch[b] && bad < 0) bad = i;
+    }
     if (bad >= 0) {
-        int32_t times = k->scratch[bad];
+        int32_t b = ids[bad];
+        int32_t times = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ids[i] == b) times++;
         for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
-        if (bad_kind == 1)
-            PyErr_Format(UsageError,
-                         "unpin_blocks(): block %d has ref_cnt %d but is unpinned %d time(s)",
-                         bad, I32(k, bad, F_REF), times);
-        else
-            PyErr_Format(UsageError,
-                         "unpin_blocks(): block %d is unpinned %d time(s) but this process "
-                         "holds %d reference(s) to it (ref_cnt %d)",
-                         bad, times, k->ledger[bad], I32(k, bad, F_REF));
+        PyErr_Format(UsageError, "unpin_blocks(): block %d has ref_cnt %d but is unpinned %d "
+                     "time(s)", b, I32(k, b, F_REF), times);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (k->ledger[b] < k->scratch[b] && bad < 0) bad = i;
+    }
+    if (bad >= 0) {
+        int32_t b = ids[bad];
+        int32_t times = k->scratch[b];
+        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+        PyErr_Format(UsageError,
+                     "unpin_blocks(): block %d is unpinned %d time(s) but this process holds %d "
+                     "reference(s) to it (ref_cnt %d)",
+                     b, times, k->ledger[b], I32(k, b, F_REF));
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
-    if (!ROW_OK(k, I32(k, k->head, F_NEXT)) || !ROW_OK(k, I32(k, k->tail, F_PREV)))
-        return corrupt("a free-queue sentinel links outside the block rows", k->head);
+    if (!ROW_OK(k, I32(k, k->tail, F_PREV)))
+        return corrupt("a free-queue sentinel links outside the block rows", k->tail);
     Py_ssize_t nlast = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = ids[i];
@@ -1056,8 +1063,8 @@ static PyMethodDef Kernel_methods[] = {
      "allocate(n, caching, handles, make_handle, evicted_out) -> list of handles"},
     {"free", (PyCFunction)(void (*)(void))Kernel_free, METH_FASTCALL,
      "free(blocks, caching): drop one reference per block, requeue blocks reaching 0"},
-    {"unpin", (PyCFunction)(void (*)(void))Kernel_unpin, METH_FASTCALL,
-     "unpin(blocks): drop one reference per block, blocks reaching 0 to the queue's tail"},
+    {"unpin", (PyCFunction)Kernel_unpin, METH_O,
+     "unpin(blocks): drop a reference per block, queueing blocks reaching 0 at the tail"},
     {"touch", (PyCFunction)Kernel_touch, METH_O,
      "touch(blocks): add a reference per block, taking ref-0 blocks out of the queue"},
     {"release", (PyCFunction)Kernel_release, METH_NOARGS,
@@ -1107,6 +1114,7 @@ typedef struct {
     uint64_t incarnation;
     double timeout_s;
     double slice_s;
+    double spin_s; /* how long a waiter polls the semaphore before it sleeps on it */
     int enabled;
     long depth;
     unsigned long owner;
@@ -1279,6 +1287,31 @@ static int wait_in_slices(CLock *l, int64_t start) {
     }
 }
 
+/* PoolLock._spin: polls the semaphore for up to spin_s before the first sleep on it. A hold
+ * lasts microseconds and the holder usually runs on another core, so the unit comes back
+ * sooner than a sleep and a wake-up (two context switches) would take; a holder that was
+ * preempted is waited for asleep, as before. The GIL is let go meanwhile. Returns 1 when it
+ * took the unit. */
+static int spin_for_semaphore(CLock *l, int64_t start) {
+    int64_t until = start + (int64_t)(l->spin_s * 1e9);
+    int got = 0;
+    if (l->spin_s <= 0) return 0;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        int value = 0;
+        for (int i = 0; i < 64; i++) { /* a short pause between two reads of the value */
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ __volatile__("yield");
+#endif
+        }
+        if (sem_getvalue(l->sem, &value) == 0 && value > 0 && sem_trywait(l->sem) == 0) got = 1;
+    } while (!got && now_ns() < until);
+    Py_END_ALLOW_THREADS
+    return got;
+}
+
 static PyObject *CLock_release(CLock *l, PyObject *unused);
 
 static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
@@ -1332,7 +1365,7 @@ static PyObject *CLock_acquire(CLock *l, PyObject *unused) {
     set_phase(l, PHASE_ACQUIRING);
     int64_t start = now_ns();
     int got = 1;
-    if (l->enabled && sem_trywait(l->sem) != 0) {
+    if (l->enabled && sem_trywait(l->sem) != 0 && !spin_for_semaphore(l, start)) {
         got = wait_in_slices(l, start);
         if (got == 3) { /* taken over, then on_stall raised: give the unit back */
             STORE_REL(&l->hdr64[l->h_holder], (int64_t)0);
@@ -1419,10 +1452,12 @@ static PyObject *CLock_release(CLock *l, PyObject *unused) {
     STORE_REL(&l->hdr64[l->h_incarnation], (int64_t)0);
     FAULT_TICK();
     STORE_REL(&l->hdr64[l->h_since], (int64_t)0);
+    /* The hold ends at the post: read the clock before it, for the post may wake a waiter
+     * that preempts this process before the next line runs. */
+    int64_t held = now_ns() - l->held_since;
     if (l->enabled) sem_post(l->sem);
     set_phase(l, PHASE_IDLE);
     PyThread_release_lock(l->gate);
-    int64_t held = now_ns() - l->held_since;
     l->hold_ns_total += held;
     if (l->record != Py_None && PyList_GET_SIZE(l->record) > 0) {
         Py_ssize_t last = PyList_GET_SIZE(l->record) - 1;
@@ -1610,6 +1645,17 @@ static int CLock_set_timeout(CLock *l, PyObject *v, void *c) {
     l->timeout_s = t;
     return 0;
 }
+static PyObject *CLock_get_spin(CLock *l, void *c) { return PyFloat_FromDouble(l->spin_s); }
+static int CLock_set_spin(CLock *l, PyObject *v, void *c) {
+    double t = v ? PyFloat_AsDouble(v) : -1;
+    if (PyErr_Occurred()) return -1;
+    if (!(t >= 0 && t <= 0.01)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s must be between 0 and 0.01 s");
+        return -1;
+    }
+    l->spin_s = t;
+    return 0;
+}
 static PyObject *CLock_get_stat(CLock *l, void *which) {
     long long v = which == (void *)0 ? l->num_acquired
                 : which == (void *)1 ? l->wait_ns_total : l->hold_ns_total;
@@ -1622,6 +1668,8 @@ static PyGetSetDef CLock_getset[] = {
      "None, or a list receiving (wait_ns, hold_ns) per hold", NULL},
     {"timeout_s", (getter)CLock_get_timeout, (setter)CLock_set_timeout,
      "the longest a caller waits", NULL},
+    {"spin_s", (getter)CLock_get_spin, (setter)CLock_set_spin,
+     "how long a waiter polls the semaphore before it sleeps on it (0: never)", NULL},
     {"num_acquired", (getter)CLock_get_stat, NULL, "holds taken", (void *)0},
     {"wait_ns_total", (getter)CLock_get_stat, NULL, "ns spent waiting", (void *)1},
     {"hold_ns_total", (getter)CLock_get_stat, NULL, "ns spent holding", (void *)2},

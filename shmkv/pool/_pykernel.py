@@ -8,7 +8,7 @@ everything before their first write, and raise the same errors with the same mes
 Kernel interface (both kernels):
 
 - ``allocate(n, caching, handles, make_handle, evicted_out) -> list[KVCacheBlock]``
-- ``free(blocks, caching)`` / ``touch(blocks)``
+- ``free(blocks, caching)`` / ``unpin(blocks)`` / ``touch(blocks)``
 - ``cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask,
   evicted_out) -> [(position, hash)]``
 - ``get_cached(block_hash, group_ids, handles, make_handle) -> list | None``
@@ -25,9 +25,16 @@ from collections import Counter
 
 import numpy as np
 
+from shmkv.pool import fault as _fault
 from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
-from shmkv.pool.free_queue import BULK_MIN_BLOCKS, FreeKVCacheBlockQueue
+from shmkv.pool.free_queue import (
+    _NOT_FREE,
+    _OUTSIDE,
+    BULK_MIN_BLOCKS,
+    FreeKVCacheBlockQueue,
+    _corrupt,
+)
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 
@@ -39,6 +46,8 @@ _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _HASH_BYTES = L.BLOCK_HASH_BYTES
 _H_NUM_FREE = L.H_NUM_FREE
+_H_HEAD_KEY = L.H_QUEUE_HEAD_KEY
+_H_TAIL_KEY = L.H_QUEUE_TAIL_KEY
 _ROW_BYTES = L.BLOCK_DTYPE.itemsize
 _GROUP_MIX = L.GROUP_MIX
 _MASK64 = (1 << 64) - 1
@@ -46,6 +55,18 @@ _SEQUENCES = (list, tuple)
 _INT32_MAX = (1 << 31) - 1
 _read_u64 = struct.Struct("<Q").unpack_from
 _GROUP_LIMIT = 1 << 31  # group ids are ints in [0, 2**31): the rows' group_id field
+
+
+def _where(offset: int, width: int) -> int:
+    """A journal entry's ``where`` word (``shmkv/pool/journal.py``)."""
+    return offset << 4 | width
+
+
+# Journal ``where`` of a header word, and the step between two block rows' same field.
+_W_NUM_FREE = _where(8 * _H_NUM_FREE, 8)
+_W_HEAD_KEY = _where(8 * _H_HEAD_KEY, 8)
+_W_TAIL_KEY = _where(8 * _H_TAIL_KEY, 8)
+_W_ROW = _ROW_BYTES << 4
 
 
 def check_group(group_id) -> None:
@@ -94,6 +115,18 @@ class PyKernel:
         self._mem = index._mem
         self._hash0 = index._hash0
         self._mask = index._mask
+        # The one-block allocate and free (the decode step's calls) journal their few words
+        # in one ``Journal.save_words`` and then write through the raw views: journal
+        # ``where`` of each field of block 0 (block b: + b * _W_ROW; ledger: + b * 64).
+        self._journal = journal
+        self._head = queue.head
+        self._tail = queue.tail
+        self._key_raw = queue._key_raw
+        self._w_ref = _where(meta_offset + 4 * _REF, 4)
+        self._w_prev = _where(meta_offset + 4 * L.F_PREV, 4)
+        self._w_next = _where(meta_offset + 4 * L.F_NEXT, 4)
+        self._w_key = _where(meta_offset + 8 * L.F_QUEUE_KEY, 8)
+        self._w_led = _where(ledger_offset, 4)
 
     def release(self) -> None:
         if self._queue is None:
@@ -107,6 +140,7 @@ class PyKernel:
         self._i32 = self._queue = self._index = None
         self._ref_col = self._htok_col = None
         self._ref = self._htok = self._hdr64 = self._prev = self._next = None
+        self._key_raw = self._journal = None
         self._buckets = self._igroup = self._inext = self._mem = None
 
     def _read_ids(self, blocks, what: str) -> list[int]:
@@ -325,6 +359,12 @@ class PyKernel:
         if n < 0 or n > self._hdr64[_H_NUM_FREE]:
             raise OutOfBlocksError(f"Cannot get {n} free blocks from the pool")
         if n == 1:
+            first = self._next[self._head]
+            if not caching or not 0 < first < self._head or (
+                self._htok[first] == _NO_HASH_TOKENS
+            ):
+                block_id = self._allocate_one()  # nothing to evict (or corrupt: it raises)
+                return [handles[block_id] or make_handle(block_id)]
             block_id = self._queue._popleft_one()
             if caching and self._htok[block_id] != _NO_HASH_TOKENS:
                 keys = self._index.pop_all(block_id)
@@ -364,6 +404,114 @@ class PyKernel:
                 out.append(handles[block_id] or make_handle(block_id))
         return out
 
+    def _allocate_one(self) -> int:
+        """Pops the head block of the free queue (which holds no key) and gives it its
+        reference: ``FreeKVCacheBlockQueue._popleft_one``, then ``ref_cnt`` and the ledger,
+        the same words written in the same order, journaled together first."""
+        nxt_of, prev_of, head, hdr = self._next, self._prev, self._head, self._hdr64
+        first = nxt_of[head]
+        if not 0 < first < head:
+            raise _corrupt(_NOT_FREE, first)
+        nxt = nxt_of[first]
+        if not 0 <= nxt <= head + 1:
+            raise _corrupt(_OUTSIDE, nxt)
+        num_free = hdr[_H_NUM_FREE]
+        ref_of, led_of = self._ref_view, self._led_view
+        led = led_of[first]
+        row = first * _W_ROW
+        self._journal.save_words([
+            self._w_next + head * _W_ROW, first,
+            self._w_prev + nxt * _W_ROW, prev_of[nxt],
+            self._w_prev + row, prev_of[first],
+            self._w_next + row, nxt,
+            _W_NUM_FREE, num_free,
+            self._w_ref + row, ref_of[first],
+            self._w_led + first * 64, led,
+        ])
+        armed = _fault.armed  # then a fault point before each write, as JournaledView's
+        if armed:
+            _fault.tick()
+        nxt_of[head] = nxt
+        if armed:
+            _fault.tick()
+        prev_of[nxt] = head
+        if armed:
+            _fault.tick()
+        prev_of[first] = _NO_BLOCK
+        if armed:
+            _fault.tick()
+        nxt_of[first] = _NO_BLOCK
+        if armed:
+            _fault.tick()
+        hdr[_H_NUM_FREE] = num_free - 1
+        if armed:
+            _fault.tick()
+        ref_of[first] = 1
+        if armed:
+            _fault.tick()
+        led_of[first] = led + 1
+        return first
+
+    def _free_one(self, block_id: int, to_tail: bool) -> None:
+        """Drops the last reference of ``block_id`` (checked by the caller) and queues it:
+        at the tail when it holds a key (``FreeKVCacheBlockQueue.append``), else at the head
+        (``prepend``); the same words in the same order as the ``ref_cnt``, ledger and queue
+        writes one by one, journaled together first."""
+        prev_of, nxt_of, key_of, hdr = self._prev, self._next, self._key_raw, self._hdr64
+        ref_of, led_of = self._ref_view, self._led_view
+        led = led_of[block_id]
+        row = block_id * _W_ROW
+        num_free = hdr[_H_NUM_FREE]
+        if to_tail:
+            end, w_end_key, end_key = self._tail, _W_TAIL_KEY, hdr[_H_TAIL_KEY]
+            key = end_key + 1
+            before = prev_of[end]  # the block goes between `before` and `after`
+            after = end
+        else:
+            end, w_end_key, end_key = self._head, _W_HEAD_KEY, hdr[_H_HEAD_KEY]
+            key = end_key - 1
+            before = end
+            after = nxt_of[end]
+        self._journal.save_words([
+            self._w_ref + row, ref_of[block_id],
+            self._w_led + block_id * 64, led,
+            self._w_prev + row, prev_of[block_id],
+            self._w_next + before * _W_ROW, nxt_of[before],
+            self._w_key + row, key_of[block_id],
+            self._w_next + row, nxt_of[block_id],
+            self._w_prev + after * _W_ROW, prev_of[after],
+            w_end_key, end_key,
+            _W_NUM_FREE, num_free,
+        ])
+        armed = _fault.armed  # then a fault point before each write, as JournaledView's
+        if armed:
+            _fault.tick()
+        ref_of[block_id] = 0
+        if armed:
+            _fault.tick()
+        led_of[block_id] = led - 1
+        if armed:
+            _fault.tick()
+        prev_of[block_id] = before
+        if armed:
+            _fault.tick()
+        nxt_of[before] = block_id
+        if armed:
+            _fault.tick()
+        key_of[block_id] = key
+        if armed:
+            _fault.tick()
+        nxt_of[block_id] = after
+        if armed:
+            _fault.tick()
+        prev_of[after] = block_id
+        if armed:
+            _fault.tick()
+        hdr[_H_TAIL_KEY if to_tail else _H_HEAD_KEY] = key
+        if armed:
+            _fault.tick()
+        hdr[_H_NUM_FREE] = num_free + 1
+
     def free(self, blocks, caching: bool) -> None:
         if type(blocks) is list and len(blocks) == 1:  # one block: _read_ids, inlined
             try:
@@ -374,20 +522,16 @@ class PyKernel:
                 block_id = self._read_ids(blocks, "free_blocks")[0]  # raises its error
             if block_id == _NULL:
                 return
-            ref_of = self._ref
-            ref = ref_of[block_id]
+            ref = self._ref_view[block_id]  # reads: the raw views
             if ref < 1:
                 self._raise_double_free([block_id], block_id)
-            led = self._led
-            if led[block_id] < 1:
+            if self._led_view[block_id] < 1:
                 self._raise_not_held([block_id], block_id)
-            ref_of[block_id] = ref - 1
-            led[block_id] -= 1
             if ref == 1:
-                if caching and self._htok[block_id] != _NO_HASH_TOKENS:
-                    self._queue.append(block_id)
-                else:
-                    self._queue.prepend(block_id)
+                self._free_one(block_id, caching and self._htok[block_id] != _NO_HASH_TOKENS)
+                return
+            self._ref[block_id] = ref - 1
+            self._led[block_id] -= 1
             return
         ids, arr = self._read_ids_array(blocks, "free_blocks")
         if (_NULL in ids) if arr is None else (arr == _NULL).any():  # the null block is skipped
@@ -478,26 +622,28 @@ class PyKernel:
             self._queue.append_n(evict_last)
 
     def unpin(self, blocks) -> None:
-        """``BlockPool.unpin_blocks``: one reference less on each block, as ``free`` but
-        every block reaching 0 joins the tail of the free queue (a last-resort eviction
-        candidate), hashed or not, in the order given. Checks first, then writes."""
+        """``free`` for vLLM's ``unpin_blocks``: every block reaching ref_cnt 0 joins the
+        tail of the free queue, hashed or not, and the null block is refused, not skipped."""
         ids = self._read_ids(blocks, "unpin_blocks")
         if _NULL in ids:
-            raise UsageError("unpin_blocks(): the null block is never referenced")
-        seen: Counter[int] = Counter(ids)
+            raise UsageError("unpin_blocks(): block 0 is the null block")
         ref_of = self._ref
         led = self._led
+        seen: Counter[int] = Counter()
         for block_id in ids:
+            seen[block_id] += 1
             if ref_of[block_id] < seen[block_id]:
                 raise UsageError(
                     f"unpin_blocks(): block {block_id} has ref_cnt {ref_of[block_id]} but is "
-                    f"unpinned {seen[block_id]} time(s)"
+                    f"unpinned {ids.count(block_id)} time(s)"
                 )
+        seen.clear()
         for block_id in ids:
+            seen[block_id] += 1
             if led[block_id] < seen[block_id]:
                 raise UsageError(
-                    f"unpin_blocks(): block {block_id} is unpinned {seen[block_id]} time(s) but "
-                    f"this process holds {led[block_id]} reference(s) to it "
+                    f"unpin_blocks(): block {block_id} is unpinned {ids.count(block_id)} "
+                    f"time(s) but this process holds {led[block_id]} reference(s) to it "
                     f"(ref_cnt {ref_of[block_id]})"
                 )
         released = []

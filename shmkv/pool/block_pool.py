@@ -26,18 +26,17 @@ wrong width...) raises ``UsageError`` before it changes anything.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shmkv.pool import fault as _fault
-from shmkv.pool import layout as L
-from shmkv.pool._pykernel import PyKernel
 from shmkv.errors import (
     FencedError,
     ForkedPoolError,
@@ -50,7 +49,6 @@ from shmkv.errors import (
     SegmentExistsError,
     UsageError,
 )
-from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -59,18 +57,24 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
-from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.hashing import (
     RequestBlockHasher,
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     get_hash_fn_by_name,
     none_hash,
     to_event_extra_keys,
 )
+from shmkv.pool import fault as _fault
+from shmkv.pool import layout as L
+from shmkv.pool._pykernel import PyKernel
+from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
+from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
 from shmkv.pool.liveness import AliveLocks, alive_path
 from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
+    SPIN_S,
     WAIT_SLICE_S,
     PoolLock,
     check_semaphore,
@@ -84,7 +88,7 @@ from shmkv.pool.lock import (
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 from shmkv.pool.process_table import ProcessTable
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
-from shmkv.pool.repair import RepairReport, Repairer
+from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
@@ -220,6 +224,27 @@ class BlockHandles(Sequence):
         return self._pool._handle(index % n)
 
 
+# A snapshot of the cached keys copies at most this many block rows per hold of the lock
+# (about 0.3 ms of numpy work per hold for 32,768 rows), and makes this many chunked copies
+# before it copies all in one hold (BlockPool.cached_key_snapshot).
+SNAPSHOT_CHUNK_BLOCKS = 32_768
+SNAPSHOT_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class KeySnapshot:
+    """``BlockPool.cached_key_snapshot``'s answer: the group ids and hashes of every cached
+    block in block-id order, as they stood right before event ``next_seq``; ``attempts``:
+    copies made (``SNAPSHOT_ATTEMPTS + 1``: the last was one hold of the whole pool);
+    ``holds``: holds of the lock taken."""
+
+    next_seq: int
+    group_ids: np.ndarray
+    hashes: np.ndarray
+    attempts: int
+    holds: int
+
+
 # Every open pool handle of this process, for the at-fork handler below.
 _OPEN_POOLS: weakref.WeakSet = weakref.WeakSet()
 
@@ -279,6 +304,7 @@ class BlockPool:
         self.medium = cfg.medium
         self.max_processes = cfg.max_processes
         self.hash_fn_name = cfg.hash_fn_name
+        self.num_hash_lookahead_tokens = cfg.num_hash_lookahead_tokens
         self.pool_name = segment.shm_name.split("-", 1)[1].rsplit("-v", 1)[0]
         self.pid = os.getpid()
         self._forked_from = 0  # in a forked child: the pid that opened this handle
@@ -333,8 +359,9 @@ class BlockPool:
         self.blocks = BlockHandles(self)
         self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
-        # unpin_blocks: block id -> what to call when this process hands the block out again
-        # (or resets the cache). Process-local: see unpin_blocks.
+        # unpin_blocks' callbacks, block id -> on_reuse: private to this process (a callback
+        # cannot live in shared memory), fired when this process reuses the block or when
+        # poll_reuse finds another process took it.
         self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
         # Watched block id -> (queue_key, epoch) when this process's release put it in the
         # free queue, None while a reference is held (invariant "watch-stamp": poll_reuse).
@@ -342,7 +369,7 @@ class BlockPool:
         self._tiers: dict[str, BlockPool] = {}  # tier(): this handle's tiers, by name
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
-        self._alive = AliveLocks(alive_path(segment.shm_name), create=False)
+        self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
         check_semaphore(segment.shm_name)
         self._my_holder_word = holder_word(-1, self.pid)
         if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
@@ -371,6 +398,7 @@ class BlockPool:
                                         self.process_table.describe_holder),
                 self._takeover.on_stall, self._repairer.on_dirty,
             )
+            self._lock.spin_s = SPIN_S
         else:
             self._lock = PoolLock(
                 segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
@@ -421,6 +449,7 @@ class BlockPool:
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         partial_keys: bool = False,
+        num_hash_lookahead_tokens: int = 0,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
 
@@ -451,6 +480,10 @@ class BlockPool:
                 block can hold a partial prefix-cache key besides its own, as vLLM's can
                 (``cache_partial_block``): wanted when a KV-cache group's blocks are bigger
                 than ``hash_block_size`` (see ``shmkv/pool/layout.py``, "Alias rows").
+            num_hash_lookahead_tokens: vLLM's: each block hash also covers this many tokens
+                after its block (speculative decoding, whose drafter's KV at a block's last
+                position depends on them). Kept in the segment, so every process hashes the
+                same way; the KV events carry those tokens (``lookahead_token_ids``).
 
         Raises:
             UsageError: a bad name or config value.
@@ -458,6 +491,8 @@ class BlockPool:
         """
         if event_log_bytes is None:
             event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES if enable_kv_cache_events else 0
+        if isinstance(num_hash_lookahead_tokens, bool):  # vLLM's callers pass one (0 or 1)
+            num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         config = L.PoolConfig(
             num_blocks=num_gpu_blocks,
             hash_block_size=hash_block_size,
@@ -469,6 +504,7 @@ class BlockPool:
             hash_fn_name=hash_fn_name,
             journal_entries=0 if journal_entries is None else journal_entries,
             partial_keys=partial_keys,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         if not isinstance(partial_keys, bool):
             raise UsageError(f"partial_keys must be a bool, got {partial_keys!r}")
@@ -585,7 +621,9 @@ class BlockPool:
                     if slot is None:
                         raise PoolFullError(
                             f"pool {self.pool_name}: all {self.max_processes} process slots "
-                            f"are held by live processes (pids {table.live_pids()})"
+                            f"are held by live processes (pids {table.live_pids()}), or "
+                            "their liveness locks by children a dead process forked "
+                            "without Python's at-fork hooks (free once those exit)"
                         )
                     self._set_lock_identity(slot, None)
                 incarnation = table.fill_row(slot, self.pid, label)
@@ -618,8 +656,9 @@ class BlockPool:
         ``_after_fork_in_child``): the slot, its references and its lock marks are the
         parent's. Drops the inherited liveness descriptor; every later call raises
         ForkedPoolError (``close()`` only unmaps)."""
-        if self._forked_from or getattr(self, "_segment", None) is None:
-            return
+        segment = getattr(self, "_segment", None)
+        if self._forked_from or segment is None or segment.buf is None:
+            return  # already marked, or closed (its views are gone): nothing to drop
         self._forked_from = self.pid
         error = ForkedPoolError(
             f"pool {self.pool_name!r}: this handle was opened by pid {self.pid}, and this "
@@ -926,7 +965,8 @@ class BlockPool:
         """A request block hasher with the pool's hash function, block size and NONE_HASH, so
         hashes computed in any process match."""
         return RequestBlockHasher(
-            self.hash_block_size, get_hash_fn_by_name(self.hash_fn_name), self.none_hash
+            self.hash_block_size, get_hash_fn_by_name(self.hash_fn_name), self.none_hash,
+            self.num_hash_lookahead_tokens,
         )
 
     # ------------------------------------------------------------------ vLLM API
@@ -939,6 +979,8 @@ class BlockPool:
 
         Raises:
             UsageError: the hash is not 32 bytes.
+            InvariantViolation: the hash's index chain is corrupt (it loops); the pool is
+                repaired under the same hold, so the next call finds it sound.
         """
         lock = self._lock
         lock.acquire()
@@ -946,6 +988,9 @@ class BlockPool:
             return self._kernel.get_cached(
                 block_hash, kv_cache_group_ids, self._handles, self._handle
             )
+        except InvariantViolation:
+            self._repairer.repair_corruption()  # a lookup found it: repaired as by a write
+            raise
         finally:
             lock.release()
 
@@ -973,6 +1018,9 @@ class BlockPool:
                 block_hashes, kv_cache_group_id, -1 if max_num_blocks is None else max_num_blocks,
                 self._handles, self._handle,
             )
+        except InvariantViolation:
+            self._repairer.repair_corruption()  # a lookup found it: repaired as by a write
+            raise
         finally:
             lock.release()
 
@@ -1090,12 +1138,14 @@ class BlockPool:
         # One entry per cached block, as vLLM: the block's hash extra keys (LoRA,
         # multimodal, cache_salt, prompt embeds) in their untagged event form.
         block_keys = []
+        lookahead_ids: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
         mm_idx = 0
         for position, _ in cached:
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, position * block_size, (position + 1) * block_size, mm_idx
-            )
+            end = (position + 1) * block_size
+            keys, mm_idx = self._event_extra_keys(request, position * block_size, end, mm_idx)
             block_keys.append(keys)
+            if lookahead_ids is not None:
+                lookahead_ids.append(self._lookahead_token_ids(request, end))
         extra_keys = to_event_extra_keys(block_keys)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
@@ -1109,7 +1159,20 @@ class BlockPool:
             extra_keys=extra_keys,
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
+            lookahead_token_ids=lookahead_ids,
         )
+
+    def _event_extra_keys(self, request, start: int, end: int, mm_idx: int):
+        """A block's extra keys for its event: over the same window as its hash (the block
+        and, with lookahead, the tokens after it)."""
+        if self.num_hash_lookahead_tokens:
+            return generate_lookahead_block_hash_extra_keys(
+                request, start, end, end + self.num_hash_lookahead_tokens, mm_idx)
+        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+    def _lookahead_token_ids(self, request, block_end: int) -> list[int]:
+        """The tokens after a block that its hash covers (``BlockStored.lookahead_token_ids``)."""
+        return list(request.all_token_ids[block_end:block_end + self.num_hash_lookahead_tokens])
 
     def cache_partial_block(
         self,
@@ -1259,7 +1322,7 @@ class BlockPool:
         parent = (external_block_hash(request.block_hashes[num_hash_blocks - 2], as_int)
                   if num_hash_blocks > 1 else None)
         start = num_tokens - hbs
-        extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, 0)
+        extra_keys, _ = self._event_extra_keys(request, start, num_tokens, 0)
         lora = getattr(request, "lora_request", None)
         return BlockStored(
             block_hashes=[external_block_hash(block_hash, as_int)],
@@ -1272,6 +1335,8 @@ class BlockPool:
             extra_keys=to_event_extra_keys([extra_keys]),
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
+            lookahead_token_ids=([self._lookahead_token_ids(request, num_tokens)]
+                                 if self.num_hash_lookahead_tokens else None),
         )
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
@@ -1330,6 +1395,7 @@ class BlockPool:
         return blocks
 
     def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Fires (once) the ``unpin_blocks`` callback of each block being reused."""
         for block in blocks:
             watcher = self._reuse_watchers.pop(block.block_id, None)
             self._watch_stamps.pop(block.block_id, None)
@@ -1375,19 +1441,25 @@ class BlockPool:
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
                      on_reuse: Callable[[KVCacheBlock], None]) -> None:
-        """Drops one reference from each block, as ``free_blocks`` does, but a block reaching
-        0 joins the tail of the free queue whether it has a key or not (evicted last) and
-        stays readable: it counts as free, and ``on_reuse(block)`` is called when this
-        process's ``get_new_blocks`` hands it out again or ``reset_prefix_cache`` succeeds,
-        so the caller stops reading it (vLLM's call, used by HiSparse's resident pages).
+        """Drops one reference from each block, which stays readable until it is reused
+        (vLLM's call, for KV a reader still streams from). Blocks reaching ``ref_cnt`` 0
+        join the tail of the free queue, hashed or not, so they are the last to be evicted
+        and count as free; ``on_reuse(block)`` fires when this process's ``get_new_blocks``
+        hands the block out again, or when its ``reset_prefix_cache`` succeeds.
 
-        Another process allocating the block is reported by :meth:`poll_reuse` (HiSparse's
-        coordinator polls at each step), not at the moment it happens.
+        NOTE: the callbacks are this process's (vLLM's pool has one process): a block that
+        another process of a shared pool allocates is reported by :meth:`poll_reuse`
+        (HiSparse's coordinator polls at each step), not at the moment it happens. A block
+        unpinned twice keeps the last callback, as in vLLM.
+
+        Args:
+            blocks: handles of this pool that this process holds, the null block excluded.
+            on_reuse: called with the block's handle when it is reused.
 
         Raises:
-            UsageError: ``on_reuse`` not callable, the null block, a bad handle, or a block
-                unpinned more times than it (or this process) is referenced. Nothing is
-                changed then.
+            UsageError: a bad handle, the null block, a block unpinned more times than it is
+                referenced or than this process references it, or ``on_reuse`` not
+                callable. Nothing is changed then.
         """
         if not callable(on_reuse):
             raise UsageError(f"unpin_blocks(): on_reuse must be callable, got {on_reuse!r}")
@@ -1496,10 +1568,10 @@ class BlockPool:
         Returns:
             True on success (an ``AllBlocksCleared`` event is recorded), False otherwise.
         """
-        reset = self._lock.mutate("reset", self._reset_locked)
-        if reset and self._reuse_watchers:
+        done = self._lock.mutate("reset", self._reset_locked)
+        if done and self._reuse_watchers:  # every block's contents are forgotten
             self._notify_reuse([self._handle(b) for b in list(self._reuse_watchers)])
-        return reset
+        return done
 
     def _reset_locked(self) -> bool:
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()
@@ -1556,6 +1628,44 @@ class BlockPool:
         under ``pool.lock()``: ``event_log.read_raw(cursor, limit)``."""
         return self._log
 
+    def claim_cache_geometry(self, geometry: str) -> None:
+        """Binds the pool to one geometry of its blocks' contents, or checks it is this one.
+
+        A prefix hit hands a process KV that another process wrote: both must lay blocks out
+        the same way (groups, block sizes, page sizes, context parallelism). The first call
+        on a pool records a digest of ``geometry`` in the header (``cache_geometry``);
+        every later one, in any process, must give the same description.
+
+        Args:
+            geometry: a canonical description of the caller's layout (the coordinator's
+                ``cache_geometry()``).
+
+        Raises:
+            UsageError: not a non-empty str, or the pool is bound to another geometry;
+                nothing changes.
+        """
+        if not isinstance(geometry, str) or not geometry:
+            raise UsageError(f"claim_cache_geometry(): geometry must be a non-empty str, "
+                             f"got {geometry!r}")
+        digest = int.from_bytes(hashlib.blake2b(geometry.encode(), digest_size=8).digest(),
+                                "little") >> 1 or 1  # 63 bits, never 0 (0: unbound)
+        with self._lock:
+            bound = int(self._hdr64[L.H_CACHE_GEOMETRY])
+            if bound == 0:  # one aligned store, outside the journal (layout.py)
+                self._hdr64[L.H_CACHE_GEOMETRY] = digest
+                return
+        if bound != digest:
+            raise UsageError(
+                f"pool {self.pool_name} holds KV laid out for another KV-cache configuration "
+                f"(geometry digest {bound:#x}); this one is {geometry} ({digest:#x}). Every "
+                "process sharing a pool must use the same groups, block sizes, page sizes and "
+                "context parallelism: give this configuration a pool of its own")
+
+    @property
+    def cache_geometry(self) -> int:
+        """The digest the pool is bound to (``claim_cache_geometry``), 0 if none yet."""
+        return int(self._hdr64[L.H_CACHE_GEOMETRY])
+
     def header_snapshot(self) -> np.void:
         """A copy of the segment header, one structured record (``shmkv/pool/layout.py``,
         the header table: ``creator_pid``, ``none_hash``, ``epoch``, ``num_reaped``,
@@ -1581,17 +1691,66 @@ class BlockPool:
     def cached_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(group ids, hashes)`` of every cached block, in block-id order: numpy copies
         made in one short hold of the lock (a mask and a copy of the cached rows' two key
-        fields; the conversion to Python objects is the caller's, after the hold)."""
+        fields; the conversion to Python objects is the caller's, after the hold). On a
+        large pool prefer ``cached_key_snapshot``, whose holds are bounded."""
         with self._lock:
             rows = self._blocks[1:self.num_gpu_blocks]
             mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
             return rows["group_id"][mask], rows["block_hash"][mask]
 
+    def cached_key_snapshot(self, chunk_blocks: int = SNAPSHOT_CHUNK_BLOCKS,
+                            attempts: int = SNAPSHOT_ATTEMPTS) -> KeySnapshot:
+        """The key fields of every cached block, as ``cached_key_arrays``, copied in holds
+        of the lock of at most ``chunk_blocks`` rows each, and consistent: the copy is of
+        one state of the pool, the one right before event ``next_seq``.
+
+        Every change of a block's key under the lock logs an event in the same hold (or
+        counts one dropped), and a repair bumps the epoch; so the copy is consistent if
+        every hold saw the same (``next_event_seq``, ``num_events_dropped``, ``epoch``)
+        stamp. A copy whose stamp moved is started again; after ``attempts`` copies the
+        last is made in one hold (``attempts`` 0: at once). Without an event log a stamp
+        proves nothing, and one hold copies all.
+
+        Raises:
+            UsageError: ``chunk_blocks`` < 1 or ``attempts`` < 0.
+        """
+        if (isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
+                or isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0):
+            raise UsageError(f"cached_key_snapshot(): chunk_blocks must be an int >= 1 and "
+                             f"attempts an int >= 0, got {chunk_blocks!r}, {attempts!r}")
+        n, hdr = self.num_gpu_blocks, self._hdr64
+        words = [L.H_NEXT_EVENT_SEQ, L.H_NUM_EVENTS_DROPPED, L.H_EPOCH]
+        holds = 0
+        for attempt in range(1, attempts + 1 if self._log.capacity else 1):
+            groups, hashes = [], []
+            stamp = None
+            for lo in range(1, n, chunk_blocks):
+                with self._lock:
+                    holds += 1
+                    now = [hdr[w] for w in words]
+                    if stamp is not None and now != stamp:
+                        break  # the cache changed between two holds: start again
+                    stamp = now
+                    rows = self._blocks[lo:min(lo + chunk_blocks, n)]
+                    mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+                    groups.append(rows["group_id"][mask])
+                    hashes.append(rows["block_hash"][mask])
+            else:
+                if stamp is None:  # a pool of the null block alone
+                    break
+                return KeySnapshot(int(stamp[0]), np.concatenate(groups),
+                                   np.concatenate(hashes), attempt, holds)
+        with self._lock:
+            next_seq = int(hdr[L.H_NEXT_EVENT_SEQ])
+            group_arr, hash_arr = self.cached_key_arrays()
+        return KeySnapshot(next_seq, group_arr, hash_arr, attempts + 1, holds + 1)
+
     def cached_keys_by_group(self) -> dict[int, list[bytes]]:
         """The prefix cache's keys: for each KV-cache group, the hash of every block cached
-        in it, in block-id order (a key several blocks hold comes once per block). The lock
-        is held only for the copy (``cached_key_arrays``)."""
-        group_arr, hash_arr = self.cached_key_arrays()
+        in it, in block-id order (a key several blocks hold comes once per block). Copied in
+        bounded, consistent holds of the lock (``cached_key_snapshot``)."""
+        snap = self.cached_key_snapshot()
+        group_arr, hash_arr = snap.group_ids, snap.hashes
         groups, hashes = group_arr.tolist(), hash_arr.tolist()
         out: dict[int, list[bytes]] = {}
         for group, block_hash in zip(groups, hashes, strict=True):

@@ -18,6 +18,8 @@ side writes through :class:`JournaledView` (single words, for the hot paths) and
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from shmkv.pool import fault as _fault
@@ -25,6 +27,7 @@ from shmkv.pool import layout as L
 
 _H_LEN = L.H_JOURNAL_LEN
 _OVERFLOWED = L.JOURNAL_OVERFLOWED
+_PACKERS: dict[int, struct.Struct] = {}  # save_words: entries -> their packer
 
 
 class Journal:
@@ -76,6 +79,39 @@ class Journal:
         elif n >= 0:
             hdr[_H_LEN] = _OVERFLOWED
         _fault.tick()  # the write the caller makes next
+
+    def save_words(self, words: list[int]) -> None:
+        """Records several words before the writes that follow, all in one go: ``words`` is
+        ``[where, old, where, old, ...]`` (``where = byte_offset << 4 | width``, ``old`` the
+        word's value now). The entries are written first, then ``journal_len`` once for all of
+        them (a kill before that store leaves no word written; after it, entries of words not
+        yet written restore the value they still have), so a one-block call pays one length
+        store instead of one per word. The caller knows the old values (it has just read
+        them to decide its writes), and writes nothing it has not recorded here."""
+        hdr = self._hdr
+        n = hdr[_H_LEN]
+        k = len(words) >> 1
+        if _fault.armed:  # one fault point per entry, then the length's
+            if 0 <= n and n + k <= self.capacity:
+                ent = self._ent
+                for i in range(0, 2 * k, 2):
+                    _fault.tick()
+                    ent[2 * n + i] = words[i]
+                    ent[2 * n + i + 1] = words[i + 1]
+                _fault.tick()
+                hdr[_H_LEN] = n + k
+            elif n >= 0:
+                _fault.tick()
+                hdr[_H_LEN] = _OVERFLOWED
+            return
+        if 0 <= n and n + k <= self.capacity:
+            packer = _PACKERS.get(k)
+            if packer is None:
+                packer = _PACKERS[k] = struct.Struct(f"<{2 * k}q")
+            packer.pack_into(self._ent, 16 * n, *words)
+            hdr[_H_LEN] = n + k
+        elif n >= 0:
+            hdr[_H_LEN] = _OVERFLOWED
 
     def reserve(self, entries: int) -> None:
         """Declares that the hold is about to journal ``entries`` more words; if they will

@@ -50,6 +50,16 @@ Immutable after creation (the "config echo", validated by every attach, in this 
 - `pool_id` (V16, 256, after the mutable part): 16 random bytes drawn when the pool is
   created: the identity of this pool, never of another one made under the same name or by
   a reused pid (the publisher's identity and saved position are keyed on it).
+- `num_hash_lookahead_tokens` (u4, 272): vLLM's ``num_hash_lookahead_tokens``: each block
+  hash also covers that many tokens after its block, so it is part of what a key means and
+  every process must hash the same way (it also shapes the KV events' lookahead token ids).
+- `cache_geometry` (i64, 280): 0 until the first prefix-caching KV-cache coordinator binds
+  the pool, then a 63-bit digest of how its blocks hold KV (each group's kind, block size and
+  page size, the hash block size, decode/prefill context parallelism;
+  ``BlockPool.claim_cache_geometry``). A coordinator of another geometry is refused: its
+  hits would read KV laid out for another configuration. Written once, from 0, in one
+  aligned store under the lock and outside the journal (a holder that dies after it leaves
+  the pool bound, which is what it was about to use it for).
 
 Mutable, written only under the pool lock:
 
@@ -93,7 +103,7 @@ row ``free_tail = num_blocks + 1`` are the free queue's sentinels: ``block_meta[
 is the first free block and ``block_meta[free_tail].prev`` the last. An empty queue links the
 two sentinels to each other.
 
-Process table rows (``PROC_DTYPE``, 64 bytes)
+Process table rows (``PROC_DTYPE``, 72 bytes)
 ---------------------------------------------
 
 | field         | type | meaning |
@@ -103,10 +113,14 @@ Process table rows (``PROC_DTYPE``, 64 bytes)
 | `incarnation` | u64  | a random id drawn at attach; a process whose slot no longer carries it is fenced |
 | `start_ticks` | u64  | the process's start time (``/proc/<pid>/stat`` field 22), to tell a reused pid |
 | `attach_ns`   | i64  | wall-clock time of the attach (ns since the epoch) |
-| `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection |
+| `label`       | S24  | a name the process gave itself (``attach(label=...)``), for inspection; kept after release until the slot is reused |
+| `pid_ns`      | u64  | the inode of the process's pid namespace (``/proc/self/ns/pid``), 0 if unknown: `pid` and `start_ticks` mean something only to a reader in the same namespace |
 | `lock_phase`  | i64  | ``PHASE_IDLE``; ``PHASE_ACQUIRING`` (from before its semaphore wait); ``PHASE_HOLDING`` (the first store once it has the semaphore, before the holder record, to its release); ``PHASE_RELEASING`` (from before it clears `holder` to after the post); ``PHASE_ABANDONED`` (an exception cut its acquire short just as the semaphore call returned: it may hold the semaphore; kept through its later waits until it holds the lock again): how a waiter finds who died holding the semaphore with no `holder` recorded (``shmkv/pool/takeover.py``). Written by the slot's owner, outside the journal. |
 
-A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file;
+A slot is live while its process holds the OFD lock on byte ``slot`` of the ``.alive`` file
+and, to a reader in the row's pid namespace, `pid` runs (not a zombie) with `start_ticks`
+(the liveness rule, ``shmkv/pool/liveness.py``: a forked child holding the inherited lock, or a reused
+pid, does not keep a dead process alive);
 ``ledger[slot, b]`` counts the references that process holds on block ``b``.
 
 The undo journal (region 7, ``JOURNAL_DTYPE``, 16 bytes per entry)
@@ -278,6 +292,9 @@ Changelog
   key), so the regions after it move; the prefix index links key rows of both regions.
 - v5: hardening (issue 15): `lock_phase` gains ``PHASE_ABANDONED`` (4); the header grows to
   320 bytes with `pool_id` (16 random bytes at creation), so the regions after it move.
+- v6: `num_hash_lookahead_tokens` (header offset 272, in the padding: no region moves).
+- v7: process rows grow to 72 bytes with `pid_ns`, so liveness can also check `pid` and
+  `start_ticks` (issue 15, item 3); header `cache_geometry` (offset 280, in the padding).
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -298,7 +315,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 7
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -330,6 +347,7 @@ MIN_JOURNAL_ENTRIES = 64
 MAX_JOURNAL_ENTRIES = 1 << 28
 JOURNAL_OVERFLOWED = -1
 MAX_LABEL_BYTES = 24
+MAX_HASH_LOOKAHEAD_TOKENS = 1 << 16  # speculative tokens per step are a handful
 
 HEADER_DTYPE = np.dtype(
     {
@@ -344,8 +362,10 @@ HEADER_DTYPE = np.dtype(
             "holder", "holder_incarnation", "holder_since_ns",
             "next_event_seq", "log_write_pos", "log_oldest_seq", "log_oldest_pos",
             "num_reaped", "num_events_dropped", "journal_len", "lock_seq", "num_takeovers",
-            # immutable again: the identity, drawn at creation
-            "pool_id",
+            # immutable again: the identity, drawn at creation; then more config echo
+            "pool_id", "num_hash_lookahead_tokens",
+            # written once, by the first KV-cache coordinator (``claim_cache_geometry``)
+            "cache_geometry",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -356,7 +376,8 @@ HEADER_DTYPE = np.dtype(
             "<i8", "<u8", "<i8",
             "<i8", "<i8", "<i8", "<i8",
             "<i8", "<i8", "<i8", "<u8", "<u8",
-            "V16",
+            "V16", "<u4",
+            "<i8",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -367,7 +388,8 @@ HEADER_DTYPE = np.dtype(
             160, 168, 176,
             184, 192, 200, 208,
             216, 224, 232, 240, 248,
-            256,
+            256, 272,
+            280,
         ],
         "itemsize": 320,
     }
@@ -414,15 +436,16 @@ H_NUM_EVENTS_DROPPED = HEADER_DTYPE.fields["num_events_dropped"][1] // 8
 H_JOURNAL_LEN = HEADER_DTYPE.fields["journal_len"][1] // 8
 H_LOCK_SEQ = HEADER_DTYPE.fields["lock_seq"][1] // 8
 H_NUM_TAKEOVERS = HEADER_DTYPE.fields["num_takeovers"][1] // 8
+H_CACHE_GEOMETRY = HEADER_DTYPE.fields["cache_geometry"][1] // 8
 
-# One row per process-table slot (64 bytes).
+# One row per process-table slot (72 bytes).
 PROC_DTYPE = np.dtype(
     {
         "names": ["state", "pid", "incarnation", "start_ticks", "attach_ns", "label",
-                  "lock_phase"],
-        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S24", "<i8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 56],
-        "itemsize": 64,
+                  "pid_ns", "lock_phase"],
+        "formats": ["<i4", "<i4", "<u8", "<u8", "<i8", "S24", "<u8", "<i8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 56, 64],
+        "itemsize": 72,
     }
 )
 SLOT_FREE = 0
@@ -457,6 +480,7 @@ class PoolConfig:
     hash_fn_name: str = "sha256"
     journal_entries: int = 0  # 0: default_journal_entries(num_blocks, partial_keys)
     partial_keys: bool = False  # the block_alias region (a block's second, partial key)
+    num_hash_lookahead_tokens: int = 0  # tokens after each block its hash covers
 
     def __post_init__(self) -> None:
         if self.journal_entries == 0 and isinstance(self.num_blocks, int):
@@ -512,6 +536,13 @@ class PoolConfig:
             raise UsageError(
                 f"journal_entries must be an int in [{MIN_JOURNAL_ENTRIES}, "
                 f"{MAX_JOURNAL_ENTRIES}], got {self.journal_entries!r}"
+            )
+        if (isinstance(self.num_hash_lookahead_tokens, bool)
+                or not isinstance(self.num_hash_lookahead_tokens, int)
+                or not 0 <= self.num_hash_lookahead_tokens <= MAX_HASH_LOOKAHEAD_TOKENS):
+            raise UsageError(
+                f"num_hash_lookahead_tokens must be an int in [0, {MAX_HASH_LOOKAHEAD_TOKENS}], "
+                f"got {self.num_hash_lookahead_tokens!r}"
             )
         if self.hash_fn_name not in ("sha256", "sha256_cbor"):
             raise UsageError(
@@ -762,6 +793,27 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"
+# Siblings named after their pool alone (``/shmkv_<kind>-<pool>-v<version>``): they go
+# with the pool on ``shmkv unlink``. Channels, block tables and KV stores carry a rank or
+# replica suffix and belong to a serving run, which removes them itself.
+POOL_NAMED_SIBLINGS = ("pub", "stats", "offload")
+# The vLLM offload tier's data region is vLLM's own file (its CPU worker names it
+# ``/dev/shm/vllm_offload_<engine_id>.mmap``, plus a suffix per rank); shmkv picks the
+# engine id, ``shmkv_offload_data-<pool>``, so every replica maps the same bytes.
+OFFLOAD_DATA_REGION_PREFIX = "vllm_offload_shmkv_offload_data-"  # + pool + ".mmap..."
+
+
+def offload_data_region_engine_id(pool: str) -> str:
+    """The ``engine_id`` under which every replica's workers map a pool's data region."""
+    return OFFLOAD_DATA_REGION_PREFIX[len("vllm_offload_"):] + validate_pool_name(pool)
+
+
+def offload_data_region_pool(entry: str) -> str | None:
+    """The pool a /dev/shm entry is the offload data region of, or None if it is not one."""
+    if not entry.startswith(OFFLOAD_DATA_REGION_PREFIX):
+        return None
+    pool, sep, _ = entry[len(OFFLOAD_DATA_REGION_PREFIX):].partition(".mmap")
+    return pool if sep and pool else None
 
 
 def sibling_segment_name(kind: str, name: str, version: int) -> str:

@@ -12,6 +12,15 @@ Byte ``ARBITER_BYTE`` (past every slot) arbitrates the take-over of a dead lock 
 the waiters that find the holder dead race for it, non-blocking, and only the winner takes
 over (``shmkv/pool/takeover.py``).
 
+The liveness rule (the one every liveness decision of the package goes through,
+``AliveLocks.is_alive``): a slot is live while byte ``slot`` is locked AND, when the reader
+is in the pid namespace the row records (``pid_ns``), the row's ``pid`` runs, is not a
+zombie, and started at the row's ``start_ticks``. The lock alone can be kept by a process
+that is not the slot's: a child forked without Python's at-fork hooks (a raw ``fork()`` from
+C) inherits the open file description, and with it the lock, for as long as it lives. The
+pid test alone can be fooled by a reused pid, and means nothing in another pid namespace
+(a pool shared across containers), where the lock is the only word.
+
 ``pid_alive`` is the plain pid test (``kill(pid, 0)``), for the few places that only have a
 pid to go on: a lock holder recorded without a slot, a channel's peer, the front end of a
 run, a run's leftover segments. It can be fooled by a reused pid, which is why the process
@@ -27,8 +36,10 @@ import fcntl
 import os
 import struct
 
+import numpy as np
+
 from shmkv.errors import SegmentError
-from shmkv.pool.layout import MAX_PROCESSES
+from shmkv.pool.layout import MAX_PROCESSES, SLOT_ACTIVE
 from shmkv.pool.segment import check_fd, secure_new_fd
 
 ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
@@ -50,7 +61,10 @@ def _flock(lock_type: int, byte: int) -> bytes:
 class AliveLocks:
     """This process's view of the pool's lock file: claim a slot, test other slots."""
 
-    def __init__(self, path: str, *, create: bool) -> None:
+    def __init__(self, path: str, *, create: bool, procs: np.ndarray | None = None) -> None:
+        """Opens (or creates) the lock file ``path``. ``procs`` is the pool's process table
+        (``PROC_DTYPE`` rows), read by ``is_alive`` for the pid and start-time half of the
+        liveness rule; without it only the lock counts."""
         # Created exclusively, never through a link, then owner/mode checked (segment.py).
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
@@ -76,6 +90,7 @@ class AliveLocks:
             raise
         self.path = path
         self.held_slot: int | None = None
+        self.procs = procs
 
     def claim(self, slot: int) -> bool:
         """Takes the lock on byte ``slot``; False if a live process holds it."""
@@ -109,11 +124,16 @@ class AliveLocks:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, ARBITER_BYTE))
 
     def is_alive(self, slot: int) -> bool:
-        """Whether some process (this one included) holds byte ``slot``."""
+        """Whether the process of ``slot`` is alive, by the liveness rule (module
+        docstring): this process's own slot is; another is while some process holds byte
+        ``slot`` and the row's recorded process (pid + start time, when this process can
+        tell) is still the one running."""
         if slot == self.held_slot:
             return True
         answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, slot))
-        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+        if _FLOCK.unpack(answer)[0] == fcntl.F_UNLCK:
+            return False
+        return self.procs is None or not recorded_process_gone(self.procs[slot])
 
     def drop_after_fork(self) -> None:
         """In a forked child: closes the inherited descriptor WITHOUT unlocking. The OFD
@@ -125,6 +145,7 @@ class AliveLocks:
             os.close(self._fd)
             self._fd = -1
         self.held_slot = None
+        self.procs = None
 
     def close(self) -> None:
         """Closes the descriptor, which drops every lock this process held on the file."""
@@ -132,6 +153,7 @@ class AliveLocks:
             os.close(self._fd)
             self._fd = -1
             self.held_slot = None
+        self.procs = None  # a view of the segment, which is about to be unmapped
 
 
 def pid_alive(pid: int, start_ticks: int = 0) -> bool:
@@ -165,15 +187,63 @@ def pid_alive(pid: int, start_ticks: int = 0) -> bool:
     return True
 
 
+_own_ns: tuple[int, int] = (0, 0)  # (pid, namespace inode) of the last look
+
+
+def own_pid_namespace() -> int:
+    """The inode of this process's pid namespace, 0 when it cannot be told (no /proc, or a
+    /proc mounted from another namespace, where /proc/self is not this process). Looked up
+    once per process (a forked child looks again)."""
+    global _own_ns
+    pid = os.getpid()
+    if _own_ns[0] != pid:
+        try:
+            ns = os.stat("/proc/self/ns/pid").st_ino if os.readlink("/proc/self") == str(pid) else 0
+        except OSError:
+            ns = 0
+        _own_ns = (pid, ns)
+    return _own_ns[1]
+
+
+def recorded_process_gone(row) -> bool:
+    """Whether the process a process-table row records is provably gone: the row is active,
+    names a pid of this process's pid namespace, and that pid no longer runs, is a zombie
+    (dead, not yet waited for: it holds nothing), or runs a process started at another tick
+    than the row's ``start_ticks`` (a reused pid). False whenever it cannot be told: a row
+    being filled in (not yet active), a row of another pid namespace, no /proc."""
+    if int(row["state"]) != SLOT_ACTIVE:
+        return False
+    pid, ns = int(row["pid"]), int(row["pid_ns"])
+    if pid <= 0 or ns == 0 or ns != own_pid_namespace():
+        return False
+    status = _proc_stat(pid)
+    if status is None:
+        return True  # no such process
+    state, ticks = status
+    if state in (b"Z", b"X"):
+        return True
+    recorded = int(row["start_ticks"])
+    return recorded != 0 and ticks != 0 and ticks != recorded
+
+
+def _proc_stat(pid: int) -> tuple[bytes, int] | None:
+    """(state letter, start ticks) from /proc/<pid>/stat; None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return b"?", 0  # there, but unreadable: nothing to compare
+    # The command name (field 2) may contain spaces; fields after it follow the last ')'.
+    fields = stat.rsplit(b")", 1)[1].split()
+    return fields[0], int(fields[19])
+
+
 def process_start_ticks(pid: int) -> int:
     """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot), 0 if unknown.
 
     Recorded with the pid so a reader can tell a reused pid from the original process.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    # The command name (field 2) may contain spaces; fields after it follow the last ')'.
-    return int(stat.rsplit(b")", 1)[1].split()[19])
+    status = _proc_stat(pid)
+    return status[1] if status else 0

@@ -70,6 +70,8 @@ _STAGE_IN_STALL = 2  # in on_stall: the unit iff the holder record is this proce
 _STAGE_HELD = 3  # surely the unit (HOLDING is stored)
 # Waits are cut in slices this long; after each, the waiter checks for a dead holder.
 WAIT_SLICE_S = 0.02
+# A waiter first polls the semaphore this long before it sleeps on it (``PoolLock._spin``).
+SPIN_S = 20e-6
 
 
 def lock_name(shm_name: str) -> str:
@@ -154,12 +156,14 @@ class PoolLock:
         on_dirty: callable(took_over), called right after a hold starts that took the lock
             over or found the undo journal non-empty: the repair.
         slice_s: the wait slice.
+        spin_s: how long a waiter polls the semaphore before its first sleep on it (0:
+            never); settable.
     """
 
     def __init__(self, shm_name: str, hdr64, slot: int, pid: int, incarnation: int,
                  timeout_s: float = DEFAULT_LOCK_TIMEOUT_S, describe_holder=None,
                  enabled: bool = True, on_stall=None, on_dirty=None,
-                 slice_s: float = WAIT_SLICE_S) -> None:
+                 slice_s: float = WAIT_SLICE_S, spin_s: float = SPIN_S) -> None:
         try:
             self._sem = posix_ipc.Semaphore(lock_name(shm_name))
         except posix_ipc.ExistentialError:
@@ -171,6 +175,8 @@ class PoolLock:
         self._incarnation = incarnation
         self.timeout_s = timeout_s
         self.slice_s = slice_s
+        self._spin_s = 0.0
+        self.spin_s = spin_s
         self._describe_holder = describe_holder
         self._enabled = enabled
         self._on_stall = on_stall or (lambda: False)
@@ -330,7 +336,7 @@ class PoolLock:
             except posix_ipc.BusyError:
                 self._stage = _STAGE_NONE
                 start = _monotonic_ns()
-                took_over = self._wait_in_slices(start)
+                took_over = not self._spin(start) and self._wait_in_slices(start)
                 self._waited = _monotonic_ns() - start
                 self.wait_ns_total += self._waited
         # The first thing with the unit (see shmkv/pool/takeover.py), inline: no call
@@ -351,6 +357,35 @@ class PoolLock:
                 self._set_phase(L.PHASE_IDLE)
             raise FencedError(_FENCED)
         return took_over
+
+    @property
+    def spin_s(self) -> float:
+        """How long a waiter polls the semaphore before it sleeps on it (0: never)."""
+        return self._spin_s
+
+    @spin_s.setter
+    def spin_s(self, value: float) -> None:
+        if not 0 <= value <= 0.01:  # a spin is for a hold's microseconds, not for a wait
+            raise ValueError("spin_s must be between 0 and 0.01 s")
+        self._spin_s = float(value)
+
+    def _spin(self, start: int) -> bool:
+        """Polls the semaphore for up to ``spin_s`` before the first sleep on it. A hold
+        lasts microseconds and the holder usually runs on another core, so the unit comes
+        back sooner than a sleep and a wake-up (two context switches) would take; a holder
+        that was preempted is then waited for asleep. Returns True when it took the unit
+        (``_stage`` as around the first try: the unit may be this process's in the call)."""
+        until = start + int(self._spin_s * 1e9)
+        sem = self._sem
+        while _monotonic_ns() < until:
+            if sem.value > 0:
+                self._stage = _STAGE_IN_WAIT
+                try:
+                    sem.acquire(0)
+                    return True
+                except posix_ipc.BusyError:
+                    self._stage = _STAGE_NONE
+        return False
 
     def _wait_in_slices(self, start: int) -> bool:
         deadline = start + int(self.timeout_s * 1e9)
@@ -402,6 +437,9 @@ class PoolLock:
                 if _fault.armed:
                     _fault.tick()
                 hdr[_H_SINCE] = 0
+                # The hold ends at the post: read the clock before it, for the post may wake
+                # a waiter that preempts this process before the next line runs.
+                held = _monotonic_ns() - self._held_since
                 if self._enabled:
                     self._sem.release()
             finally:
@@ -413,7 +451,6 @@ class PoolLock:
                         proc[self._phase_index] = L.PHASE_IDLE
                 finally:
                     self._gate.release()
-        held = _monotonic_ns() - self._held_since
         self.hold_ns_total += held
         if self.record is not None:
             self.record[-1] = (self.record[-1][0], held)

@@ -7,8 +7,9 @@ the active slots, so giving back a slot's row gives back exactly what its proces
 whether the process closed the pool or died (``reap_dead``) or was fenced off
 (``BlockPool.reclaim_slot``).
 
-Liveness of a slot is the kernel's word (``AliveLocks``: an OFD lock per slot), never a pid
-test. Every method that writes takes the caller's word that it holds the pool lock, and
+Liveness of a slot is the liveness rule of ``shmkv/pool/liveness.py`` (``AliveLocks``: an OFD
+lock per slot, and the row's pid + start time where this process can check them), never a
+bare pid test. Every method that writes takes the caller's word that it holds the pool lock, and
 journals every word it writes, so a hold cut short by a kill is rolled back whole.
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 from shmkv.pool import layout as L
 from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
-from shmkv.pool.liveness import AliveLocks, process_start_ticks
+from shmkv.pool.liveness import AliveLocks, own_pid_namespace, process_start_ticks
 
 logger = logging.getLogger("shmkv.pool.block_pool")  # the pool's log, as before the split
 
@@ -80,7 +81,8 @@ class ProcessTable:
         return np.flatnonzero(self._procs["state"] == L.SLOT_ACTIVE).tolist()
 
     def is_alive(self, slot: int) -> bool:
-        """Whether the process of ``slot`` is alive (the kernel's word: its OFD lock)."""
+        """Whether the process of ``slot`` is alive (the liveness rule: its OFD lock, and its
+        pid + start time)."""
         return self._alive.is_alive(slot)
 
     def references_held(self, slot: int) -> int:
@@ -106,11 +108,13 @@ class ProcessTable:
         return out
 
     def labels(self) -> dict[int, str]:
-        """The label of every active slot, by slot. Cheap, and read without the lock (a
-        label is written once, at attach), so a reader may call it at every poll."""
-        procs = self._procs
-        return {slot: bytes(procs[slot]["label"]).decode(errors="replace")
-                for slot in self.active_slots()}
+        """The label of every slot that has one, by slot: an attached process's, or a free
+        slot's last process's (kept until the slot is reused, so a reader that polls, such
+        as the publisher, can still name the events of a process that attached, logged and
+        left between two polls). Cheap, and read without the lock (a label is written
+        once, at attach), so a reader may call it at every poll."""
+        return {slot: label.decode(errors="replace")
+                for slot, label in enumerate(self._procs["label"].tolist()) if label}
 
     def live_pids(self) -> list[int]:
         """The pids of every slot not free (for messages)."""
@@ -130,10 +134,15 @@ class ProcessTable:
         """A FREE slot whose liveness byte this process could take, or None. A free row
         still marked ACQUIRING or RELEASING is skipped: its process died taking or giving
         back the lock (maybe holding the semaphore), and the mark is how a waiter finds out;
-        the repair clears it. Takes no lock (the kernel arbitrates the byte)."""
+        the repair clears it. Slots that keep no label are taken first, so a released
+        slot's label (``labels``) lives as long as the table has room. Takes no lock (the
+        kernel arbitrates the byte)."""
         procs = self._procs
         usable = (procs["state"] == L.SLOT_FREE) & (procs["lock_phase"] == L.PHASE_IDLE)
-        for slot in np.flatnonzero(usable).tolist():
+        unlabelled = procs["label"] == b""
+        order = np.concatenate([np.flatnonzero(usable & unlabelled),
+                                np.flatnonzero(usable & ~unlabelled)])
+        for slot in order.tolist():
             if self._alive.claim(slot):
                 if self._procs[slot]["state"] == L.SLOT_FREE:
                     return slot
@@ -153,7 +162,8 @@ class ProcessTable:
 
     def fill_row(self, slot: int, pid: int, label: bytes) -> int:
         """Makes ``slot`` this process's (caller holds the lock and the slot's liveness
-        byte): pid, a fresh incarnation, start time, attach time, label, ACTIVE.
+        byte): pid, a fresh incarnation, start time, attach time, label, pid namespace,
+        ACTIVE (last: a reader tests pid and start time only in an active row).
 
         Returns:
             the incarnation, the fence of this attach (``FencedError`` once it changes).
@@ -166,6 +176,7 @@ class ProcessTable:
         row["start_ticks"] = process_start_ticks(pid)
         row["attach_ns"] = time.time_ns()
         row["label"] = label
+        row["pid_ns"] = own_pid_namespace()
         row["state"] = L.SLOT_ACTIVE
         self.own_slot = slot
         return incarnation
@@ -209,12 +220,13 @@ class ProcessTable:
         own = slot == self.own_slot
         self.save_row(slot, PROC_ROW_WORDS if own else L.PROC_I64)
         proc = self._procs[slot]
-        proc["state"] = L.SLOT_FREE
+        proc["state"] = L.SLOT_FREE  # first: a reader tests pid and start time only if active
         proc["pid"] = 0
         proc["incarnation"] = 0
         proc["start_ticks"] = 0
         proc["attach_ns"] = 0
-        proc["label"] = b""
+        # The label stays until the slot is reused (``labels``).
+        proc["pid_ns"] = 0
         if not own:
             proc["lock_phase"] = L.PHASE_IDLE
         return released

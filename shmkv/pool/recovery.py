@@ -104,6 +104,7 @@ def _check_header(views: SegmentViews, out: list[str]) -> None:
         "block_hash_bytes": L.BLOCK_HASH_BYTES,
         "max_processes": cfg.max_processes,
         "event_log_bytes": cfg.event_log_bytes,
+        "num_hash_lookahead_tokens": cfg.num_hash_lookahead_tokens,
     }
     for field, want in expected.items():
         found = int(hdr[field])

@@ -208,6 +208,7 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     hdr["event_log_bytes"] = cfg.event_log_bytes
     hdr["journal_entries"] = cfg.journal_entries
     hdr["hash_fn_name"] = cfg.hash_fn_name.encode()
+    hdr["num_hash_lookahead_tokens"] = cfg.num_hash_lookahead_tokens
     hdr["pool_id"] = secrets.token_bytes(16)  # this pool, not another of its name or pid
     hdr["epoch"] = 1
     del hdr
@@ -271,7 +272,13 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None,
         event_log_bytes=int(hdr["event_log_bytes"]),
         hash_fn_name=bytes(hdr["hash_fn_name"]).decode(errors="replace"),
         journal_entries=int(hdr["journal_entries"]),
+        num_hash_lookahead_tokens=int(hdr["num_hash_lookahead_tokens"]),
     )
+    if not 0 <= config.num_hash_lookahead_tokens <= L.MAX_HASH_LOOKAHEAD_TOKENS:
+        raise mismatch(
+            "num_hash_lookahead_tokens", f"0..{L.MAX_HASH_LOOKAHEAD_TOKENS}",
+            config.num_hash_lookahead_tokens,
+        )
     if not 1 <= config.max_processes <= L.MAX_PROCESSES:
         raise mismatch("max_processes", f"1..{L.MAX_PROCESSES}", config.max_processes)
     if not L.MIN_JOURNAL_ENTRIES <= config.journal_entries <= L.MAX_JOURNAL_ENTRIES:

@@ -202,7 +202,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
     finally:
         os.close(fd)
     active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
-    live = [s for s in active if _slot_alive(entry, s, procs[s])]
+    live = [s for s in active if _slot_alive(entry, s, procs)]
     poisoned = state == L.STATE_POISONED
     if live:
         pids = ", ".join(str(int(procs[s]["pid"])) for s in live)
@@ -220,17 +220,17 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
                  creator, st.st_ino, pool_id)
 
 
-def _slot_alive(entry: str, slot: int, row) -> bool:
-    """A slot is live while its process holds the slot's byte of ``.alive``; without that
-    file, while its pid lives with the recorded start time."""
+def _slot_alive(entry: str, slot: int, procs: np.ndarray) -> bool:
+    """A slot is live by the liveness rule (``AliveLocks.is_alive``); without the pool's
+    ``.alive`` file, while its pid lives with the recorded start time."""
     from shmkv.errors import SegmentError
     from shmkv.pool.liveness import AliveLocks
 
     path = f"{SHM_DIR}/{entry}.alive"
     try:
-        locks = AliveLocks(path, create=False)
+        locks = AliveLocks(path, create=False, procs=procs)
     except SegmentError:
-        return pid_alive(int(row["pid"]), int(row["start_ticks"]))
+        return pid_alive(int(procs[slot]["pid"]), int(procs[slot]["start_ticks"]))
     try:
         return locks.is_alive(slot)
     finally:
@@ -338,7 +338,7 @@ def plan(now: float | None = None) -> list[Verdict]:
     stats: dict[str, os.stat_result] = {}
     for entry in entries:
         base = entry[len("sem."):] if entry.startswith("sem.") else entry
-        if base.startswith(("shmkv-", "shmkv_")):
+        if base.startswith(("shmkv-", "shmkv_")) or L.offload_data_region_pool(entry):
             try:
                 stats[entry] = os.lstat(f"{SHM_DIR}/{entry}")
             except FileNotFoundError:
@@ -384,7 +384,25 @@ def plan(now: float | None = None) -> list[Verdict]:
     for entry, st in stats.items():
         if entry.startswith("shmkv_"):
             out[entry] = _assess_sibling(entry, st, pools)
-    # 4. doorbells: with the channels that name them
+    # 4. vLLM offload data regions: with the pool they are named after (vLLM's file holds
+    #    no owner record, so its name is all there is; another user's file stays)
+    for entry, st in stats.items():
+        pool_name = L.offload_data_region_pool(entry)
+        if pool_name is None:
+            continue
+        v = Verdict(entry, "offload data region", pool_name, False, "", pool=pool_name)
+        out[entry] = v
+        kept = [o for o in out.values()
+                if o.kind == "pool" and o.name == pool_name and not o.remove]
+        if problem := _foreign(st):
+            v.reason = problem
+        elif kept:
+            v.reason = f"its pool {pool_name} stays ({kept[0].reason})"
+        else:
+            v.remove = True
+            v.reason = (f"its pool {pool_name} is removed too" if pool_name in pools
+                        else f"its pool {pool_name} is gone")
+    # 5. doorbells: with the channels that name them
     naming: dict[str, list[Verdict]] = {}
     for v in out.values():
         if v.doorbell:
@@ -420,6 +438,43 @@ def plan(now: float | None = None) -> list[Verdict]:
         else:
             v.remove, v.reason = True, f"no channel names it (made {age:.0f} s ago)"
     return [out[e] for e in stats if e in out]
+
+
+def unlink_offload_data_region(pool: str) -> list[str]:
+    """Removes a pool's vLLM offload data region (one file per rank); returns the paths
+    removed. Workers that have it mapped keep their mapping."""
+    L.validate_pool_name(pool)
+    removed = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for entry in sorted(entries):
+        if L.offload_data_region_pool(entry) == pool:
+            try:
+                os.unlink(f"{SHM_DIR}/{entry}")
+                removed.append(f"{SHM_DIR}/{entry}")
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def unlink_pool_siblings(pool: str) -> list[str]:
+    """Removes what is named after ``pool`` alone besides the pool itself
+    (``layout.POOL_NAMED_SIBLINGS``, then the offload data region); returns what each
+    removed object is (``"stats"``, ``"offload data region"``, ...)."""
+    L.validate_pool_name(pool)
+    removed = []
+    for kind in L.POOL_NAMED_SIBLINGS:
+        spec = L.SIBLING_KINDS[kind]
+        try:
+            posix_ipc.unlink_shared_memory(L.sibling_segment_name(kind, pool, spec.version))
+            removed.append(spec.what)
+        except posix_ipc.ExistentialError:
+            pass
+    if unlink_offload_data_region(pool):
+        removed.append("offload data region")
+    return removed
 
 
 def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
@@ -458,4 +513,4 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 
 
 __all__ = ["DOORBELL_GRACE_S", "Verdict", "owner_record", "plan", "pool_identity", "remove",
-           "write_owner"]
+           "unlink_offload_data_region", "unlink_pool_siblings", "write_owner"]

@@ -285,9 +285,12 @@ def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
         raise UsageError(
             f"num_scheduled_tokens and start_positions must be 1-d of one length, got "
             f"{tuple(counts.shape)} and {tuple(starts.shape)}")
-    if counts.size and (int(counts.min()) < 0 or int(starts.min()) < 0):
+    if not counts.size:
+        return torch.from_numpy(counts), torch.from_numpy(starts)
+    lo = int(counts.min())
+    if lo < 0 or int(starts.min()) < 0:
         raise UsageError("token counts and start positions must be >= 0")
-    if counts.size and int(counts.max()) == 1 and int(counts.min()) == 1:  # decode
+    if lo == 1 and int(counts.max()) == 1:  # decode
         return torch.arange(counts.size), torch.from_numpy(starts)
     # numpy for the bookkeeping (vLLM's worker does the same): cheaper per call than torch.
     req_indices = np.repeat(np.arange(counts.size), counts)
@@ -630,6 +633,16 @@ class SharedBlockTables:
                     f"row {r}: block ids for {len(ids)} KV-cache groups; "
                     f"these tables have {self.num_groups}")
         if len(rows_list) <= _ROW_BY_ROW_MAX:  # few rows: numpy's fixed costs would dominate
+            plans = self._plan_few_rows(block_ids_per_row, rows_list, appending)
+            if plans is not None:  # plain lists of valid ints: one store per group
+                self._begin_write()
+                for g, (rr, cc, flat, ends) in enumerate(plans):
+                    if flat:
+                        self._tables_np[g][rr, cc] = flat
+                    self._num_blocks_np[g, rows_list] = ends
+                return
+            # Something to refuse (or ids that are not lists): row by row, whose checks
+            # name the row and group at fault.
             checked = [self._check_ids(ids, self._check_row(r), appending)
                        for r, ids in zip(rows_list, block_ids_per_row, strict=True)]
             self._begin_write()
@@ -663,6 +676,41 @@ class SharedBlockTables:
                 cols = np.arange(total) - first
                 self._tables_np[g][np.repeat(rows_arr, counts), cols] = flat
             self._num_blocks_np[g, rows_arr] = ends
+
+    def _plan_few_rows(self, block_ids_per_row, rows_list: list, appending: bool
+                       ) -> list[tuple[list, list, list, list]] | None:
+        """The stores of a few rows' writes, per group: (table rows, columns, ids, new
+        lengths), in plain Python (a decode step appends one id to a handful of rows, where
+        each numpy call's fixed cost would dominate). None when anything would be refused
+        or the ids are not lists or tuples of ints: the row-by-row checks then say why."""
+        if not all(type(r) is int for r in rows_list):
+            return None
+        lengths = self._num_blocks_np[:, rows_list].tolist() if appending else None
+        plans = []
+        for g in range(self.num_groups):
+            rr: list[int] = []
+            cc: list[int] = []
+            flat: list[int] = []
+            ends: list[int] = []
+            starts = lengths[g] if appending else [0] * len(rows_list)
+            for r, ids, start in zip(rows_list, block_ids_per_row, starts, strict=True):
+                ids = ids[g]
+                if type(ids) is not list and type(ids) is not tuple:
+                    return None
+                n = len(ids)
+                if n:
+                    flat.extend(ids)
+                    rr.extend([r] * n)
+                    cc.extend(range(start, start + n))
+                ends.append(start + n)
+            if flat:
+                lo, hi = min(flat), max(flat)
+                if type(lo) is not int or type(hi) is not int or lo < 0 or hi > MAX_BLOCK_ID:
+                    return None
+            if max(ends) > self.max_num_blocks_per_req[g]:
+                return None
+            plans.append((rr, cc, flat, ends))
+        return plans
 
     def clear_row(self, row: int) -> None:
         """Zeroes the row's blocks (the null block) and its lengths."""

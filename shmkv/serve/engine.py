@@ -91,11 +91,14 @@ def open_block_tables(cfg) -> BlockTablesWriter:
 
 
 def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank_name: str,
-              model: dict, front_end_pid: int | None = None) -> None:
-    """Entry point of a rank process of ``shmkv run``: the run's child set-up, then
+              model: dict, front_end_pid: int | None = None, nice: int = 0) -> None:
+    """Entry point of a rank process of ``shmkv run``: the run's child set-up, ``nice``
+    steps nicer than the front end (``RunConfig.rank_nice``), then
     ``shmkv.serve.rank.rank_main`` (which answers ``ExecuteModel`` steps until
     ``Shutdown``, dropping bad frames)."""
     child_setup(front_end_pid)
+    if nice:
+        os.nice(nice)
     from shmkv.serve.rank import rank_main as run_rank
 
     run_rank(tables_name, kv_store_name, to_rank_name, from_rank_name,

@@ -8,7 +8,8 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
 - ``prefill_tokens_saved``: of those, the tokens its prefix-cache hit covered (the model
   did not compute them); ``prefix_hit_rate`` = saved / prompt tokens;
 - ``evictions``: prefix-cache keys that allocations evicted; ``lock_wait_s``: time the
-  schedulers spent waiting for their pool's lock;
+  schedulers spent waiting for their pool's lock, ``lock_hold_s`` holding it, and
+  ``lock_wait_share`` = lock_wait_s / (schedulers x wall_s);
 - ``peak_blocks_held`` (per scheduler): the most blocks its running requests held at once,
   as its ``SchedulerStats`` (a few a second) saw it; ``ttft_*`` / ``latency_*``: seconds
   from a request's arrival at its scheduler to its first token / its last;
@@ -75,6 +76,10 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "evictions": sum(p["evictions"] for p in per),
         "preemptions": sum(p["preemptions"] for p in per),
         "lock_wait_s": sum(p["lock_wait_s"] for p in per),
+        "lock_hold_s": sum(p["lock_hold_s"] for p in per),
+        # The schedulers' time waiting for the pool lock, of all their wall time.
+        "lock_wait_share": (sum(p["lock_wait_s"] for p in per) / (n * wall_s)
+                            if wall_s > 0 else 0.0),
         "killed_scheduler": None if killed is None else {
             "scheduler": min(runner.killed), "after_s": killed[0],
             "after_requests": killed[1]},
@@ -147,7 +152,9 @@ def report_text(f: dict) -> str:
         f"{f.get('ttft_steps_p99', 0)}",
         f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
         f"evictions, {f['preemptions']} preemptions, lock wait "
-        f"{f['lock_wait_s'] * 1e3:.1f} ms in all",
+        f"{f['lock_wait_s'] * 1e3:.1f} ms in all ({f.get('lock_wait_share', 0.0):.1%} of the "
+        f"schedulers' {f['schedulers'] * f['wall_s']:.1f} s; held "
+        f"{f.get('lock_hold_s', 0.0) * 1e3:.1f} ms)",
     ]
     if f.get("trace"):
         lines.insert(1, f"  trace              {f['trace']['summary']}")

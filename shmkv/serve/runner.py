@@ -69,6 +69,7 @@ __all__ = ["RunConfig", "RunResult", "Runner"]
 JOIN_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 30.0  # for every process of the run to exit after Shutdown
 CHANNEL_BYTES = 1 << 20
+RANK_NICE = 10
 
 
 @dataclass
@@ -86,6 +87,10 @@ class RunConfig:
     # Users waiting for an answer at once: the offered load, a property of the workload,
     # the same whatever the number of schedulers.
     concurrency: int = 16
+    # The rank processes run this much nicer than the schedulers: with more busy processes
+    # than cores, a rank woken by a step's message would otherwise preempt a scheduler
+    # inside its hold of the pool lock, and every other scheduler waits for it.
+    rank_nice: int = RANK_NICE
     balance_slack: int = 4
     kill_one: bool = False
     check_tokens: bool = True
@@ -118,6 +123,8 @@ class RunConfig:
             raise UsageError("--kill-one needs at least 2 schedulers")
         if self.time_scale < 0:
             raise UsageError(f"--time-scale must be >= 0, got {self.time_scale}")
+        if not 0 <= self.rank_nice <= 19:
+            raise UsageError(f"--rank-nice must be between 0 and 19, got {self.rank_nice}")
 
 
 @dataclass
@@ -296,7 +303,7 @@ class Runner:
                 self.ranks.append(ctx.Process(
                     target=engine.rank_main, name=f"rank-{i}", daemon=True,
                     args=(tables_name, pool_name, names["to_rank"], names["from_rank"],
-                          self.model_dict, os.getpid())))
+                          self.model_dict, os.getpid(), cfg.rank_nice)))
             sched = ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}", daemon=True,
                                 args=(i, names, os.getpid()))
             self.schedulers.append(sched)

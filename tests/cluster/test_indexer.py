@@ -18,6 +18,7 @@ from tests.ecosystem_helpers import free_port, start_shmkv
 pytest.importorskip("zmq")
 redis = pytest.importorskip("redis")
 from shmkv.cluster_index import PrefixRouter, RedisPrefixIndex  # noqa: E402
+from shmkv.publisher import pool_identity  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 JOIN_S = 60
@@ -162,3 +163,61 @@ def test_the_router_stays_exact_through_every_kind_of_change(nodes, redis_server
     assert final["snapshots"] >= 2  # ... and Redis's restart was healed from snapshots
     for node in nodes:
         node.pool.check_invariants()
+
+
+def test_a_pool_recreated_under_its_name_is_indexed_as_another_one(redis_server, spawn_ctx):
+    """Issue 15, item 7: the node's pool is removed and created again under its name by the
+    same process (same creator pid, as in a container that reuses pids), with its publisher
+    on the same endpoints. The indexer must take it for another pool: the old pool's keys
+    leave the index and the new pool's stream is applied from its start. With the identity
+    of before (name:creator_pid:NONE_HASH[:4]) the indexer took the new stream, whose
+    sequence numbers start again at 0, for duplicates of the old one and kept the old keys."""
+    key_prefix = unique_pool_name("ix")
+    index = RedisPrefixIndex.from_url(redis_server.url, key_prefix)
+    router = PrefixRouter(index, hash_block_size=W.BS)
+    # Each old prompt has a full block of its own: one BlockStored each, so the old log is
+    # longer than the new one (whose seqs the old identity made look like duplicates).
+    old_prompts = [W.SYSTEMS[i % 2] + list(range(100 * i, 100 * i + 20)) for i in range(6)]
+    new_prompts = [W.SYSTEMS[2] + [5], W.SYSTEMS[3] + [6, 7]]
+    node = Node("node-r")
+    proc = None
+    try:
+        proc, stop, stats = _start_indexer(spawn_ctx, redis_server.url, key_prefix, [node])
+
+        def serve(prompts) -> None:
+            hasher = node.pool.make_block_hasher()
+            for i, tokens in enumerate(prompts):
+                blocks = W.admit(node.pool, Request(f"r{i}", tokens, block_hasher=hasher))
+                node.pool.free_blocks(reversed(blocks))
+
+        serve(old_prompts)
+        _wait_exact(router, [node], old_prompts)
+        assert all(router.cached_tokens(p).get(node.label, 0) > 0 for p in old_prompts)
+        old_creator = int(node.pool.header_snapshot()["creator_pid"])
+        endpoint, replay = node.endpoint, node.replay
+        node.close()
+        node.pool = BlockPool.create(node.name, 40, hash_block_size=W.BS,
+                                     enable_kv_cache_events=True, lock_timeout_s=20,
+                                     label="test")
+        assert int(node.pool.header_snapshot()["creator_pid"]) == old_creator
+        node.publisher = start_shmkv("publish", node.name, "--endpoint", endpoint,
+                                     "--replay-endpoint", replay)
+        banner = node.publisher.stdout.readline()
+        assert banner.startswith("publishing pool"), (banner, node.publisher.stderr.read())
+        serve(new_prompts)
+        new_identity = pool_identity(node.pool)
+        deadline = time.monotonic() + 30
+        while {st.source: st.epoch for st in index.sources()}.get(node.label) != new_identity:
+            assert time.monotonic() < deadline, "the indexer never took up the new identity"
+            time.sleep(0.05)
+        _wait_exact(router, [node], old_prompts + new_prompts)
+        assert all(router.cached_tokens(p).get(node.label, 0) == 0 for p in old_prompts)
+        assert all(router.cached_tokens(p).get(node.label, 0) > 0 for p in new_prompts)
+        stop.set()
+        _join(proc)
+        assert stats.get(timeout=10)["snapshots"] >= 2  # the new pool started from one
+    finally:
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        node.close()

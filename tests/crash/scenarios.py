@@ -81,8 +81,14 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
     """The call that is killed."""
     if op == "allocate":
         pool.get_new_blocks(3)  # the two unhashed free blocks, then evicts a cached one
+    elif op == "allocate-one":
+        pool.get_new_blocks(1)  # an unhashed free block: a decode step's allocation
     elif op == "free":
         pool.free_blocks(held["cached"] + held["plain"])
+    elif op == "free-one":
+        pool.free_blocks(held["plain"][1:])  # an unhashed block, to the queue's head
+    elif op == "free-one-hashed":
+        pool.free_blocks(held["cached"][:1])  # a block with a key, to the queue's tail
     elif op == "touch":
         free_hit = pool.get_cached_prefix(free_cached_request().block_hashes[:1])
         pool.touch(free_hit + held["shared"])
@@ -97,8 +103,10 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
     elif op == "move":
         pool.move_block_hashes(held["cached"][1], held["plain"][0])
     elif op == "unpin":
-        # HiSparse's release of clean resident pages: to the queue's tail, hashed or not.
-        pool.unpin_blocks(held["cached"] + held["plain"], lambda block: None)
+        # HiSparse's release of clean resident pages: a hashed block and an unhashed one reach
+        # 0 (both to the tail); the shared one keeps the survivor's reference.
+        pool.unpin_blocks([held["cached"][0], held["plain"][1], held["shared"][0]],
+                          lambda block: None)
     elif op == "reset":
         assert pool.reset_prefix_cache()
     elif op == "reap":
@@ -109,8 +117,11 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
         raise ValueError(op)
 
 
-OPS = ("allocate", "free", "touch", "cache", "evict", "partial", "move", "unpin", "reset",
-       "reap", "attach", "close")
+OPS = ("allocate", "allocate-one", "free", "free-one", "free-one-hashed", "touch", "cache",
+       "evict", "partial", "move", "reset", "reap", "attach", "close", "unpin")
+# The fault-injection operation (``shmkv.pool.fault.OPERATIONS``) a scenario's last call is:
+# the one-block calls are scenarios of their own (the Python kernel has a path for them).
+FAULT_OP = {"allocate-one": "allocate", "free-one": "free", "free-one-hashed": "free"}
 
 
 def zombie(name: str, kernel: str) -> None:
@@ -137,7 +148,7 @@ def victim(name: str, kernel: str, op: str, role: str, fault_at: int) -> None:
     if role == "never":
         return
     if role == "victim":
-        fault.arm(op, fault_at)
+        fault.arm(FAULT_OP.get(op, op), fault_at)
     victim_last_call(pool, op, held)
 
 

@@ -71,6 +71,25 @@ def test_chaos_kills_survived_nothing_leaked(kernel):
     assert_survived(report, 30)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_chaos_with_publisher_threads_forks_and_corrupt_chains(kernel):
+    """The short version of the issue-15 soak (scripts/shmkv_chaos.py runs the long one):
+    30 kills of workers that each run a publisher thread beside the main thread and now and
+    then fork (os.fork and libc fork(), whose child keeps the parent's liveness lock), while
+    the driver makes index chains loop. Everything the plain run asserts, plus: every forked
+    child was refused its parent's handle and none hung, loops were injected and each was
+    met by a bounded walk (none left to check_invariants), and no stall reached 1 s."""
+    report = run_and_report(kernel=kernel, workers=4, kills=30, threads=True, fork_p=0.01,
+                            corrupt_p=0.3)
+    assert_survived(report, 30)
+    detail = f"seed {report.seed}: {report.errors}"
+    assert report.publisher_reads > 0, detail
+    assert report.forks > 0 and report.fork_failures == 0, detail
+    assert report.corruptions_injected > 0, detail
+    assert report.corruptions_met_by_workers + report.corruptions_met_by_driver > 0, detail
+    assert report.longest_stall_s < 1.0, detail
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from math import lcm
 
 import pytest
 
@@ -87,6 +88,11 @@ GROUPS = {
                                   _mamba(m, num_prefill_checkpoint_blocks=1,
                                          prefill_checkpoint_alignment=1)],
     "full+cross": lambda m: [_attn(m, "FullAttentionSpec"), _attn(m, "CrossAttentionSpec")],
+    # A DCP draft: an MLA group that keeps its KV replicated (dcp_sharded=False) next to a
+    # sharded target and a (always replicated) Mamba group.
+    "full+mla-replicated+mamba": lambda m: [_attn(m, "FullAttentionSpec"),
+                                            _attn(m, "MLAAttentionSpec", dcp_sharded=False),
+                                            _mamba(m)],
 }
 
 
@@ -106,6 +112,10 @@ class Setup:
     # and new prompts may repeat an earlier one up to its boundary (sub-block hits)
     junction: bool = False  # enable_mamba_shared_prefix_checkpoint; requests keep the
     # shared-prefix boundary of their lookup, and a chunk may end there (the scheduler's split)
+    dcp: int = 1  # decode-context parallelism: sharded groups' blocks span dcp x BS tokens
+    hash_lookahead: int = 0  # num_hash_lookahead_tokens: each hash also covers the next L
+    # tokens (the pool's, so its hasher's), events carry them, Mamba checkpoints move back
+    vllm_objects: bool = False  # shmkv's manager is given vLLM's own KVCacheConfig and specs
 
 
 SETUPS = [
@@ -152,6 +162,39 @@ SETUPS = [
     # lookup found other requests' hits diverge from the cache.
     Setup("full+mamba-coarse-junction-eagle", "full+mamba", hash_block_size=2,
           use_eagle=True, stop_at_boundary=True, junction=True),
+    # Decode-context parallelism on a hybrid model: full attention's blocks span dcp x BS
+    # tokens, Mamba's stay BS (replicated snapshots). Hits may end inside a full-attention
+    # block even with hashes as coarse as the Mamba blocks, and are then copied on write.
+    Setup("full+mamba-dcp2", "full+mamba", dcp=2),
+    Setup("full+mamba-dcp2-tails", "full+mamba", dcp=2, stop_at_boundary=True),
+    Setup("full+mamba-dcp2-eagle", "full+mamba", dcp=2, use_eagle=True),
+    Setup("full+mamba-dcp2-retention0", "full+mamba", dcp=2, retention=0),
+    Setup("full+mamba-dcp4-tails", "full+mamba", dcp=4, stop_at_boundary=True),
+    Setup("full+mamba-dcp2-coarse-tails", "full+mamba", dcp=2, hash_block_size=2,
+          stop_at_boundary=True),
+    Setup("full+mamba-dcp2-coarse-tails-eagle", "full+mamba", dcp=2, hash_block_size=2,
+          use_eagle=True, stop_at_boundary=True),
+    Setup("full+mamba-ckpt-dcp2-tails", "full+mamba-ckpt", dcp=2, stop_at_boundary=True),
+    Setup("full+mla-replicated+mamba-dcp2-tails", "full+mla-replicated+mamba", dcp=2,
+          stop_at_boundary=True),
+    # num_hash_lookahead_tokens: a block's hash waits for the L tokens after it, so hits,
+    # keys, events (lookahead_token_ids) and the Mamba checkpoint boundary all move.
+    Setup("full-hashla1", "full", hash_lookahead=1, max_lookahead=1),
+    Setup("full+swa-hashla2", "full+swa", hash_lookahead=2),
+    Setup("full+mamba-hashla2", "full+mamba", hash_lookahead=2),
+    Setup("full+mamba-coarse-tails-hashla2", "full+mamba", hash_block_size=2,
+          stop_at_boundary=True, hash_lookahead=2),
+    Setup("full+mamba-ckpt-coarse-tails-hashla3", "full+mamba-ckpt", hash_block_size=2,
+          stop_at_boundary=True, hash_lookahead=3),
+    Setup("full+mamba-coarse-tails-hashla1-eagle", "full+mamba", hash_block_size=2,
+          use_eagle=True, stop_at_boundary=True, hash_lookahead=1),
+    # vLLM's own KVCacheConfig and specs given to shmkv's manager as they are (item 6).
+    Setup("full+swa-vllm-objects", "full+swa", vllm_objects=True),
+    Setup("full+chunked-vllm-objects", "full+chunked", vllm_objects=True),
+    Setup("full+mamba-ckpt-coarse-tails-vllm-objects", "full+mamba-ckpt", hash_block_size=2,
+          stop_at_boundary=True, vllm_objects=True),
+    Setup("full+cross-nocache-vllm-objects", "full+cross", enable_caching=False,
+          encoder_tokens=10, vllm_objects=True),
 ]
 
 
@@ -164,14 +207,20 @@ def _config(mod, setup: Setup, num_blocks: int):
 
 def _make_managers(setup: Setup, num_blocks: int, make_pool):
     hbs = setup.hash_block_size
+    # Under DCP the full-attention blocks (dcp x BS) are coarser than the hashes even at
+    # hbs == BS, so partial keys are needed then too.
     pool = make_pool(num_blocks, enable_caching=setup.enable_caching, hash_block_size=hbs,
-                     enable_kv_cache_events=True, partial_keys=hbs != BS)
-    common = {"max_model_len": 256, "scheduler_block_size": BS, "hash_block_size": hbs,
+                     enable_kv_cache_events=True, partial_keys=hbs != BS or setup.dcp > 1,
+                     num_hash_lookahead_tokens=setup.hash_lookahead)
+    common = {"max_model_len": 256, "scheduler_block_size": lcm(BS * setup.dcp, BS),
+              "hash_block_size": hbs, "dcp_world_size": setup.dcp,
               "enable_caching": setup.enable_caching, "log_stats": True,
-              "enable_kv_cache_events": True, "use_eagle": setup.use_eagle}
+              "enable_kv_cache_events": True, "use_eagle": setup.use_eagle,
+              "num_hash_lookahead_tokens": setup.hash_lookahead}
     if setup.junction:
         common["enable_mamba_shared_prefix_checkpoint"] = True
-    ours = KVCacheManager(_config(shm_specs, setup, num_blocks), block_pool=pool, **common)
+    ours = KVCacheManager(_config(vllm_specs if setup.vllm_objects else shm_specs, setup,
+                                  num_blocks), block_pool=pool, **common)
     theirs = vllm_manager.KVCacheManager(_config(vllm_specs, setup, num_blocks), **common)
     return ours, theirs, pool
 
@@ -237,7 +286,7 @@ def _run(setup: Setup, seed: int, make_pool) -> dict:
 
     def boundary_of(prompt_len: int) -> int:
         return shm_specs.get_mamba_prefill_checkpoint_position(
-            prompt_len, setup.hash_block_size, setup.use_eagle)
+            prompt_len, setup.hash_block_size, setup.use_eagle, setup.hash_lookahead)
 
     def maybe_stop(req, num_computed: int, n: int) -> int:
         """With stop_at_boundary, half the time ends the chunk on the prompt's boundary;

@@ -55,3 +55,28 @@ def fork_and_use(name: str, out_file: str) -> None:
     pool.free_blocks(blocks)
     pool.check_invariants()
     pool.close()
+
+
+def raw_fork_and_sleep(name: str, pid_file: str, hold: bool = False) -> None:
+    """As ``fork_and_sleep``, but forks with libc's fork() through ctypes, as C code would:
+    Python's at-fork hooks do not run, so the child keeps the inherited descriptor of the
+    liveness file, and with it the parent's OFD lock, for as long as it lives. With
+    ``hold``, the parent takes the pool lock before it writes the pid file and keeps it
+    until it is killed."""
+    import ctypes
+
+    pool = BlockPool.attach(name)
+    pool.get_new_blocks(2)
+    child = ctypes.CDLL(None, use_errno=True).fork()
+    if child == 0:
+        try:
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    assert child > 0, "fork() failed"
+    if hold:
+        pool.lock().__enter__()
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(child))
+    os.rename(pid_file + ".tmp", pid_file)
+    time.sleep(60)

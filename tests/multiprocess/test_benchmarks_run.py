@@ -45,6 +45,23 @@ def test_bench_contention_smoke(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_contention_runs_spin_settings_side_by_side(tmp_path):
+    """--spin-us 0,20: every process count with each spin of the lock's waiters, the rows
+    grouped by spin, each against the first spin's requests/s at its process count."""
+    out = _run("benchmarks/bench_contention.py", "--procs", "1,2", "--seconds", "0.3",
+               "--rounds", "1", "--spin-us", "0,20", "--blocks", "512",
+               "--plot", str(tmp_path / "contention.png"))
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["spin_us"], r["processes"]) for r in rows] == [(0, 1), (0, 2), (20, 1), (20, 2)]
+    assert all(r["requests"] > 0 and r["lock_holds"] > 0 for r in rows)
+    table = out.stdout[out.stdout.index("spin us"):].splitlines()
+    assert "vs first spin" in table[0]
+    assert table[2].split()[:2] == ["0", "1"] and table[2].split()[4] == "1.00x"
+    first = rows[0]["requests_per_s"]
+    assert table[4].split()[4] == f"{rows[2]['requests_per_s'] / first:.2f}x"
+
+
 def test_bench_contention_without_matplotlib(tmp_path):
     """Without matplotlib the benchmark still finishes, exit 0, and says in one line that
     it wrote no plot."""

@@ -323,3 +323,62 @@ def test_a_poisoned_pool_with_a_live_process_stays(spawn_ctx, name):
         assert join_processes([user], 60) == [0]
     out = shmkv("cleanup")
     assert _objects(name) == [], out.stdout
+
+
+def _plant_data_region(name: str) -> list[str]:
+    """Two ranks' offload data region files, named as vLLM's CPU worker names them for a
+    shmkv pool (``shmkv.vllm``; the worker itself needs a GPU)."""
+    paths = [f"/dev/shm/{L.OFFLOAD_DATA_REGION_PREFIX}{name}.mmap{suffix}"
+             for suffix in ("", ".1")]
+    for path in paths:
+        with open(path, "wb") as f:
+            f.truncate(4096)
+    return paths
+
+
+def test_unlink_removes_everything_named_after_the_pool(name):
+    """`shmkv unlink` takes the pool's publisher position, stats and offload data region
+    with it; a pool whose name only starts the same way keeps its own."""
+    from shmkv.stats import PoolStats
+
+    other = name + "x"
+    for n in (name, other):
+        pool = BlockPool.create(n, 8, label="maker")
+        PoolStats.open(pool).close()
+        pool.close()
+    regions = _plant_data_region(name)
+    others = _plant_data_region(other)
+    try:
+        out = shmkv("unlink", name)
+        assert out.returncode == 0, out.stderr
+        assert f"removed pool {name} (and its stats, offload data region)" in out.stdout
+        assert not any(os.path.exists(p) for p in regions)
+        assert _objects(name) == sorted(e for e in _objects(name) if other in e)
+        assert all(os.path.exists(p) for p in others)
+        again = shmkv("unlink", name)
+        assert again.returncode == 1 and "no pool named" in again.stderr
+    finally:
+        BlockPool.unlink(other)
+        _remove_all(other)
+
+
+def test_an_offload_data_region_goes_with_its_pool(name):
+    """cleanup keeps a data region while its pool lives and removes it once the pool is
+    gone; another user's region is listed and left alone."""
+    pool = BlockPool.create(name, 8, label="live")
+    regions = _plant_data_region(name)
+    try:
+        out = shmkv("cleanup")
+        assert all(os.path.exists(p) for p in regions), out.stdout
+        assert f"its pool {name} stays (1 live process(es) attached" in out.stdout
+    finally:
+        pool.close()
+    assert BlockPool.unlink(name)
+    dry = shmkv("cleanup", "--dry-run")
+    assert f"offload data region of pool {name}" in dry.stdout and "its pool" in dry.stdout
+    assert all(os.path.exists(p) for p in regions)
+    if os.geteuid() == 0:
+        os.chown(regions[1], FOREIGN_UID, FOREIGN_UID)
+    out = shmkv("cleanup")
+    assert not os.path.exists(regions[0]), out.stdout
+    assert os.path.exists(regions[1]) == (os.geteuid() == 0), out.stdout

@@ -538,3 +538,30 @@ def test_shmkv_publish_errors(events_pool, pool_name):
     ok = shmkv("publish", pool_name, "--endpoint", "tcp://127.0.0.1:0", "--duration", "0.2")
     assert ok.returncode == 0, ok.stderr
     assert os.path.exists(f"/dev/shm/shmkv_pub-{pool_name}-v{L.PUBLISHER_STATE_VERSION}")
+
+
+def test_a_scheduler_gone_before_the_first_poll_is_still_named(events_pool, spawn_ctx):
+    """A scheduler that attached, logged and left before the publisher ever polled: its
+    events still carry the rank of its label (a freed slot keeps its label until reused),
+    not its slot number."""
+    from tests.multiprocess import event_workers
+
+    pool = events_pool
+    start = spawn_ctx.Event()
+    start.set()
+    p = spawn_ctx.Process(target=event_workers.scheduler,
+                          args=(pool.pool_name, 5, 0, 6, start))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    assert 5 not in pool.process_table.active_slots()
+    pub_ep, replay_ep = endpoints()
+    publisher = KVEventPublisher(pool.pool_name, pub_ep, replay_ep, rank_from="label")
+    end = pool.event_cursor(from_start=False).seq
+    assert end > 0
+    with publisher.start(), KVEventSubscriber(pub_ep, replay_ep) as sub:
+        wait_published(publisher, pool)
+        got = [(seq, decode_batch(payload)) for seq, payload in sub.replay(0)]
+    assert [s for s, _ in got] == list(range(end))
+    assert {b.data_parallel_rank for _, b in got} == {5}
+    pool.check_invariants()

@@ -101,6 +101,12 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     assert [p["requests"] > 0 for p in f["per_scheduler"]] == [True, True]
     assert sum(p["requests"] for p in f["per_scheduler"]) == f["requests"]
     assert "prefix hit rate" in done.stdout and "mismatches 0" in done.stdout
+    # The pool lock's share of the schedulers' wall time, in the JSON and the report.
+    assert f["lock_hold_s"] == pytest.approx(sum(p["lock_hold_s"] for p in f["per_scheduler"]))
+    assert f["lock_hold_s"] > 0
+    assert f["lock_wait_share"] == pytest.approx(f["lock_wait_s"] / (2 * f["wall_s"]))
+    assert (f"{f['lock_wait_share']:.1%} of the schedulers' {2 * f['wall_s']:.1f} s; held "
+            f"{f['lock_hold_s'] * 1e3:.1f} ms)") in done.stdout
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f["timeline"] and f["timeline"][-1]["requests_done"] == f["requests"]
     assert [(c["pool"], c["routing"]) for c in f["compare"]] == [
@@ -200,6 +206,7 @@ def test_bad_arguments_exit_2_without_traceback(tmp_path):
     bad.write_text('{"request_id": "a", "prompt_token_ids": [1], "tokens": 3}\n')
     for args, needle in [(["--trace", str(bad)], "bad.jsonl:1"),
                          (["--schedulers", "0"], "--schedulers"),
+                         (["--rank-nice", "20"], "--rank-nice 0 to 19"),
                          (["--pool", "private", "--blocks", "64"], "blocks per pool"),
                          (["--trace", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
         out = subprocess.run([sys.executable, "-m", "shmkv.cli", "run", *args],
@@ -314,7 +321,7 @@ def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
     tx, rx = Channel.open(to_rank), Channel.open(from_rank)
     proc = spawn_ctx.Process(target=engine.rank_main,
                              args=(name, name, to_rank, from_rank,
-                                   engine.model_config_to_dict(model)))
+                                   engine.model_config_to_dict(model), None, 3))
     proc.start()
     try:
         tx.send_bytes(b"\x93garbage")
@@ -322,6 +329,9 @@ def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
         tables.commit(1)
         tx.send(ExecuteModel(step=1, requests=[]))
         assert rx.recv(120) == ModelOutput(step=1, sampled_token_ids=[])
+        # RunConfig.rank_nice: the rank runs 3 steps nicer than its parent.
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, mine + 3)
         tx.send(Shutdown())
         proc.join(60)
         assert proc.exitcode == 0

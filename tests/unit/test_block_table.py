@@ -419,6 +419,33 @@ def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
             SharedBlockTables.unlink(name + "-1")
 
 
+def test_a_few_rows_of_arrays_or_numpy_ints_end_the_same_as_lists(name):
+    """The few-row path's plain-list plan gives way to the row-by-row checks for ids that
+    are arrays, tensors or numpy ints (and row indices that are numpy ints): the tables
+    end the same as with lists."""
+    kinds = [lambda ids: ids, np.array, torch.tensor, lambda ids: [np.int64(i) for i in ids]]
+    made = []
+    try:
+        for k, kind in enumerate(kinds):
+            t = SharedBlockTables.create(f"{name}-{k}", max_num_reqs=8, max_model_len=64,
+                                         block_sizes=[4, 16])
+            made.append(t)
+            rows = [np.int64(5), 1] if k == 3 else [5, 1]
+            t.add_rows([(kind([7, 8]), kind([9])), (kind([1]), kind([2, 3]))], rows)
+            t.append_rows([(kind([4]), kind([])), (kind([6, 6]), kind([5]))], [1, 5])
+            t.commit(0)
+        for t in made[1:]:
+            for g in range(2):
+                assert torch.equal(t.block_table(g), made[0].block_table(g))
+            assert torch.equal(t.num_blocks_per_row, made[0].num_blocks_per_row)
+        assert made[0].num_blocks_per_row[:, 5].tolist() == [4, 2]
+        assert made[0].block_table(0)[5, :4].tolist() == [7, 8, 6, 6]
+    finally:
+        for k, t in enumerate(made):
+            t.close()
+            SharedBlockTables.unlink(f"{name}-{k}")
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda t: t.add_rows([([1], [2])], [0, 1]), "1 rows of block ids for 2 row indices"),
     (lambda t: t.add_rows([([1], [2]), ([1], [2])], [1, 1]), "a row appears twice"),

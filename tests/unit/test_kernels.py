@@ -49,7 +49,11 @@ def _workload(pool: BlockPool, rng: random.Random) -> list:
             running.append(blocks)
             results.append([b.block_id for b in blocks])
         elif op < 0.85 and running:
-            pool.free_blocks(reversed(running.pop(rng.randrange(len(running)))))
+            blocks = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.3:  # to the queue's tail, hashed or not; reported on reuse
+                pool.unpin_blocks(blocks, lambda b: results.append(("reused", b.block_id)))
+            else:
+                pool.free_blocks(reversed(blocks))
         elif op < 0.95:
             pool.evict_blocks({rng.randrange(pool.num_gpu_blocks)})
         else:
@@ -139,6 +143,33 @@ def test_c_kernel_corrupt_index_chain_raises_not_loops(make_pool):
         probe = bytes([probe[0] + 1]) + probe[1:]
     with pytest.raises(InvariantViolation, match="prefix-index chain"):
         pool.get_cached_block(probe, [0])
+
+
+@pytest.mark.parametrize("call", ["get_cached_block", "get_cached_prefix"])
+def test_a_lookup_that_meets_a_looping_chain_repairs_the_pool(make_pool, call):
+    """A lookup whose bucket chain loops raises InvariantViolation on both kernels and, like
+    a write that meets corruption, repairs the pool under the same hold: the invariants hold
+    again and the cached blocks are found by their keys. Lookups used to raise and leave
+    the loop for every later lookup (and check_invariants, which poisons the pool)."""
+    pool = make_pool(8)
+    req = make_request(32)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+    b0 = blocks[0].block_id
+    key = pool._index.block_key(b0)
+    bucket = pool._index.bucket_of(bytes(key[0]), int(key[1]))
+    pool._blocks["index_next"][b0] = b0  # a self-loop
+    probe = next(p for p in (i.to_bytes(2, "big") + bytes(30) for i in range(1 << 16))
+                 if pool._index.bucket_of(p, 0) == bucket)
+    with pytest.raises(InvariantViolation, match="prefix-index chain"):
+        if call == "get_cached_block":
+            pool.get_cached_block(probe, [0])
+        else:
+            pool.get_cached_prefix([probe])
+    assert pool.last_repair is not None and pool.last_repair.rebuilt
+    pool.check_invariants()
+    assert pool.get_cached_block(req.block_hashes[0], [0])[0].block_id == b0
+    assert pool.get_cached_block(probe, [0]) is None
 
 
 def test_unknown_kernel_is_a_usage_error(pool_name):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shmkv import (
+    BlockPool,
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     KVCacheManager,
@@ -237,11 +238,45 @@ def _coordinator(pool, cfg, bs=BS, hash_bs=BS, caching=True, **kw):
 
 
 def test_factory_picks_the_coordinator(make_pool):
-    pool = make_pool(20, hash_block_size=BS)
-    assert isinstance(_coordinator(pool, config(20, full())), UnitaryKVCacheCoordinator)
-    assert isinstance(_coordinator(pool, config(20, full(), swa(32))), HybridKVCacheCoordinator)
-    assert isinstance(_coordinator(pool, config(20), caching=False),
-                      KVCacheCoordinatorNoPrefixCache)
+    # A pool each: a pool's cached blocks hold one geometry (below).
+    assert isinstance(_coordinator(make_pool(20, hash_block_size=BS), config(20, full())),
+                      UnitaryKVCacheCoordinator)
+    assert isinstance(_coordinator(make_pool(20, hash_block_size=BS),
+                                   config(20, full(), swa(32))), HybridKVCacheCoordinator)
+    assert isinstance(_coordinator(make_pool(20, hash_block_size=BS), config(20),
+                                   caching=False), KVCacheCoordinatorNoPrefixCache)
+
+
+def test_a_pool_holds_one_cache_geometry(make_pool):
+    """The first prefix-caching coordinator binds the pool to its geometry; one that lays
+    blocks out otherwise (block size, context parallelism, groups) is refused with nothing
+    changed, whatever process it is in; the same geometry, or no caching, is welcome."""
+    from tests.helpers import segment_image
+
+    pool = make_pool(40, hash_block_size=BS, partial_keys=True)
+    assert pool.cache_geometry == 0
+    first = _coordinator(pool, config(40, full(), swa(32)))
+    bound = pool.cache_geometry
+    assert bound != 0 and "SlidingWindowSpec" in first.cache_geometry()
+    _coordinator(pool, config(40, full(), swa(32)))  # the same geometry: welcome
+    other = BlockPool.attach(pool.pool_name, kernel=pool.kernel)
+    try:
+        before = segment_image(pool)
+        for cfg, kw in ((config(40, full()), {}),
+                        (config(40, full(2 * BS), swa(32, 2 * BS)), {"bs": 2 * BS}),
+                        (config(40, full(), _mamba()), {"dcp": 2, "bs": 2 * BS})):
+            with pytest.raises(UsageError, match="another KV-cache configuration"):
+                _coordinator(other, cfg, **kw)
+            assert segment_image(pool) == before and pool.cache_geometry == bound
+        _coordinator(other, config(40, full()), caching=False)  # shares no KV: welcome
+        _coordinator(other, config(40, full(), swa(32)))
+        for bad in ("", None, 3):
+            with pytest.raises(UsageError, match="geometry must be a non-empty str"):
+                other.claim_cache_geometry(bad)
+        assert segment_image(pool) == before
+    finally:
+        other.close()
+    pool.check_invariants()
 
 
 def test_unitary_refuses_hash_block_size_mismatch(make_pool):
@@ -259,11 +294,56 @@ def test_hybrid_refuses_fewer_than_two_groups(make_pool):
                                  BS, BS, block_pool=pool)
 
 
-@pytest.mark.parametrize("dcp,pcp", [(2, 1), (1, 2)])
-def test_hybrid_refuses_context_parallelism(make_pool, dcp, pcp):
+def _mamba(bs: int = BS) -> MambaSpec:
+    return MambaSpec(bs, ((2, 4),), ("float32",), mamba_cache_mode="align")
+
+
+@pytest.mark.parametrize("specs,dcp,pcp,kind", [
+    ((full(), swa(32)), 2, 1, "decode-context parallelism .* group 1 is SlidingWindowSpec"),
+    ((full(), swa(32)), 1, 2, "prefill-context parallelism .* group 1 is SlidingWindowSpec"),
+    ((full(), _mamba()), 1, 2, "prefill-context parallelism .* group 1 is MambaSpec"),
+])
+def test_hybrid_refuses_context_parallelism_over_groups_vllm_does_not_shard(
+        make_pool, specs, dcp, pcp, kind):
     pool = make_pool(20, hash_block_size=BS)
-    with pytest.raises(UsageError, match="context parallelism"):
-        _coordinator(pool, config(20, full(), swa(32)), dcp=dcp, pcp=pcp)
+    before = pool.get_free_block_ids()
+    with pytest.raises(UsageError, match=kind):
+        _coordinator(pool, config(20, *specs), bs=BS * max(dcp, pcp), dcp=dcp, pcp=pcp)
+    assert pool.get_free_block_ids() == before
+    pool.check_invariants()
+
+
+def test_hybrid_dcp_uses_each_groups_geometry(make_pool):
+    """Full attention + Mamba "align" under DCP 2: full attention's blocks span 2 x 4 tokens,
+    Mamba's stay 4 (replicated); a hit ends on a Mamba snapshot inside a full-attention
+    block, whose tail block the next allocation copies."""
+    bs, dcp = 4, 2
+    pool = make_pool(40, hash_block_size=bs, partial_keys=True)
+    m = KVCacheManager(config(40, full(bs), _mamba(bs)), 1024, scheduler_block_size=bs * dcp,
+                       hash_block_size=bs, dcp_world_size=dcp, block_pool=pool)
+    fa, mamba = m.coordinator.single_type_managers
+    assert (fa.dcp_world_size, fa.block_size) == (dcp, bs * dcp)
+    assert (mamba.dcp_world_size, mamba.block_size) == (1, bs)
+    assert m.coordinator.enable_partial_hash_hits  # hashes as coarse as Mamba's blocks
+    a = req(pool, "a", range(13))
+    assert m.allocate_slots(a, 12) is not None  # a chunk ending at 12 keeps a state there
+    a.num_computed_tokens = 12
+    assert m.allocate_slots(a, 1) is not None
+    m.free(a)
+    m.new_step_starts()  # a partial hit waits for the step after the one that wrote it
+    b = req(pool, "b", list(range(12)) + [99] * 4)
+    hit, n, _ = m.get_computed_blocks(b)
+    assert n == 12 and [len(g) for g in hit.blocks] == [2, 3]
+    tail = hit.blocks[0][-1].block_id
+    new = m.allocate_slots(b, 4, n, hit)
+    assert new is not None
+    copies, retained = m.take_kv_cache_block_copies()
+    assert [(c.src_block_id, c.dst_block_id) for c in copies] == [
+        (tail, new.get_block_ids()[0][0])]
+    pool.free_blocks(retained)
+    m.free(b)
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == 39
 
 
 def test_refuses_a_missing_or_mismatched_pool(make_pool):
@@ -298,6 +378,7 @@ def test_retention_interval_sources(make_pool, monkeypatch):
         _coordinator(pool, config(20, full(), swa(32)))
     monkeypatch.delenv("SHMKV_PREFIX_CACHE_RETENTION_INTERVAL")
     # full attention alone ignores retention: only 0 (or unset) is accepted
+    pool = make_pool(20, hash_block_size=BS)  # another geometry: a pool of its own
     assert _coordinator(pool, config(20, full(), retention=0)).retention_interval == 0
     with pytest.raises(UsageError, match="no sliding-window or Mamba"):
         _coordinator(pool, config(20, full(), retention=16))

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from shmkv.pool.liveness import AliveLocks, process_start_ticks
@@ -76,3 +77,34 @@ def test_process_start_ticks_identifies_this_process():
     """The recorded start time is this process's, and 0 for a pid that does not exist."""
     assert process_start_ticks(os.getpid()) > 0
     assert process_start_ticks(2**22 + 12345) == 0
+
+
+def _row(pid: int, start_ticks: int, pid_ns: int, state: int = 1):
+    from shmkv.pool import layout as L
+
+    row = np.zeros(1, L.PROC_DTYPE)[0]
+    row["state"], row["pid"], row["start_ticks"], row["pid_ns"] = state, pid, start_ticks, pid_ns
+    return row
+
+
+def test_the_recorded_process_is_gone_only_where_this_process_can_tell():
+    """A row's pid and start time are checked only in this pid namespace and in an active
+    row: a dead pid or a start-time mismatch there reads gone; a row of another namespace
+    (its pid means another process here) or one being filled in is left to the lock."""
+    from shmkv.pool.liveness import own_pid_namespace, recorded_process_gone
+
+    ns = own_pid_namespace()
+    assert ns != 0
+    me, ticks = os.getpid(), process_start_ticks(os.getpid())
+    ctx = mp.get_context("spawn")
+    dead = ctx.Process(target=os.getpid)
+    dead.start()
+    dead.join(30)
+    assert dead.exitcode == 0
+    assert not recorded_process_gone(_row(me, ticks, ns))
+    assert recorded_process_gone(_row(me, ticks + 1, ns))  # a reused pid
+    assert recorded_process_gone(_row(dead.pid, ticks, ns))  # no such process (reaped)
+    assert not recorded_process_gone(_row(dead.pid, ticks, ns + 1))  # another namespace
+    assert not recorded_process_gone(_row(dead.pid, ticks, 0))  # namespace unknown
+    assert not recorded_process_gone(_row(dead.pid, ticks, ns, state=0))  # not active yet
+    assert not recorded_process_gone(_row(me, 0, ns))  # no start time recorded

@@ -20,7 +20,9 @@ def _attach(pool, **kw):
 
 
 def test_each_attach_takes_a_slot_and_close_gives_it_back(make_pool):
-    """Attachers get distinct slots with their labels; close frees the slot."""
+    """Attachers get distinct slots with their labels; close frees the slot (keeping its
+    label for readers such as the publisher); a never-labelled slot is taken before a
+    released one."""
     pool = make_pool(16)
     a = _attach(pool, label="sched-a")
     b = _attach(pool, label="sched-b")
@@ -30,10 +32,12 @@ def test_each_attach_takes_a_slot_and_close_gives_it_back(make_pool):
     finally:
         a.close()
     assert [p["slot"] for p in pool.processes()] == [0, 2]
+    assert pool.process_table.labels() == {0: "creator", 1: "sched-a", 2: "sched-b"}
     b.close()
     c = _attach(pool)
-    assert c.slot == 1
+    assert c.slot == 3
     c.close()
+    pool.check_invariants()
 
 
 def test_close_releases_exactly_the_closers_references(make_pool):
@@ -279,3 +283,20 @@ def test_a_shortfall_reaps_the_dead_and_the_reap_stands_even_if_it_is_not_enough
     assert [p["slot"] for p in pool.processes()] == [pool.slot]
     pool.check_invariants()
     other.close()
+
+
+def test_a_released_slot_is_reused_once_no_fresh_one_is_left(pool_name, kernel):
+    """With every free slot keeping a label, attach takes the lowest one and writes its
+    own label there."""
+    pool = BlockPool.create(pool_name, 8, max_processes=3, kernel=kernel)
+    try:
+        for label in ("first", "second"):
+            _attach(pool, label=label).close()
+        assert pool.process_table.labels() == {0: "creator", 1: "first", 2: "second"}
+        third = _attach(pool, label="third")
+        assert third.slot == 1
+        assert pool.process_table.labels() == {0: "creator", 1: "third", 2: "second"}
+        third.close()
+        pool.check_invariants()
+    finally:
+        pool.close()

@@ -186,9 +186,9 @@ def test_partial_hash_hits_need_mamba_align_and_fine_grained_managers():
     assert not partial_hash_hits_enabled(groups(full_spec(), mamba_spec()), BS)
     assert not partial_hash_hits_enabled(groups(full_spec()), HBS)
     assert partial_hash_hits_enabled(groups(full_spec(), mamba_spec()), HBS,
-                                     [FullAttentionManager, MambaManager])
+                                     manager_classes=[FullAttentionManager, MambaManager])
     assert not partial_hash_hits_enabled(groups(full_spec(), mamba_spec()), HBS,
-                                         [SlidingWindowManager, MambaManager])
+                                         manager_classes=[SlidingWindowManager, MambaManager])
 
 
 def test_hybrid_coordinator_turns_sub_block_hits_on(make_pool, caplog):

@@ -15,8 +15,8 @@ plugin rebinds, in vLLM's own modules, the names the tests and vLLM's scheduler 
   unique name (vLLM's constructor arguments; ``partial_keys=True`` as vLLM's blocks always can
   take a partial key), closed and unlinked when the test ends;
 - ``KVCacheManager``, ``get_kv_cache_coordinator``, ``get_manager_for_kv_cache_spec`` and the
-  single-type manager classes: shmkv's, taking vLLM's specs / ``KVCacheConfig`` (converted
-  field for field to shmkv's classes of the same name) and creating their pool when vLLM's
+  single-type manager classes: shmkv's, given vLLM's specs / ``KVCacheConfig`` as they are
+  (shmkv takes them itself: ``shmkv/core/vllm_objects.py``), creating their pool when vLLM's
   callers give none; their ``take_events`` return vLLM's event classes.
 
 Everything else (vLLM's request, hashing, scheduler, planning code) stays vLLM's. Tests listed
@@ -27,8 +27,6 @@ shmkv object) is written there as JSON when the session ends.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import inspect
 import itertools
 import json
@@ -52,32 +50,11 @@ LOCK_TIMEOUT_S = 2.0
 # ------------------------------------------------------------------ conversion (vLLM -> shmkv)
 
 def to_shmkv(obj):
-    """vLLM's spec / group / config dataclasses (and enums) as shmkv's classes of the same
-    name, field for field; anything else unchanged."""
-    from shmkv.core import kv_cache_interface as S
+    """vLLM's spec / group / config dataclasses (and enums) as shmkv takes them (specs bridged:
+    instances of shmkv's class and of vLLM's); anything else unchanged."""
+    from shmkv.core.vllm_objects import from_vllm
 
-    module = type(obj).__module__
-    if isinstance(obj, list):
-        return [to_shmkv(x) for x in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(to_shmkv(x) for x in obj)
-    if not module.startswith("vllm."):
-        return obj
-    if isinstance(obj, enum.Enum):
-        cls = getattr(S, type(obj).__name__, None)
-        return cls(obj.value) if cls is not None else obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        cls = getattr(S, type(obj).__name__, None)
-        if cls is None:
-            raise NotImplementedError(f"shmkv has no {type(obj).__name__}")
-        # A group's role stays vLLM's enum member (shmkv takes any value of its roles):
-        # vLLM's code reading the manager's config tests it by identity
-        # (``group.role is KVCacheGroupRole.HISPARSE_INDEXER``).
-        kwargs = {f.name: getattr(obj, f.name) if f.name == "role" else
-                  to_shmkv(getattr(obj, f.name)) for f in dataclasses.fields(cls)
-                  if f.init and hasattr(obj, f.name)}
-        return cls(**kwargs)
-    return obj
+    return from_vllm(obj)
 
 
 def to_vllm_events(events):
@@ -93,7 +70,8 @@ def to_vllm_events(events):
 
 # ------------------------------------------------------------------ the shims
 
-def _new_pool(num_blocks, enable_caching, hash_block_size, enable_kv_cache_events):
+def _new_pool(num_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
+              num_hash_lookahead_tokens=0, medium="GPU"):
     import shmkv
 
     global _touched
@@ -102,7 +80,8 @@ def _new_pool(num_blocks, enable_caching, hash_block_size, enable_kv_cache_event
     pool = shmkv.BlockPool.create(
         name, num_blocks, enable_caching=enable_caching, hash_block_size=hash_block_size,
         enable_kv_cache_events=enable_kv_cache_events, max_processes=2, partial_keys=True,
-        lock_timeout_s=LOCK_TIMEOUT_S,
+        lock_timeout_s=LOCK_TIMEOUT_S, num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        medium=medium,
     )
     pool.__class__ = _classes()["BlockPool"]
     _test_pools.append((name, pool))
@@ -125,9 +104,10 @@ def _classes() -> dict:
         _shim_raw_events = False
 
         def __new__(cls, num_gpu_blocks, enable_caching, hash_block_size,
-                    enable_kv_cache_events=False, metrics_collector=None):
+                    enable_kv_cache_events=False, metrics_collector=None,
+                    num_hash_lookahead_tokens=0, medium="GPU"):
             pool = _new_pool(num_gpu_blocks, enable_caching, hash_block_size,
-                             enable_kv_cache_events)
+                             enable_kv_cache_events, num_hash_lookahead_tokens, medium)
             pool.metrics_collector = metrics_collector
             return pool
 
@@ -154,11 +134,11 @@ def _classes() -> dict:
             bound = vllm_kvm_sig.bind(kv_cache_config, *args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
-            config = to_shmkv(kv_cache_config)
             if block_pool is None:
-                block_pool = _new_pool(config.num_blocks, a["enable_caching"],
-                                       a["hash_block_size"], a["enable_kv_cache_events"])
-            super().__init__(config, *args, block_pool=block_pool, **kwargs)
+                block_pool = _new_pool(kv_cache_config.num_blocks, a["enable_caching"],
+                                       a["hash_block_size"], a["enable_kv_cache_events"],
+                                       a["num_hash_lookahead_tokens"])
+            super().__init__(kv_cache_config, *args, block_pool=block_pool, **kwargs)
 
         def take_events(self):
             pool = self.block_pool
@@ -172,20 +152,20 @@ def _classes() -> dict:
     def get_kv_cache_coordinator(kv_cache_config, *args, **kwargs):
         global _touched
         _touched = True
-        config = to_shmkv(kv_cache_config)
         if kwargs.get("block_pool") is None:
             sig = inspect.signature(C.get_kv_cache_coordinator)
-            a = sig.bind(config, *args, **kwargs)
+            a = sig.bind(kv_cache_config, *args, **kwargs)
             a.apply_defaults()
             a = a.arguments
-            kwargs["block_pool"] = _new_pool(config.num_blocks, a["enable_caching"],
-                                             a["hash_block_size"], a["enable_kv_cache_events"])
-        return C.get_kv_cache_coordinator(config, *args, **kwargs)
+            kwargs["block_pool"] = _new_pool(kv_cache_config.num_blocks, a["enable_caching"],
+                                             a["hash_block_size"], a["enable_kv_cache_events"],
+                                             a["num_hash_lookahead_tokens"])
+        return C.get_kv_cache_coordinator(kv_cache_config, *args, **kwargs)
 
     def get_manager_for_kv_cache_spec(kv_cache_spec, *args, **kwargs):
         global _touched
         _touched = True
-        return M.get_manager_for_kv_cache_spec(to_shmkv(kv_cache_spec), *args, **kwargs)
+        return M.get_manager_for_kv_cache_spec(kv_cache_spec, *args, **kwargs)
 
     def _spec_converting(method):
         sig = inspect.signature(method)
@@ -203,7 +183,7 @@ def _classes() -> dict:
             def __init__(self, kv_cache_spec, *args, **kwargs):
                 global _touched
                 _touched = True
-                super().__init__(to_shmkv(kv_cache_spec), *args, **kwargs)
+                super().__init__(kv_cache_spec, *args, **kwargs)
 
         # Class-level calls that take a spec (vLLM's tests call them on the class).
         for name in ("reachable_block_mask", "find_longest_cache_hit"):

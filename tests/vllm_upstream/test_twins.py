@@ -3,8 +3,8 @@
 checks through public calls only, on vLLM 0.33.0's classes and on shmkv's, and both must give
 the same trace (block ids, hits, free-queue order, events).
 
-vLLM's side gets vLLM's ``KVCacheConfig`` and specs; shmkv's gets the same config converted
-field for field (``shmkv_upstream_plugin.to_shmkv``) and a pool from ``make_pool``. Both use
+vLLM's side gets vLLM's ``KVCacheConfig`` and specs; shmkv's gets the same config as shmkv
+takes it (``shmkv_upstream_plugin.to_shmkv``: specs bridged) and a pool from ``make_pool``. Both use
 vLLM's ``Request`` objects hashed by the shmkv pool's hasher (same hashes on both sides).
 """
 
