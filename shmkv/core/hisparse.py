@@ -536,6 +536,7 @@ class HiSparseCoordinator:
                 self.host_group_id = group_id
                 self.host_manager = manager
                 manager.coordinator = self
+                unbound = (manager.block_pool, manager._null_block)
                 manager.bind_host_pool(num_host_blocks)
         self.has_host_cache = self.host_manager is not None
         self.gpu_pool: Any = None
@@ -576,6 +577,44 @@ class HiSparseCoordinator:
         self._copy_by_block: dict[int, Any] = {}
         # Unpinned GPU block id -> the (request, page) pairs still reading it.
         self._owners: dict[int, set[tuple[str, int]]] = {}
+        self.host_block_stride = kv_cache_config.hisparse_host_block_stride
+        try:
+            self._bind_pool_geometry()
+        except UsageError:  # refused: the managers are left as they were
+            for manager in managers:
+                if getattr(manager, "coordinator", None) is self:
+                    manager.coordinator = None
+            if self.host_manager is not None:
+                self.host_manager.block_pool, self.host_manager._null_block = unbound
+            raise
+
+    def cache_geometry(self) -> str:
+        """How the host tier's blocks hold KV: its hash block size and the source group's
+        spec class, block size, page size, context parallelism and host block stride. The
+        device pool is bound by the KVCacheManager's coordinator (its groups include this
+        one); the host tier is a pool of its own, with its own header."""
+        manager = self.host_manager
+        assert manager is not None
+        spec = manager.kv_cache_spec
+        kind = next(c.__name__ for c in type(spec).__mro__
+                    if c.__module__.startswith("shmkv.") or c is object)
+        try:
+            page = spec.page_size_bytes
+        except Exception:  # noqa: BLE001  (a spec without a page size of its own)
+            page = "?"
+        return (f"hisparse-host; hash_block_size={manager.block_pool.hash_block_size}; "
+                f"{self.host_group_id}:{kind}(block_size={manager.block_size}, "
+                f"page_size_bytes={page}, dcp={manager.dcp_world_size}, "
+                f"pcp={manager.pcp_world_size}, host_block_stride={self.host_block_stride})")
+
+    def _bind_pool_geometry(self) -> None:
+        """With prefix caching on the host tier, binds it to this geometry or refuses it
+        (UsageError), as the KV-cache coordinators bind the device pool: a process whose
+        host pages are laid out otherwise (another block size, page size or stride) must
+        not take this tier's host prefix hits. The last step of the construction."""
+        manager = self.host_manager
+        if manager is not None and manager.block_pool.enable_caching:
+            manager.block_pool.claim_cache_geometry(self.cache_geometry())
 
     def _poll_reuse(self) -> None:
         """Pages whose unpinned GPU copy another scheduler process has taken become

@@ -220,3 +220,38 @@ def test_a_new_pool_does_not_inherit_a_stale_host_tier(make_pool):
     finally:
         fresh.close()
         BlockPool.unlink(name)
+
+
+def test_the_host_tier_is_bound_to_one_host_geometry(make_pool):
+    """The coordinator binds the host tier (a pool of its own) to its source group's host
+    layout, as the KV-cache coordinators bind the device pool: a process of another host
+    block stride is refused with its managers left as they were; one of the same layout is
+    taken."""
+    pool = make_pool(16, hash_block_size=BS)
+
+    def config(stride):
+        return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=_groups(),
+                             hisparse_host_num_blocks=8, hisparse_host_block_stride=stride)
+
+    def manager_over(handle, stride):
+        return KVCacheManager(config(stride), max_model_len=64, scheduler_block_size=BS,
+                              hash_block_size=BS, enable_caching=True, block_pool=handle)
+
+    first = get_hisparse_coordinator(manager_over(pool, None))
+    host = first.get_host_block_pool()
+    assert host.cache_geometry != 0 and pool.cache_geometry != 0
+    other = BlockPool.attach(pool.pool_name, label="other")
+    try:
+        refused = manager_over(other, 2)
+        with pytest.raises(UsageError, match="another KV-cache configuration"):
+            get_hisparse_coordinator(refused)
+        source = refused.coordinator.single_type_managers[0]
+        assert source.block_pool is other                   # not bound to the host tier
+        assert all(getattr(m, "coordinator", None) is None
+                   for m in refused.coordinator.single_type_managers)
+        same = get_hisparse_coordinator(manager_over(other, None))
+        assert same.get_host_block_pool().cache_geometry == host.cache_geometry
+        host.check_invariants()
+        pool.check_invariants()
+    finally:
+        other.close()
