@@ -50,6 +50,8 @@ from shmkv.core.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -61,6 +63,13 @@ from shmkv.core.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from shmkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from shmkv.core.hisparse import (  # also registers the HiSparse managers
+    HiSparseCoordinator,
+    HiSparseHotManager,
+    HiSparseResidentManager,
+    HiSparseSourceManager,
+    get_hisparse_coordinator,
+)
 from shmkv.pool.layout import LAYOUT_VERSION, NULL_BLOCK_ID
 from shmkv.core.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 from shmkv.core.single_type_kv_cache_manager import (
@@ -79,6 +88,11 @@ from shmkv.core.single_type_kv_cache_manager import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "HiSparseCoordinator",
+    "HiSparseHotManager",
+    "HiSparseResidentManager",
+    "HiSparseSourceManager",
+    "get_hisparse_coordinator",
     "PrefixCacheStats",
     "KVCacheManager",
     "KVCacheBlocks",
@@ -104,6 +118,8 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",
+    "HiSparseHotSpec",
+    "HiSparseResidentSpec",
     "HASH_FN_NAMES",
     "InvariantViolation",
     "KVCacheBlock",

@@ -429,12 +429,16 @@ class KVCacheCoordinator(ABC):
         for group_id, group_blocks in enumerate(computed_blocks):
             if group_blocks:
                 spec = self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
-                self.block_pool.emit_cached_block_events(
+                # A group's own pool: HiSparse's source group takes its blocks from the host tier.
+                self.single_type_managers[group_id].block_pool.emit_cached_block_events(
                     request, len(group_blocks), spec.block_size, group_id)
 
     def reset_prefix_cache(self) -> bool:
-        """Drops the whole prefix cache (False, and nothing changes, if blocks are in use)."""
-        return self.block_pool.reset_prefix_cache()
+        """Drops the whole prefix cache of each pool the groups use, once each (the device
+        pool, and HiSparse's host tier); False if one of them has blocks in use (that one does
+        not change)."""
+        pools = dict.fromkeys(m.block_pool for m in self.single_type_managers)
+        return all([pool.reset_prefix_cache() for pool in pools])
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks in every group (each in reverse order)."""
@@ -775,7 +779,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             block_hashes=block_hashes,
             max_length=max_length,
             kv_cache_group_ids=group.group_ids,
-            block_pool=self.block_pool,
+            block_pool=manager.block_pool,
             kv_cache_spec=group.spec,
             drop_eagle_block=drop_eagle_block,
             alignment_tokens=self._cache_hit_alignment_tokens,

@@ -16,8 +16,7 @@ Methods that take vLLM's ``vllm_config`` read it duck-typed, by the attribute pa
 ``scheduler_config.max_num_encoder_input_tokens``), so a vLLM ``VllmConfig`` or any stand-in
 works.
 
-Left out (0.33.0 has them; nothing in shmkv uses them yet): the HiSparse and circular-buffer
-specs, ``SlidingWindowMLASpec``, ``HiddenStateCacheSpec``, ``UniformTypeKVCacheSpecs``, the
+Left out (0.33.0 has them; nothing in shmkv uses them yet): ``SlidingWindowMLASpec``, ``HiddenStateCacheSpec``, ``UniformTypeKVCacheSpecs``, the
 tensor-view helpers, and ``MultipleOf`` block-stride alignment (an int alignment is kept).
 """
 
@@ -37,6 +36,8 @@ __all__ = [
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
+    "HiSparseHotSpec",
+    "HiSparseResidentSpec",
     "KVCacheConfig",
     "KVCacheGroupRole",
     "KVCacheGroupSpec",
@@ -219,6 +220,72 @@ class KVCacheSpec:
     @property
     def uses_slot_mapping(self) -> bool:
         return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseHotSpec(KVCacheSpec):
+    """HiSparse's hot region: ``blocks_per_request`` blocks a request holds while it reads
+    host-backed history (``shmkv/core/hisparse.py``). Never prefix-cached."""
+
+    page_size: int
+    blocks_per_request: int
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return None
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return self.blocks_per_request * self.page_size
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        return self.blocks_per_request
+
+    @property
+    def has_layer_views(self) -> bool:
+        return False
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseResidentSpec(KVCacheSpec):
+    """GPU copies of host-backed HiSparse pages, which the pool may take back once the host
+    copy is durable (``shmkv/core/hisparse.py``). Never prefix-cached."""
+
+    page_size: int
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        """Admission reserves only the in-flight window: older pages move to the host."""
+        return cdiv(min(max_in_flight_tokens, max_model_len), self.block_size)
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return self.max_admission_blocks_per_request(
+            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+            max_model_len=vllm_config.model_config.max_model_len,
+        ) * self.page_size
+
+    @property
+    def has_layer_views(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,8 @@ still running on its boundary block moves the block's keys to a copy
 (``num_prefill_checkpoint_blocks > 0``) export the state at the prompt's boundary from a chunk
 that crosses it into a block of its own, keyed there. A pool made without
 ``partial_keys=True`` keeps a block's own partial key but not a second one (see
-``shmkv/pool/layout.py``). The HiSparse and circular-buffer managers are left out.
+``shmkv/pool/layout.py``). HiSparse's managers live in ``shmkv/core/hisparse.py``, which
+registers them here (``spec_manager_map``, ``role_manager_map``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from shmkv.errors import UsageError
 from shmkv.hashing import BlockHashListWithBlockSize
 from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
@@ -54,6 +56,8 @@ from shmkv.core.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiSparseResidentSpec,
+    KVCacheGroupRole,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -1580,6 +1584,12 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 }
 
 
+# Group role -> manager type, for roles that pick their manager whatever the spec (HiSparse's
+# source group; shmkv/core/hisparse.py registers it, and its spec managers, in these maps).
+# A role not listed here takes its spec's manager.
+role_manager_map: dict[str, type[SingleTypeKVCacheManager]] = {}
+
+
 def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
     max_in_flight_tokens: int,
@@ -1594,24 +1604,35 @@ def get_manager_for_kv_cache_spec(
         kv_cache_spec: the group's spec.
         max_in_flight_tokens: tokens scheduled but not yet settled (all concurrent batches).
         max_model_len: the longest context.
-        role: the group's role; only the default role is supported.
+        role: the group's role (``KVCacheGroupRole``); a role in ``role_manager_map`` picks
+            the manager, any other takes the spec's.
         **kwargs: the manager's constructor arguments (``block_pool``, ``enable_caching``,
             ``kv_cache_group_id``, ``scheduler_block_size``, ...).
 
     Raises:
         AssertionError: no manager for the spec type (as vLLM).
-        NotImplementedError: a non-default role (HiSparse is not ported).
+        UsageError: a role that is not a ``KVCacheGroupRole`` value.
     """
     kv_cache_spec = from_vllm(kv_cache_spec)  # vLLM's spec, bridged (vllm_objects.py)
-    if role not in (None, "default"):
-        raise NotImplementedError(f"KV cache group role {role!r} is not supported by shmkv")
-    manager_class = next(
-        (spec_manager_map[t] for t in type(kv_cache_spec).__mro__ if t in spec_manager_map), None
-    )
+    if role is not None:
+        try:  # a str, or any str enum with these values (vLLM's KVCacheGroupRole)
+            role = KVCacheGroupRole(role)
+        except ValueError:
+            raise UsageError(
+                f"KV cache group role must be one of {[r.value for r in KVCacheGroupRole]}, "
+                f"got {role!r}"
+            ) from None
+    manager_class = role_manager_map.get(role) if role is not None else None
+    if manager_class is None:
+        manager_class = next(
+            (spec_manager_map[t] for t in type(kv_cache_spec).__mro__ if t in spec_manager_map),
+            None,
+        )
     assert manager_class is not None, (
         f"No manager registered for KVCacheSpec {type(kv_cache_spec)}"
     )
-    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+    if isinstance(kv_cache_spec,
+                  SlidingWindowSpec | ChunkedLocalAttentionSpec | HiSparseResidentSpec):
         kwargs["max_admission_blocks_per_request"] = (
             kv_cache_spec.max_admission_blocks_per_request(
                 max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len

@@ -96,7 +96,11 @@ def from_vllm(obj: Any) -> Any:
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return obj
     cls = _shmkv_class(obj)
-    kwargs = {f.name: from_vllm(getattr(obj, f.name)) for f in dataclasses.fields(cls)
+    # A group's role stays vLLM's enum member (shmkv takes any value of its roles): vLLM's
+    # code reading the manager's config tests it by identity
+    # (``group.role is KVCacheGroupRole.HISPARSE_INDEXER``).
+    kwargs = {f.name: getattr(obj, f.name) if f.name == "role" else
+              from_vllm(getattr(obj, f.name)) for f in dataclasses.fields(cls)
               if f.init and hasattr(obj, f.name)}
     ours = cls(**kwargs)  # shmkv's checks and derived fields
     if not isinstance(ours, S.KVCacheSpec):

@@ -46,6 +46,7 @@ from shmkv.errors import (
     PoolClosedError,
     PoolFullError,
     SegmentError,
+    SegmentExistsError,
     UsageError,
 )
 from shmkv.events import (
@@ -359,8 +360,13 @@ class BlockPool:
         self.null_block = self._handle(_NULL)
         self._event_queue: list[KVCacheEvent] = []
         # unpin_blocks' callbacks, block id -> on_reuse: private to this process (a callback
-        # cannot live in shared memory), fired when this process reuses the block.
+        # cannot live in shared memory), fired when this process reuses the block or when
+        # poll_reuse finds another process took it.
         self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        # Watched block id -> (queue_key, epoch) when this process's release put it in the
+        # free queue, None while a reference is held (invariant "watch-stamp": poll_reuse).
+        self._watch_stamps: dict[int, tuple[int, int] | None] = {}
+        self._tiers: dict[str, BlockPool] = {}  # tier(): this handle's tiers, by name
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
@@ -525,6 +531,11 @@ class BlockPool:
             segment.close()
             cls._unlink_all(shm_name)
             raise
+        # A tier left by an earlier pool of this name describes pages of a pool that is gone
+        # (its host copies would be taken for this pool's): the new pool starts without one.
+        for tier in cls.TIERS:
+            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
+                cls._unlink_all(L.segment_name(f"{name}.{tier}"))
         return pool
 
     def _initialize(self) -> None:
@@ -669,6 +680,9 @@ class BlockPool:
         forked child (``ForkedPoolError``) it only unmaps: the slot is the parent's."""
         if self._segment.buf is None:
             return
+        tiers, self._tiers = self._tiers, {}
+        for tier in tiers.values():
+            tier.close()
         counting = _fault.planned is not None and _fault.begin("close")
         try:
             with self._lock:
@@ -688,6 +702,57 @@ class BlockPool:
             self._index.release()
             self._journal.release()
             self._release_views()
+
+    # The tiers a pool may have besides its own blocks, each a pool in its own segment named
+    # "<pool name>.<tier>": closed with this handle, unlinked with this pool.
+    TIERS = ("host",)
+
+    def tier(self, tier: str, num_blocks: int, *, enable_caching: bool,
+             medium: str = "CPU") -> BlockPool:
+        """This pool's ``tier`` (HiSparse's host pages: ``"host"``), a pool of ``num_blocks``
+        blocks in the segment ``<name>.<tier>``: created by the first process that asks,
+        attached by the others, with this pool's hash size, events, process slots, partial
+        keys and kernel. It is as shared and as crash-safe as this pool, with its own lock;
+        its events are queued with this handle's (``take_events`` returns both, in order).
+        The same handle is returned on later calls.
+
+        Raises:
+            UsageError: an unknown tier, or ``num_blocks`` / ``enable_caching`` that differ
+                from the tier's (made by another process, or by an earlier call).
+        """
+        if tier not in self.TIERS:
+            raise UsageError(f"tier must be one of {self.TIERS}, got {tier!r}")
+        pool = self._tiers.get(tier)
+        if pool is None:
+            name = f"{self.pool_name}.{tier}"
+            cfg = self._layout.config
+            try:
+                pool = BlockPool.create(
+                    name, num_blocks, enable_caching=enable_caching,
+                    hash_block_size=self.hash_block_size,
+                    enable_kv_cache_events=self.enable_kv_cache_events, medium=medium,
+                    max_processes=self.max_processes, hash_fn_name=self.hash_fn_name,
+                    kernel=self.kernel, label=f"{tier}-tier",
+                    lock_timeout_s=self._lock.timeout_s, partial_keys=cfg.partial_keys,
+                )
+            except SegmentExistsError:
+                pool = BlockPool.attach(
+                    name, num_gpu_blocks=num_blocks, enable_caching=enable_caching,
+                    hash_block_size=self.hash_block_size,
+                    enable_kv_cache_events=self.enable_kv_cache_events, kernel=self.kernel,
+                    label=f"{tier}-tier", lock_timeout_s=self._lock.timeout_s,
+                )
+            # One queue for both, as vLLM's SharedEventQueueBlockPool: the savepoint of the
+            # tier's lock then counts this queue's entries.
+            pool._event_queue = self._event_queue
+            pool._lock.set_savepoint(self._event_queue, pool._undo_since)
+            self._tiers[tier] = pool
+        elif pool.num_gpu_blocks != num_blocks or pool.enable_caching != bool(enable_caching):
+            raise UsageError(
+                f"the {tier} tier has {pool.num_gpu_blocks} blocks (caching "
+                f"{pool.enable_caching}), asked for {num_blocks} (caching {enable_caching})"
+            )
+        return pool
 
     def _release_views(self) -> None:
         self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED
@@ -709,7 +774,11 @@ class BlockPool:
 
         Processes that have it mapped keep working until they close it.
         """
-        return BlockPool._unlink_all(L.segment_name(name))
+        found = BlockPool._unlink_all(L.segment_name(name))
+        for tier in BlockPool.TIERS:
+            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
+                BlockPool._unlink_all(L.segment_name(f"{name}.{tier}"))
+        return found
 
     @staticmethod
     def _unlink_all(shm_name: str) -> bool:
@@ -726,9 +795,10 @@ class BlockPool:
 
     def __exit__(self, *exc: object) -> None:
         shm_name = self._segment.shm_name
+        name = self.pool_name
         self.close()
         if self._owner:
-            self._unlink_all(shm_name)
+            self.unlink(name)
 
     # ------------------------------------------------------------------ helpers
 
@@ -1328,8 +1398,46 @@ class BlockPool:
         """Fires (once) the ``unpin_blocks`` callback of each block being reused."""
         for block in blocks:
             watcher = self._reuse_watchers.pop(block.block_id, None)
+            self._watch_stamps.pop(block.block_id, None)
             if watcher is not None:
                 watcher(block)
+
+    def _stamp_watched(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Records the stamp of each watched block this process just released."""
+        stamps = self._watch_stamps
+        with self._lock:
+            epoch = int(self._hdr64[L.H_EPOCH])
+            for block in blocks:
+                block_id = block.block_id
+                if block_id in self._reuse_watchers:
+                    stamps[block_id] = (int(self._blocks["queue_key"][block_id]), epoch) \
+                        if self._ref_col[block_id] == 0 else None
+
+    def poll_reuse(self) -> int:
+        """Calls the watcher (``unpin_blocks``) of every watched block another process has
+        taken since this process released it, and returns how many. In one process this
+        finds nothing: the process's own ``get_new_blocks`` calls the watchers itself.
+
+        Invariant "watch-stamp": a watched block still holds what it held when unpinned while
+        this process references it, or while nobody does and its ``queue_key`` and the pool's
+        ``epoch`` are those recorded at this process's last release of it (every entry into
+        the free queue takes a key never used before, and a rebuild bumps the epoch). A block
+        referenced by more than this process is counted as taken: conservative, a reader
+        of a HiSparse page then reads the host copy, which is durable.
+        """
+        if not self._reuse_watchers:
+            return 0
+        reused: list[int] = []
+        with self._lock:
+            epoch = int(self._hdr64[L.H_EPOCH])
+            mine = self._ledger[self.slot]
+            for block_id in self._reuse_watchers:
+                ref = int(self._ref_col[block_id])
+                if ref > int(mine[block_id]) or ref == 0 and self._watch_stamps.get(block_id) != (
+                        int(self._blocks["queue_key"][block_id]), epoch):
+                    reused.append(block_id)
+        self._notify_reuse([self._handle(b) for b in reused])
+        return len(reused)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
                      on_reuse: Callable[[KVCacheBlock], None]) -> None:
@@ -1340,8 +1448,9 @@ class BlockPool:
         hands the block out again, or when its ``reset_prefix_cache`` succeeds.
 
         NOTE: the callbacks are this process's (vLLM's pool has one process): a block that
-        another process of a shared pool allocates is not reported here. A block unpinned
-        twice keeps the last callback, as in vLLM.
+        another process of a shared pool allocates is reported by :meth:`poll_reuse`
+        (HiSparse's coordinator polls at each step), not at the moment it happens. A block
+        unpinned twice keeps the last callback, as in vLLM.
 
         Args:
             blocks: handles of this pool that this process holds, the null block excluded.
@@ -1355,9 +1464,11 @@ class BlockPool:
         if not callable(on_reuse):
             raise UsageError(f"unpin_blocks(): on_reuse must be callable, got {on_reuse!r}")
         blocks = list(blocks)
-        self._lock.mutate("unpin", self._kernel.unpin, blocks)
-        for block in blocks:
-            self._reuse_watchers[block.block_id] = on_reuse
+        with self._lock:  # the stamps in the same hold: no other process comes between
+            self._lock.mutate("unpin", self._kernel.unpin, blocks)
+            for block in blocks:
+                self._reuse_watchers[block.block_id] = on_reuse
+            self._stamp_watched(blocks)
 
     def _allocate_locked(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self._hdr64[_H_NUM_FREE]:
@@ -1390,6 +1501,30 @@ class BlockPool:
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
+        if self._tiers:
+            # As vLLM's pool, blocks of another pool (a tier's) are freed in theirs, after
+            # this pool's own.
+            ordered_blocks = list(ordered_blocks)
+            other: dict[BlockPool, list[KVCacheBlock]] = {}
+            for block in ordered_blocks:
+                pool = getattr(block, "_pool", self)
+                if pool is not self:
+                    other.setdefault(pool, []).append(block)
+            if other:
+                own = [b for b in ordered_blocks if getattr(b, "_pool", self) is self]
+                with self._lock:
+                    self._lock.mutate("free", self._kernel.free, own, self.enable_caching)
+                    if self._reuse_watchers:
+                        self._stamp_watched(own)
+                for pool, blocks in other.items():
+                    pool.free_blocks(blocks)
+                return
+        if self._reuse_watchers:
+            ordered_blocks = list(ordered_blocks)
+            with self._lock:
+                self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
+                self._stamp_watched(ordered_blocks)
+            return
         self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:

@@ -12,7 +12,8 @@ driver from the command line):
   ``touch`` of the hits, ``get_new_blocks`` for the rest, ``cache_full_blocks``, now and then
   a partial key on the last full block (``cache_partial_block``: an alias row), all under
   one hold of the lock) drawn from a few shared prompts, so processes hit each other's
-  cache, or finishes one (``free_blocks`` in reverse order). Out of blocks, it preempts its
+  cache, or finishes one (``free_blocks`` in reverse order, or now and then
+  ``unpin_blocks``, then ``poll_reuse`` each step). Out of blocks, it preempts its
   own requests and reaps the dead. Every few steps it checks that its ledger row is exactly
   what its running requests hold and that each held block kept its hash. Now and then it
   closes and attaches again. Any exception makes it exit 1. With ``ChaosConfig.threads``
@@ -276,7 +277,13 @@ def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> N
                     pool.reap_dead()
             else:
                 _, blocks = running.pop(rng.randrange(len(running)))
-                pool.free_blocks(reversed(blocks))
+                if rng.random() < w["unpin_p"]:
+                    # To the queue's tail, watched; another process's reuse found by a poll.
+                    pool.unpin_blocks(reversed(blocks), lambda block: None)
+                else:
+                    pool.free_blocks(reversed(blocks))
+            if pool._reuse_watchers:
+                pool.poll_reuse()
             if rng.random() < w["evict_p"] and running:
                 _, blocks = rng.choice(running)
                 try:
@@ -416,6 +423,7 @@ class ChaosConfig:
     max_running: int = 6
     evict_p: float = 0.02
     partial_p: float = 0.3  # admissions that also key a partial tail (an alias row)
+    unpin_p: float = 0.25  # finished requests released with unpin_blocks (HiSparse's way)
     reattach_p: float = 0.003
     check_every: int = 1  # check_invariants in the driver after every n-th kill
     # Kill workers inside attach() and close() too: a process killed there holding the lock
@@ -551,7 +559,7 @@ class _Driver:
             "lock_timeout_s": cfg.lock_timeout_s, "stuck_after_s": cfg.stuck_after_s,
             "lock_enabled": cfg.lock_enabled, "admit_p": cfg.admit_p,
             "max_running": cfg.max_running, "evict_p": cfg.evict_p,
-            "partial_p": cfg.partial_p,
+            "partial_p": cfg.partial_p, "unpin_p": cfg.unpin_p,
             "reattach_p": cfg.reattach_p, "step_sleep_s": cfg.step_sleep_s,
             "quiet": cfg.quiet, "threads": cfg.threads, "fork_p": cfg.fork_p,
         }

@@ -103,8 +103,8 @@ def victim_last_call(pool: BlockPool, op: str, held: dict) -> None:
     elif op == "move":
         pool.move_block_hashes(held["cached"][1], held["plain"][0])
     elif op == "unpin":
-        # A hashed block and an unhashed one reach 0 (both to the tail); the shared one
-        # keeps the survivor's reference.
+        # HiSparse's release of clean resident pages: a hashed block and an unhashed one reach
+        # 0 (both to the tail); the shared one keeps the survivor's reference.
         pool.unpin_blocks([held["cached"][0], held["plain"][1], held["shared"][0]],
                           lambda block: None)
     elif op == "reset":

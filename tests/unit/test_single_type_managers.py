@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shmkv import Request
+from shmkv import Request, UsageError
 from shmkv.core.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -481,6 +481,13 @@ def test_factory_resolves_spec_types_by_mro(make_pool):
     assert manager.max_admission_blocks_per_request == 6
     assert get_manager_for_kv_cache_spec(attn(FullAttentionSpec), 8, 64, **kw) \
         .max_admission_blocks_per_request is None
-    with pytest.raises(NotImplementedError, match="role"):
-        get_manager_for_kv_cache_spec(mla, 8, 64, role="hisparse_source", **kw)
+    from shmkv.core.hisparse import HiSparseSourceManager
+
+    # A role in the role map picks the manager whatever the spec; others take the spec's.
+    assert type(get_manager_for_kv_cache_spec(mla, 8, 64, role="hisparse_source", **kw)) \
+        is HiSparseSourceManager
+    assert type(get_manager_for_kv_cache_spec(mla, 8, 64, role="hisparse_indexer", **kw)) \
+        is FullAttentionManager
+    with pytest.raises(UsageError, match="role must be one of"):
+        get_manager_for_kv_cache_spec(mla, 8, 64, role="no-such-role", **kw)
     pool.check_invariants()

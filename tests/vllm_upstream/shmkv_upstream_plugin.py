@@ -204,7 +204,18 @@ def _classes() -> dict:
                  "RSWAManager"):
         if hasattr(M, name):
             _CLASSES[name] = manager_class(getattr(M, name))
+    from shmkv.core import hisparse as H
+
+    # HiSparse: the managers are made by the coordinator (shmkv's registry), so vLLM's names
+    # are shmkv's classes as they are (isinstance checks in vLLM's connector then hold).
+    for name in HISPARSE_NAMES:
+        _CLASSES[name] = getattr(H, name)
     return _CLASSES
+
+
+# vLLM's HiSparse names the tests and vLLM's connector look up, rebound to shmkv's.
+HISPARSE_NAMES = ("HiSparseSourceManager", "HiSparseHotManager", "HiSparseResidentManager",
+                  "HiSparseCoordinator", "get_hisparse_coordinator")
 
 
 def install_shims() -> None:
@@ -229,6 +240,24 @@ def install_shims() -> None:
                  "RSWAManager"):
         if name in c and hasattr(vstm, name):
             setattr(vstm, name, c[name])
+    # vLLM's offloading connector checks the manager's coordinator by vLLM's class name.
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as voffload
+    from shmkv.core import kv_cache_coordinator as shm_coord
+
+    voffload.HybridKVCacheCoordinator = shm_coord.HybridKVCacheCoordinator
+    import vllm.v1.hisparse.coordinator as vhisparse
+
+    hisparse_modules = [vstm, vhisparse]
+    try:
+        import vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector as vhconn
+    except ImportError:  # pragma: no cover - vLLM without the HiSparse connector
+        pass
+    else:
+        hisparse_modules.append(vhconn)
+    for mod in hisparse_modules:
+        for name in HISPARSE_NAMES:
+            if hasattr(mod, name):
+                setattr(mod, name, c[name])
     for mod_name in ("vllm.v1.core.sched.async_scheduler",):
         mod = sys.modules.get(mod_name)
         if mod is not None and hasattr(mod, "KVCacheManager"):
