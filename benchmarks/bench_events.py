@@ -30,8 +30,8 @@ except ImportError:  # run from a checkout without installing
 import zmq
 
 from shmkv import BlockPool
-from shmkv.publisher import KVEventPublisher, KVEventSubscriber, unlink_state
 from shmkv.core.request import Request
+from shmkv.publisher import KVEventPublisher, KVEventSubscriber, unlink_state
 from shmkv.stats import PoolStats, unlink_stats
 
 

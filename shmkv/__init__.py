@@ -4,38 +4,12 @@ scheduler process on a node. Follows vLLM v1's KV-cache layer name for name.
 ``import shmkv`` never imports torch.
 """
 
-from shmkv.pool.block_pool import BlockPool, KVCacheBlock, RepairReport
-from shmkv.errors import (
-    FencedError,
-    ForkedPoolError,
-    InvariantViolation,
-    LayoutMismatchError,
-    LockTimeoutError,
-    OutOfBlocksError,
-    PoolClosedError,
-    PoolFullError,
-    ProtocolError,
-    SegmentError,
-    SegmentExistsError,
-    SegmentNotFoundError,
-    ShmKVError,
-    UsageError,
-)
-from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from shmkv.pool.free_queue import FreeKVCacheBlockQueue
-from shmkv.hashing import (
-    DEFAULT_NONE_HASH_SEED,
-    HASH_FN_NAMES,
-    BlockHashListWithBlockSize,
-    RequestBlockHasher,
-    generate_block_hash_extra_keys,
-    get_hash_fn_by_name,
-    get_request_block_hasher,
-    hash_block_tokens,
-    none_hash,
-    sha256,
-    sha256_cbor,
-    to_event_extra_keys,
+from shmkv.core.hisparse import (  # also registers the HiSparse managers
+    HiSparseCoordinator,
+    HiSparseHotManager,
+    HiSparseResidentManager,
+    HiSparseSourceManager,
+    get_hisparse_coordinator,
 )
 from shmkv.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -63,14 +37,6 @@ from shmkv.core.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from shmkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
-from shmkv.core.hisparse import (  # also registers the HiSparse managers
-    HiSparseCoordinator,
-    HiSparseHotManager,
-    HiSparseResidentManager,
-    HiSparseSourceManager,
-    get_hisparse_coordinator,
-)
-from shmkv.pool.layout import LAYOUT_VERSION, NULL_BLOCK_ID
 from shmkv.core.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
 from shmkv.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
@@ -84,6 +50,40 @@ from shmkv.core.single_type_kv_cache_manager import (
     SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
+from shmkv.errors import (
+    FencedError,
+    ForkedPoolError,
+    InvariantViolation,
+    LayoutMismatchError,
+    LockTimeoutError,
+    OutOfBlocksError,
+    PoolClosedError,
+    PoolFullError,
+    ProtocolError,
+    SegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    ShmKVError,
+    UsageError,
+)
+from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shmkv.hashing import (
+    DEFAULT_NONE_HASH_SEED,
+    HASH_FN_NAMES,
+    BlockHashListWithBlockSize,
+    RequestBlockHasher,
+    generate_block_hash_extra_keys,
+    get_hash_fn_by_name,
+    get_request_block_hasher,
+    hash_block_tokens,
+    none_hash,
+    sha256,
+    sha256_cbor,
+    to_event_extra_keys,
+)
+from shmkv.pool.block_pool import BlockPool, KVCacheBlock, RepairReport
+from shmkv.pool.free_queue import FreeKVCacheBlockQueue
+from shmkv.pool.layout import LAYOUT_VERSION, NULL_BLOCK_ID
 
 __version__ = "0.1.0"
 

@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from shmkv.core.request import Request
 from shmkv.errors import UsageError
 from shmkv.events import (
     AllBlocksCleared,
@@ -56,7 +57,6 @@ from shmkv.events import (
 )
 from shmkv.hashing import RequestBlockHasher, get_hash_fn_by_name
 from shmkv.hashing import none_hash as make_none_hash
-from shmkv.core.request import Request
 
 logger = logging.getLogger(__name__)
 

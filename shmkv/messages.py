@@ -40,11 +40,6 @@ import msgspec
 import numpy as np
 import posix_ipc
 
-from shmkv.pool import layout as L
-from shmkv.pool.barriers import fence as _fence
-from shmkv.pool.liveness import pid_alive
-from shmkv.pool.segment import check_path, open_shm, secure_new_fd, semaphore_path
-from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
@@ -54,6 +49,11 @@ from shmkv.errors import (
     ShmKVError,
     UsageError,
 )
+from shmkv.pool import layout as L
+from shmkv.pool.barriers import fence as _fence
+from shmkv.pool.liveness import pid_alive
+from shmkv.pool.segment import check_path, open_shm, secure_new_fd, semaphore_path
+from shmkv.pool.siblings import owner_record, write_owner
 
 logger = logging.getLogger("shmkv.messages")
 

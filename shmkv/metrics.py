@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shmkv.errors import UsageError
-from shmkv.pool.event_log import decode_event
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from shmkv.pool.event_log import decode_event
 from shmkv.stats import LOCK_BUCKETS_S, read_stats
 
 

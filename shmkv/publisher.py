@@ -58,12 +58,7 @@ import msgspec
 import numpy as np
 import posix_ipc
 
-from shmkv.pool import layout as L
-from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ShmKVError, UsageError
-from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
-from shmkv.pool.segment import open_shm
-from shmkv.pool.siblings import owner_record, write_owner
 from shmkv.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -74,6 +69,11 @@ from shmkv.events import (
     external_block_hash,
     use_int_block_hashes,
 )
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
+from shmkv.pool.segment import open_shm
+from shmkv.pool.siblings import owner_record, write_owner
 
 logger = logging.getLogger(__name__)
 

@@ -40,10 +40,10 @@ from itertools import chain
 import numpy as np
 import posix_ipc
 
+from shmkv.errors import LayoutMismatchError, UsageError
 from shmkv.pool import layout as L
 from shmkv.pool.segment import open_shm
 from shmkv.pool.siblings import owner_record, write_owner
-from shmkv.errors import LayoutMismatchError, UsageError
 
 STATS_VERSION = L.STATS_VERSION
 _MAGIC = L.STATS_MAGIC

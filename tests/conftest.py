@@ -11,11 +11,13 @@ import pytest
 from shmkv import BlockPool
 from shmkv.pool.block_pool import _ckernel
 from shmkv.pool.layout import segment_name
-from tests.helpers import CheckedPool
-# A SIGTERM to pytest runs the fixtures' finalizers (tests/sigterm.py).
-from tests.sigterm import pytest_configure, pytest_unconfigure  # noqa: F401
+
 # In CI (SHMKV_CI_STRICT=1, set by .ci/run) a missing C kernel or Redis fails, not skips.
 from tests.ci_strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+from tests.helpers import CheckedPool
+
+# A SIGTERM to pytest runs the fixtures' finalizers (tests/sigterm.py).
+from tests.sigterm import pytest_configure, pytest_unconfigure  # noqa: F401
 
 
 def unique_pool_name(prefix: str = "t") -> str:

@@ -8,9 +8,8 @@ import argparse
 import sys
 import time
 
-from shmkv.cli.common import EXIT_ERROR, EXIT_OK, StopOnSignals
+from shmkv.cli.common import EXIT_ERROR, StopOnSignals
 from shmkv.pool.block_pool import BlockPool
-
 
 # ---------------------------------------------------------------------------- events
 

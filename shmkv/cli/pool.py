@@ -15,10 +15,8 @@ from shmkv.cli.common import EXIT_ERROR, EXIT_OK, EXIT_PROBLEM, StopOnSignals
 from shmkv.errors import ShmKVError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
-from shmkv.pool.liveness import pid_alive
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
-
 
 # ---------------------------------------------------------------------------- demo
 
@@ -311,7 +309,8 @@ def add_unlink_parser(sub) -> None:
     unlink = sub.add_parser("unlink", help="remove a pool",
                             description="Removes a pool's segment, lock and lock file, and "
                             "what is named after the pool alone (publisher position, stats, "
-                            "the vLLM offload tier's table and data region). Processes that have it mapped keep working. Exit 1 if none.")
+                            "the vLLM offload tier's table and data region). Processes that have "
+                            "it mapped keep working. Exit 1 if none.")
     unlink.add_argument("name", help="pool name")
     unlink.set_defaults(func=cmd_unlink)
 

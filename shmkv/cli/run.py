@@ -10,8 +10,7 @@ import argparse
 import dataclasses
 import sys
 
-from shmkv.cli.common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM,
-                               StopOnSignals)
+from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, StopOnSignals
 from shmkv.plot import PlotUnavailable
 
 

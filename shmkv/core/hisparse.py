@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shmkv.core.kv_cache_coordinator import group_geometry
 from shmkv.core.kv_cache_interface import (
     HiSparseHotSpec,
     HiSparseResidentSpec,
@@ -507,7 +508,7 @@ class HiSparseCoordinator:
         resident: list[HiSparseResidentManager] = []
         hot: list[HiSparseHotManager] = []
         resident_group_ids: list[int] = []
-        for group_id, (group, manager) in enumerate(zip(groups, managers)):
+        for group_id, (group, manager) in enumerate(zip(groups, managers, strict=True)):
             if isinstance(group.kv_cache_spec, HiSparseResidentSpec):
                 if not isinstance(manager, HiSparseResidentManager):
                     raise TypeError("HiSparse resident specs require resident cache managers.")
@@ -595,17 +596,10 @@ class HiSparseCoordinator:
         one); the host tier is a pool of its own, with its own header."""
         manager = self.host_manager
         assert manager is not None
-        spec = manager.kv_cache_spec
-        kind = next(c.__name__ for c in type(spec).__mro__
-                    if c.__module__.startswith("shmkv.") or c is object)
-        try:
-            page = spec.page_size_bytes
-        except Exception:  # noqa: BLE001  (a spec without a page size of its own)
-            page = "?"
+        geometry = group_geometry(manager.kv_cache_spec, manager,
+                                  host_block_stride=self.host_block_stride)
         return (f"hisparse-host; hash_block_size={manager.block_pool.hash_block_size}; "
-                f"{self.host_group_id}:{kind}(block_size={manager.block_size}, "
-                f"page_size_bytes={page}, dcp={manager.dcp_world_size}, "
-                f"pcp={manager.pcp_world_size}, host_block_stride={self.host_block_stride})")
+                f"{self.host_group_id}:{geometry}")
 
     def _bind_pool_geometry(self) -> None:
         """With prefix caching on the host tier, binds it to this geometry or refuses it
@@ -683,7 +677,7 @@ class HiSparseCoordinator:
             blocks = self.copies.get(host_block.block_hash)
             if blocks is None:
                 continue
-            for manager, block in zip(self.resident_managers, blocks):
+            for manager, block in zip(self.resident_managers, blocks, strict=True):
                 if manager.adopt_resident_page(request_id, page_idx, block):
                     manager.block_pool.touch([block])
                     state.pinned_clean.add(page_idx)
@@ -751,7 +745,7 @@ class HiSparseCoordinator:
         blocks = self._resident_page_blocks(request_id, page_idx)
         if blocks is None:
             return False
-        for manager, block in zip(self.resident_managers, blocks):
+        for manager, block in zip(self.resident_managers, blocks, strict=True):
             self._owners.setdefault(block.block_id, set()).add((request_id, page_idx))
             manager.block_pool.unpin_blocks([block], self._on_block_reused)
         state.pinned_clean.discard(page_idx)
@@ -929,7 +923,7 @@ class HiSparseCoordinator:
             blocks.append(block)
         # Both ends stay referenced until the transfer completes (update_spills).
         self.host_manager.block_pool.touch([host_block])
-        for manager, block in zip(self.resident_managers, blocks):
+        for manager, block in zip(self.resident_managers, blocks, strict=True):
             manager.block_pool.touch([block])
         transfer_id = self.next_spill_id
         self.next_spill_id += 1
@@ -1080,7 +1074,7 @@ class HiSparseCoordinator:
         for pending in self.pending_spills.values():
             if pending.enqueue_applied or not self._done(pending):
                 continue
-            for manager, block in zip(self.resident_managers, pending.resident_blocks):
+            for manager, block in zip(self.resident_managers, pending.resident_blocks, strict=True):
                 manager.block_pool.free_blocks([block])
             pending.enqueue_applied = True
 

@@ -54,8 +54,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from shmkv.errors import UsageError
-from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -71,6 +69,8 @@ from shmkv.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
+from shmkv.core.vllm_objects import from_vllm
+from shmkv.errors import UsageError
 
 __all__ = [
     "RETENTION_INTERVAL_ENV",
@@ -163,6 +163,21 @@ def replay_boundaries(
 def _eagle_margin(block_size: int, hash_block_size: int, fine_grained: bool) -> int:
     """Tokens an EAGLE group searches past the candidate before dropping its last unit."""
     return hash_block_size if fine_grained and block_size > hash_block_size else block_size
+
+
+def group_geometry(spec: KVCacheSpec, manager: SingleTypeKVCacheManager, **extra: object) -> str:
+    """One group's part of a cache geometry (``KVCacheCoordinator.cache_geometry``): its
+    spec class (shmkv's, also for a bridged vLLM spec), the block size its manager uses, its
+    page size and context parallelism, then ``extra`` as ``name=value``."""
+    kind = next(c.__name__ for c in type(spec).__mro__
+                if c.__module__.startswith("shmkv.") or c is object)
+    try:
+        page = spec.page_size_bytes
+    except Exception:  # noqa: BLE001  (a spec without a page size of its own)
+        page = "?"
+    fields = {"block_size": manager.block_size, "page_size_bytes": page,
+              "dcp": manager.dcp_world_size, "pcp": manager.pcp_world_size, **extra}
+    return f"{kind}({', '.join(f'{k}={v}' for k, v in fields.items())})"
 
 
 class KVCacheCoordinator(ABC):
@@ -306,15 +321,7 @@ class KVCacheCoordinator(ABC):
         parts = [f"hash_block_size={self.hash_block_size}"]
         for i, (group, manager) in enumerate(zip(self.kv_cache_config.kv_cache_groups,
                                                  self.single_type_managers, strict=True)):
-            spec = group.kv_cache_spec
-            kind = next(c.__name__ for c in type(spec).__mro__
-                        if c.__module__.startswith("shmkv.") or c is object)
-            try:
-                page = spec.page_size_bytes
-            except Exception:  # noqa: BLE001  (a spec without a page size of its own)
-                page = "?"
-            parts.append(f"{i}:{kind}(block_size={manager.block_size}, page_size_bytes={page}, "
-                         f"dcp={manager.dcp_world_size}, pcp={manager.pcp_world_size})")
+            parts.append(f"{i}:{group_geometry(group.kv_cache_spec, manager)}")
         return "; ".join(parts)
 
     def _bind_pool_geometry(self) -> None:
@@ -438,7 +445,8 @@ class KVCacheCoordinator(ABC):
         pool, and HiSparse's host tier); False if one of them has blocks in use (that one does
         not change)."""
         pools = dict.fromkeys(m.block_pool for m in self.single_type_managers)
-        return all([pool.reset_prefix_cache() for pool in pools])
+        # A list, not a generator: every pool is reset even after one refuses.
+        return all([pool.reset_prefix_cache() for pool in pools])  # noqa: C419
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks in every group (each in reverse order)."""

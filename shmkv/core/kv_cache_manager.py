@@ -50,8 +50,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from shmkv.errors import UsageError
-from shmkv.events import BlockStored
 from shmkv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
@@ -69,6 +67,8 @@ from shmkv.core.single_type_kv_cache_manager import (
     trim_null_head,
 )
 from shmkv.core.vllm_objects import from_vllm, is_vllm_object, to_vllm_events
+from shmkv.errors import UsageError
+from shmkv.events import BlockStored
 
 logger = logging.getLogger(__name__)
 

@@ -47,9 +47,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from shmkv.errors import UsageError
-from shmkv.hashing import BlockHashListWithBlockSize
-from shmkv.core.vllm_objects import from_vllm
 from shmkv.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -68,6 +65,9 @@ from shmkv.core.kv_cache_interface import (
     get_mamba_prefill_checkpoint_position,
     is_mamba_prefill_checkpoint_valid,
 )
+from shmkv.core.vllm_objects import from_vllm
+from shmkv.errors import UsageError
+from shmkv.hashing import BlockHashListWithBlockSize
 
 __all__ = [
     "ChunkedLocalAttentionManager",

@@ -25,9 +25,9 @@ from collections import Counter
 
 import numpy as np
 
+from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
 from shmkv.pool import fault as _fault
 from shmkv.pool import layout as L
-from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
 from shmkv.pool.free_queue import (
     _NOT_FREE,
     _OUTSIDE,

@@ -794,7 +794,6 @@ class BlockPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        shm_name = self._segment.shm_name
         name = self.pool_name
         self.close()
         if self._owner:

@@ -25,8 +25,8 @@ from typing import Union
 
 import msgspec
 
-from shmkv.pool import layout as L
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from shmkv.pool import layout as L
 from shmkv.pool.journal import Journal, JournaledView
 
 _RECORD = struct.Struct("<IIQd")

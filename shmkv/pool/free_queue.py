@@ -29,8 +29,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation, OutOfBlocksError, UsageError
+from shmkv.pool import layout as L
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
 
 # Below this many blocks a Python loop over the links beats numpy's per-call overhead.

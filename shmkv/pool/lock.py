@@ -47,9 +47,9 @@ from threading import get_ident
 
 import posix_ipc
 
+from shmkv.errors import FencedError, InvariantViolation, LockTimeoutError
 from shmkv.pool import fault as _fault
 from shmkv.pool import layout as L
-from shmkv.errors import FencedError, InvariantViolation, LockTimeoutError
 
 _H_HOLDER = L.H_HOLDER
 _H_INCARNATION = L.H_HOLDER_INCARNATION

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from shmkv.pool import layout as L
 from shmkv.errors import InvariantViolation
+from shmkv.pool import layout as L
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
 
 _R = L.ROW_I32

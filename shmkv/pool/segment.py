@@ -24,8 +24,8 @@ import stat
 import numpy as np
 import posix_ipc
 
-from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, SegmentError, SegmentExistsError, SegmentNotFoundError
+from shmkv.pool import layout as L
 
 SEGMENT_MODE = 0o600
 SHM_DIR = "/dev/shm"

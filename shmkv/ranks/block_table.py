@@ -73,8 +73,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError, PoolClosedError, TornReadError, UsageError
+from shmkv.pool import layout as L
 from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, write_owner

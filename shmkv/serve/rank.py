@@ -26,9 +26,9 @@ import time
 import traceback
 from collections.abc import Sequence
 
-from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indices
 from shmkv.errors import ProtocolError, UsageError
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, ScheduledRequest, Shutdown
+from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indices
 from shmkv.serve.config import TinyModelConfig
 from shmkv.serve.stopping import EXIT_TERMINATED, terminated
 

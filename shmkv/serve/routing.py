@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from shmkv.core.request import Request
 from shmkv.errors import UsageError
 from shmkv.events import BlockRemoved, BlockStored
-from shmkv.core.request import Request
 
 __all__ = [
     "ROUTING_POLICIES", "LeastLoaded", "PrefixAware", "PrefixView", "PrivatePoolsView",

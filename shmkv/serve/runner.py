@@ -44,9 +44,9 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from shmkv.pool.block_pool import BlockPool
 from shmkv.errors import ProtocolError, ShmKVError, UsageError
 from shmkv.messages import Channel, Shutdown, create_doorbell, recv_any, unlink_doorbell
+from shmkv.pool.block_pool import BlockPool
 from shmkv.serve.messages import (
     AttachScheduler,
     DrainScheduler,

@@ -32,11 +32,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shmkv.core.request import Request
 from shmkv.errors import ProtocolError, ShmKVError
 from shmkv.events import BlockRemoved
 from shmkv.messages import Channel, ScheduledRequest, Shutdown, recv_any
-from shmkv.serve.stopping import EXIT_TERMINATED, terminated
-from shmkv.core.request import Request
 from shmkv.serve.messages import (
     AttachScheduler,
     DrainScheduler,
@@ -50,6 +49,7 @@ from shmkv.serve.messages import (
     SchedulerStopped,
     TokensGenerated,
 )
+from shmkv.serve.stopping import EXIT_TERMINATED, terminated
 
 __all__ = ["Scheduler", "ServingRequest", "scheduler_main"]
 

@@ -7,7 +7,6 @@ import sys
 import traceback
 
 from shmkv import BlockPool, Request
-
 from shmkv.pool import fault
 
 BS = 16

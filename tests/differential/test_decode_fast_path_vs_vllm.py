@@ -107,7 +107,7 @@ def test_decode_steps_match_vllm(groups, watermark, seed, make_pool):
                          for _ in range(2))
             next_id += 1
             results = []
-            for m, r in zip((ours, theirs), pair):
+            for m, r in zip((ours, theirs), pair, strict=True):
                 hit, n, _ = m.get_computed_blocks(r)
                 results.append((n, _ids(m.allocate_slots(r, r.num_tokens - n, n, hit))))
             compare(f"{label} admit", results[0], results[1])
@@ -143,7 +143,7 @@ def test_decode_steps_match_vllm(groups, watermark, seed, make_pool):
         status = rng.choice([RUNNING] * 8 + [vllm_request.RequestStatus.WAITING])
         results = []
         before = lock.num_acquired
-        for m, r in zip((ours, theirs), pair):
+        for m, r in zip((ours, theirs), pair, strict=True):
             r.status = status
             kw = dict(kwargs)
             if kw.get("new_computed_blocks") == "empty":

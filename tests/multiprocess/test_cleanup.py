@@ -274,8 +274,8 @@ def test_a_run_stopped_half_way_leaves_nothing_after_cleanup(tmp_path, how):
         else:
             assert code == -signal.SIGKILL
             deadline = time.monotonic() + 30  # its children notice and end
-            while time.monotonic() < deadline and "would remove pool" not in (
-                    dry := shmkv("cleanup", "--dry-run")).stdout:
+            while time.monotonic() < deadline and "would remove pool" not in shmkv(
+                    "cleanup", "--dry-run").stdout:
                 time.sleep(0.5)
             assert _objects(mark)
         out = shmkv("cleanup")

@@ -13,8 +13,8 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from shmkv import BlockPool  # noqa: E402
-from shmkv.pool import layout as L  # noqa: E402
 from shmkv.events import BlockStored, decode_batch, external_block_hash  # noqa: E402
+from shmkv.pool import layout as L  # noqa: E402
 from shmkv.publisher import (  # noqa: E402
     END_SEQ,
     KVEventPublisher,

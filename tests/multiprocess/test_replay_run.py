@@ -143,7 +143,7 @@ def test_malformed_lines_refused_before_anything_starts(tmp_path, command):
         done, pid = _shmkv(tmp_path, command, "--trace", str(trace), "--trace-block-tokens",
                            "16", "--schedulers", "2", "--blocks", "256")
         assert done.returncode == 2, (line, done.stdout, done.stderr)
-        assert f"bad.jsonl:2: " in done.stderr and field in done.stderr, done.stderr
+        assert "bad.jsonl:2: " in done.stderr and field in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
         assert "requests" not in done.stdout  # no run, no report
         assert _leftovers(pid) == []

@@ -224,8 +224,8 @@ def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
     answers MessageRejected for each and goes on: it resets its pool's prefix cache when
     asked and stops with SchedulerStopped on Shutdown, exit code 0."""
     from shmkv import BlockPool
-    from shmkv.ranks.block_table import SharedBlockTables
     from shmkv.messages import Channel, ModelOutput, Shutdown, create_doorbell, unlink_doorbell
+    from shmkv.ranks.block_table import SharedBlockTables
     from shmkv.serve import engine
     from shmkv.serve.messages import (
         AttachScheduler,
@@ -296,7 +296,6 @@ def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
 def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
     """A rank process fed an undecodable frame and a message that is not for a rank drops
     both (saying so on stderr) and still answers the next ExecuteModel; Shutdown: exit 0."""
-    from shmkv.ranks.block_table import KVStore, SharedBlockTables
     from shmkv.messages import (
         Channel,
         ExecuteModel,
@@ -305,6 +304,7 @@ def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
         create_doorbell,
         unlink_doorbell,
     )
+    from shmkv.ranks.block_table import KVStore, SharedBlockTables
     from shmkv.serve import engine
     from shmkv.serve.messages import DrainScheduler
     from shmkv.serve.model import TinyModelConfig

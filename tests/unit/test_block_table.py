@@ -13,6 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from shmkv.errors import (  # noqa: E402
+    LayoutMismatchError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    TornReadError,
+    UsageError,
+)
 from shmkv.pool import layout as L  # noqa: E402
 from shmkv.ranks.block_table import (  # noqa: E402
     BT_HEADER_DTYPE,
@@ -24,13 +31,6 @@ from shmkv.ranks.block_table import (  # noqa: E402
     block_tables_segment_name,
     compute_slot_mapping,
     kv_store_segment_name,
-)
-from shmkv.errors import (  # noqa: E402
-    LayoutMismatchError,
-    SegmentExistsError,
-    SegmentNotFoundError,
-    TornReadError,
-    UsageError,
 )
 from tests.conftest import unique_pool_name  # noqa: E402
 

@@ -13,6 +13,7 @@ import posix_ipc
 import pytest
 
 from shmkv import BlockPool, SegmentError
+from shmkv.errors import SegmentNotFoundError
 from shmkv.messages import Channel, channel_segment_name
 from shmkv.pool import layout as L
 from shmkv.pool.liveness import alive_path
@@ -63,7 +64,7 @@ def test_a_planted_alive_file_stops_create(pool_name):
     try:
         with pytest.raises(SegmentError, match=f"lock file {path} exists already"):
             BlockPool.create(pool_name, 8)
-        with pytest.raises(Exception):
+        with pytest.raises(SegmentNotFoundError):
             BlockPool.attach(pool_name)  # nothing half-made was left
     finally:
         if os.path.lexists(path):

@@ -20,6 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmkv import UsageError
+from shmkv.core.request import (
+    ConstantList,
+    LoRARequest,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    Request,
+)
 from shmkv.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_FN_NAMES,
@@ -37,13 +44,6 @@ from shmkv.hashing import (
     sha256,
     sha256_cbor,
     to_event_extra_keys,
-)
-from shmkv.core.request import (
-    ConstantList,
-    LoRARequest,
-    MultiModalFeatureSpec,
-    PlaceholderRange,
-    Request,
 )
 
 try:

@@ -16,8 +16,8 @@ import pytest
 
 import shmkv.pool.recovery
 from shmkv import BlockPool, InvariantViolation, SegmentError
-from shmkv.pool import layout as L
 from shmkv.errors import LayoutMismatchError
+from shmkv.pool import layout as L
 from tests.helpers import make_request, segment_image
 
 ALL_IDS = {"INV-HDR", "INV-FREE", "INV-QKEY", "INV-REF", "INV-CONSERVE", "INV-HASH",

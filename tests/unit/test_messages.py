@@ -8,7 +8,6 @@ import random
 import msgspec
 import pytest
 
-from shmkv.pool import layout as L
 from shmkv.errors import (
     LayoutMismatchError,
     ProtocolError,
@@ -33,6 +32,7 @@ from shmkv.messages import (
     recv_any,
     unlink_doorbell,
 )
+from shmkv.pool import layout as L
 from tests.conftest import unique_pool_name
 
 

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from shmkv import BlockPool, InvariantViolation, OutOfBlocksError
-from shmkv.pool import layout as L
 from shmkv.errors import FencedError, LockTimeoutError, PoolFullError, SegmentError
 from shmkv.events import BlockRemoved, BlockStored
+from shmkv.pool import layout as L
 from tests.helpers import make_request, segment_image
 
 

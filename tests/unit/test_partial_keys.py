@@ -14,8 +14,8 @@ import random
 import pytest
 
 from shmkv import BlockPool, InvariantViolation, UsageError
-from shmkv.pool.block_pool import _ckernel
 from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
+from shmkv.pool.block_pool import _ckernel
 from shmkv.pool.recovery import rebuild
 from tests.conftest import unique_pool_name
 from tests.helpers import make_request, segment_image

@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmkv.ranks.block_table import KVStore, SharedBlockTables  # noqa: E402
 from shmkv.errors import ProtocolError, SegmentExistsError, UsageError  # noqa: E402
 from shmkv.messages import Channel, ExecuteModel, ModelOutput  # noqa: E402
+from shmkv.ranks.block_table import KVStore, SharedBlockTables  # noqa: E402
 from shmkv.serve.model import TinyModelConfig, TinyTransformer  # noqa: E402
 from shmkv.serve.rank import (  # noqa: E402
     ModelRunner,

@@ -293,8 +293,8 @@ def test_a_rebuild_cut_short_is_done_again_by_the_next_hold(make_pool):
 def test_repair_logs_the_keys_a_rebuild_drops_and_bumps_the_epoch(make_pool):
     """repair() on a pool with an invalid hash field rebuilds; the dropped key appears in
     the event log as a BlockRemoved (subscribers must forget it too) and the epoch moves."""
-    from shmkv.pool import layout as L
     from shmkv.events import BlockRemoved, external_block_hash, use_int_block_hashes
+    from shmkv.pool import layout as L
     from tests.helpers import make_request
 
     pool = make_pool(32, enable_kv_cache_events=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from shmkv import BlockPool, KVCacheManager
-from shmkv.errors import ProtocolError, ShmKVError, UsageError
 from shmkv.core.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from shmkv.errors import ProtocolError, ShmKVError, UsageError
 from shmkv.messages import decode, encode
 from shmkv.serve import messages as M
 from shmkv.serve.routing import (

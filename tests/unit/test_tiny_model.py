@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shmkv.ranks.block_table import KVStore, batch_token_indices, compute_slot_mapping  # noqa: E402
-from shmkv.errors import UsageError  # noqa: E402
 from shmkv.core.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from shmkv.errors import UsageError  # noqa: E402
+from shmkv.ranks.block_table import KVStore, batch_token_indices, compute_slot_mapping  # noqa: E402
 from shmkv.serve.model import TinyModelConfig, TinyTransformer, make_kv_cache_config  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 

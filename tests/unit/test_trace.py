@@ -105,7 +105,7 @@ def test_malformed_mooncake_lines_name_file_line_and_field(tmp_path, line, field
     path = _mooncake(tmp_path / "bad.jsonl", [_line([1]), line])
     with pytest.raises(UsageError) as e:
         read_mooncake(path, block_size=16, vocab_size=97, max_model_len=512)
-    assert f"bad.jsonl:2: " in str(e.value) and field in str(e.value), str(e.value)
+    assert "bad.jsonl:2: " in str(e.value) and field in str(e.value), str(e.value)
 
 
 def test_shmkv_trace_arrival_round_trip_and_check(tmp_path):
@@ -153,7 +153,7 @@ def test_sweep_table_json_and_configurations(tmp_path):
         ("shared", "round-robin"), ("private", "round-robin"), ("private", "prefix-aware")]
     assert sweep.configurations("private", "prefix-aware") == [
         ("private", "prefix-aware"), ("shared", "prefix-aware")]
-    fig = {k: 0 for k in sweep.ROW_FIELDS}
+    fig = dict.fromkeys(sweep.ROW_FIELDS, 0)
     fig.update(pool="shared", routing="round-robin", schedulers=4, num_blocks=2048,
                block_size=16, prefix_hit_rate=0.25, prompt_tokens=400,
                prefill_tokens_saved=100, ttft_steps_mean=1.5, ttft_steps_p99=4, wall_s=1.0,

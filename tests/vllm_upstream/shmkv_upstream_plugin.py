@@ -242,6 +242,7 @@ def install_shims() -> None:
             setattr(vstm, name, c[name])
     # vLLM's offloading connector checks the manager's coordinator by vLLM's class name.
     import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as voffload
+
     from shmkv.core import kv_cache_coordinator as shm_coord
 
     voffload.HybridKVCacheCoordinator = shm_coord.HybridKVCacheCoordinator
