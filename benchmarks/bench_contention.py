@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=4096, help="pool size (4096)")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON lines to PATH")
     parser.add_argument("--plot", metavar="PATH", default=str(HERE / "results" / "contention.png"),
-                        help="PNG plot path (benchmarks/results/contention.png)")
+                        help="PNG plot path (benchmarks/results/contention.png; \"\" for none)")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.procs.split(",")]
     spins = [float(x) * 1e-6 for x in args.spin_us.split(",")] if args.spin_us else [SPIN_S]
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
           f"interleaved {seconds:g} s runs; wait = time to take the pool lock, hold = time "
           "holding it")
     print(format_table(rows))
+    if not args.plot:  # --plot "": no plot
+        return 0
     plot_path = Path(args.plot)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     try:

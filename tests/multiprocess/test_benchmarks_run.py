@@ -15,10 +15,11 @@ pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)
+    return subprocess.run([sys.executable, *(str(ROOT / a) if a.endswith(".py") else a
+                                             for a in args)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
 
 
 def test_bench_block_pool_smoke():
@@ -47,11 +48,13 @@ def test_bench_contention_smoke(tmp_path):
 
 def test_bench_contention_runs_spin_settings_side_by_side(tmp_path):
     """--spin-us 0,20: every process count with each spin of the lock's waiters, the rows
-    grouped by spin, each against the first spin's requests/s at its process count."""
+    grouped by spin, each against the first spin's requests/s at its process count;
+    --plot "" draws nothing."""
     out = _run("benchmarks/bench_contention.py", "--procs", "1,2", "--seconds", "0.3",
-               "--rounds", "1", "--spin-us", "0,20", "--blocks", "512",
-               "--plot", str(tmp_path / "contention.png"))
+               "--rounds", "1", "--spin-us", "0,20", "--blocks", "512", "--plot", "",
+               cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    assert "plot:" not in out.stdout and list(tmp_path.iterdir()) == []
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [(r["spin_us"], r["processes"]) for r in rows] == [(0, 1), (0, 2), (20, 1), (20, 2)]
     assert all(r["requests"] > 0 and r["lock_holds"] > 0 for r in rows)
