@@ -767,20 +767,12 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
 }
 
 /* free(blocks, caching): drop one reference per handle; checks first, then writes. */
-static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "free(blocks, caching)");
-        return NULL;
-    }
-    if (!kernel_alive(k)) return NULL;
-    int caching = PyObject_IsTrue(args[1]);
-    PyObject *seq = PySequence_Fast(args[0], "free_blocks() takes an iterable of blocks");
-    if (!seq) return NULL;
-    Py_ssize_t n = read_ids(k, seq, "free_blocks");
-    Py_DECREF(seq);
-    if (n < 0) return NULL;
-    int32_t *ids = k->ids_buf;
-    /* Check: no block is freed more often than it is referenced. */
+/* The checks of a call that drops one reference per listed block (free_blocks,
+ * unpin_blocks), before it writes anything: no block is dropped more often than it is
+ * referenced, nor more often than this process holds it. The null block is skipped. Returns
+ * 0, or -1 with a UsageError naming the first offender; leaves scratch zeroed. */
+static int check_drops(Kernel *k, const int32_t *ids, Py_ssize_t n, const char *call,
+                       const char *verb) {
     Py_ssize_t bad = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = ids[i];
@@ -794,11 +786,11 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
             if (ids[i] == b) times++;
         for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
         int32_t ref = I32(k, b, F_REF);
-        PyErr_Format(UsageError, "free_blocks(): block %d has ref_cnt %d but is freed %d time(s)%s",
-                     b, ref, times, ref == 0 ? " (it is already free)" : "");
-        return NULL;
+        int already = ref == 0 && strcmp(call, "free_blocks") == 0;
+        PyErr_Format(UsageError, "%s(): block %d has ref_cnt %d but is %s %d time(s)%s",
+                     call, b, ref, verb, times, already ? " (it is already free)" : "");
+        return -1;
     }
-    /* ... and no block is freed more often than this process references it. */
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = ids[i];
         if (b != NULL_BLOCK_ID && k->ledger[b] < k->scratch[b] && bad < 0) bad = i;
@@ -808,12 +800,29 @@ static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs)
         int32_t times = k->scratch[b];
         for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
         PyErr_Format(UsageError,
-                     "free_blocks(): block %d is freed %d time(s) but this process holds %d "
-                     "reference(s) to it (ref_cnt %d)",
-                     b, times, k->ledger[b], I32(k, b, F_REF));
-        return NULL;
+                     "%s(): block %d is %s %d time(s) but this process holds %d reference(s) "
+                     "to it (ref_cnt %d)",
+                     call, b, verb, times, k->ledger[b], I32(k, b, F_REF));
+        return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+    return 0;
+}
+
+static PyObject *Kernel_free(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "free(blocks, caching)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    int caching = PyObject_IsTrue(args[1]);
+    PyObject *seq = PySequence_Fast(args[0], "free_blocks() takes an iterable of blocks");
+    if (!seq) return NULL;
+    Py_ssize_t n = read_ids(k, seq, "free_blocks");
+    Py_DECREF(seq);
+    if (n < 0) return NULL;
+    int32_t *ids = k->ids_buf;
+    if (check_drops(k, ids, n, "free_blocks", "freed") < 0) return NULL;
     if (!ROW_OK(k, I32(k, k->head, F_NEXT)) || !ROW_OK(k, I32(k, k->tail, F_PREV)))
         return corrupt("a free-queue sentinel links outside the block rows", k->head);
     Py_ssize_t nfirst = 0, nlast = 0;
@@ -853,36 +862,7 @@ static PyObject *Kernel_unpin(Kernel *k, PyObject *arg) {
             return NULL;
         }
     }
-    Py_ssize_t bad = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t b = ids[i];
-        if (I32(k, b, F_REF) < ++k->scratch[b] && bad < 0) bad = i;
-    }
-    if (bad >= 0) {
-        int32_t b = ids[bad];
-        int32_t times = 0;
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (ids[i] == b) times++;
-        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
-        PyErr_Format(UsageError, "unpin_blocks(): block %d has ref_cnt %d but is unpinned %d "
-                     "time(s)", b, I32(k, b, F_REF), times);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t b = ids[i];
-        if (k->ledger[b] < k->scratch[b] && bad < 0) bad = i;
-    }
-    if (bad >= 0) {
-        int32_t b = ids[bad];
-        int32_t times = k->scratch[b];
-        for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
-        PyErr_Format(UsageError,
-                     "unpin_blocks(): block %d is unpinned %d time(s) but this process holds %d "
-                     "reference(s) to it (ref_cnt %d)",
-                     b, times, k->ledger[b], I32(k, b, F_REF));
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) k->scratch[ids[i]] = 0;
+    if (check_drops(k, ids, n, "unpin_blocks", "unpinned") < 0) return NULL;
     if (!ROW_OK(k, I32(k, k->tail, F_PREV)))
         return corrupt("a free-queue sentinel links outside the block rows", k->tail);
     Py_ssize_t nlast = 0;

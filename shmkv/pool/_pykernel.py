@@ -633,19 +633,12 @@ class PyKernel:
         for block_id in ids:
             seen[block_id] += 1
             if ref_of[block_id] < seen[block_id]:
-                raise UsageError(
-                    f"unpin_blocks(): block {block_id} has ref_cnt {ref_of[block_id]} but is "
-                    f"unpinned {ids.count(block_id)} time(s)"
-                )
+                self._raise_double_free(ids, block_id, "unpin_blocks", "unpinned")
         seen.clear()
         for block_id in ids:
             seen[block_id] += 1
             if led[block_id] < seen[block_id]:
-                raise UsageError(
-                    f"unpin_blocks(): block {block_id} is unpinned {ids.count(block_id)} "
-                    f"time(s) but this process holds {led[block_id]} reference(s) to it "
-                    f"(ref_cnt {ref_of[block_id]})"
-                )
+                self._raise_not_held(ids, block_id, "unpin_blocks", "unpinned")
         released = []
         for block_id in ids:
             ref = ref_of[block_id] - 1
@@ -656,17 +649,22 @@ class PyKernel:
         if released:
             self._queue.append_n(released)
 
-    def _raise_double_free(self, ids: list[int], block_id: int) -> None:
+    def _raise_double_free(self, ids: list[int], block_id: int, call: str = "free_blocks",
+                           verb: str = "freed") -> None:
+        """A block dropped more often than it is referenced (free_blocks, unpin_blocks)."""
         ref = self._ref[block_id]
         times = ids.count(block_id)
+        already = " (it is already free)" if ref == 0 and call == "free_blocks" else ""
         raise UsageError(
-            f"free_blocks(): block {block_id} has ref_cnt {ref} but is freed {times} time(s)"
-            + (" (it is already free)" if ref == 0 else "")
+            f"{call}(): block {block_id} has ref_cnt {ref} but is {verb} {times} time(s)"
+            + already
         )
 
-    def _raise_not_held(self, ids: list[int], block_id: int) -> None:
+    def _raise_not_held(self, ids: list[int], block_id: int, call: str = "free_blocks",
+                        verb: str = "freed") -> None:
+        """A block dropped more often than this process holds it."""
         raise UsageError(
-            f"free_blocks(): block {block_id} is freed {ids.count(block_id)} time(s) but this "
+            f"{call}(): block {block_id} is {verb} {ids.count(block_id)} time(s) but this "
             f"process holds {self._led[block_id]} reference(s) to it "
             f"(ref_cnt {self._ref[block_id]})"
         )
