@@ -432,12 +432,8 @@ class KVCacheManager:
                 and self._slots_already_allocated(request, num_new_tokens,
                                                   num_lookahead_tokens,
                                                   delay_cache_blocks, has_scheduled_reqs)):
-            # What the general path below does at its end, cheaply when nothing is pending.
             if self._lookup_hold or self._pending_hits or self._hits_to_verify:
-                self._pending_hits.pop(request.request_id, None)
-                self._hits_to_verify.pop(request.request_id, None)
-                if not self._pending_hits:
-                    self.release_lookup_hold()
+                self._end_allocation(request.request_id)  # skipped when nothing is pending
             return self.empty_kv_cache_blocks
         try:
             with self._lock:
@@ -448,10 +444,15 @@ class KVCacheManager:
                     has_scheduled_reqs, skip_zeroing_group_ids,
                 )
         finally:
-            self._pending_hits.pop(request.request_id, None)
-            self._hits_to_verify.pop(request.request_id, None)
-            if not self._pending_hits:
-                self.release_lookup_hold()
+            self._end_allocation(request.request_id)
+
+    def _end_allocation(self, request_id: str) -> None:
+        """The end of every ``allocate_slots``: the request's lookup is spent, and the
+        lookup hold goes once no lookup awaits its allocation."""
+        self._pending_hits.pop(request_id, None)
+        self._hits_to_verify.pop(request_id, None)
+        if not self._pending_hits:
+            self.release_lookup_hold()
 
     def _slots_already_allocated(self, request: Any, num_new_tokens: int,
                                  num_lookahead_tokens: int, delay_cache_blocks: bool,
