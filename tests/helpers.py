@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from dataclasses import dataclass, field
 
@@ -130,3 +131,18 @@ def interrupt_once_serving(cmd: list[str], *, cwd, env: dict, wait_s: float,
             proc.communicate()
     reader.join(10)
     return proc.returncode, stdout.decode(), b"".join(chunks).decode(), proc.pid
+
+
+def run_leftovers(pid: int) -> list[str]:
+    """Entries of /dev/shm made by the serving run of process ``pid`` (every name carries
+    ``run<pid>-``)."""
+    return sorted(e for e in os.listdir("/dev/shm") if f"run{pid}-" in e)
+
+
+def pid_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import interrupt_once_serving
+from tests.helpers import interrupt_once_serving, pid_running, run_leftovers
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,16 +26,6 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT))
 
 
-def _leftovers(pid: int) -> list[str]:
-    return sorted(e for e in os.listdir("/dev/shm") if f"run{pid}-" in e)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def _shmkv(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, int]:
@@ -95,7 +85,7 @@ def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
         assert r["ttft_steps_mean"] >= 1
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert "infinite cache (bound)" in done.stdout
-    assert _leftovers(pid) == []
+    assert run_leftovers(pid) == []
 
 
 def test_shmkv_trace_with_conversations_replay_meets_the_bound(tmp_path):
@@ -120,7 +110,7 @@ def test_shmkv_trace_with_conversations_replay_meets_the_bound(tmp_path):
     shared = [r for r in got["runs"] if r["pool"] == "shared"]
     assert len(shared) == 2 and all(r["prefill_tokens_saved"] == bound for r in shared)
     assert all(r["prefill_tokens_saved"] <= bound for r in got["runs"])
-    assert _leftovers(pid) == []
+    assert run_leftovers(pid) == []
 
 
 BAD_LINES = [
@@ -146,7 +136,7 @@ def test_malformed_lines_refused_before_anything_starts(tmp_path, command):
         assert "bad.jsonl:2: " in done.stderr and field in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
         assert "requests" not in done.stdout  # no run, no report
-        assert _leftovers(pid) == []
+        assert run_leftovers(pid) == []
 
 
 def test_replay_and_run_with_the_model_agree_on_hits(tmp_path):
@@ -175,7 +165,7 @@ def test_replay_and_run_with_the_model_agree_on_hits(tmp_path):
     assert hits == [(f["pool"], f["routing"], f["prefill_tokens_saved"], f["evictions"])
                     for f in [m, *m["compare"]]]
     assert hits[0][2] > 0
-    assert _leftovers(pid1) == [] and _leftovers(pid2) == []
+    assert run_leftovers(pid1) == [] and run_leftovers(pid2) == []
 
 
 def test_time_scale_honours_timestamps(tmp_path):
@@ -206,11 +196,11 @@ def test_ctrl_c_of_a_replay_leaves_nothing(tmp_path):
     f = json.loads((tmp_path / "c.json").read_text())
     assert any(p.startswith("interrupted") for p in f["problems"])
     assert f["requests"] < f["requests_total"]
-    assert _leftovers(pid) == []
+    assert run_leftovers(pid) == []
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in f["processes"].values()) and time.monotonic() < deadline:
+    while any(pid_running(p) for p in f["processes"].values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in f["processes"].values())
+    assert not any(pid_running(p) for p in f["processes"].values())
 
 
 def test_bench_replay_smoke(tmp_path):

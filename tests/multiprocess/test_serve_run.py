@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import interrupt_once_serving
+from tests.helpers import interrupt_once_serving, pid_running, run_leftovers
 
 pytest.importorskip("torch")
 
@@ -29,23 +29,12 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT))
 
 
-def _leftovers(pid: int) -> list[str]:
-    """Entries of /dev/shm made by the run of process ``pid`` (every name carries it)."""
-    return sorted(e for e in os.listdir("/dev/shm") if f"run{pid}-" in e)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def _wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
+        alive = [p for p in pids if pid_running(p)]
         if not alive:
             return []
         time.sleep(0.1)
@@ -77,7 +66,7 @@ def run_shmkv(tmp_path, *args: str, python_args=("-m", "shmkv.cli")
 
 
 def _check_clean(figures: dict, pid: int) -> None:
-    assert _leftovers(pid) == []
+    assert run_leftovers(pid) == []
     assert _wait_gone(figures["processes"].values()) == []
 
 
@@ -362,7 +351,7 @@ def _marked_pids(mark: str) -> list[int]:
                     out.append(int(entry))
         except OSError:
             continue
-    return [p for p in out if _alive(p)]
+    return [p for p in out if pid_running(p)]
 
 
 def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_path):
@@ -388,11 +377,11 @@ def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_pat
         proc.wait(30)
         assert _wait_gone(children, timeout_s=30) == []
         assert _marked_pids(mark) == []
-        assert _leftovers(proc.pid)  # the front end could not remove them
+        assert run_leftovers(proc.pid)  # the front end could not remove them
         out = subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
                              text=True, env=_env(), timeout=120)
         assert out.returncode == 0, out.stderr
-        assert _leftovers(proc.pid) == []
+        assert run_leftovers(proc.pid) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -400,6 +389,6 @@ def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_pat
         proc.stderr.close()
         for p in _marked_pids(mark):
             os.kill(p, signal.SIGKILL)
-        if _leftovers(proc.pid):
+        if run_leftovers(proc.pid):
             subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
                            env=_env(), timeout=120)
