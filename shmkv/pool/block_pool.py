@@ -1500,6 +1500,9 @@ class BlockPool:
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
+        if not self._tiers and not self._reuse_watchers:  # the common case, inline
+            self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
+            return
         if self._tiers:
             # As vLLM's pool, blocks of another pool (a tier's) are freed in theirs, after
             # this pool's own.
@@ -1510,21 +1513,23 @@ class BlockPool:
                 if pool is not self:
                     other.setdefault(pool, []).append(block)
             if other:
-                own = [b for b in ordered_blocks if getattr(b, "_pool", self) is self]
-                with self._lock:
-                    self._lock.mutate("free", self._kernel.free, own, self.enable_caching)
-                    if self._reuse_watchers:
-                        self._stamp_watched(own)
+                self._free_own([b for b in ordered_blocks
+                                if getattr(b, "_pool", self) is self])
                 for pool, blocks in other.items():
                     pool.free_blocks(blocks)
                 return
-        if self._reuse_watchers:
-            ordered_blocks = list(ordered_blocks)
-            with self._lock:
-                self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
-                self._stamp_watched(ordered_blocks)
+        self._free_own(ordered_blocks)
+
+    def _free_own(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """``free_blocks`` of this pool's own blocks; blocks unpinned with a watcher get
+        their reuse stamp in the same hold (``poll_reuse``)."""
+        if not self._reuse_watchers:
+            self._lock.mutate("free", self._kernel.free, blocks, self.enable_caching)
             return
-        self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
+        blocks = list(blocks)
+        with self._lock:
+            self._lock.mutate("free", self._kernel.free, blocks, self.enable_caching)
+            self._stamp_watched(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops the prefix-cache entries of the given blocks (a KV connector failed to load
