@@ -35,6 +35,9 @@ import sys
 
 import pytest
 
+from shmkv.core.vllm_objects import from_vllm as to_shmkv
+from shmkv.core.vllm_objects import to_vllm_events
+
 TARGET = os.environ.get("SHMKV_UPSTREAM_TARGET", "shmkv")
 if TARGET not in ("shmkv", "vllm"):
     raise pytest.UsageError(f"SHMKV_UPSTREAM_TARGET must be shmkv or vllm, got {TARGET!r}")
@@ -49,23 +52,8 @@ LOCK_TIMEOUT_S = 2.0
 
 # ------------------------------------------------------------------ conversion (vLLM -> shmkv)
 
-def to_shmkv(obj):
-    """vLLM's spec / group / config dataclasses (and enums) as shmkv takes them (specs bridged:
-    instances of shmkv's class and of vLLM's); anything else unchanged."""
-    from shmkv.core.vllm_objects import from_vllm
-
-    return from_vllm(obj)
-
-
-def to_vllm_events(events):
-    from vllm.distributed import kv_events as V
-
-    out = []
-    for event in events:
-        cls = getattr(V, type(event).__name__)
-        fields = getattr(cls, "__struct_fields__", ())
-        out.append(cls(**{f: getattr(event, f) for f in fields if hasattr(event, f)}))
-    return out
+# vLLM's objects as shmkv takes them, and shmkv's KV events as vLLM's classes, come from
+# shmkv's own bridge (shmkv/core/vllm_objects.py: from_vllm as to_shmkv, to_vllm_events).
 
 
 # ------------------------------------------------------------------ the shims
