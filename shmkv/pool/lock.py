@@ -56,6 +56,10 @@ _H_INCARNATION = L.H_HOLDER_INCARNATION
 _H_SINCE = L.H_HOLDER_SINCE_NS
 _H_LOCK_SEQ = L.H_LOCK_SEQ
 _H_JOURNAL_LEN = L.H_JOURNAL_LEN
+_PHASE_IDLE = L.PHASE_IDLE
+_PHASE_ACQUIRING = L.PHASE_ACQUIRING
+_PHASE_HOLDING = L.PHASE_HOLDING
+_PHASE_ABANDONED = L.PHASE_ABANDONED
 _monotonic_ns = time.monotonic_ns
 _FENCED = (
     "this process's slot in the pool was reclaimed (it was taken for dead); it must attach "
@@ -255,22 +259,54 @@ class PoolLock:
             raise LockTimeoutError(
                 f"pool lock: another thread of this process held it for over {self.timeout_s} s"
             )
+        # Every hold runs this: the fence check, the phase stores and the semaphore's
+        # uncontended try are inline (``_take_semaphore`` is the same, with the wait).
+        armed = _fault.armed  # constant for the call (fault.begin / fault.end bracket it)
         try:
-            took_over = self._take_semaphore()
+            proc = self._proc64
+            fence = self._fence_index
+            if proc is None or fence is None or not self._enabled:
+                took_over = self._take_semaphore()
+            else:
+                if proc[fence] != self._incarnation:
+                    raise FencedError(_FENCED)  # a reclaimed slot: touch nothing, not its phase
+                if armed:
+                    _fault.tick()
+                phase = self._phase_index
+                proc[phase] = _PHASE_ABANDONED if self._abandoned else _PHASE_ACQUIRING
+                self._stage = _STAGE_IN_WAIT
+                try:
+                    self._sem.acquire(0)
+                except posix_ipc.BusyError:
+                    self._stage = _STAGE_NONE
+                    took_over = self._wait()
+                    self._now_holding()
+                else:
+                    if armed:
+                        _fault.tick()
+                    proc[phase] = _PHASE_HOLDING  # the first thing with the unit
+                    self._stage = _STAGE_HELD
+                    self._abandoned = False
+                    self._waited = 0
+                    took_over = False
+                    if proc[fence] != self._incarnation:
+                        self._give_back_fenced()
             now = _monotonic_ns()
             hdr = self._hdr64
-            if _fault.armed:
+            if armed:  # a fault point before each store
                 _fault.tick()
-            hdr[_H_HOLDER] = self._holder_word
-            if _fault.armed:
+                hdr[_H_HOLDER] = self._holder_word
                 _fault.tick()
-            hdr[_H_INCARNATION] = self._incarnation
-            if _fault.armed:
+                hdr[_H_INCARNATION] = self._incarnation
                 _fault.tick()
-            hdr[_H_SINCE] = now
-            if _fault.armed:
+                hdr[_H_SINCE] = now
                 _fault.tick()
-            hdr[_H_LOCK_SEQ] += 1
+                hdr[_H_LOCK_SEQ] += 1
+            else:  # the same stores, in the same order
+                hdr[_H_HOLDER] = self._holder_word
+                hdr[_H_INCARNATION] = self._incarnation
+                hdr[_H_SINCE] = now
+                hdr[_H_LOCK_SEQ] += 1
             self._depth = 1
             self._owner_thread = get_ident()
             self._stage = _STAGE_NONE  # held: from here release() gives it back
@@ -319,14 +355,15 @@ class PoolLock:
                 self._gate.release()
 
     def _take_semaphore(self) -> bool:
-        """Fence check, phase, semaphore. Returns True if the lock was taken over.
+        """Fence check, phase, semaphore, HOLDING (what :meth:`acquire` does inline when the
+        process has a slot). Returns True if the lock was taken over.
 
         ``self._stage`` tracks, with plain attribute stores (no bytecode between them and
         the calls they bracket can raise), whether the unit may be this process's."""
         if self._fenced():  # a reclaimed slot: touch nothing, not even its phase
             raise FencedError(_FENCED)
         # ABANDONED instead of ACQUIRING while an earlier, cut acquire may hold the unit.
-        self._set_phase(L.PHASE_ABANDONED if self._abandoned else L.PHASE_ACQUIRING)
+        self._set_phase(_PHASE_ABANDONED if self._abandoned else _PHASE_ACQUIRING)
         self._waited = 0
         took_over = False
         if self._enabled:
@@ -335,28 +372,42 @@ class PoolLock:
                 self._sem.acquire(0)  # the uncontended case: no clock, no timed wait
             except posix_ipc.BusyError:
                 self._stage = _STAGE_NONE
-                start = _monotonic_ns()
-                took_over = not self._spin(start) and self._wait_in_slices(start)
-                self._waited = _monotonic_ns() - start
-                self.wait_ns_total += self._waited
-        # The first thing with the unit (see shmkv/pool/takeover.py), inline: no call
-        # between the semaphore and this store but the fault tick.
+                took_over = self._wait()
+        self._now_holding()
+        return took_over
+
+    def _wait(self) -> bool:
+        """The semaphore was taken: spin, then wait in slices. Returns True if the lock was
+        taken over (``_stage`` as around the semaphore calls)."""
+        start = _monotonic_ns()
+        took_over = not self._spin(start) and self._wait_in_slices(start)
+        self._waited = _monotonic_ns() - start
+        self.wait_ns_total += self._waited
+        return took_over
+
+    def _now_holding(self) -> None:
+        """The first thing with the unit (see shmkv/pool/takeover.py): no call between the
+        semaphore and the HOLDING store but the fault tick; then the fence check again."""
         if _fault.armed:
             _fault.tick()
         proc = self._proc64
         if proc is not None:
-            proc[self._phase_index] = L.PHASE_HOLDING
+            proc[self._phase_index] = _PHASE_HOLDING
         self._stage = _STAGE_HELD
         self._abandoned = False
-        if self._fenced():  # reclaimed while it waited: give the unit back, touch nothing more
-            self._stage = _STAGE_NONE
-            try:
-                if self._enabled:
-                    self._sem.release()
-            finally:
-                self._set_phase(L.PHASE_IDLE)
-            raise FencedError(_FENCED)
-        return took_over
+        if self._fenced():
+            self._give_back_fenced()
+
+    def _give_back_fenced(self) -> None:
+        """The slot was reclaimed while this process waited: give the unit back, touch
+        nothing more, raise FencedError."""
+        self._stage = _STAGE_NONE
+        try:
+            if self._enabled:
+                self._sem.release()
+        finally:
+            self._set_phase(L.PHASE_IDLE)
+        raise FencedError(_FENCED)
 
     @property
     def spin_s(self) -> float:
@@ -424,19 +475,22 @@ class PoolLock:
             self._set_phase(L.PHASE_RELEASING)
         finally:
             try:
+                armed = _fault.armed
                 if hdr[_H_JOURNAL_LEN]:  # commit: the hold's writes stand
-                    if _fault.armed:
+                    if armed:
                         _fault.tick()
                     hdr[_H_JOURNAL_LEN] = 0
-                if _fault.armed:
+                if armed:  # a fault point before each store
                     _fault.tick()
-                hdr[_H_HOLDER] = 0
-                if _fault.armed:
+                    hdr[_H_HOLDER] = 0
                     _fault.tick()
-                hdr[_H_INCARNATION] = 0
-                if _fault.armed:
+                    hdr[_H_INCARNATION] = 0
                     _fault.tick()
-                hdr[_H_SINCE] = 0
+                    hdr[_H_SINCE] = 0
+                else:  # the same stores, in the same order
+                    hdr[_H_HOLDER] = 0
+                    hdr[_H_INCARNATION] = 0
+                    hdr[_H_SINCE] = 0
                 # The hold ends at the post: read the clock before it, for the post may wake
                 # a waiter that preempts this process before the next line runs.
                 held = _monotonic_ns() - self._held_since
@@ -448,7 +502,7 @@ class PoolLock:
                         _fault.tick()
                     proc = self._proc64
                     if proc is not None:
-                        proc[self._phase_index] = L.PHASE_IDLE
+                        proc[self._phase_index] = _PHASE_IDLE
                 finally:
                     self._gate.release()
         self.hold_ns_total += held
