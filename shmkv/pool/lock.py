@@ -225,11 +225,6 @@ class PoolLock:
         self._fence_index = fence_index
         self._phase_index = phase_index
 
-    def _fenced(self) -> bool:
-        proc = self._proc64
-        return (proc is not None and self._fence_index is not None
-                and proc[self._fence_index] != self._incarnation)
-
     def _set_phase(self, phase: int) -> None:
         if self._proc64 is not None:
             if _fault.armed:
@@ -259,54 +254,23 @@ class PoolLock:
             raise LockTimeoutError(
                 f"pool lock: another thread of this process held it for over {self.timeout_s} s"
             )
-        # Every hold runs this: the fence check, the phase stores and the semaphore's
-        # uncontended try are inline (``_take_semaphore`` is the same, with the wait).
         armed = _fault.armed  # constant for the call (fault.begin / fault.end bracket it)
         try:
-            proc = self._proc64
-            fence = self._fence_index
-            if proc is None or fence is None or not self._enabled:
-                took_over = self._take_semaphore()
-            else:
-                if proc[fence] != self._incarnation:
-                    raise FencedError(_FENCED)  # a reclaimed slot: touch nothing, not its phase
-                if armed:
-                    _fault.tick()
-                phase = self._phase_index
-                proc[phase] = _PHASE_ABANDONED if self._abandoned else _PHASE_ACQUIRING
-                self._stage = _STAGE_IN_WAIT
-                try:
-                    self._sem.acquire(0)
-                except posix_ipc.BusyError:
-                    self._stage = _STAGE_NONE
-                    took_over = self._wait()
-                    self._now_holding()
-                else:
-                    if armed:
-                        _fault.tick()
-                    proc[phase] = _PHASE_HOLDING  # the first thing with the unit
-                    self._stage = _STAGE_HELD
-                    self._abandoned = False
-                    self._waited = 0
-                    took_over = False
-                    if proc[fence] != self._incarnation:
-                        self._give_back_fenced()
+            took_over = self._take_semaphore(armed)
             now = _monotonic_ns()
             hdr = self._hdr64
-            if armed:  # a fault point before each store
+            if armed:
                 _fault.tick()
-                hdr[_H_HOLDER] = self._holder_word
+            hdr[_H_HOLDER] = self._holder_word
+            if armed:
                 _fault.tick()
-                hdr[_H_INCARNATION] = self._incarnation
+            hdr[_H_INCARNATION] = self._incarnation
+            if armed:
                 _fault.tick()
-                hdr[_H_SINCE] = now
+            hdr[_H_SINCE] = now
+            if armed:
                 _fault.tick()
-                hdr[_H_LOCK_SEQ] += 1
-            else:  # the same stores, in the same order
-                hdr[_H_HOLDER] = self._holder_word
-                hdr[_H_INCARNATION] = self._incarnation
-                hdr[_H_SINCE] = now
-                hdr[_H_LOCK_SEQ] += 1
+            hdr[_H_LOCK_SEQ] += 1
             self._depth = 1
             self._owner_thread = get_ident()
             self._stage = _STAGE_NONE  # held: from here release() gives it back
@@ -354,16 +318,21 @@ class PoolLock:
             finally:
                 self._gate.release()
 
-    def _take_semaphore(self) -> bool:
-        """Fence check, phase, semaphore, HOLDING (what :meth:`acquire` does inline when the
-        process has a slot). Returns True if the lock was taken over.
+    def _take_semaphore(self, armed: bool) -> bool:
+        """Fence check, phase, semaphore, HOLDING, fence check again. Returns True if the
+        lock was taken over. Runs every hold, so the phase stores are inline (no ``_set_phase``),
+        ``armed`` is the fault flag read once by the caller.
 
         ``self._stage`` tracks, with plain attribute stores (no bytecode between them and
         the calls they bracket can raise), whether the unit may be this process's."""
-        if self._fenced():  # a reclaimed slot: touch nothing, not even its phase
-            raise FencedError(_FENCED)
-        # ABANDONED instead of ACQUIRING while an earlier, cut acquire may hold the unit.
-        self._set_phase(_PHASE_ABANDONED if self._abandoned else _PHASE_ACQUIRING)
+        proc, fence, phase = self._proc64, self._fence_index, self._phase_index
+        if proc is not None and fence is not None and proc[fence] != self._incarnation:
+            raise FencedError(_FENCED)  # a reclaimed slot: touch nothing, not even its phase
+        if proc is not None:
+            if armed:
+                _fault.tick()
+            # ABANDONED instead of ACQUIRING while an earlier, cut acquire may hold the unit.
+            proc[phase] = _PHASE_ABANDONED if self._abandoned else _PHASE_ACQUIRING
         self._waited = 0
         took_over = False
         if self._enabled:
@@ -373,7 +342,17 @@ class PoolLock:
             except posix_ipc.BusyError:
                 self._stage = _STAGE_NONE
                 took_over = self._wait()
-        self._now_holding()
+                proc, fence, phase = self._proc64, self._fence_index, self._phase_index
+        # The first thing with the unit (see shmkv/pool/takeover.py): no call between the
+        # semaphore and this store but the fault tick.
+        if armed:
+            _fault.tick()
+        if proc is not None:
+            proc[phase] = _PHASE_HOLDING
+        self._stage = _STAGE_HELD
+        self._abandoned = False
+        if proc is not None and fence is not None and proc[fence] != self._incarnation:
+            self._give_back_fenced()  # reclaimed while it waited
         return took_over
 
     def _wait(self) -> bool:
@@ -384,19 +363,6 @@ class PoolLock:
         self._waited = _monotonic_ns() - start
         self.wait_ns_total += self._waited
         return took_over
-
-    def _now_holding(self) -> None:
-        """The first thing with the unit (see shmkv/pool/takeover.py): no call between the
-        semaphore and the HOLDING store but the fault tick; then the fence check again."""
-        if _fault.armed:
-            _fault.tick()
-        proc = self._proc64
-        if proc is not None:
-            proc[self._phase_index] = _PHASE_HOLDING
-        self._stage = _STAGE_HELD
-        self._abandoned = False
-        if self._fenced():
-            self._give_back_fenced()
 
     def _give_back_fenced(self) -> None:
         """The slot was reclaimed while this process waited: give the unit back, touch
@@ -480,17 +446,15 @@ class PoolLock:
                     if armed:
                         _fault.tick()
                     hdr[_H_JOURNAL_LEN] = 0
-                if armed:  # a fault point before each store
+                if armed:
                     _fault.tick()
-                    hdr[_H_HOLDER] = 0
+                hdr[_H_HOLDER] = 0
+                if armed:
                     _fault.tick()
-                    hdr[_H_INCARNATION] = 0
+                hdr[_H_INCARNATION] = 0
+                if armed:
                     _fault.tick()
-                    hdr[_H_SINCE] = 0
-                else:  # the same stores, in the same order
-                    hdr[_H_HOLDER] = 0
-                    hdr[_H_INCARNATION] = 0
-                    hdr[_H_SINCE] = 0
+                hdr[_H_SINCE] = 0
                 # The hold ends at the post: read the clock before it, for the post may wake
                 # a waiter that preempts this process before the next line runs.
                 held = _monotonic_ns() - self._held_since
