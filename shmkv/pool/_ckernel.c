@@ -1708,6 +1708,212 @@ static PyObject *mem_fence(PyObject *mod, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ block tables
+ *
+ * The rank side of shmkv/ranks/block_table.py: a batch's token indices and its slot
+ * mappings from the shared tables, in one pass each. numpy is the reference there; these
+ * take only what they can do exactly as it does (lists or tuples of ints, or 1-d
+ * C-contiguous int64 buffers, every value in range) and answer "not taken" for anything
+ * else, so the numpy path runs and raises the error that names the problem. The tables are
+ * read with plain loads; the caller's seqlock validates them. */
+
+/* An int64 operand: a buffer's data, or a list's or tuple's ints copied out. */
+typedef struct {
+    Py_buffer view;
+    int has_view;
+    int64_t *copy;
+    const int64_t *data;
+    Py_ssize_t n;
+} I64Vec;
+
+static void i64vec_close(I64Vec *v) {
+    if (v->has_view) PyBuffer_Release(&v->view);
+    v->has_view = 0;
+    PyMem_Free(v->copy);
+    v->copy = NULL;
+}
+
+/* 1: opened; 0: not taken (nothing raised); -1: an error was raised (memory). */
+static int i64vec_open(PyObject *obj, I64Vec *v) {
+    memset(v, 0, sizeof(*v));
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+        PyObject **items = PySequence_Fast_ITEMS(obj);
+        v->copy = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+        if (!v->copy) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int overflow = 0;
+            long long x = PyLong_Check(items[i])
+                              ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : -1;
+            if (!PyLong_Check(items[i]) || overflow) {
+                i64vec_close(v);
+                return 0;
+            }
+            v->copy[i] = x;
+        }
+        v->data = v->copy;
+        v->n = n;
+        return 1;
+    }
+    if (!PyObject_CheckBuffer(obj)) return 0;
+    if (PyObject_GetBuffer(obj, &v->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear(); /* e.g. not contiguous: numpy's path copes */
+        return 0;
+    }
+    v->has_view = 1;
+    const char *f = v->view.format;
+    if (v->view.ndim != 1 || v->view.itemsize != 8 || !f || (strcmp(f, "l") && strcmp(f, "q"))) {
+        i64vec_close(v);
+        return 0;
+    }
+    v->data = (const int64_t *)v->view.buf;
+    v->n = v->view.shape[0];
+    return 1;
+}
+
+/* token_indices(counts, starts, req_out, pos_out) -> total tokens, or -1 (not taken).
+ * Request i schedules counts[i] tokens from position starts[i]; writes, request-major, the
+ * request index and the position of every token into the int64 buffers req_out / pos_out,
+ * unless they are shorter than the total (then writes nothing: the caller sizes them and
+ * calls again). */
+static PyObject *bt_token_indices(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "token_indices(counts, starts, req_out, pos_out)");
+        return NULL;
+    }
+    I64Vec counts, starts;
+    Py_buffer req, pos;
+    long long total = -1;
+    int r = i64vec_open(args[0], &counts);
+    if (r <= 0) return r < 0 ? NULL : PyLong_FromLong(-1);
+    r = i64vec_open(args[1], &starts);
+    if (r <= 0) {
+        i64vec_close(&counts);
+        return r < 0 ? NULL : PyLong_FromLong(-1);
+    }
+    if (counts.n != starts.n) goto done;
+    total = 0;
+    for (Py_ssize_t i = 0; i < counts.n; i++) {
+        int64_t c = counts.data[i], s = starts.data[i];
+        if (c < 0 || s < 0 || s > INT64_MAX - c || total > PY_SSIZE_T_MAX / 8 - c) {
+            total = -1;
+            goto done;
+        }
+        total += c;
+    }
+    if (PyObject_GetBuffer(args[2], &req, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    if (PyObject_GetBuffer(args[3], &pos, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&req);
+        goto fail;
+    }
+    if (req.itemsize == 8 && pos.itemsize == 8 && req.len >= total * 8 && pos.len >= total * 8) {
+        int64_t *ro = req.buf, *po = pos.buf, t = 0;
+        for (Py_ssize_t i = 0; i < counts.n; i++)
+            for (int64_t k = 0, s = starts.data[i]; k < counts.data[i]; k++, t++) {
+                ro[t] = i;
+                po[t] = s + k;
+            }
+    }
+    PyBuffer_Release(&req);
+    PyBuffer_Release(&pos);
+done:
+    i64vec_close(&counts);
+    i64vec_close(&starts);
+    return PyLong_FromLongLong(total);
+fail:
+    i64vec_close(&counts);
+    i64vec_close(&starts);
+    return NULL;
+}
+
+/* slot_mappings(tables, block_sizes, rows, req, pos, out) -> bool.
+ * Token t lies in table row rows[req[t]] at position pos[t]; its slot in group g is
+ * tables[g][row, pos // bs] * bs + pos % bs (bs = block_sizes[g]), written to out[g, t]
+ * (an int64 buffer of len(tables) * len(pos) words). out=None only checks. False (nothing
+ * written) when anything is out of range or not taken; tables are int32 [rows, width]. */
+static PyObject *bt_slot_mappings(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1]) ||
+        PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1]) ||
+        PyTuple_GET_SIZE(args[0]) > 64) {
+        PyErr_SetString(PyExc_TypeError,
+                        "slot_mappings(tables: tuple, block_sizes: tuple, rows, req, pos, out)");
+        return NULL;
+    }
+    Py_ssize_t ngroups = PyTuple_GET_SIZE(args[0]), opened = 0, g, t;
+    Py_buffer tables[64], out;
+    int64_t bs[64];
+    I64Vec rows, req, pos;
+    int taken = 0, have_out = 0, r;
+    PyObject *result = NULL;
+    if ((r = i64vec_open(args[2], &rows)) <= 0) return r < 0 ? NULL : Py_NewRef(Py_False);
+    if ((r = i64vec_open(args[3], &req)) <= 0) {
+        i64vec_close(&rows);
+        return r < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    if ((r = i64vec_open(args[4], &pos)) <= 0) {
+        i64vec_close(&rows);
+        i64vec_close(&req);
+        return r < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    for (; opened < ngroups; opened++) {
+        PyObject *size = PyTuple_GET_ITEM(args[1], opened);
+        bs[opened] = PyLong_Check(size) ? PyLong_AsLongLong(size) : 0;
+        if (bs[opened] <= 0) {
+            PyErr_Clear();
+            goto out;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], opened), &tables[opened],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            goto out;
+        }
+        if (tables[opened].ndim != 2 || tables[opened].itemsize != 4) {
+            opened++;
+            goto out;
+        }
+    }
+    if (req.n != pos.n) goto out;
+    for (t = 0; t < rows.n; t++)
+        if (rows.data[t] < 0 || rows.data[t] >= tables[0].shape[0]) goto out;
+    for (t = 0; t < req.n; t++)
+        if (req.data[t] < 0 || req.data[t] >= rows.n) goto out;
+    for (g = 0; g < ngroups; g++) {
+        if (tables[g].shape[0] != tables[0].shape[0]) goto out;
+        int64_t limit = tables[g].shape[1] * bs[g];
+        for (t = 0; t < pos.n; t++)
+            if (pos.data[t] < 0 || pos.data[t] >= limit) goto out;
+    }
+    if (args[5] != Py_None) {
+        if (PyObject_GetBuffer(args[5], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            goto out;
+        }
+        have_out = 1;
+        if (out.itemsize != 8 || out.len != (Py_ssize_t)(ngroups * pos.n * 8)) goto out;
+        int64_t *o = out.buf;
+        for (g = 0; g < ngroups; g++) {
+            const int32_t *table = tables[g].buf;
+            int64_t width = tables[g].shape[1], b = bs[g];
+            for (t = 0; t < pos.n; t++) {
+                int64_t p = pos.data[t];
+                o[g * pos.n + t] = (int64_t)table[rows.data[req.data[t]] * width + p / b] * b + p % b;
+            }
+        }
+    }
+    taken = 1;
+out:
+    result = Py_NewRef(taken ? Py_True : Py_False);
+    if (have_out) PyBuffer_Release(&out);
+    for (g = 0; g < opened; g++) PyBuffer_Release(&tables[g]);
+    i64vec_close(&rows);
+    i64vec_close(&req);
+    i64vec_close(&pos);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"fence", mem_fence, METH_NOARGS,
      "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
@@ -1716,6 +1922,12 @@ static PyMethodDef module_methods[] = {
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},
     {"set_fault", set_fault, METH_O,
      "set_fault(module): shmkv.pool.fault, whose plan mutate() counts stores for"},
+    {"token_indices", (PyCFunction)(void (*)(void))bt_token_indices, METH_FASTCALL,
+     "token_indices(counts, starts, req_out, pos_out) -> total (-1: not taken); "
+     "shmkv/ranks/block_table.py"},
+    {"slot_mappings", (PyCFunction)(void (*)(void))bt_slot_mappings, METH_FASTCALL,
+     "slot_mappings(tables, block_sizes, rows, req, pos, out) -> taken; "
+     "shmkv/ranks/block_table.py"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},

@@ -79,6 +79,12 @@ from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, write_owner
 
+try:  # the rank side's one-pass helpers; numpy below is the reference and the fallback
+    from shmkv.pool._ckernel import slot_mappings as _c_slot_mappings
+    from shmkv.pool._ckernel import token_indices as _c_token_indices
+except ImportError:  # pure-Python install
+    _c_slot_mappings = _c_token_indices = None
+
 
 class _LazyTorch:
     """torch, imported on first use: a scheduler that only writes rows never loads it."""
@@ -197,6 +203,20 @@ def _as_numpy_int64(x: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     return np.asarray(x, dtype=np.int64).reshape(-1)
 
 
+def _c_operand(x: object) -> object:
+    """``x`` as the C helpers take it (a list, a tuple, a 1-d ndarray; a CPU int64 tensor as
+    its numpy view), or None: the numpy path then takes it. The helpers refuse anything
+    else they cannot read exactly as numpy would (a float, a 2-d or strided array...)."""
+    kind = type(x)
+    if kind is list or kind is tuple:
+        return x
+    if kind is np.ndarray:
+        return x if x.ndim == 1 else None
+    if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device.type == "cpu":
+        return x.numpy() if x.dim() == 1 else None
+    return None
+
+
 def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
                          positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slots of a batch's tokens: ``block_table[req, pos // bs] * bs + pos % bs`` (int64).
@@ -278,7 +298,19 @@ def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
     """``(req_indices, positions)`` of a batch whose request ``i`` schedules
     ``num_scheduled_tokens[i]`` tokens starting at position ``start_positions[i]``: one
     entry per token, request-major (vLLM's ``query_start_loc`` order). Works for prefill
-    (many tokens per request) and decode (one) alike."""
+    (many tokens per request) and decode (one) alike. One C pass when the kernel is built
+    (the same answers; anything it does not take goes the numpy way, which says what is
+    wrong)."""
+    counts_c, starts_c = _c_operand(num_scheduled_tokens), _c_operand(start_positions)
+    if _c_token_indices is not None and counts_c is not None and starts_c is not None:
+        size = len(counts_c)  # the decode case: one token per request
+        req, pos = np.empty(size, np.int64), np.empty(size, np.int64)
+        total = _c_token_indices(counts_c, starts_c, req, pos)
+        if total > size:  # prefill: sized now, written now
+            req, pos = np.empty(total, np.int64), np.empty(total, np.int64)
+            _c_token_indices(counts_c, starts_c, req, pos)
+        if total >= 0:
+            return torch.from_numpy(req[:total]), torch.from_numpy(pos[:total])
     counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
     starts = np.asarray(start_positions, dtype=np.int64)
     if counts.shape != starts.shape or counts.ndim != 1:
@@ -364,6 +396,7 @@ class SharedBlockTables:
             for (o, _), w in zip(offsets[1:], self.max_num_blocks_per_req, strict=True)
         ]
         self._views: tuple | None = None  # the torch views, made on first use (_t)
+        self._tables_c = tuple(self._tables_np)  # what the C helper reads (None: closed)
         self._writing = False
         self._seqlock = True  # tests turn it off to show the torn-read check fails
         self.name = segment.shm_name
@@ -480,6 +513,7 @@ class SharedBlockTables:
             return
         self._hdr = self._words = self._swords = _Closed(self.name)  # type: ignore[assignment]
         self._num_blocks_np = self._tables_np = _Closed(self.name)  # type: ignore[assignment]
+        self._tables_c = None
         self._views = (_Closed(self.name), _Closed(self.name))
         self._segment.close()
 
@@ -826,6 +860,11 @@ class SharedBlockTables:
             UsageError: a row or position out of range.
             TornReadError: no consistent state within ``timeout_s``.
         """
+        operands = (_c_operand(rows), _c_operand(req_indices), _c_operand(positions))
+        if (_c_slot_mappings is not None and self._tables_c is not None
+                and all(x is not None for x in operands)
+                and _c_slot_mappings(self._tables_c, self.block_sizes, *operands, None)):
+            return self._c_slot_mappings(operands, min_step, timeout_s)
         rows_np = _as_numpy_int64(rows)
         if rows_np.size and (int(rows_np.min()) < 0 or int(rows_np.max()) >= self.max_num_reqs):
             raise UsageError(
@@ -852,6 +891,19 @@ class SharedBlockTables:
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
                 return step, slots
+
+    def _c_slot_mappings(self, operands: tuple, min_step: int | None, timeout_s: float
+                         ) -> tuple[int, list[torch.Tensor]]:
+        """compute_slot_mappings in one C pass per try, on operands it has checked."""
+        out = np.empty((self.num_groups, len(operands[2])), np.int64)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seq = self._wait_even(deadline, min_step) if self._seqlock else 0
+            _c_slot_mappings(self._tables_c, self.block_sizes, *operands, out)
+            _fence()  # the rows before the seq re-read that validates them
+            step = int(self._swords[_STEP_WORD])
+            if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:
+                return step, [torch.from_numpy(slots) for slots in out]
 
     @contextlib.contextmanager
     def reading(self, step: int | None = None, *,

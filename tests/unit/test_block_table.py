@@ -21,6 +21,7 @@ from shmkv.errors import (  # noqa: E402
     UsageError,
 )
 from shmkv.pool import layout as L  # noqa: E402
+from shmkv.ranks import block_table as block_table_module  # noqa: E402
 from shmkv.ranks.block_table import (  # noqa: E402
     BT_HEADER_DTYPE,
     KV_HEADER_DTYPE,
@@ -50,6 +51,19 @@ def tables(name):
     t = SharedBlockTables.create(name, max_num_reqs=8, max_model_len=64, block_sizes=[4, 16])
     yield t
     t.close()
+
+
+@pytest.fixture(params=["c", "numpy"])
+def rank_path(request, monkeypatch):
+    """The rank side's two paths: the C helpers (when the kernel is built) and numpy, the
+    reference they are held to."""
+    if request.param == "c":
+        if block_table_module._c_slot_mappings is None:
+            pytest.skip("the C kernel is not built")
+    else:
+        monkeypatch.setattr(block_table_module, "_c_slot_mappings", None)
+        monkeypatch.setattr(block_table_module, "_c_token_indices", None)
+    return request.param
 
 
 def _state(t: SharedBlockTables) -> tuple:
@@ -227,7 +241,7 @@ def _slots_by_loop(table, req_indices, positions, bs):
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
-def test_slot_mapping_matches_the_formula(kind):
+def test_slot_mapping_matches_the_formula(kind, rank_path):
     """Slots of prefill (many tokens per request), decode (one) and mixed batches equal
     block_id * block_size + position % block_size, token by token."""
     rng = random.Random(kind)
@@ -248,7 +262,7 @@ def test_slot_mapping_matches_the_formula(kind):
     assert slots.tolist() == _slots_by_loop(table, req_indices, positions, bs)
 
 
-def test_slot_mapping_pads_and_refuses_out_of_range_positions():
+def test_slot_mapping_pads_and_refuses_out_of_range_positions(rank_path):
     table = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
     slots = compute_slot_mapping(table, torch.tensor([1, -1, 0]), torch.tensor([5, 0, 0]), 4)
     assert slots.tolist() == [6 * 4 + 1, PAD_SLOT_ID, 12]
@@ -260,7 +274,7 @@ def test_slot_mapping_pads_and_refuses_out_of_range_positions():
         batch_token_indices([1, 2], [0])
 
 
-def test_snapshot_slot_mappings_per_group(tables):
+def test_snapshot_slot_mappings_per_group(tables, rank_path):
     tables.add_row(([1, 2, 3], [7]), 4)
     tables.commit(0)
     snap = tables.read([4])
@@ -469,7 +483,7 @@ def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, r
     assert _same(before, _state(tables))
 
 
-def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
+def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables, rank_path):
     """Slots straight from the shared tables equal those of a gathered snapshot; rows are
     table rows, req_indices index the rows list."""
     tables.add_rows([([1, 2, 3], [7]), ([4, 5], [8])], [6, 2])
@@ -497,6 +511,129 @@ def test_compute_slot_mappings_reads_the_shared_rows_in_place(name, tables):
             reader.compute_slot_mappings([6], req_indices[:1], positions[:1], timeout_s=0.05)
     finally:
         reader.close()
+
+
+def _outcome(fn, *args) -> tuple:
+    """What a call gave: its tensors (dtype and values) or its exception (type, message)."""
+    try:
+        result = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the exception is the outcome compared
+        return ("raised", type(exc).__name__, str(exc))
+    if isinstance(result[0], int):  # compute_slot_mappings: (step, slots per group)
+        return ("ok", result[0], [(str(t.dtype), t.tolist()) for t in result[1]])
+    return ("ok", [(str(t.dtype), t.tolist()) for t in result])
+
+
+def _both_paths(monkeypatch, fn, *args) -> tuple[tuple, tuple]:
+    c = _outcome(fn, *args)
+    with monkeypatch.context() as m:
+        m.setattr(block_table_module, "_c_slot_mappings", None)
+        m.setattr(block_table_module, "_c_token_indices", None)
+        reference = _outcome(fn, *args)
+    return c, reference
+
+
+def _container(rng: random.Random, values: list):
+    """``values`` as one of the shapes callers pass: lists, tuples, arrays, tensors, and
+    a few the C helpers refuse (int32, floats, bools, numpy ints, 2-d)."""
+    kind = rng.choice(["list", "tuple", "np64", "t64"] * 4 + [
+        "np32", "t32", "float", "bool", "npint", "2d", "strided"])
+    if kind in ("np32", "t32") and any(abs(v) >= 2**31 for v in values):
+        kind = "list"  # not representable in int32
+    if kind == "list":
+        return list(values)
+    if kind == "tuple":
+        return tuple(values)
+    if kind in ("np64", "np32"):
+        return np.array(values, dtype=np.int64 if kind == "np64" else np.int32)
+    if kind in ("t64", "t32"):
+        return torch.tensor(values, dtype=torch.int64 if kind == "t64" else torch.int32)
+    if kind == "float":
+        return [float(v) for v in values]
+    if kind == "bool":
+        return [bool(v) for v in values]
+    if kind == "npint":
+        return [np.int64(v) for v in values]
+    if kind == "2d":
+        return np.array(values, dtype=np.int64).reshape(1, -1)
+    return np.repeat(np.array(values, dtype=np.int64), 2)[::2]  # a strided view
+
+
+@pytest.mark.skipif(block_table_module._c_token_indices is None,
+                    reason="the C kernel is not built")
+def test_the_c_rank_helpers_answer_as_numpy_does_for_every_input(name, tables, monkeypatch):
+    """Random batches, good and bad, in every container: batch_token_indices and
+    compute_slot_mappings give the same tensors or the same error on the C path as on
+    numpy's (the C helpers take what they can read exactly, numpy the rest)."""
+    rng = random.Random(7)
+    tables.add_rows([([1, 2, 3, 4, 5], [7, 8]), ([4, 5], [9])], [6, 2])
+    tables.commit(1)
+    reader = SharedBlockTables.attach(name)
+    c_took = {"token_indices": 0, "slot_mappings": 0}
+    op = block_table_module._c_operand
+    try:
+        for _ in range(1500):
+            n = rng.randint(0, 5)
+            counts = [rng.choice([0, 1, 1, 2, 5, 9, -1]) for _ in range(n)]
+            starts = [rng.choice([0, 3, 30, 60, -2, 2**62, 2**63 - 3]) for _ in range(
+                n + rng.choice([0, 0, 0, 1]))]
+            args = (_container(rng, counts), _container(rng, starts))
+            c, ref = _both_paths(monkeypatch, batch_token_indices, *args)
+            assert c == ref, (counts, starts)
+            operands = [op(a) for a in args]
+            if all(x is not None for x in operands) and block_table_module._c_token_indices(
+                    *operands, np.empty(0, np.int64), np.empty(0, np.int64)) >= 0:
+                c_took["token_indices"] += 1
+            rows = [rng.choice([0, 2, 6, 6, 7, 7, 8, -1]) for _ in range(rng.randint(1, 3))]
+            t = rng.randint(0, 6)
+            req = [rng.choice([0, 0, 0, 1, 2, -1]) for _ in range(t)]
+            pos = [rng.choice([0, 5, 19, 33, 50, 63, 64, -1])
+                   for _ in range(t + rng.choice([0, 0, 0, 1]))]
+            args = (_container(rng, rows), _container(rng, req), _container(rng, pos))
+            c, ref = _both_paths(monkeypatch, reader.compute_slot_mappings, *args)
+            assert c == ref, (rows, req, pos)
+            operands = [op(a) for a in args]
+            if all(x is not None for x in operands) and block_table_module._c_slot_mappings(
+                    reader._tables_c, reader.block_sizes, *operands, None):
+                c_took["slot_mappings"] += 1
+        # Enough of the cases went the C way for the comparison to mean something.
+        assert min(c_took.values()) >= 80, c_took
+        reader.close()
+        c, ref = _both_paths(monkeypatch, reader.compute_slot_mappings, [6], [0], [0])
+        assert c == ref and c[1] == "PoolClosedError"
+    finally:
+        reader.close()
+
+
+@pytest.mark.skipif(block_table_module._c_token_indices is None,
+                    reason="the C kernel is not built")
+def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
+    """The C path is the one a regular batch takes (so the comparison above compares two
+    paths), and it writes nothing when it says no."""
+    token_indices = block_table_module._c_token_indices
+    slot_mappings = block_table_module._c_slot_mappings
+    req, pos = np.full(3, -7, np.int64), np.full(3, -7, np.int64)
+    assert token_indices([2, 3], [0, 10], req, pos) == 5  # too short: nothing written
+    assert req.tolist() == pos.tolist() == [-7, -7, -7]
+    assert token_indices([2, 1], [0, 10], req, pos) == 3
+    assert (req.tolist(), pos.tolist()) == ([0, 0, 1], [0, 1, 10])
+    assert token_indices([1, -1], [0, 0], req, pos) == -1
+    assert token_indices([1.0], [0], req, pos) == -1
+    assert token_indices([1, 1], [0], req, pos) == -1
+    tables.add_row(([1, 2], [7]), 3)
+    tables.commit(1)
+    groups = tables._tables_c
+    out = np.full((2, 2), -7, np.int64)
+    assert slot_mappings(groups, tables.block_sizes, [3], [0, 0], [1, 5], None) is True
+    assert slot_mappings(groups, tables.block_sizes, [3], [0, 0], [1, 5], out) is True
+    assert out.tolist() == [[1 * 4 + 1, 2 * 4 + 1], [7 * 16 + 1, 7 * 16 + 5]]
+    out[:] = -7
+    for rows, req_i, pos_i in [([8], [0], [0]), ([3], [1], [0]), ([3], [0], [64]),
+                               ([3], [0], [-1]), ([3], [0, 0], [0]), ([3], [0], [0.5])]:
+        assert slot_mappings(groups, tables.block_sizes, rows, req_i, pos_i, out[:, :1]
+                             .copy()) is False
+    assert slot_mappings(groups, tables.block_sizes, [3], [0], [0], out) is False  # wrong size
+    assert (out == -7).all()
 
 
 def _open_and_fill(handle: bytes, done) -> None:
