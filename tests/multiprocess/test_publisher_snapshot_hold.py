@@ -16,28 +16,38 @@ from shmkv.publisher import KVEventPublisher  # noqa: E402
 from tests.helpers import make_request  # noqa: E402
 
 
-def test_the_snapshot_lock_hold_is_a_small_part_of_the_snapshot(pool_name):
-    """60,000 cached blocks: the hold was about half of the snapshot's time (the hashes
-    were turned into Python objects under the lock); now it is a few percent. The batch
-    still holds every key."""
-    n = 60_000
+def test_the_snapshot_builds_hashes_and_the_batch_outside_the_lock(pool_name, monkeypatch):
+    """The hashes and the batch are built after the holds (they once were built under the
+    lock, about half the snapshot's time): every call that builds them finds the pool lock
+    free. The batch still holds every key. (The hold's share of the time is measured, not
+    asserted: ``benchmarks/bench_events.py``.)"""
+    import shmkv.publisher as publisher
+
+    n = 6_000
     pool = BlockPool.create(pool_name, n + 2, enable_kv_cache_events=True,
                             event_log_bytes=1 << 20)
     try:
         req = make_request(n * 16)
         pool.cache_full_blocks(req, pool.get_new_blocks(n), 0, n, 16, 0)
+        lock = pool.lock()
+        held_at: list[bool] = []
+
+        def spy(fn):
+            def call(*args, **kwargs):
+                held_at.append(lock.held)
+                return fn(*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(publisher, "external_block_hash",
+                            spy(publisher.external_block_hash))
+        monkeypatch.setattr(publisher, "encode_batch", spy(publisher.encode_batch))
         pub = KVEventPublisher(pool, "tcp://127.0.0.1:0")
         try:
-            lock = pool.lock()
-            shares = []
-            for _ in range(3):
-                lock.record = []
-                t0 = time.perf_counter_ns()
-                _, payload = pub.snapshot()
-                total = time.perf_counter_ns() - t0
-                shares.append(max(hold for _, hold in lock.record) / total)
-                lock.record = None
-            assert min(shares) < 0.2, f"lock held for {min(shares):.0%} of the snapshot"
+            lock.record = []
+            _, payload = pub.snapshot()
+            assert lock.record, "the snapshot took the pool lock"
+            lock.record = None
+            assert len(held_at) == n + 1 and not any(held_at)
             batch = decode_batch(payload)
             assert sum(len(e.block_hashes) for e in batch.events[1:]) == n
         finally:
