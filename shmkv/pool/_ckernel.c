@@ -1914,6 +1914,133 @@ out:
     return result;
 }
 
+/* scatter_rows(tables, num_blocks, rows, ids_per_row, appending, max_id, begin_write)
+ * -> bool: the scheduler side's add_rows / append_rows. Row rows[i] of group g gets
+ * ids_per_row[i][g] (written after its num_blocks[g, row] blocks when appending, from
+ * column 0 otherwise) and its new length. Everything is checked and copied out first (rows
+ * in range and distinct, one id list per group, every id an int in [0, max_id], no row
+ * past its table's width); then begin_write() is called (the seqlock's odd store) and the
+ * copied plan is stored, touching no Python object (another thread may run in the call).
+ * False, with nothing called or written, when anything would be refused or is not a list
+ * or tuple of ints: the Python path then says why. */
+static PyObject *bt_scatter_rows(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) > 64 ||
+        PyTuple_GET_SIZE(args[0]) < 1) {
+        PyErr_SetString(PyExc_TypeError, "scatter_rows(tables: tuple, num_blocks, rows, "
+                                         "ids_per_row, appending, max_id, begin_write)");
+        return NULL;
+    }
+    if (!(PyList_Check(args[3]) || PyTuple_Check(args[3])) || !PySequence_Fast_GET_SIZE(args[3]))
+        Py_RETURN_FALSE; /* not a list or tuple, or no rows: the Python path */
+    Py_ssize_t ngroups = PyTuple_GET_SIZE(args[0]), opened = 0, g, i, k, total = 0;
+    Py_buffer tables[64], lengths;
+    int have_lengths = 0, taken = 0, r;
+    int appending = PyObject_IsTrue(args[4]);
+    long long max_id = PyLong_AsLongLong(args[5]);
+    unsigned char *seen = NULL;
+    int64_t *spans = NULL; /* per (row, group): start, count */
+    int32_t *ids_out = NULL;
+    I64Vec rows;
+    PyObject *result = NULL;
+    if (appending < 0 || (max_id == -1 && PyErr_Occurred())) return NULL;
+    if ((r = i64vec_open(args[2], &rows)) <= 0) return r < 0 ? NULL : Py_NewRef(Py_False);
+    PyObject *per_row = args[3];
+    Py_ssize_t nrows = PySequence_Fast_GET_SIZE(per_row);
+    PyObject **row_ids = PySequence_Fast_ITEMS(per_row);
+    for (; opened < ngroups; opened++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], opened), &tables[opened],
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            goto out;
+        }
+        if (tables[opened].ndim != 2 || tables[opened].itemsize != 4 ||
+            tables[opened].shape[0] != tables[0].shape[0]) {
+            opened++;
+            goto out;
+        }
+    }
+    if (PyObject_GetBuffer(args[1], &lengths, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        goto out;
+    }
+    have_lengths = 1;
+    Py_ssize_t table_rows = tables[0].shape[0];
+    if (lengths.itemsize != 4 || lengths.len != (Py_ssize_t)(4 * ngroups * table_rows) ||
+        rows.n != nrows)
+        goto out;
+    int32_t *len32 = lengths.buf;
+    seen = PyMem_Calloc((size_t)(table_rows ? table_rows : 1), 1);
+    spans = PyMem_Malloc((size_t)(nrows * ngroups * 2 + 1) * sizeof(int64_t));
+    if (!seen || !spans) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    /* Every check, before anything is written: the spans, and the number of ids. */
+    for (i = 0; i < nrows; i++) {
+        int64_t row = rows.data[i];
+        if (row < 0 || row >= table_rows || seen[row]) goto out;
+        seen[row] = 1;
+        PyObject *groups = row_ids[i];
+        if (!(PyList_Check(groups) || PyTuple_Check(groups)) ||
+            PySequence_Fast_GET_SIZE(groups) != ngroups)
+            goto out;
+        for (g = 0; g < ngroups; g++) {
+            PyObject *ids = PySequence_Fast_ITEMS(groups)[g];
+            if (!(PyList_Check(ids) || PyTuple_Check(ids))) goto out;
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+            int64_t start = appending ? len32[g * table_rows + row] : 0;
+            if (start < 0 || start + n > tables[g].shape[1]) goto out;
+            spans[2 * (i * ngroups + g)] = start;
+            spans[2 * (i * ngroups + g) + 1] = n;
+            total += n;
+        }
+    }
+    ids_out = PyMem_Malloc((size_t)(total + 1) * sizeof(int32_t));
+    if (!ids_out) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    /* The ids, copied out and checked (no Python code runs in this loop: the items are
+     * ints, read as they are). */
+    for (i = 0, total = 0; i < nrows; i++) {
+        PyObject **groups = PySequence_Fast_ITEMS(row_ids[i]);
+        for (g = 0; g < ngroups; g++) {
+            PyObject **items = PySequence_Fast_ITEMS(groups[g]);
+            for (k = 0; k < spans[2 * (i * ngroups + g) + 1]; k++) {
+                int overflow = 0;
+                if (!PyLong_Check(items[k])) goto out;
+                long long id = PyLong_AsLongLongAndOverflow(items[k], &overflow);
+                if (overflow || id < 0 || id > max_id || id > INT32_MAX) goto out;
+                ids_out[total++] = (int32_t)id;
+            }
+        }
+    }
+    PyObject *begun = PyObject_CallNoArgs(args[6]);
+    if (!begun) goto fail;
+    Py_DECREF(begun);
+    for (i = 0, total = 0; i < nrows; i++) {
+        int64_t row = rows.data[i];
+        for (g = 0; g < ngroups; g++) {
+            int64_t start = spans[2 * (i * ngroups + g)], n = spans[2 * (i * ngroups + g) + 1];
+            int32_t *dst = (int32_t *)tables[g].buf + row * tables[g].shape[1] + start;
+            memcpy(dst, ids_out + total, (size_t)n * sizeof(int32_t));
+            total += n;
+            len32[g * table_rows + row] = (int32_t)(start + n);
+        }
+    }
+    taken = 1;
+out:
+    result = Py_NewRef(taken ? Py_True : Py_False);
+fail:
+    PyMem_Free(ids_out);
+    PyMem_Free(spans);
+    PyMem_Free(seen);
+    if (have_lengths) PyBuffer_Release(&lengths);
+    for (g = 0; g < opened; g++) PyBuffer_Release(&tables[g]);
+    i64vec_close(&rows);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"fence", mem_fence, METH_NOARGS,
      "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
@@ -1928,6 +2055,9 @@ static PyMethodDef module_methods[] = {
     {"slot_mappings", (PyCFunction)(void (*)(void))bt_slot_mappings, METH_FASTCALL,
      "slot_mappings(tables, block_sizes, rows, req, pos, out) -> taken; "
      "shmkv/ranks/block_table.py"},
+    {"scatter_rows", (PyCFunction)(void (*)(void))bt_scatter_rows, METH_FASTCALL,
+     "scatter_rows(tables, num_blocks, rows, ids_per_row, appending, max_id, begin_write) "
+     "-> taken; shmkv/ranks/block_table.py"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},

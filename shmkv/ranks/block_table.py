@@ -80,10 +80,11 @@ from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, write_owner
 
 try:  # the rank side's one-pass helpers; numpy below is the reference and the fallback
+    from shmkv.pool._ckernel import scatter_rows as _c_scatter_rows
     from shmkv.pool._ckernel import slot_mappings as _c_slot_mappings
     from shmkv.pool._ckernel import token_indices as _c_token_indices
 except ImportError:  # pure-Python install
-    _c_slot_mappings = _c_token_indices = None
+    _c_scatter_rows = _c_slot_mappings = _c_token_indices = None
 
 
 class _LazyTorch:
@@ -648,7 +649,14 @@ class SharedBlockTables:
 
     def _write_rows(self, block_ids_per_row, rows, appending: bool) -> None:
         """Validates every row of every group first (UsageError, nothing written), then
-        scatters all ids of a group with one numpy store."""
+        scatters all ids of a group with one numpy store. With the C kernel built, plain
+        lists of valid ints are checked and stored in one C pass; what it refuses takes
+        this path, whose checks name the row and group at fault."""
+        if (_c_scatter_rows is not None and self._tables_c is not None
+                and _c_scatter_rows(self._tables_c, self._num_blocks_np, rows,
+                                    block_ids_per_row, appending, MAX_BLOCK_ID,
+                                    self._begin_write)):
+            return
         is_array = not isinstance(rows, (list, tuple)) and hasattr(rows, "tolist")
         rows_list = rows.tolist() if is_array else list(rows)
         if len(block_ids_per_row) != len(rows_list):

@@ -66,6 +66,17 @@ def rank_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["c", "python"])
+def writer_path(request, monkeypatch):
+    """add_rows / append_rows: the C pass (when built) and the Python paths."""
+    if request.param == "c":
+        if block_table_module._c_scatter_rows is None:
+            pytest.skip("the C kernel is not built")
+    else:
+        monkeypatch.setattr(block_table_module, "_c_scatter_rows", None)
+    return request.param
+
+
 def _state(t: SharedBlockTables) -> tuple:
     return (t.seq, t.step, t.num_blocks_per_row.clone(),
             [t.block_table(g).clone() for g in range(t.num_groups)])
@@ -403,7 +414,7 @@ def test_pinned_store_copies_blocks_to_and_from_a_gpu(name):
 
 # --------------------------------------------------------------------------- batched rows
 
-def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
+def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name, writer_path):
     """Both paths: row by row for a few rows, vectorised for many."""
     rng = random.Random(11)
     with SharedBlockTables.create(name, max_num_reqs=64, max_model_len=64,
@@ -433,7 +444,7 @@ def test_add_rows_and_append_rows_equal_the_row_by_row_calls(name):
             SharedBlockTables.unlink(name + "-1")
 
 
-def test_a_few_rows_of_arrays_or_numpy_ints_end_the_same_as_lists(name):
+def test_a_few_rows_of_arrays_or_numpy_ints_end_the_same_as_lists(name, writer_path):
     """The few-row path's plain-list plan gives way to the row-by-row checks for ids that
     are arrays, tensors or numpy ints (and row indices that are numpy ints): the tables
     end the same as with lists."""
@@ -471,7 +482,7 @@ def test_a_few_rows_of_arrays_or_numpy_ints_end_the_same_as_lists(name):
 ])
 @pytest.mark.parametrize("row_by_row_max", [24, 0], ids=["row-by-row", "vectorised"])
 def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, row_by_row_max,
-                                                         monkeypatch):
+                                                         monkeypatch, writer_path):
     import shmkv.ranks.block_table as bt
 
     monkeypatch.setattr(bt, "_ROW_BY_ROW_MAX", row_by_row_max)
@@ -634,6 +645,97 @@ def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
                              .copy()) is False
     assert slot_mappings(groups, tables.block_sizes, [3], [0], [0], out) is False  # wrong size
     assert (out == -7).all()
+
+
+@pytest.mark.skipif(block_table_module._c_scatter_rows is None,
+                    reason="the C kernel is not built")
+def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeypatch):
+    """Random add_rows / append_rows, good and bad (rows repeated or out of range, ids
+    negative or too many, wrong group counts, numpy ints, arrays), on two tables: one
+    through the C pass, one through Python. After every call both hold the same rows,
+    lengths and seqlock word, or both raised the same error."""
+    rng = random.Random(5)
+    c_tables = SharedBlockTables.create(name, max_num_reqs=16, max_model_len=64,
+                                        block_sizes=[4, 16])
+    py_tables = SharedBlockTables.create(name + "-py", max_num_reqs=16, max_model_len=64,
+                                         block_sizes=[4, 16])
+    took = 0
+    try:
+        for step in range(1, 400):
+            rows = [rng.choice(list(range(16)) * 3 + [16, -1]) for _ in range(rng.randint(0, 6))]
+            ids = []
+            for _ in rows:
+                row = [[rng.choice([1, 5, 90, 2**31 - 1, 2**31, -1] if rng.random() < 0.1
+                                   else [1, 5, 90]) for _ in range(rng.randint(0, limit))]
+                       for limit in (5, 2)]
+                kind = rng.random()
+                if kind < 0.05:
+                    row = row[:1]
+                elif kind < 0.1:
+                    row = [np.array(row[0], dtype=np.int64), row[1]]
+                elif kind < 0.15:
+                    row = [[np.int64(i) for i in row[0]], tuple(row[1])]
+                ids.append(tuple(row) if kind > 0.9 else row)
+            appending = rng.random() < 0.7
+            outcomes = []
+            for t, fast in ((c_tables, True), (py_tables, False)):
+                with monkeypatch.context() as m:
+                    if not fast:
+                        m.setattr(block_table_module, "_c_scatter_rows", None)
+                    try:
+                        (t.append_rows if appending else t.add_rows)(ids, rows)
+                        outcomes.append("ok")
+                    except UsageError as exc:
+                        outcomes.append(str(exc))
+            assert outcomes[0] == outcomes[1], (rows, ids)
+            assert _same(_state(c_tables), _state(py_tables)), (rows, ids)
+            if outcomes[0] == "ok" and rows and all(type(r) is list for r in ids):
+                took += 1
+            if rng.random() < 0.3:
+                c_tables.commit(step)
+                py_tables.commit(step)
+            if rng.random() < 0.1:  # keep room in the rows
+                c_tables.clear()
+                py_tables.clear()
+        assert took >= 50, took  # enough calls went the C way to compare two paths
+    finally:
+        for t, n in ((c_tables, name), (py_tables, name + "-py")):
+            t.close()
+            SharedBlockTables.unlink(n)
+
+
+@pytest.mark.skipif(block_table_module._c_scatter_rows is None,
+                    reason="the C kernel is not built")
+def test_the_c_row_writer_checks_all_before_begin_write_and_stores_what_it_checked(tables):
+    """It calls begin_write only once everything is checked (a refusal calls nothing and
+    writes nothing), an exception from begin_write writes nothing, and what it stores is
+    what it checked, even if the caller's lists change inside begin_write (another thread
+    may run there)."""
+    scatter = block_table_module._c_scatter_rows
+    groups, lengths = tables._tables_c, tables._num_blocks_np
+    calls = []
+    before = _state(tables)
+    for rows, ids in [([1, 1], [[[1], [2]], [[3], [4]]]), ([1], [[[1] * 17, [2]]]),
+                      ([1], [[[-1], [2]]]), ([1], [[[1]]]), ([1], [[[1.0], [2]]])]:
+        assert scatter(groups, lengths, rows, ids, True, 99, lambda: calls.append(1)) is False
+    assert calls == [] and _same(before, _state(tables))
+
+    def fail():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scatter(groups, lengths, [2], [[[7], [8]]], False, 99, fail)
+    assert _same(before, _state(tables))
+    ids = [[[7, 8], [9]]]
+
+    def meddle():
+        ids[0][0][:] = [-5] * 40  # a thread changing the lists mid-call
+        ids.clear()
+
+    assert scatter(groups, lengths, [2], ids, False, 99, meddle) is True
+    assert tables._tables_np[0][2, :3].tolist() == [7, 8, 0]
+    assert tables._tables_np[1][2, :2].tolist() == [9, 0]
+    assert tables._num_blocks_np[:, 2].tolist() == [2, 1]
 
 
 def _open_and_fill(handle: bytes, done) -> None:
