@@ -22,3 +22,4 @@ run run_defaults python -m shmkv.cli run --json "$OUT/run.json" --plot ""
 run block_table python benchmarks/bench_block_table.py --scenarios decode --repeats 11 --steps 20
 run recovery python benchmarks/bench_recovery.py --partial-keys --repeats 5
 run block_pool python benchmarks/bench_block_pool.py --ops alloc_free --no-progress
+run python_floor python benchmarks/bench_python_floor.py

@@ -157,3 +157,16 @@ def test_bench_recovery_partial_keys_smoke():
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     (rebuilt,) = [r for r in rows if r["bench"] == "recovery"]
     assert rebuilt["alias_keys"] > 0 and rebuilt["rebuild_ms_median"] > 0
+
+
+def test_bench_python_floor_smoke():
+    """bench_python_floor prints a JSON line per measurement and the table, and leaves no
+    segment or semaphore behind."""
+    out = _run("benchmarks/bench_python_floor.py", "--pairs", "200", "--repeats", "1",
+               "--no-vllm")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {r["impl"] for r in rows} >= {"bare-holds", "pool-lock-holds", "shmkv-py"}
+    assert all(r["ns_per_pair"] > 0 for r in rows)
+    assert "ns/pair" in out.stdout
+    assert not [f for f in os.listdir("/dev/shm") if "floor" in f]
