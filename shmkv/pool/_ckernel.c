@@ -1837,7 +1837,7 @@ fail:
 static PyObject *bt_slot_mappings(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1]) ||
         PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1]) ||
-        PyTuple_GET_SIZE(args[0]) > 64) {
+        PyTuple_GET_SIZE(args[0]) > 64 || PyTuple_GET_SIZE(args[0]) < 1) {
         PyErr_SetString(PyExc_TypeError,
                         "slot_mappings(tables: tuple, block_sizes: tuple, rows, req, pos, out)");
         return NULL;

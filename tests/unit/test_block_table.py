@@ -645,6 +645,11 @@ def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
                              .copy()) is False
     assert slot_mappings(groups, tables.block_sizes, [3], [0], [0], out) is False  # wrong size
     assert (out == -7).all()
+    with pytest.raises(TypeError):  # no group: a caller's bug, not a batch to refuse
+        slot_mappings((), (), [3], [0], [0], None)
+    with pytest.raises(TypeError):
+        block_table_module._c_scatter_rows((), tables._num_blocks_np, [1], [[]], False, 9,
+                                           lambda: None)
 
 
 @pytest.mark.skipif(block_table_module._c_scatter_rows is None,
