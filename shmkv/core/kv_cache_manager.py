@@ -532,7 +532,7 @@ class KVCacheManager:
             watermark_blocks = self.watermark_blocks
         num_prompt_tokens = request.num_prompt_tokens
         prefill_end = max(num_prompt_tokens, request.num_tokens - 1)
-        free_blocks = self.block_pool.get_num_free_blocks
+        fits = self._fits
 
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
@@ -542,7 +542,7 @@ class KVCacheManager:
                 num_local_computed_tokens=num_local_computed, num_tokens_main_model=full,
                 apply_admission_cap=True, prefill_end=prefill_end,
             )
-            if need + watermark_blocks > free_blocks():
+            if not fits(need + watermark_blocks):
                 return None
 
         num_tokens_main_model = total_computed + num_new_tokens
@@ -558,7 +558,7 @@ class KVCacheManager:
             num_local_computed_tokens=num_local_computed,
             num_tokens_main_model=num_tokens_main_model, prefill_end=prefill_end,
         )
-        if need + watermark_blocks > free_blocks() - reserved_blocks:
+        if not fits(need + watermark_blocks + reserved_blocks):
             return None
         if hit is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(
@@ -574,6 +574,17 @@ class KVCacheManager:
         coordinator.cache_blocks(request, min(total_computed + num_new_tokens,
                                               request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _fits(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` blocks are free (vLLM's check). When they are not, the
+        processes that died without ``close()`` are reaped first (caller holds the pool
+        lock): a SIGKILLed peer's references may be what is missing, and a survivor told
+        "no room" would otherwise preempt and wait for ever (nothing else reaps them). With
+        nobody dead, the answer is vLLM's."""
+        pool = self.block_pool
+        if num_blocks <= pool.get_num_free_blocks():
+            return True
+        return pool.reap_dead() > 0 and num_blocks <= pool.get_num_free_blocks()
 
     # ------------------------------------------------------------------ release
 

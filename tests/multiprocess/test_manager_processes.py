@@ -162,6 +162,39 @@ def test_dcp_processes_match_vllm(spawn_ctx, kernel, dcp, hbs):
             BlockPool.unlink(name)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_allocate_slots_short_of_blocks_reaps_a_dead_process_first(spawn_ctx, pool_factory,
+                                                                   kernel):
+    """A process SIGKILLed while it holds most of the pool: the survivor's allocate_slots,
+    short of blocks, reaps it and allocates, where it returned None for ever before (a
+    scheduler then preempts and waits; nothing else reaps a peer that died holding blocks).
+    With nobody dead, a shortfall is still None, as in vLLM."""
+    import signal
+
+    from tests.multiprocess import workers
+
+    pool = pool_factory(40, kernel=kernel)
+    manager = manager_workers.make_manager(pool, "full")
+    hasher = pool.make_block_hasher()
+    too_big = Request("too-big", list(range(5000, 5000 + 4 * 40)), block_hasher=hasher)
+    assert manager.allocate_slots(too_big, too_big.num_tokens) is None  # nobody to reap
+    ready = spawn_ctx.Event()
+    victim = spawn_ctx.Process(target=workers.take_blocks_then_sigkill,
+                               args=(pool.pool_name, kernel, 36, ready))
+    victim.start()
+    assert join_processes([victim]) == [-signal.SIGKILL] and ready.is_set()
+    assert pool.get_num_free_blocks() == 3
+    request = Request("r", list(range(64)), block_hasher=hasher)  # 16 blocks of 4 tokens
+    blocks = manager.allocate_slots(request, request.num_tokens)
+    assert blocks is not None and len(blocks.get_block_ids()[0]) == 16
+    assert [p["slot"] for p in pool.processes()] == [pool.slot]  # the victim was reaped
+    assert pool.get_num_free_blocks() == 39 - 16
+    pool.check_invariants()
+    manager.free(request)
+    assert pool.get_num_free_blocks() == 39
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("delay_s", [0.05, 0.5])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_dcp_manager_killed_mid_serve(spawn_ctx, pool_factory, kernel, delay_s):

@@ -191,3 +191,11 @@ def attach_with_fault(name: str, fault: str, stuck_after_s: float) -> None:
     pool = BlockPool.attach(name, label="attacher", stuck_after_s=stuck_after_s,
                             lock_timeout_s=30)
     pool.close()
+
+
+def take_blocks_then_sigkill(name: str, kernel: str, num_blocks: int, ready) -> None:
+    """Attach, take ``num_blocks`` blocks, then die by SIGKILL (no close(), no reap)."""
+    pool = BlockPool.attach(name, kernel=kernel, label="taker")
+    pool.get_new_blocks(num_blocks)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGKILL)
