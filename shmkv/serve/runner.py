@@ -68,6 +68,9 @@ __all__ = ["RunConfig", "RunResult", "Runner"]
 
 JOIN_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 30.0  # for every process of the run to exit after Shutdown
+# A dead process's partner (its scheduler or rank) gets SIGTERM and this long to close its
+# pool and tables before a SIGKILL.
+PARTNER_STOP_S = 5.0
 CHANNEL_BYTES = 1 << 20
 RANK_NICE = 10
 
@@ -446,12 +449,25 @@ class Runner:
                 self.sigterm_deaths.append(what)
             else:
                 self.problems.append(what)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(JOIN_TIMEOUT_S)
+            self._stop_partners(procs)
             live.discard(i)
         return dead
+
+    @staticmethod
+    def _stop_partners(procs: list) -> None:
+        """One of a scheduler / rank pair is dead: the other gets SIGTERM, so that it closes
+        its pool handle (a SIGKILL would leave its references for a reap, and a stop of the
+        whole run by SIGTERM could then look like a death), and a SIGKILL only if it is still
+        there after ``PARTNER_STOP_S``."""
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + PARTNER_STOP_S
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0.0))
+            if p.is_alive():
+                p.kill()
+                p.join(JOIN_TIMEOUT_S)
 
     def _processes_of(self, i: int) -> list:
         """Scheduler ``i`` and its rank (a replay has no ranks)."""

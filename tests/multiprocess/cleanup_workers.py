@@ -47,3 +47,23 @@ def attach_and_wait(name: str, ready, stop) -> None:
 
 def serve_forever() -> None:
     time.sleep(120)
+
+
+def attach_and_wait_for_sigterm(name: str, ignore_sigterm: bool, ready) -> None:
+    """Attach pool ``name`` and take blocks; on SIGTERM close the handle and exit 143, as a
+    scheduler does (or, with ``ignore_sigterm``, keep waiting: only a SIGKILL ends it)."""
+    import signal
+    import sys
+
+    pool = BlockPool.attach(name, label="partner")
+    pool.get_new_blocks(3)
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        ready.set()
+        while True:
+            time.sleep(0.05)
+    finally:
+        pool.close()

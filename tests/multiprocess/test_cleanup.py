@@ -415,3 +415,42 @@ def test_an_offload_data_region_goes_with_its_pool(name):
     out = shmkv("cleanup")
     assert not os.path.exists(regions[0]), out.stdout
     assert os.path.exists(regions[1]) == (os.geteuid() == 0), out.stdout
+
+
+@pytest.mark.parametrize("ignores_sigterm", [False, True])
+def test_the_partner_of_a_dead_process_is_stopped_by_sigterm_first(tmp_path, monkeypatch,
+                                                                    ignores_sigterm):
+    """When one of a scheduler / rank pair dies, `shmkv run` stops the other with SIGTERM,
+    so it closes its pool handle (exit 143, nothing for a reap), and SIGKILLs it only if it
+    is still there after PARTNER_STOP_S. (It was SIGKILLed at once, which, in a stop of the
+    whole group by SIGTERM, left a scheduler 'dead without close()'.)"""
+    import multiprocessing as mp
+
+    from shmkv import BlockPool
+    from shmkv.serve import runner
+    from tests.conftest import unique_pool_name
+    from tests.multiprocess import cleanup_workers
+
+    monkeypatch.setattr(runner, "PARTNER_STOP_S", 1.0)
+    name = unique_pool_name("partner")
+    pool = BlockPool.create(name, 16)
+    try:
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        partner = ctx.Process(target=cleanup_workers.attach_and_wait_for_sigterm,
+                              args=(name, ignores_sigterm, ready))
+        partner.start()
+        assert ready.wait(60), "the partner never attached"
+        runner.Runner._stop_partners([partner])
+        assert not partner.is_alive()
+        if ignores_sigterm:
+            assert partner.exitcode == -signal.SIGKILL
+            assert pool.reap_dead() == 1  # its references needed a reap
+        else:
+            assert partner.exitcode == 143
+            assert pool.reap_dead() == 0  # it closed its handle itself
+        assert pool.get_num_free_blocks() == 15
+        pool.check_invariants()
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
