@@ -307,9 +307,10 @@ def batch_token_indices(num_scheduled_tokens: Sequence[int] | torch.Tensor,
         size = len(counts_c)  # the decode case: one token per request
         req, pos = np.empty(size, np.int64), np.empty(size, np.int64)
         total = _c_token_indices(counts_c, starts_c, req, pos)
-        if total > size:  # prefill: sized now, written now
+        if total > size:  # prefill: sized now, written now (unless a thread changed the lists)
             req, pos = np.empty(total, np.int64), np.empty(total, np.int64)
-            _c_token_indices(counts_c, starts_c, req, pos)
+            if _c_token_indices(counts_c, starts_c, req, pos) != total:
+                total = -1
         if total >= 0:
             return torch.from_numpy(req[:total]), torch.from_numpy(pos[:total])
     counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
@@ -872,7 +873,9 @@ class SharedBlockTables:
         if (_c_slot_mappings is not None and self._tables_c is not None
                 and all(x is not None for x in operands)
                 and _c_slot_mappings(self._tables_c, self.block_sizes, *operands, None)):
-            return self._c_slot_mappings(operands, min_step, timeout_s)
+            result = self._c_slot_mappings(operands, min_step, timeout_s)
+            if result is not None:
+                return result
         rows_np = _as_numpy_int64(rows)
         if rows_np.size and (int(rows_np.min()) < 0 or int(rows_np.max()) >= self.max_num_reqs):
             raise UsageError(
@@ -901,13 +904,15 @@ class SharedBlockTables:
                 return step, slots
 
     def _c_slot_mappings(self, operands: tuple, min_step: int | None, timeout_s: float
-                         ) -> tuple[int, list[torch.Tensor]]:
-        """compute_slot_mappings in one C pass per try, on operands it has checked."""
+                         ) -> tuple[int, list[torch.Tensor]] | None:
+        """compute_slot_mappings in one C pass per try, on operands it has checked; None
+        if a try refuses them after all (another thread changed the caller's lists)."""
         out = np.empty((self.num_groups, len(operands[2])), np.int64)
         deadline = time.monotonic() + timeout_s
         while True:
             seq = self._wait_even(deadline, min_step) if self._seqlock else 0
-            _c_slot_mappings(self._tables_c, self.block_sizes, *operands, out)
+            if not _c_slot_mappings(self._tables_c, self.block_sizes, *operands, out):
+                return None
             _fence()  # the rows before the seq re-read that validates them
             step = int(self._swords[_STEP_WORD])
             if not self._seqlock or int(self._words[_SEQ_WORD]) == seq:

@@ -652,6 +652,41 @@ def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
                                            lambda: None)
 
 
+@pytest.mark.skipif(block_table_module._c_token_indices is None,
+                    reason="the C kernel is not built")
+def test_inputs_changed_between_the_c_check_and_the_c_pass_go_the_numpy_way(
+        name, tables, monkeypatch):
+    """Another thread may change the caller's lists between the C helper's check and its
+    pass: the pass then refuses them, and the answer is numpy's on what the lists became
+    (here an error), never the unwritten output buffer."""
+    real_slots, real_tokens = (block_table_module._c_slot_mappings,
+                               block_table_module._c_token_indices)
+    rows, counts = [6], [2, 3]
+    calls = {"slots": 0, "tokens": 0}
+
+    def slots_then_meddle(*args):
+        calls["slots"] += 1
+        if calls["slots"] == 2:  # the pass after the check
+            rows[0] = 9
+        return real_slots(*args)
+
+    def tokens_then_meddle(*args):
+        calls["tokens"] += 1
+        if calls["tokens"] == 2:  # the prefill's second, sized call
+            counts[1] = -1
+        return real_tokens(*args)
+
+    monkeypatch.setattr(block_table_module, "_c_slot_mappings", slots_then_meddle)
+    monkeypatch.setattr(block_table_module, "_c_token_indices", tokens_then_meddle)
+    tables.add_row(([1, 2], [7]), 6)
+    tables.commit(1)
+    with pytest.raises(UsageError, match=r"rows must lie in \[0, 8\), got 9"):
+        tables.compute_slot_mappings(rows, [0], [1])
+    with pytest.raises(UsageError, match="must be >= 0"):
+        batch_token_indices(counts, [0, 10])
+    assert calls == {"slots": 2, "tokens": 2}
+
+
 @pytest.mark.skipif(block_table_module._c_scatter_rows is None,
                     reason="the C kernel is not built")
 def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeypatch):
