@@ -163,9 +163,11 @@ class _PublisherThread:
 
 def _fork(pool: BlockPool, rng: random.Random, children: dict) -> None:
     """Forks a child: half the time with os.fork (the child must be refused the parent's
-    handle; exit 3 if it is not), else with libc's fork() (PyDLL: the GIL stays held, so
-    the child can sleep; no at-fork hook runs, so the child keeps the parent's liveness
-    lock until it exits)."""
+    handle; exit 3 if it is not), else with libc's fork() (no at-fork hook runs, so the
+    child keeps the parent's liveness lock until it exits). The libc child naps in libc's
+    usleep through PyDLL, so it never lets go of the GIL: CPython does not re-initialise the
+    GIL after a raw fork, and the publisher thread may have held the GIL's own mutex at that
+    instant (a time.sleep there hung one child for 10 s in CI)."""
     if rng.random() < 0.5:
         pid = os.fork()
         if pid == 0:
@@ -181,10 +183,11 @@ def _fork(pool: BlockPool, rng: random.Random, children: dict) -> None:
     else:
         import ctypes
 
-        nap = rng.uniform(0.02, 0.5)
-        pid = ctypes.PyDLL(None).fork()
+        libc = ctypes.PyDLL(None)
+        nap_us = int(rng.uniform(0.02, 0.5) * 1e6)
+        pid = libc.fork()
         if pid == 0:
-            time.sleep(nap)
+            libc.usleep(nap_us)
             os._exit(0)
         if pid < 0:
             raise OSError("fork() failed")
