@@ -185,9 +185,14 @@ def _fork(pool: BlockPool, rng: random.Random, children: dict) -> None:
 
         libc = ctypes.PyDLL(None)
         nap_us = int(rng.uniform(0.02, 0.5) * 1e6)
+        # Looked up before the fork: a lookup in the child (dlsym) could wait for a loader
+        # lock another thread held at the fork. The child dies with its parent (a victim's
+        # child would be orphaned otherwise).
+        usleep, prctl = libc.usleep, libc.prctl
         pid = libc.fork()
         if pid == 0:
-            libc.usleep(nap_us)
+            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            usleep(nap_us)
             os._exit(0)
         if pid < 0:
             raise OSError("fork() failed")
