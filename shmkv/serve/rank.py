@@ -30,9 +30,8 @@ from shmkv.errors import ProtocolError, UsageError
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, ScheduledRequest, Shutdown
 from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indices
 from shmkv.serve.config import TinyModelConfig
-from shmkv.serve.stopping import EXIT_TERMINATED, terminated
+from shmkv.serve.stopping import EXIT_TERMINATED, TERM_POLL_S, terminated
 
-_TERM_POLL_S = 0.25  # how often a waiting rank looks whether it was sent SIGTERM
 
 # torch and the model are imported by ModelRunner and rank_main only: the scheduler side
 # (RankClient, the channels) runs without torch.
@@ -162,8 +161,8 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
         while not terminated():
             if deadline is None and recv_timeout_s is not None:
                 deadline = time.monotonic() + recv_timeout_s
-            wait = _TERM_POLL_S if deadline is None else min(
-                _TERM_POLL_S, max(deadline - time.monotonic(), 0.0))
+            wait = TERM_POLL_S if deadline is None else min(
+                TERM_POLL_S, max(deadline - time.monotonic(), 0.0))
             try:
                 msg = inbox.recv(wait)
             except ProtocolError as exc:

@@ -49,7 +49,7 @@ from shmkv.serve.messages import (
     SchedulerStopped,
     TokensGenerated,
 )
-from shmkv.serve.stopping import EXIT_TERMINATED, terminated
+from shmkv.serve.stopping import EXIT_TERMINATED, TERM_POLL_S, Terminated, terminated
 
 __all__ = ["Scheduler", "ServingRequest", "scheduler_main"]
 
@@ -298,10 +298,12 @@ class RankStep:
         self.to_rank.send(ExecuteModel(step=step, requests=batch), timeout_s=self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         while True:
+            if terminated():  # the rank may have been stopped by the same signal
+                raise Terminated(f"SIGTERM while waiting for the rank's answer to step {step}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ShmKVError(f"rank gave no answer to step {step} in {self.timeout_s} s")
-            channel, msg = self.on_other.receive(remaining)
+            channel, msg = self.on_other.receive(min(remaining, TERM_POLL_S))
             if channel is self.from_rank:
                 if not isinstance(msg, ModelOutput) or msg.step != step:
                     raise ShmKVError(f"rank answered {msg!r} to step {step}")
@@ -489,6 +491,8 @@ def scheduler_main(index: int, channel_names: dict[str, str],
     proc = SchedulerProcess(index, channel_names)
     try:
         proc.run()
+    except Terminated:
+        pass  # a step cut short by SIGTERM: the stop below, as between two steps
     finally:
         proc.close()  # detaches: its block references and its slot go back to the pool
     if terminated():

@@ -5,6 +5,11 @@ loop looks at ``terminated()`` between two steps (never in the middle of a pool 
 step), stops, closes what it opened (a scheduler detaches from the pool: its block
 references and slot go back) and exits ``EXIT_TERMINATED`` (143). A second SIGTERM changes
 nothing: the stop under way goes on.
+
+A wait on another process that may never answer (a scheduler waiting for its rank's step,
+when the same SIGTERM stopped the rank first) looks at ``terminated()`` too and raises
+``Terminated``: the process still closes everything and exits 143, instead of waiting out
+its timeout and being SIGKILLed by the front end with its pool handle open.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ import signal
 import threading
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+TERM_POLL_S = 0.25  # a wait on another process looks this often whether SIGTERM came
 _terminated = threading.Event()
+
+
+class Terminated(Exception):  # noqa: N818 (a stop, not an error)
+    """A wait given up because this process was sent SIGTERM."""
 
 
 def terminated() -> bool:
@@ -29,4 +39,4 @@ def install() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-__all__ = ["EXIT_TERMINATED", "install", "terminated"]
+__all__ = ["EXIT_TERMINATED", "TERM_POLL_S", "Terminated", "install", "terminated"]

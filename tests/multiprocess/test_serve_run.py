@@ -208,78 +208,127 @@ def test_bad_arguments_exit_2_without_traceback(tmp_path):
 # ---------------------------------------------------------------------------- one scheduler
 
 
-def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
-    """A scheduler process fed an undecodable frame and a message it has no use for
-    answers MessageRejected for each and goes on: it resets its pool's prefix cache when
-    asked and stops with SchedulerStopped on Shutdown, exit code 0."""
-    from shmkv import BlockPool
-    from shmkv.messages import Channel, ModelOutput, Shutdown, create_doorbell, unlink_doorbell
-    from shmkv.ranks.block_table import SharedBlockTables
-    from shmkv.serve import engine
-    from shmkv.serve.messages import (
-        AttachScheduler,
-        MessageRejected,
-        PrefixCacheReset,
-        ResetPrefixCache,
-        SchedulerAttached,
-        SchedulerConfig,
-        SchedulerStats,
-        SchedulerStopped,
-    )
-    from shmkv.serve.model import TinyModelConfig
-    from shmkv.serve.scheduler import scheduler_main
-    from tests.conftest import unique_pool_name
+class _LoneScheduler:
+    """One scheduler process (``scheduler_main``, spawned) on a pool and block tables of
+    its own, with its four channels, and no rank: the test reads and answers what the
+    scheduler sends its rank, if it wants to. Everything is removed on exit."""
 
-    name = unique_pool_name("sch")
-    model = TinyModelConfig()
-    pool = BlockPool.create(name, 128, enable_kv_cache_events=True)
-    tables = engine.create_block_tables(name, model, 4, 256, 16)
-    bell = create_doorbell(name)
-    names = {k: f"{name}-{k}" for k in ("inbox", "outbox", "to_rank", "from_rank")}
-    for k, ch in names.items():
-        Channel.create(ch, 1 << 16, doorbell=bell if k in ("inbox", "from_rank") else None
-                       ).close()
-    inbox, outbox = Channel.open(names["inbox"]), Channel.open(names["outbox"])
-    proc = spawn_ctx.Process(target=scheduler_main, args=(0, names))
-    proc.start()
+    def __init__(self, spawn_ctx, num_blocks: int = 128) -> None:
+        from shmkv import BlockPool
+        from shmkv.messages import Channel, create_doorbell
+        from shmkv.serve import engine
+        from shmkv.serve.model import TinyModelConfig
+        from shmkv.serve.scheduler import scheduler_main
+        from tests.conftest import unique_pool_name
 
-    def reply(kind):
+        self.name = name = unique_pool_name("sch")
+        self.model = TinyModelConfig()
+        self.pool = BlockPool.create(name, num_blocks, enable_kv_cache_events=True)
+        self.tables = engine.create_block_tables(name, self.model, 4, 256, 16)
+        self.bell = create_doorbell(name)
+        self.names = {k: f"{name}-{k}" for k in ("inbox", "outbox", "to_rank", "from_rank")}
+        for k, ch in self.names.items():
+            Channel.create(ch, 1 << 16, doorbell=self.bell if k in ("inbox", "from_rank")
+                           else None).close()
+        self.inbox, self.outbox = (Channel.open(self.names[k]) for k in ("inbox", "outbox"))
+        self.to_rank = Channel.open(self.names["to_rank"])
+        self.proc = spawn_ctx.Process(target=scheduler_main, args=(0, self.names))
+
+    def __enter__(self):
+        self.proc.start()
+        return self
+
+    def attach(self, **config) -> None:
+        from shmkv.serve import engine
+        from shmkv.serve.messages import AttachScheduler, SchedulerAttached, SchedulerConfig
+
+        self.inbox.send(AttachScheduler(scheduler=0, config=SchedulerConfig(
+            pool_name=self.name, model=engine.model_config_to_dict(self.model),
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+            block_tables_name=self.name, **config)))
+        assert self.reply(SchedulerAttached).num_gpu_blocks == self.pool.num_gpu_blocks
+
+    def reply(self, kind):
+        """The scheduler's next answer, other than its periodic stats: a ``kind``."""
+        from shmkv.serve.messages import SchedulerStats
+
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            msg = outbox.recv(1.0)
+            msg = self.outbox.recv(1.0)
             if msg is not None and not isinstance(msg, SchedulerStats):
                 assert isinstance(msg, kind), msg
                 return msg
         raise AssertionError(f"no {kind.__name__}")
 
-    try:
-        inbox.send(AttachScheduler(scheduler=0, config=SchedulerConfig(
-            pool_name=name, model=engine.model_config_to_dict(model), max_num_seqs=4,
-            max_num_batched_tokens=64, max_model_len=256, block_tables_name=name)))
-        assert reply(SchedulerAttached).num_gpu_blocks == 128
-        inbox.send_bytes(b"\x93not a frame")
-        assert "not a shmkv message frame" in reply(MessageRejected).reason
-        inbox.send(ModelOutput(step=1, sampled_token_ids=[]))
-        assert "unexpected message ModelOutput" in reply(MessageRejected).reason
-        inbox.send(ResetPrefixCache())
-        assert reply(PrefixCacheReset).success
-        inbox.send(Shutdown(reason="test"))
-        assert reply(SchedulerStopped).stats.num_steps == 0
-        proc.join(60)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        inbox.close()
-        outbox.close()
-        for ch in names.values():
+    def __exit__(self, *exc) -> None:
+        from shmkv import BlockPool
+        from shmkv.messages import Channel, unlink_doorbell
+        from shmkv.ranks.block_table import SharedBlockTables
+
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        for ch in (self.inbox, self.outbox, self.to_rank):
+            ch.close()
+        for ch in self.names.values():
             Channel.unlink(ch)
-        unlink_doorbell(bell)
-        tables.close()
-        SharedBlockTables.unlink(name)
-        pool.close()
-        BlockPool.unlink(name)
+        unlink_doorbell(self.bell)
+        self.tables.close()
+        SharedBlockTables.unlink(self.name)
+        self.pool.close()
+        BlockPool.unlink(self.name)
+
+
+def test_scheduler_answers_bad_frames_and_keeps_serving(spawn_ctx):
+    """A scheduler process fed an undecodable frame and a message it has no use for
+    answers MessageRejected for each and goes on: it resets its pool's prefix cache when
+    asked and stops with SchedulerStopped on Shutdown, exit code 0."""
+    from shmkv.messages import ModelOutput, Shutdown
+    from shmkv.serve.messages import (
+        MessageRejected,
+        PrefixCacheReset,
+        ResetPrefixCache,
+        SchedulerStopped,
+    )
+
+    with _LoneScheduler(spawn_ctx) as s:
+        s.attach()
+        s.inbox.send_bytes(b"\x93not a frame")
+        assert "not a shmkv message frame" in s.reply(MessageRejected).reason
+        s.inbox.send(ModelOutput(step=1, sampled_token_ids=[]))
+        assert "unexpected message ModelOutput" in s.reply(MessageRejected).reason
+        s.inbox.send(ResetPrefixCache())
+        assert s.reply(PrefixCacheReset).success
+        s.inbox.send(Shutdown(reason="test"))
+        assert s.reply(SchedulerStopped).stats.num_steps == 0
+        s.proc.join(60)
+        assert s.proc.exitcode == 0
+
+
+def test_scheduler_sent_sigterm_while_its_rank_is_silent_detaches_and_exits_143(spawn_ctx):
+    """SIGTERM reaches a scheduler that waits for its rank's answer to a step, and the
+    rank never answers (a SIGTERM to the whole run can stop the rank first). The
+    scheduler gives up the wait at once, not after its rank timeout: it closes its pool
+    handle (its slot and block references go back, nothing is left to reap) and exits
+    143. Before, it waited out the timeout and the front end SIGKILLed it."""
+    from shmkv.messages import ExecuteModel
+    from shmkv.serve.messages import GenerateTokens
+
+    with _LoneScheduler(spawn_ctx) as s:
+        s.attach(rank_timeout_s=600.0)
+        s.inbox.send(GenerateTokens(request_id="r", prompt_token_ids=list(range(40)),
+                                    max_tokens=4))
+        step = s.to_rank.recv(120)
+        assert isinstance(step, ExecuteModel), step  # now it waits for the answer
+        (row,) = [r for r in s.pool.processes() if not r["self"]]
+        assert row["references"] > 0, row  # the step's blocks
+        os.kill(s.proc.pid, signal.SIGTERM)
+        s.proc.join(60)  # a tenth of the rank timeout
+        assert s.proc.exitcode == 143
+        assert [r for r in s.pool.processes() if not r["self"]] == []
+        assert s.pool.reap_dead() == 0  # it detached itself
+        assert s.pool.get_num_free_blocks() == s.pool.num_gpu_blocks - 1  # (the null block)
+        s.pool.check_invariants()
 
 
 def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
