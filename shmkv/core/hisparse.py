@@ -180,7 +180,7 @@ class HiSparseSourceManager(FullAttentionManager):
             request_id, num_tokens, new_computed_blocks, total_computed_tokens,
             num_local_computed_tokens, num_tokens_main_model,
         )
-        if needed <= self.block_pool.get_num_free_blocks():
+        if self.block_pool.has_free_blocks(needed):  # the host tier; reaps its dead if short
             return 0
         if coordinator.gpu_pool is None:
             raise UsageError("a HiSparse host group needs resident groups to admit requests")

@@ -532,7 +532,7 @@ class KVCacheManager:
             watermark_blocks = self.watermark_blocks
         num_prompt_tokens = request.num_prompt_tokens
         prefill_end = max(num_prompt_tokens, request.num_tokens - 1)
-        fits = self._fits
+        fits = self.block_pool.has_free_blocks  # reaps the dead on a shortfall
 
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
@@ -574,17 +574,6 @@ class KVCacheManager:
         coordinator.cache_blocks(request, min(total_computed + num_new_tokens,
                                               request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
-
-    def _fits(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` blocks are free (vLLM's check). When they are not, the
-        processes that died without ``close()`` are reaped first (caller holds the pool
-        lock): a SIGKILLed peer's references may be what is missing, and a survivor told
-        "no room" would otherwise preempt and wait for ever (nothing else reaps them). With
-        nobody dead, the answer is vLLM's."""
-        pool = self.block_pool
-        if num_blocks <= pool.get_num_free_blocks():
-            return True
-        return pool.reap_dead() > 0 and num_blocks <= pool.get_num_free_blocks()
 
     # ------------------------------------------------------------------ release
 

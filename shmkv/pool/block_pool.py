@@ -260,6 +260,20 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _block_count(caller: str, value: object) -> int:
+    """``value`` as a number of blocks (an int >= 0; a bool is not one), or a UsageError
+    naming ``caller``."""
+    if isinstance(value, bool):
+        raise UsageError(f"{caller}(): num_blocks must be an int, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise UsageError(f"{caller}(): num_blocks must be an int, got {value!r}") from None
+    if count < 0:
+        raise UsageError(f"{caller}(): num_blocks must be >= 0, got {count}")
+    return count
+
+
 class BlockPool:
     """A KV-cache block pool whose metadata lives in one POSIX shared-memory segment, shared
     by every process that attaches to it.
@@ -866,6 +880,22 @@ class BlockPool:
             if counting:
                 _fault.end()
 
+    def has_free_blocks(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` blocks are free; when they are not, the processes that died
+        without ``close()`` are reaped first and the count read again. A peer SIGKILLed while
+        it held blocks may be what is missing, and an admission check that only counts (as
+        vLLM's does, before any ``get_new_blocks``) would otherwise answer "no room" for ever:
+        nothing else reaps in a deployment. With nobody dead, the answer is the count's.
+
+        Raises:
+            UsageError: ``num_blocks`` is not an int >= 0.
+        """
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = _block_count("has_free_blocks", num_blocks)
+        if num_blocks <= self.get_num_free_blocks():
+            return True
+        return self.reap_dead() > 0 and num_blocks <= self.get_num_free_blocks()
+
     def repair(self) -> dict:
         """What ``shmkv recover`` does once attached (attaching already took the lock over
         from a dead holder and rolled its hold back, see ``last_repair``): reaps the dead,
@@ -1377,17 +1407,8 @@ class BlockPool:
             OutOfBlocksError: (a ValueError) "Cannot get N free blocks from the pool".
             UsageError: ``num_blocks`` is not an int >= 0.
         """
-        if type(num_blocks) is not int:
-            if isinstance(num_blocks, bool):
-                raise UsageError(f"get_new_blocks(): num_blocks must be an int, got {num_blocks!r}")
-            try:
-                num_blocks = operator.index(num_blocks)
-            except TypeError:
-                raise UsageError(
-                    f"get_new_blocks(): num_blocks must be an int, got {num_blocks!r}"
-                ) from None
-        if num_blocks < 0:
-            raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = _block_count("get_new_blocks", num_blocks)
         blocks = self._lock.mutate("allocate", self._allocate_locked, num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)

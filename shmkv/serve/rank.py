@@ -32,7 +32,6 @@ from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indi
 from shmkv.serve.config import TinyModelConfig
 from shmkv.serve.stopping import EXIT_TERMINATED, TERM_POLL_S, terminated
 
-
 # torch and the model are imported by ModelRunner and rank_main only: the scheduler side
 # (RankClient, the channels) runs without torch.
 

@@ -111,3 +111,13 @@ def take_everything(name: str, ready, taken) -> None:
     pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
     taken.set()
     pool.close()
+
+
+def take_host_blocks_then_sigkill(name: str, num_blocks: int, ready) -> None:
+    """Attaches, takes ``num_blocks`` blocks of the host tier, says so, and dies by SIGKILL
+    holding them."""
+    pool = BlockPool.attach(name, label="host-taker")
+    host = pool.tier("host", HOST_BLOCKS, enable_caching=True)
+    host.get_new_blocks(num_blocks)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -51,6 +51,47 @@ def test_host_tier_is_shared_and_survives_a_kill(spawn_ctx, kernel):
 
 
 @pytest.mark.parametrize("kernel", ["python", "c"])
+def test_admission_short_of_host_blocks_reaps_a_dead_process_first(spawn_ctx, kernel):
+    """A process SIGKILLed while it holds most of the host tier: a survivor's admission,
+    short of host blocks, reaps it and admits, where allocate_slots returned None for ever
+    before (the host tier's check only counted). With nobody dead, a shortfall is None."""
+    from shmkv import KVCacheManager, Request, get_hisparse_coordinator
+    from shmkv.pool.block_pool import _ckernel
+
+    if kernel == "c" and _ckernel is None:
+        pytest.skip("shmkv.pool._ckernel is not built")
+    name = unique_pool_name("hisp")
+    with BlockPool.create(name, 40, hash_block_size=W.BS, kernel=kernel) as pool:
+        manager = KVCacheManager(W.hisparse_config(pool.num_gpu_blocks), max_model_len=64,
+                                 scheduler_block_size=W.BS, hash_block_size=W.BS,
+                                 enable_caching=True, block_pool=pool)
+        host = get_hisparse_coordinator(manager).get_host_block_pool()
+        hasher = pool.make_block_hasher()
+        assert host is pool.tier("host", W.HOST_BLOCKS, enable_caching=True)
+        assert host.get_num_free_blocks() == W.HOST_BLOCKS - 1  # (the null block)
+        ready = spawn_ctx.Event()
+        assert run_processes(spawn_ctx, W.take_host_blocks_then_sigkill,
+                             [(name, W.HOST_BLOCKS - 4, ready)]) == [-signal.SIGKILL]
+        assert ready.is_set() and host.get_num_free_blocks() == 3
+        request = Request("r", list(range(6 * W.BS)), block_hasher=hasher)  # 6 host pages
+        blocks = manager.allocate_slots(request, request.num_tokens)
+        assert blocks is not None
+        assert [p["slot"] for p in host.processes()] == [host.slot]  # the victim was reaped
+        assert host.get_num_free_blocks() == W.HOST_BLOCKS - 1 - 6
+        host.check_invariants()
+        pool.check_invariants()
+        too_big = Request("too-big", list(range(1000, 1000 + 20 * W.BS)), block_hasher=hasher)
+        assert manager.allocate_slots(too_big, too_big.num_tokens) is None  # nobody dead
+        manager.free(request)
+        assert host.get_num_free_blocks() == W.HOST_BLOCKS - 1
+        pool.reap_dead()  # the victim's device slot, if no shortfall reaped it yet
+        assert [p["slot"] for p in pool.processes()] == [pool.slot]
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        host.check_invariants()
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("kernel", ["python", "c"])
 def test_a_copy_another_process_reuses_becomes_host_only(spawn_ctx, kernel):
     """The reader's unpinned clean pages (all but the two tail pages) are taken by another
     process, which gives them back at once; the reader's next step sees them gone (the

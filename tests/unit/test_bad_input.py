@@ -320,18 +320,28 @@ def test_get_new_blocks_exactly_all_free_works(pool):
         pool.get_new_blocks(1)
 
 
+@pytest.mark.parametrize("method", ["get_new_blocks", "has_free_blocks"])
 @pytest.mark.parametrize("count", [-1, -100, np.int64(-2)])
-def test_get_new_blocks_negative(pool, count):
-    """A negative count raises UsageError naming it; nothing changes."""
-    with rejected(pool, UsageError, match=r"num_blocks must be >= 0"):
-        pool.get_new_blocks(count)
+def test_block_count_negative(pool, method, count):
+    """A negative count raises UsageError naming the call and the count; nothing changes."""
+    with rejected(pool, UsageError, match=rf"^{method}\(\): num_blocks must be >= 0, got "):
+        getattr(pool, method)(count)
 
 
+@pytest.mark.parametrize("method", ["get_new_blocks", "has_free_blocks"])
 @pytest.mark.parametrize("count", ["2", 2.0, 1.5, None, [2], True])
-def test_get_new_blocks_non_int(pool, count):
-    """A count that is not an int raises UsageError naming it; nothing changes."""
-    with rejected(pool, UsageError, match=r"num_blocks must be an int"):
-        pool.get_new_blocks(count)
+def test_block_count_non_int(pool, method, count):
+    """A count that is not an int raises UsageError naming the call; nothing changes."""
+    with rejected(pool, UsageError, match=rf"^{method}\(\): num_blocks must be an int"):
+        getattr(pool, method)(count)
+
+
+def test_has_free_blocks_counts(pool):
+    """With nobody dead, has_free_blocks is the free count's answer (numpy ints too)."""
+    n = pool.get_num_free_blocks()
+    assert pool.has_free_blocks(n) and pool.has_free_blocks(np.int32(0))
+    assert not pool.has_free_blocks(n + 1)
+    pool.check_invariants()
 
 
 # ----------------------------------------------------------------------------- free_blocks
