@@ -1774,6 +1774,27 @@ static int i64vec_open(PyObject *obj, I64Vec *v) {
     return 1;
 }
 
+/* Opens the tuple ``tuple``'s buffers into tables[]: int32 [rows, width], C-contiguous, all
+ * with the rows of the first, writable when asked. 1: all opened; 0: not taken (nothing
+ * raised). Either way *opened buffers are open: tables_close releases them. */
+static int tables_open(PyObject *tuple, Py_buffer *tables, int writable, Py_ssize_t *opened) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    for (*opened = 0; *opened < PyTuple_GET_SIZE(tuple);) {
+        Py_buffer *b = &tables[*opened];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(tuple, *opened), b, flags) < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        ++*opened;
+        if (b->ndim != 2 || b->itemsize != 4 || b->shape[0] != tables[0].shape[0]) return 0;
+    }
+    return 1;
+}
+
+static void tables_close(Py_buffer *tables, Py_ssize_t opened) {
+    for (Py_ssize_t g = 0; g < opened; g++) PyBuffer_Release(&tables[g]);
+}
+
 /* token_indices(counts, starts, req_out, pos_out) -> total tokens, or -1 (not taken).
  * Request i schedules counts[i] tokens from position starts[i]; writes, request-major, the
  * request index and the position of every token into the int64 buffers req_out / pos_out,
@@ -1858,30 +1879,20 @@ static PyObject *bt_slot_mappings(PyObject *mod, PyObject *const *args, Py_ssize
         i64vec_close(&req);
         return r < 0 ? NULL : Py_NewRef(Py_False);
     }
-    for (; opened < ngroups; opened++) {
-        PyObject *size = PyTuple_GET_ITEM(args[1], opened);
-        bs[opened] = PyLong_Check(size) ? PyLong_AsLongLong(size) : 0;
-        if (bs[opened] <= 0) {
+    for (g = 0; g < ngroups; g++) {
+        PyObject *size = PyTuple_GET_ITEM(args[1], g);
+        bs[g] = PyLong_Check(size) ? PyLong_AsLongLong(size) : 0;
+        if (bs[g] <= 0) {
             PyErr_Clear();
-            goto out;
-        }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], opened), &tables[opened],
-                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyErr_Clear();
-            goto out;
-        }
-        if (tables[opened].ndim != 2 || tables[opened].itemsize != 4) {
-            opened++;
             goto out;
         }
     }
-    if (req.n != pos.n) goto out;
+    if (!tables_open(args[0], tables, 0, &opened) || req.n != pos.n) goto out;
     for (t = 0; t < rows.n; t++)
         if (rows.data[t] < 0 || rows.data[t] >= tables[0].shape[0]) goto out;
     for (t = 0; t < req.n; t++)
         if (req.data[t] < 0 || req.data[t] >= rows.n) goto out;
     for (g = 0; g < ngroups; g++) {
-        if (tables[g].shape[0] != tables[0].shape[0]) goto out;
         int64_t limit = tables[g].shape[1] * bs[g];
         for (t = 0; t < pos.n; t++)
             if (pos.data[t] < 0 || pos.data[t] >= limit) goto out;
@@ -1907,7 +1918,7 @@ static PyObject *bt_slot_mappings(PyObject *mod, PyObject *const *args, Py_ssize
 out:
     result = Py_NewRef(taken ? Py_True : Py_False);
     if (have_out) PyBuffer_Release(&out);
-    for (g = 0; g < opened; g++) PyBuffer_Release(&tables[g]);
+    tables_close(tables, opened);
     i64vec_close(&rows);
     i64vec_close(&req);
     i64vec_close(&pos);
@@ -1947,18 +1958,7 @@ static PyObject *bt_scatter_rows(PyObject *mod, PyObject *const *args, Py_ssize_
     PyObject *per_row = args[3];
     Py_ssize_t nrows = PySequence_Fast_GET_SIZE(per_row);
     PyObject **row_ids = PySequence_Fast_ITEMS(per_row);
-    for (; opened < ngroups; opened++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], opened), &tables[opened],
-                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyErr_Clear();
-            goto out;
-        }
-        if (tables[opened].ndim != 2 || tables[opened].itemsize != 4 ||
-            tables[opened].shape[0] != tables[0].shape[0]) {
-            opened++;
-            goto out;
-        }
-    }
+    if (!tables_open(args[0], tables, 1, &opened)) goto out;
     if (PyObject_GetBuffer(args[1], &lengths, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
         goto out;
@@ -2036,7 +2036,7 @@ fail:
     PyMem_Free(spans);
     PyMem_Free(seen);
     if (have_lengths) PyBuffer_Release(&lengths);
-    for (g = 0; g < opened; g++) PyBuffer_Release(&tables[g]);
+    tables_close(tables, opened);
     i64vec_close(&rows);
     return result;
 }
