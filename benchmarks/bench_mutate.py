@@ -5,10 +5,10 @@ undo on error, release), in the same process on the same pool, both kernels.
 
 Measured: ``pool.touch([])`` (the lock and the savepoint, almost nothing else),
 ``get_new_blocks(1)`` + ``free_blocks`` of that block, ``evict_blocks([])`` (a Python body
-called by ``mutate``), and an empty body of nine arguments (``cache_full_blocks``'s). The ``inline`` variants are the old
-method bodies, copied here; the calls alternate, and each figure is the median over
-``--repeats`` timings of ``--number`` calls. Prints one JSON line per (kernel, call), with
-``extra_ns`` = mutate - inline.
+called by ``mutate``), and an empty body of nine arguments (``cache_full_blocks``'s). The
+``inline`` variants are the old method bodies, copied here; the calls alternate, and each
+figure is the median over ``--repeats`` timings of ``--number`` calls. Prints one JSON line
+per (kernel, call), with ``extra_ns`` = mutate - inline.
 
     python benchmarks/bench_mutate.py [--repeats 300] [--number 2000]
 """

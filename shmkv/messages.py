@@ -431,7 +431,8 @@ class Channel:
             head += cap - pos
             pos = 0
             length = int.from_bytes(data[0:4], "little")
-        if tail - start > cap or length > cap // 2 or head + _pad8(_FRAME_LEN_BYTES + length) > tail:
+        if (tail - start > cap or length > cap // 2
+                or head + _pad8(_FRAME_LEN_BYTES + length) > tail):
             self._skip_corrupt(start, tail, length)
             return None
         payload = bytes(data[pos + 4:pos + 4 + length])

@@ -152,7 +152,8 @@ def require_zmq():
 
 
 def state_segment_name(pool_name: str) -> str:
-    """POSIX name of a pool's publisher-position segment, ``/shmkv_pub-<pool>-v<PUBLISHER_STATE_VERSION>``."""
+    """POSIX name of a pool's publisher-position segment,
+    ``/shmkv_pub-<pool>-v<PUBLISHER_STATE_VERSION>``."""
     return L.sibling_segment_name("pub", pool_name, PUBLISHER_STATE_VERSION)
 
 

@@ -34,7 +34,8 @@ shmkv differences from vLLM:
 - Partial (sub-block) hash hits are on, as in vLLM, when a Mamba "align" group's block is
   bigger than ``hash_block_size`` (under DCP: at least as big) and every other cacheable
   group's manager can look up hash boundaries inside its (DCP-scaled) block
-  (``enable_partial_hash_hits``; the hit alignment is then ``hash_block_size``). They, and partial-tail keys in general, want a pool created with
+  (``enable_partial_hash_hits``; the hit alignment is then ``hash_block_size``). They, and
+  partial-tail keys in general, want a pool created with
   ``partial_keys=True`` (a block may then hold a second key, see ``shmkv/pool/layout.py``); a
   coordinator whose groups have blocks bigger than ``hash_block_size`` warns when its pool
   has none. Reuse events in "full" report mode are not emitted.

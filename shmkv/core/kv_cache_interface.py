@@ -16,8 +16,9 @@ Methods that take vLLM's ``vllm_config`` read it duck-typed, by the attribute pa
 ``scheduler_config.max_num_encoder_input_tokens``), so a vLLM ``VllmConfig`` or any stand-in
 works.
 
-Left out (0.33.0 has them; nothing in shmkv uses them yet): ``SlidingWindowMLASpec``, ``HiddenStateCacheSpec``, ``UniformTypeKVCacheSpecs``, the
-tensor-view helpers, and ``MultipleOf`` block-stride alignment (an int alignment is kept).
+Left out (0.33.0 has them; nothing in shmkv uses them yet): ``SlidingWindowMLASpec``,
+``HiddenStateCacheSpec``, ``UniformTypeKVCacheSpecs``, the tensor-view helpers, and
+``MultipleOf`` block-stride alignment (an int alignment is kept).
 """
 
 from __future__ import annotations

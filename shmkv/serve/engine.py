@@ -108,8 +108,8 @@ def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank
 def child_setup(front_end_pid: int | None) -> None:
     """What every child of the run does first: leave Ctrl-C to the front end (the terminal
     sends it to the whole process group), take back the signals the front end blocks while
-    it runs (a child inherits its mask), make SIGTERM a clean stop (``shmkv/serve/stopping.py``), and die
-    with the front end.
+    it runs (a child inherits its mask), make SIGTERM a clean stop
+    (``shmkv/serve/stopping.py``), and die with the front end.
 
     Dying with it takes two mechanisms: ``PR_SET_PDEATHSIG`` fires when the *parent* dies,
     but a child made by the fork server has the fork server as parent, and the fork server

@@ -54,8 +54,9 @@ class HiSide:
         self.impl = impl
         hasher_pool = make_pool(4, hash_block_size=BS)
         self.hasher = hasher_pool.make_block_hasher()
-        kwargs = dict(max_model_len=max_model_len, scheduler_block_size=BS, hash_block_size=BS,
-                      enable_caching=caching, enable_kv_cache_events=events)
+        kwargs = {"max_model_len": max_model_len, "scheduler_block_size": BS,
+                  "hash_block_size": BS, "enable_caching": caching,
+                  "enable_kv_cache_events": events}
         if impl == "vllm":
             self.manager = vkvm.KVCacheManager(cfg, **kwargs)
             self.coordinator = vhisparse.get_hisparse_coordinator(self.manager)
@@ -120,7 +121,8 @@ def _trace(events):
 def _lifecycle(impl, make_pool, num_resident_groups):
     """Prefill, write-back, hot region, pressure that reuses unpinned copies, a host prefix
     hit that adopts surviving copies, and the end of both requests."""
-    side = HiSide(impl, make_pool, hisparse_config(8 + 12 * num_resident_groups, 16, num_resident_groups))
+    side = HiSide(impl, make_pool,
+                  hisparse_config(8 + 12 * num_resident_groups, 16, num_resident_groups))
     out = []
     a = side.request("a", range(5 * BS))
     out.append(side.step(a, 5 * BS))

@@ -71,7 +71,8 @@ def test_readers_never_accept_a_torn_table(spawn_ctx):
     assert accepted >= NUM_READERS and torn == 0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="with the seqlock off, readers see half-written tables")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="with the seqlock off, readers see half-written tables")
 def test_the_torn_check_fails_without_the_seqlock(spawn_ctx):
     accepted, torn = _race(spawn_ctx, seqlock=False)
     assert torn == 0

@@ -215,7 +215,7 @@ def _pop_in_looping_chain(name: str) -> None:
         assert "not in the chain" in str(exc), exc
         pool.check_invariants()
         pool.close()
-        raise SystemExit(0)
+        raise SystemExit(0) from None
     raise SystemExit(3)  # no error: the corruption went unnoticed
 
 

@@ -118,6 +118,6 @@ def test_import_does_not_load_torch():
     import subprocess
     import sys
 
-    code = ("import sys, shmkv, shmkv.core.kv_cache_interface, shmkv.core.single_type_kv_cache_manager; "
-            "assert 'torch' not in sys.modules")
+    code = ("import sys, shmkv, shmkv.core.kv_cache_interface, "
+            "shmkv.core.single_type_kv_cache_manager; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -63,7 +63,8 @@ def test_python_publishers_fence_between_data_and_index(fn, before, fence_then):
     src = inspect.getsource(fn)
     a, b = src.find(before), src.find(fence_then)
     assert -1 < a < b, (before, fence_then)
-    assert "_fence()" in src[a:b], f"{fn.__qualname__}: no fence between {before!r} and {fence_then!r}"
+    assert "_fence()" in src[a:b], \
+        f"{fn.__qualname__}: no fence between {before!r} and {fence_then!r}"
 
 
 @pytest.mark.skipif(_ckernel is None, reason="shmkv.pool._ckernel is not built")

@@ -77,7 +77,7 @@ def test_a_half_made_pool_stays_while_its_creator_lives(pool_name):
     assert v.remove and v.reason == f"its creator pid {dead} died while creating it"
     lock = _verdict(f"sem.{entry}.lock")
     assert lock.remove and lock.reason == f"goes with its pool {pool_name}"
-    done = dict((w.entry, ok) for w, ok in siblings.remove(siblings.plan()))
+    done = {w.entry: ok for w, ok in siblings.remove(siblings.plan())}
     assert done[entry] and done[f"sem.{entry}.lock"] and done[f"{entry}.alive"]
     assert not os.path.exists(path) and not os.path.exists(f"{path}.alive")
 
