@@ -261,17 +261,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _block_count(caller: str, value: object) -> int:
-    """``value`` as a number of blocks (an int >= 0; a bool is not one), or a UsageError
-    naming ``caller``."""
+    """``value`` as a number of blocks (an int; a bool is not one), or a UsageError naming
+    ``caller``."""
     if isinstance(value, bool):
         raise UsageError(f"{caller}(): num_blocks must be an int, got {value!r}")
     try:
-        count = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise UsageError(f"{caller}(): num_blocks must be an int, got {value!r}") from None
-    if count < 0:
-        raise UsageError(f"{caller}(): num_blocks must be >= 0, got {count}")
-    return count
 
 
 class BlockPool:
@@ -885,12 +882,13 @@ class BlockPool:
         without ``close()`` are reaped first and the count read again. A peer SIGKILLed while
         it held blocks may be what is missing, and an admission check that only counts (as
         vLLM's does, before any ``get_new_blocks``) would otherwise answer "no room" for ever:
-        nothing else reaps in a deployment. With nobody dead, the answer is the count's.
+        nothing else reaps in a deployment. With nobody dead, the answer is the count's (a
+        count below 1 always fits: vLLM's managers can ask for a negative number of blocks).
 
         Raises:
-            UsageError: ``num_blocks`` is not an int >= 0.
+            UsageError: ``num_blocks`` is not an int.
         """
-        if type(num_blocks) is not int or num_blocks < 0:
+        if type(num_blocks) is not int:
             num_blocks = _block_count("has_free_blocks", num_blocks)
         if num_blocks <= self.get_num_free_blocks():
             return True
@@ -1407,8 +1405,10 @@ class BlockPool:
             OutOfBlocksError: (a ValueError) "Cannot get N free blocks from the pool".
             UsageError: ``num_blocks`` is not an int >= 0.
         """
-        if type(num_blocks) is not int or num_blocks < 0:
+        if type(num_blocks) is not int:
             num_blocks = _block_count("get_new_blocks", num_blocks)
+        if num_blocks < 0:
+            raise UsageError(f"get_new_blocks(): num_blocks must be >= 0, got {num_blocks}")
         blocks = self._lock.mutate("allocate", self._allocate_locked, num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)

@@ -320,12 +320,11 @@ def test_get_new_blocks_exactly_all_free_works(pool):
         pool.get_new_blocks(1)
 
 
-@pytest.mark.parametrize("method", ["get_new_blocks", "has_free_blocks"])
 @pytest.mark.parametrize("count", [-1, -100, np.int64(-2)])
-def test_block_count_negative(pool, method, count):
+def test_get_new_blocks_negative(pool, count):
     """A negative count raises UsageError naming the call and the count; nothing changes."""
-    with rejected(pool, UsageError, match=rf"^{method}\(\): num_blocks must be >= 0, got "):
-        getattr(pool, method)(count)
+    with rejected(pool, UsageError, match=r"^get_new_blocks\(\): num_blocks must be >= 0, got "):
+        pool.get_new_blocks(count)
 
 
 @pytest.mark.parametrize("method", ["get_new_blocks", "has_free_blocks"])
@@ -341,6 +340,8 @@ def test_has_free_blocks_counts(pool):
     n = pool.get_num_free_blocks()
     assert pool.has_free_blocks(n) and pool.has_free_blocks(np.int32(0))
     assert not pool.has_free_blocks(n + 1)
+    # vLLM's managers can ask for fewer than none (Mamba "align" with draft tokens): fits.
+    assert pool.has_free_blocks(-1) and pool.has_free_blocks(np.int64(-3))
     pool.check_invariants()
 
 
