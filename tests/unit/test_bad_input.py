@@ -598,6 +598,8 @@ CLOSED_CALLS = {
     "touch": lambda p, h: p.touch([h]),
     "cache_full_blocks": lambda p, h: p.cache_full_blocks(make_request(32), [h], 0, 1, 16, 0),
     "get_num_free_blocks": lambda p, h: p.get_num_free_blocks(),
+    "has_free_blocks": lambda p, h: p.has_free_blocks(1),
+    "has_free_blocks (short: reaps)": lambda p, h: p.has_free_blocks(10**6),
     "get_usage": lambda p, h: p.get_usage(),
     "reset_prefix_cache": lambda p, h: p.reset_prefix_cache(),
     "handle.block_hash": lambda p, h: h.block_hash,
