@@ -22,7 +22,7 @@ TERM_POLL_S = 0.25  # a wait on another process looks this often whether SIGTERM
 _terminated = threading.Event()
 
 
-class Terminated(Exception):  # noqa: N818 (a stop, not an error)
+class Terminated(Exception):
     """A wait given up because this process was sent SIGTERM."""
 
 
