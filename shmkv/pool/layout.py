@@ -763,9 +763,9 @@ STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner
 PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
-OFFLOAD_TIER_VERSION = 1  # the vLLM offload tier's table (shmkv/vllm.py)
+OFFLOAD_TIER_VERSION = 2  # the vLLM offload tier's table (shmkv/vllm/tier.py)
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
-OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica config
+OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
 
 
 @dataclass(frozen=True)

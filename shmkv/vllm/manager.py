@@ -1,14 +1,5 @@
-"""Inside vLLM: one node-wide CPU offload tier for every data-parallel replica.
-
-vLLM 0.33.0's ``OffloadingConnector`` keeps offloaded KV chunks in CPU memory through an
-``OffloadingManager`` (scheduler side, one per engine-core process) and a worker-side transfer
-handler over one mmap region per engine. This module replaces the manager's private
-dictionaries with a shmkv pool, so every replica on the node sees ONE cache, and names the
-data region after that pool, so every replica's workers map the same bytes:
-
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"spec_name": "SharedCPUOffloadingSpec",
-      "spec_module_path": "shmkv.vllm", "cpu_bytes_to_use": 68719476736, "shmkv_pool": "node0"}}'
+"""The offload tier's manager: vLLM's ``OffloadingManager`` (LRU) over a shmkv pool shared
+by every data-parallel replica on the node.
 
 How a chunk lives in the pool
 -----------------------------
@@ -26,20 +17,27 @@ index (low 16 bits), the padding length (bits 16..21) and the state:
 | orphan   | group id | PENDING    | 0: the storer died, reaped  | MISS (the key is dropped) |
 | ready    | group id              | pins of every process       | HIT         |
 
-So the pool's per-process ledger is the authority on who holds what: ``prepare_store`` takes
-a hold on each new chunk (``touch``) and caches it under its PENDING key; ``complete_store``
-moves the key to its ready form and drops the hold; ``prepare_load`` pins with a hold and
-``complete_load`` drops it. A process that dies (SIGKILL included) is reaped by the pool as
-always: its pins go, and its unfinished stores become orphans, which every survivor treats as
-absent. Every call runs under the pool lock, and the pool's undo journal rolls a hold back as
-a whole if its process dies inside it, so no state is ever half-made.
+The pool's per-process ledger says who holds what: ``prepare_store`` takes a hold on each new
+chunk (``touch``) and caches it under its PENDING key; ``complete_store`` moves the key to its
+ready form and drops the hold; ``prepare_load`` pins with a hold and ``complete_load`` drops
+it. Every call runs under the pool lock, and the pool's undo journal rolls a hold back as a
+whole if its process dies inside it.
 
-Recency lives beside the pool, in a sibling segment ``/shmkv_offload-<pool>-v1`` (the tier
-table): one int64 rank per block and a shared rank counter, exactly the ranks of vLLM's
+Who may reuse a chunk
+---------------------
+
+A hold says which process decided a job; the job bits of the tier table say which replica's
+bytes are still moving (``shmkv/vllm/replicas.py``). A chunk is handed to a new store only
+when nobody holds it AND no replica has a job on it: a replica's bit is set by its
+``prepare_store`` / ``prepare_load`` and cleared by the matching completion, by
+``on_reset_flushed`` for the jobs a ``reset_cache`` cut off, or when every process of the
+replica (engine core and GPU workers) is gone. So an engine core SIGKILLed with a store in
+flight gives its chunks back only once its workers, which finish their step first, are gone
+too.
+
+Recency lives in the tier table: one int64 rank per block, exactly the ranks of vLLM's
 ``LRUCachePolicy`` (``(major, -position)`` packed into one int64). The smallest ranks among
 ready chunks nobody holds are evicted first, ties broken by key bytes, as vLLM's heap does.
-A rank is advice, never an invariant: a rank word left behind by a killed process still
-orders chunks validly, so the tier table needs no journal.
 
 Used by one process, the manager answers call for call as vLLM's
 ``CPUOffloadingManager(num_chunks, cache_policy="lru")``: lookups, ``keys_to_store``,
@@ -52,8 +50,7 @@ NOTE: ``lock`` is the pool lock, node-wide. vLLM's connector holds ``manager.loc
 first lookup of a scheduler step to the step's connector metadata (so that a HIT and the
 ``prepare_load`` that pins it are not separated by an eviction); with the shared tier that
 atomicity holds across replicas, and the price is that the connector parts of the replicas'
-scheduling steps run one at a time. A process-local lock would let another replica evict a
-chunk between a lookup and its pin, and ``prepare_load`` has no way to fail partially.
+scheduling steps run one at a time.
 
 ARC (``cache_policy="arc"``) is refused: its ghost lists and adaptive target would need a
 second shared structure with its own crash story; LRU is what the shared tier offers.
@@ -61,8 +58,9 @@ second shared structure with its own crash story; LRU is what the shared tier of
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import secrets
 import time
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -91,42 +89,41 @@ from vllm.v1.kv_offload.cpu.common import (
 from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from shmkv.errors import (
-    LayoutMismatchError,
-    PoolClosedError,
-    SegmentError,
-    SegmentExistsError,
-    SegmentNotFoundError,
-    UsageError,
-)
+from shmkv.errors import PoolClosedError, ShmKVError, UsageError
 from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
-from shmkv.pool.siblings import owner_record, unlink_offload_data_region, write_owner
+from shmkv.pool.siblings import unlink_offload_data_region
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
+from shmkv.vllm.identity import check_identity
+from shmkv.vllm.region import PENDING_BIT
+from shmkv.vllm.replicas import (
+    ReplicaLocks,
+    join,
+    reap_gone,
+    release_row,
+    replica_key,
+    replica_locks_path,
+)
+from shmkv.vllm.tier import (
+    MEDIUM,
+    W_GENERATION,
+    W_NEXT_RANK,
+    W_REGION_TAG,
+    open_pool,
+    open_tier_table,
+    tier_table_name,
+)
 
-__all__ = ["SharedCPUOffloadingManager", "SharedCPUOffloadingSpec"]  # noqa: F822 (lazy)
+__all__ = ["SharedCPUOffloadingManager", "data_region_engine_id", "tier_table_name"]
 
-MEDIUM = "CPU"
-PENDING_BIT = 1 << 30  # group-id bit of a chunk whose store is in flight
+logger = logging.getLogger("shmkv.vllm")
+
 _GROUP_MASK = 0xFFFF
 _PAD_SHIFT = 16
 HASH_BYTES = 32
-
-# The tier table (sibling segment): a 4 KiB header, then one int64 rank per block.
-# Words 0..4 of the header: magic, version | num_chunks << 32, the rank counter, the
-# generation (bumped by reset_cache), the replica config's length; then the replica config
-# (JSON) of the first spec that started on the pool; then the owner record that tells
-# ``shmkv cleanup`` the table goes with its pool (``shmkv/pool/siblings.py``).
-TIER_KIND = "offload"
-TIER_VERSION = L.OFFLOAD_TIER_VERSION
-TIER_MAGIC = L.OFFLOAD_TIER_MAGIC
-TIER_HEADER_BYTES = 4096
-_T_MAGIC, _T_VERSION_CHUNKS, _T_NEXT_RANK, _T_GENERATION, _T_CONFIG_LEN = range(5)
-_T_CONFIG_OFFSET = 64
-_T_CONFIG_MAX = L.OFFLOAD_TIER_OWNER_OFFSET - _T_CONFIG_OFFSET
 
 # vLLM's LRU rank (major, minor) with minor = -position in (-2**26, 0], packed in one int64.
 _MINOR_SPAN = 1 << 26
@@ -134,17 +131,10 @@ MAX_POSITION = _MINOR_SPAN - 1
 
 ENCODE_CACHE_ENTRIES = 1 << 16
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
-ATTACH_TIMEOUT_S = 10.0  # how long an attacher waits for the creator to finish
-
 
 
 def _pack_rank(major: int, minor: int) -> int:
     return major * _MINOR_SPAN + (_MINOR_SPAN - 1 + minor)
-
-
-def tier_table_name(pool: str) -> str:
-    """The POSIX name of a pool's tier table: ``/shmkv_offload-<pool>-v1``."""
-    return L.sibling_segment_name(TIER_KIND, pool, TIER_VERSION)
 
 
 def data_region_engine_id(pool: str) -> str:
@@ -227,6 +217,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         label: str = "vllm-offload",
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        replica_id: str | None = None,
     ) -> None:
         """Creates the pool ``pool`` of ``num_chunks`` chunks, or attaches to it.
 
@@ -245,6 +236,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
             lock_timeout_s: the longest this process waits for the pool lock.
             stuck_after_s: how long the lock may stand taken with no holder recorded
                 before this process takes it over (``BlockPool.create``).
+            replica_id: the replica this manager belongs to (vLLM's engine id, which its
+                GPU workers share: ``replicas.py``); None: a replica of its own.
 
         Raises:
             UsageError: a bad argument, or an unsupported policy or threshold.
@@ -284,131 +277,51 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._last_reap = 0.0
         self._encoded: dict[OffloadKey, tuple[bytes, int]] = {}
         self._as_int = use_int_block_hashes()
-        self._pool, created = self._open_pool(
+        if replica_id is not None and not (isinstance(replica_id, str) and replica_id):
+            raise UsageError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        self._pool, created = open_pool(
             pool, num_chunks, max_processes, event_log_bytes,
             {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})
         try:
-            self._tier = self._open_tier(created)
+            self._tier = open_tier_table(self._pool, pool, num_chunks, created)
+            try:
+                self._locks = ReplicaLocks(pool)
+                with self._pool.lock():
+                    self._row = join(self._tier, self._locks,
+                                     replica_key(replica_id or secrets.token_hex(16)))
+            except BaseException:
+                self._tier.close()
+                raise
         except BaseException:
             self._pool.close()
             raise
-        buf = memoryview(self._tier.buf)
-        self._tier_views = [buf[:TIER_HEADER_BYTES].cast("q"),
-                            buf[TIER_HEADER_BYTES:TIER_HEADER_BYTES + 8 * (num_chunks + 1)]
-                            .cast("q"), buf]
-        self._thdr, self._ranks, _ = self._tier_views
-        self._rank_array = np.frombuffer(self._tier.buf, np.int64, num_chunks + 1,
-                                         TIER_HEADER_BYTES)
+        self._bit = np.uint64(1 << self._row)
+        self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set
+        self._warned_region = False
+        tier = self._tier
+        self._thdr, self._ranks = tier.words, tier.rank_words
+        self._rank_array, self._jobs = tier.ranks, tier.jobs
         self._blocks = self._pool.blocks
         self._lock = self._pool.lock()
 
     # ------------------------------------------------------------------ lifecycle
 
-    @staticmethod
-    def _open_pool(pool: str, num_chunks: int, max_processes: int,
-                   event_log_bytes: int | None, process: dict) -> tuple[BlockPool, bool]:
-        if event_log_bytes is None:
-            event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES
-        deadline = time.monotonic() + ATTACH_TIMEOUT_S
-        while True:
-            try:
-                return BlockPool.create(
-                    pool, num_chunks + 1, enable_caching=True, hash_block_size=1,
-                    enable_kv_cache_events=False, medium=MEDIUM, max_processes=max_processes,
-                    event_log_bytes=event_log_bytes, **process,
-                ), True
-            except SegmentExistsError:
-                pass
-            try:
-                bp = BlockPool.attach(pool, **process)
-            except SegmentNotFoundError:
-                continue  # its creator failed and removed it: create it ourselves
-            except SegmentError as exc:
-                if "INITIALIZING" in str(exc) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                    continue
-                raise
-            try:
-                SharedCPUOffloadingManager._check_pool(bp, pool, num_chunks)
-            except BaseException:
-                bp.close()
-                raise
-            return bp, False
-
-    @staticmethod
-    def _check_pool(bp: BlockPool, pool: str, num_chunks: int) -> None:
-        if bp.medium != MEDIUM or bp.hash_block_size != 1 or not bp.enable_caching:
-            raise LayoutMismatchError(
-                f"pool {pool!r} is not an offload tier (medium {bp.medium!r}, hash_block_size "
-                f"{bp.hash_block_size}; a tier has medium {MEDIUM!r}, hash_block_size 1)"
-            )
-        if bp.num_gpu_blocks - 1 != num_chunks:
-            raise LayoutMismatchError(
-                f"pool {pool!r} holds {bp.num_gpu_blocks - 1} chunks, this manager was given "
-                f"num_chunks={num_chunks}: every replica must use the same cpu_bytes_to_use "
-                "and KV layout"
-            )
-
-    def _open_tier(self, created: bool) -> Segment:
-        """Opens (or makes) the tier table, under the pool lock so that only one process
-        initialises it."""
-        name = tier_table_name(self.pool_name)
-        size = TIER_HEADER_BYTES + 8 * (self._num_chunks + 1)
-        with self._pool.lock():
-            try:
-                seg = Segment.open(name)
-            except SegmentNotFoundError:
-                seg = Segment.create(name, size)
-                created = True
-            else:
-                if created and len(seg.buf) != size:  # left by an earlier pool of this name
-                    seg.close()
-                    Segment.unlink(name)
-                    seg = Segment.create(name, size)
-            try:
-                hdr = np.frombuffer(seg.buf, np.int64, 8)
-                if len(seg.buf) < size:
-                    if not created:
-                        raise LayoutMismatchError(
-                            f"tier table {name} is {len(seg.buf)} bytes; {self._num_chunks} "
-                            f"chunks need {size}"
-                        )
-                magic = int(hdr[_T_MAGIC]) & 0xFFFF_FFFF_FFFF_FFFF
-                if created or magic == 0:  # ours to fill (or its filler died half way)
-                    seg.buf[:size] = bytes(size)
-                    write_owner(seg.buf, L.OFFLOAD_TIER_OWNER_OFFSET,
-                                owner_record(self.pool_name, creator=False))
-                    hdr[_T_VERSION_CHUNKS] = (self._num_chunks << 32) | TIER_VERSION
-                    hdr[_T_MAGIC] = np.int64(TIER_MAGIC)  # last: the table is complete
-                elif magic != TIER_MAGIC:
-                    raise LayoutMismatchError(
-                        f"tier table {name}: magic expected {TIER_MAGIC:#x}, found {magic:#x}: "
-                        "not a shmkv offload tier table"
-                    )
-                else:
-                    word = int(hdr[_T_VERSION_CHUNKS])
-                    if word & 0xFFFF_FFFF != TIER_VERSION or word >> 32 != self._num_chunks:
-                        raise LayoutMismatchError(
-                            f"tier table {name}: version {word & 0xFFFF_FFFF} with "
-                            f"{word >> 32} chunks, expected version {TIER_VERSION} with "
-                            f"{self._num_chunks}"
-                        )
-                del hdr
-            except BaseException:
-                seg.close()
-                raise
-        return seg
-
     def close(self) -> None:
         """Detaches from the pool: this process's pins and unfinished stores are given back
-        (its unfinished stores become orphans, which every process treats as absent). Calls
-        after it raise ``PoolClosedError``; closing again does nothing."""
+        (its unfinished stores become orphans, which every process treats as absent), and
+        leaves its replica row; the row's job bits go with it once no process of the replica
+        is left. Calls after it raise ``PoolClosedError``; closing again does nothing."""
         if self._pool is None:
             return
-        for view in reversed(self._tier_views):
-            view.release()
-        self._tier_views = []
-        self._rank_array = None  # type: ignore[assignment]
+        try:
+            with self._pool.lock():
+                self._locks.leave(self._row)
+                if self._locks.is_gone(self._row):
+                    release_row(self._tier, self._row)
+        except ShmKVError:
+            pass  # the row is released by the next process short of chunks
+        self._locks.close()
+        del self._thdr, self._ranks, self._rank_array, self._jobs
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
@@ -422,7 +335,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     @staticmethod
     def unlink(pool: str) -> bool:
-        """Removes the pool, its tier table and its data region from /dev/shm (mappings of
+        """Removes the pool, its tier table, its replica lock file and its data region from /dev/shm (mappings of
         processes still attached stay valid until they close).
 
         Returns:
@@ -434,6 +347,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
         L.validate_pool_name(pool)
         removed = BlockPool.unlink(pool)
         removed = Segment.unlink(tier_table_name(pool)) or removed
+        try:
+            os.unlink(replica_locks_path(pool))
+        except FileNotFoundError:
+            pass
         return bool(unlink_offload_data_region(pool)) or removed
 
     @property
@@ -503,29 +420,32 @@ class SharedCPUOffloadingManager(OffloadingManager):
         if now - self._last_reap < REAP_INTERVAL_S:
             return False
         self._last_reap = now
-        return self._pool.reap_dead() > 0
+        if self._pool.reap_dead() > 0:
+            reap_gone(self._tier, self._locks)  # a replica may have died with them
+            return True
+        return False
 
     def _generation(self) -> int:
-        return self._thdr[_T_GENERATION]
+        return self._thdr[W_GENERATION]
 
     def _request_rank(self, req_context: ReqContext) -> int:
         state = req_context.get_state(_RequestRank)
-        generation = self._thdr[_T_GENERATION]
+        generation = self._thdr[W_GENERATION]
         if state is None or state.owner is not self or state.generation != generation:
-            rank = self._thdr[_T_NEXT_RANK] + 1
-            self._thdr[_T_NEXT_RANK] = rank
+            rank = self._thdr[W_NEXT_RANK] + 1
+            self._thdr[W_NEXT_RANK] = rank
             state = _RequestRank(self, generation, rank)
             req_context.set_state(state)
         return state.rank
 
     def _new_rank(self) -> int:
-        rank = self._thdr[_T_NEXT_RANK] + 1
-        self._thdr[_T_NEXT_RANK] = rank
+        rank = self._thdr[W_NEXT_RANK] + 1
+        self._thdr[W_NEXT_RANK] = rank
         return _pack_rank(rank, 0)
 
     def _request_access(self, req_context: ReqContext) -> _RequestAccess:
         state = req_context.get_state(_RequestAccess)
-        generation = self._thdr[_T_GENERATION]
+        generation = self._thdr[W_GENERATION]
         if state is None or state.owner is not self or state.generation != generation:
             state = _RequestAccess(owner=self, generation=generation)
             req_context.set_state(state)
@@ -610,7 +530,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
         """HIT if the key is stored and complete (by any process), HIT_PENDING if a
         process is storing it, MISS otherwise. A store of a process that died reads
         HIT_PENDING until this process next reaps the dead (at most ``REAP_INTERVAL_S``
-        later), then MISS.
+        later), then MISS. Every key is a MISS once this replica's workers map another data
+        region than the tier's (``region.py``).
 
         Args:
             key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
@@ -624,6 +545,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
             PoolClosedError: the manager is closed.
         """
         with self._lock:
+            if self._region_lost():
+                return LookupResult.MISS
             state, _ = self._status(key)
         if state == _READY:
             return LookupResult.HIT
@@ -664,7 +587,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
                     )
                 block_ids.append(block_id)
             blocks = self._blocks
-            self._pool.touch([blocks[b] for b in block_ids])
+            self._jobs[block_ids] |= self._bit  # before the hold: a kill between leaves a
+            self._pool.touch([blocks[b] for b in block_ids])  # bit, never a bare hold
             pins = self._pins
             for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
@@ -713,11 +637,37 @@ class SharedCPUOffloadingManager(OffloadingManager):
                     )
             blocks = self._blocks
             self._pool.free_blocks([blocks[self._pins[key][0]] for key in keys])
+            done = []
             for key, count in need.items():
                 pin = self._pins[key]
                 pin[1] -= count
                 if not pin[1]:
                     del self._pins[key]
+                    done.append(pin[0])
+            self._end_jobs(done)
+
+    def _end_jobs(self, block_ids: list[int]) -> None:
+        """Clears this replica's job bit on blocks whose job it has reported done, except
+        those a reset cut a job off (``on_reset_flushed`` clears them)."""
+        if self._unflushed:
+            block_ids = [b for b in block_ids if b not in self._unflushed]
+        if block_ids:
+            self._jobs[block_ids] &= ~self._bit
+
+    def _region_lost(self) -> bool:
+        """Whether this replica's workers map another data region than the one the tier
+        describes (it was replaced under them: ``region.py``); their bytes are not the
+        tier's, so this replica gets no hit and stores nothing."""
+        mine = self._tier.replica_region[self._row]
+        if not mine or mine == self._thdr[W_REGION_TAG]:
+            return False
+        if not self._warned_region:
+            self._warned_region = True
+            logger.error(
+                "shmkv offload tier %r: the data region was replaced while this replica's "
+                "workers had the old one mapped; this replica gets no hits and stores nothing "
+                "from the tier until it is restarted", self.pool_name)
+        return True
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -730,7 +680,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
         Returns:
             the keys to store, their chunks and the keys evicted; None if not enough chunks
-            can be freed (nothing changes then).
+            can be freed, or this replica's workers map another data region than the
+            tier's (nothing changes then).
 
         Raises:
             UsageError: a key the tier cannot hold, or a key position out of range;
@@ -739,6 +690,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
         keys = list(keys)
         self._check_positions(keys, req_context)
         with self._lock:
+            if self._region_lost():
+                return None
             keys_to_store: list[OffloadKey] = []
             ready_existing: list[OffloadKey] = []
             queued: set[OffloadKey] = set()
@@ -793,7 +746,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
         for attempt in (0, 1):
             rows = self._pool.block_rows()
             ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
-            idle = ref == 0
+            jobs = self._jobs
+            idle = (ref == 0) & (jobs == 0)  # nobody holds it, no bytes moving
+            if self._unflushed:  # this replica's workers flush its own jobs in order (as
+                own = np.fromiter(self._unflushed, np.int64)  # vLLM's single tier relies)
+                idle[own[jobs[own] == self._bit]] = True
+                idle &= ref == 0
             idle[0] = False  # the null block
             free = np.flatnonzero(idle & (htok == L.NO_HASH_TOKENS))
             if len(free) >= num:  # the common case until the tier fills up
@@ -815,8 +773,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
                     victims = self._pick_victims(num_evict, evictable, rows)
             del rows, ref, htok, hashed, pending
             if victims is None:
-                if attempt == 0 and self._pool.reap_dead():
-                    continue  # a dead process's pins may be what is missing
+                if attempt == 0 and (self._pool.reap_dead()
+                                     + reap_gone(self._tier, self._locks)):
+                    continue  # a dead replica's pins and jobs may be what is missing
                 return None
             return free[:num - len(victims)].tolist(), victims
         return None
@@ -842,6 +801,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
         under the new keys' PENDING form (caller holds the lock)."""
         pool, blocks = self._pool, self._blocks
         handles = [blocks[b] for b in block_ids]
+        self._jobs[block_ids] |= self._bit  # before the hold (see prepare_load)
+        if self._unflushed:
+            self._unflushed.difference_update(block_ids)
         pool.touch(handles)
         pool.evict_blocks(block_ids)
         self._cache(handles, keys, PENDING_BIT)
@@ -860,7 +822,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
                        success: bool = True) -> None:
         """Finishes this process's stores of the given keys: on success they become HITs
         for every process (and evictable); on failure their chunks are freed. Keys this
-        process is not storing are skipped.
+        process is not storing are skipped. A store into another data region than the
+        tier's (replaced under this replica's workers) completes as failed.
 
         Args:
             keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
@@ -879,10 +842,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
             block_ids = [b for _, b in mine]
             handles = [self._blocks[b] for b in block_ids]
             pool = self._pool
+            success = success and not self._region_lost()  # written to another region
             pool.evict_blocks(block_ids)
             if success:
                 self._cache(handles, done_keys, 0)
             pool.free_blocks(handles)
+            self._end_jobs(block_ids)
             if success:
                 if self.events is not None:
                     self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
@@ -920,13 +885,19 @@ class SharedCPUOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Drops this process's pins and unfinished stores and every chunk no other
         process holds (their removal goes to the global event log); every process's request
-        records start over. As vLLM's, it queues no ``take_events`` event."""
+        records start over. As vLLM's, it queues no ``take_events`` event.
+
+        The chunks of the stores and loads it cuts off stay out of every replica's hands
+        (their job bits) until :meth:`on_reset_flushed`: this replica's workers may still be
+        moving their bytes."""
         with self._lock:
             pool, blocks = self._pool, self._blocks
             pending_ids = list(self._pending.values())
             held = [blocks[b] for b in pending_ids]
             for block_id, count in self._pins.values():
                 held.extend([blocks[block_id]] * count)
+            self._unflushed.update(pending_ids)
+            self._unflushed.update(block_id for block_id, _ in self._pins.values())
             if pending_ids:
                 pool.evict_blocks(pending_ids)
             if held:
@@ -942,9 +913,18 @@ class SharedCPUOffloadingManager(OffloadingManager):
             del rows
             if idle:
                 pool.evict_blocks(idle)
-            self._thdr[_T_GENERATION] = self._thdr[_T_GENERATION] + 1
+            self._thdr[W_GENERATION] = self._thdr[W_GENERATION] + 1
             if removed:
                 self._log_removed(removed)
+
+    def on_reset_flushed(self) -> None:
+        """vLLM's workers have reported every job in flight at the last reset: the chunks
+        those jobs used go back to every replica."""
+        with self._lock:
+            busy = set(self._pending.values())
+            busy.update(block_id for block_id, _ in self._pins.values())
+            flushed, self._unflushed = [b for b in self._unflushed if b not in busy], set()
+            self._end_jobs(flushed)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Yields the events queued since the last call (stores completed, evictions, and
@@ -1024,215 +1004,15 @@ class SharedCPUOffloadingManager(OffloadingManager):
             for group, hashes in self._split(keys).items() for h in hashes
         ])
 
-    # ------------------------------------------------------------------ replica config
+    # ------------------------------------------------------------------ replica identity
 
-    def check_replica_config(self, config: dict[str, Any]) -> None:
-        """Records the first replica's config in the tier table, or checks that this one's
-        equals it.
+    def check_identity(self, identity: dict[str, Any]) -> None:
+        """Records the first replica's identity in the tier table, or checks that this
+        one's equals it (``shmkv/vllm/identity.py``).
 
         Raises:
-            LayoutMismatchError: a field differs (named, with both values), or the config
-                is too large for the table.
+            LayoutMismatchError: fields differ (each named, with both values, and the way
+                to start afresh), or the identity does not fit the table.
         """
-        blob = json.dumps(config, sort_keys=True).encode()
-        if len(blob) > _T_CONFIG_MAX:
-            raise LayoutMismatchError(
-                f"replica config of {len(blob)} bytes does not fit the tier table "
-                f"({_T_CONFIG_MAX} bytes)"
-            )
-        buf = self._tier_views[2]
         with self._lock:
-            size = self._thdr[_T_CONFIG_LEN]
-            if not size:
-                buf[_T_CONFIG_OFFSET:_T_CONFIG_OFFSET + len(blob)] = blob
-                self._thdr[_T_CONFIG_LEN] = len(blob)
-                return
-            theirs = json.loads(bytes(buf[_T_CONFIG_OFFSET:_T_CONFIG_OFFSET + size]))
-        for name in sorted(set(theirs) | set(config)):
-            if theirs.get(name) != config.get(name):
-                raise LayoutMismatchError(
-                    f"pool {self.pool_name!r}: this replica's {name} is "
-                    f"{config.get(name)!r}, the pool's is {theirs.get(name)!r}; every replica "
-                    "sharing an offload tier must run the same model, KV layout and chunk size"
-                )
-
-
-# ---------------------------------------------------------------------------- the spec
-
-#: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
-#: plus this spec's own.
-KNOWN_EXTRA_CONFIG_KEYS = frozenset({
-    "spec_name", "spec_module_path", "cpu_bytes_to_use", "eviction_policy",
-    "cache_policy_module_path", "store_threshold", "max_tracker_size",
-    "self_describing_kv_events", "offload_prompt_only", "block_size", "blocks_per_chunk",
-    "canonical_layout", "sync_load_budget_bytes",
-    "shmkv_pool", "shmkv_max_processes",
-})
-
-
-
-def _define_spec() -> type:
-    """Builds the spec class. NOTE: on first access of ``shmkv.vllm.SharedCPUOffloadingSpec``
-    only (module ``__getattr__``): vLLM's CPU spec module pulls in its platform and worker
-    code, which a process that only needs the manager should not pay for."""
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-    class SharedCPUOffloadingSpec(CPUOffloadingSpec):
-        """vLLM's CPU offloading spec with one node-wide tier: ``get_manager()`` returns a
-        :class:`SharedCPUOffloadingManager` on the pool named by ``shmkv_pool``, and the worker
-        side maps the data region named after that pool (vLLM's own region and transfer code,
-        with the pool's name as engine id and no unlink-after-barrier, so replicas that start
-        later map the same bytes).
-
-        Raises (at construction):
-            UsageError: ``shmkv_pool`` missing, an unknown ``kv_connector_extra_config`` key, or
-                a cache policy the shared tier does not offer.
-        """
-
-        def __init__(self, config) -> None:
-            extra = dict(config.extra_config)
-            unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
-            if unknown:
-                raise UsageError(
-                    f"unknown kv_connector_extra_config keys {unknown}; "
-                    f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
-                )
-            pool = extra.get("shmkv_pool")
-            if not pool:
-                raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
-            L.validate_pool_name(pool)
-            policy = extra.get("eviction_policy", "lru")
-            if policy != "lru":
-                raise UsageError(
-                    f"eviction_policy {policy!r} is not supported by the shared offload tier "
-                    "(ARC's ghost lists are not shared); use 'lru'"
-                )
-            super().__init__(config)
-            self.shmkv_pool: str = pool
-            self.shmkv_max_processes = int(extra.get("shmkv_max_processes", 16))
-
-        def replica_config(self) -> dict[str, Any]:
-            """What every replica sharing the tier must agree on: model, KV dtype and layout,
-            chunk geometry and size, worker count."""
-            cfg = self.config
-            return {
-                "model": cfg.model.name,
-                "kv_dtype": cfg.model.dtype,
-                "kv_cache_layout": cfg.kv_cache_layout,
-                "canonical_layout": cfg.canonical_layout,
-                "replicated_layout": self.replicated_layout,
-                "tokens_per_block": list(self.tokens_per_block),
-                "tokens_per_hash": self.tokens_per_hash,
-                "blocks_per_chunk": self.blocks_per_chunk,
-                "kv_bytes_per_chunk": self.kv_bytes_per_chunk,
-                "cpu_page_size_per_worker": self.cpu_page_size_per_worker,
-                "world_size": cfg.parallel.world_size,
-                "num_chunks": self.num_chunks,
-            }
-
-        def get_manager(self) -> OffloadingManager:
-            """The shared manager (made on first call), after checking this replica's config
-            against the pool's.
-
-            Raises:
-                LayoutMismatchError: this replica's model, KV layout or chunk size differs from
-                    the pool's (the field is named), or ``num_chunks`` differs.
-            """
-            if not self._manager:
-                store_threshold = int(self.extra_config.get("store_threshold", 0))
-                manager = SharedCPUOffloadingManager(
-                    self.shmkv_pool, self.num_chunks,
-                    enable_events=self.kv_events_config.enable_kv_cache_events,
-                    store_threshold=min(store_threshold, 1) if store_threshold < 2
-                    else store_threshold,
-                    info=self.cpu_info, max_processes=self.shmkv_max_processes,
-                )
-                try:
-                    manager.check_replica_config(self.replica_config())
-                except BaseException:
-                    manager.close()
-                    raise
-                self._manager = manager
-            return self._manager
-
-        def open_data_region(self, rank: int | None):
-            """Maps the tier's ONE data region (``/dev/shm/vllm_offload_<engine id>.mmap``,
-            the engine id named after the pool) with vLLM's ``SharedOffloadRegion``. The
-            file is made here, at its full size, before vLLM's class opens it, so vLLM
-            always joins it and never unlinks it: the bytes live as long as the pool's
-            metadata (``SharedCPUOffloadingManager.unlink`` removes both).
-
-            Args:
-                rank: this worker's slot in each chunk (vLLM's worker rank), or None.
-
-            Returns:
-                vLLM's ``SharedOffloadRegion`` over the tier's bytes.
-
-            Raises:
-                LayoutMismatchError: the region exists with another size (the pool was made
-                    for another chunk size or count).
-            """
-            from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-            engine_id = data_region_engine_id(self.shmkv_pool)
-            path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
-            size = self.num_chunks * self.kv_bytes_per_chunk
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                found = os.stat(path).st_size
-                if found not in (0, size):  # 0: its maker is sizing it right now
-                    raise LayoutMismatchError(
-                        f"pool {self.shmkv_pool!r}: data region {path} is {found} bytes, this "
-                        f"replica needs {self.num_chunks} chunks x {self.kv_bytes_per_chunk} "
-                        f"bytes = {size}"
-                    ) from None
-            else:
-                try:
-                    os.ftruncate(fd, size)
-                finally:
-                    os.close(fd)
-            return SharedOffloadRegion(
-                engine_id=engine_id, num_chunks=self.num_chunks, rank=rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker,
-                barrier=None,  # no unlink: replicas that start later map these bytes
-            )
-
-        def create_worker(self, kv_caches):
-            """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`).
-
-            Args:
-                kv_caches: this worker's canonical GPU KV caches.
-
-            Returns:
-                vLLM's ``CPUOffloadingWorker``.
-
-            Raises:
-                LayoutMismatchError: the data region exists with another size.
-            """
-            from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
-
-            mmap_region = None
-            if self._uses_shared_region() and self.num_chunks > 0:
-                mmap_region = self.open_data_region(
-                    0 if self.replicated_layout else self.config.parallel.rank)
-            try:
-                return CPUOffloadingWorker(
-                    kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
-                    num_cpu_chunks=self.num_chunks, mmap_region=mmap_region,
-                )
-            except Exception:
-                if mmap_region is not None:
-                    mmap_region.cleanup()
-                raise
-
-    return SharedCPUOffloadingSpec
-
-
-def __getattr__(name: str):
-    if name == "SharedCPUOffloadingSpec":
-        spec_cls = _define_spec()
-        globals()[name] = spec_cls
-        return spec_cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            check_identity(self._tier, self.pool_name, identity)

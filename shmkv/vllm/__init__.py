@@ -1,0 +1,74 @@
+"""Inside vLLM: one node-wide CPU offload tier for every data-parallel replica.
+
+vLLM 0.33.0's ``OffloadingConnector`` keeps offloaded KV chunks in CPU memory through an
+``OffloadingManager`` (scheduler side, one per engine-core process) and a worker-side transfer
+handler over one mmap region per engine. shmkv's spec replaces the manager's private
+dictionaries with a shmkv pool, so every replica on the node sees ONE cache, and binds the
+data region to that pool, so every replica's workers map the same bytes:
+
+    --kv-transfer-config '{"kv_connector": "SharedOffloadingConnector",
+      "kv_connector_module_path": "shmkv.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "SharedCPUOffloadingSpec",
+      "spec_module_path": "shmkv.vllm", "cpu_bytes_to_use": 68719476736, "shmkv_pool": "node0"}}'
+
+The rooms:
+
+- ``manager.py``: ``SharedCPUOffloadingManager``, vLLM's LRU manager over the shared pool;
+- ``tier.py``: the tier table beside the pool (ranks, job bits, replica rows, identity);
+- ``replicas.py``: a replica (engine core and GPU workers) alive or gone as one, and the
+  job bits that keep a chunk out of other replicas' hands while its bytes move;
+- ``identity.py``: what replicas sharing a tier must agree on;
+- ``region.py``: the data region, bound to its pool;
+- ``spec.py``: ``SharedCPUOffloadingSpec`` and ``SharedOffloadingConnector`` (imported on
+  first use: vLLM's connector and CPU spec modules pull in its platform and worker code).
+
+vLLM's out-of-tree spec API is experimental and changes between releases, so importing this
+package checks vLLM's version against ``TESTED_VLLM_VERSIONS``.
+"""
+
+from __future__ import annotations
+
+from shmkv.errors import UsageError
+
+TESTED_VLLM_VERSIONS = ("0.33.0",)
+
+
+def _check_vllm_version() -> None:
+    try:
+        from vllm import __version__ as version
+    except ImportError as exc:
+        raise ImportError(
+            "shmkv.vllm plugs into vLLM, which is not installed: pip install 'vllm==0.33.0'"
+        ) from exc
+    if version.split("+")[0] not in TESTED_VLLM_VERSIONS:
+        raise UsageError(
+            f"shmkv.vllm is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, and this is "
+            f"vLLM {version}: vLLM's offloading spec API changes between releases. Install "
+            "a tested vLLM (pip install 'vllm==0.33.0'), or run vLLM's own CPUOffloadingSpec"
+        )
+
+
+_check_vllm_version()
+
+from shmkv.vllm.manager import (  # noqa: E402
+    PENDING_BIT,
+    REAP_INTERVAL_S,
+    SharedCPUOffloadingManager,
+    data_region_engine_id,
+)
+from shmkv.vllm.tier import tier_table_name  # noqa: E402
+
+_LAZY = ("SharedCPUOffloadingSpec", "SharedOffloadingConnector", "KNOWN_EXTRA_CONFIG_KEYS")
+
+__all__ = ["PENDING_BIT", "REAP_INTERVAL_S", "TESTED_VLLM_VERSIONS", "SharedCPUOffloadingManager",
+           "data_region_engine_id", "tier_table_name", *_LAZY]  # noqa: F822 (lazy)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from shmkv.vllm import spec
+
+        value = getattr(spec, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,185 @@
+"""The tier's data region: vLLM's shared offload file, bound to the pool that describes it.
+
+Every replica's workers map ONE file, ``/dev/shm/vllm_offload_<engine id>.mmap`` with the
+engine id named after the pool, through vLLM's own ``SharedOffloadRegion``. The file is one
+page longer than vLLM maps: its trailer holds ``REGION_MAGIC`` and a random non-zero tag,
+and the tier table holds the tag of the region its chunk metadata describes. So:
+
+- a region and a pool belong together only when the tags agree. A region left by an earlier
+  pool of the name, or a pool whose region was removed, is never believed: the worker that
+  finds it so makes a fresh region (all zeros, pages reserved), binds its tag, and drops
+  every chunk the tier described, since their bytes are gone;
+- each replica row records the tag its workers mapped; a replica whose workers map another
+  region than the tier's (the file was replaced under them) gets no hit, stores nothing and
+  completes nothing from then on (manager.py);
+- the file is made by one worker (the replica lock file's maker byte), under a temporary
+  name, exclusively, mode 0600, with its pages reserved (``posix_fallocate``: no room is an
+  error here, never a SIGBUS later), and renamed into place; a file of another user, of
+  another mode, or a link is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+
+import numpy as np
+
+from shmkv.errors import SegmentError
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.segment import check_fd
+from shmkv.vllm.replicas import ReplicaLocks
+from shmkv.vllm.tier import W_REGION_TAG, TierTable
+
+REGION_MAGIC = b"shmkv-kv-region1"  # 16 bytes
+TRAILER_BYTES = os.sysconf("SC_PAGE_SIZE")
+MAKER_WAIT_S = 120.0  # how long a worker waits for another to make the region
+PENDING_BIT = 1 << 30  # the pool group-id bit of a chunk whose store is in flight (manager.py)
+
+
+def region_path(pool: str) -> str:
+    """The data region's path (the first of vLLM's files for its engine id)."""
+    return f"/dev/shm/vllm_offload_{L.offload_data_region_engine_id(pool)}.mmap"
+
+
+def read_tag(path: str, data_bytes: int) -> int | None:
+    """The tag in the region file's trailer; None if there is no file; 0 if it is not a
+    region of ``data_bytes`` bytes made by shmkv.
+
+    Raises:
+        SegmentError: the file is a link, another user's, or not mode 0600.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SegmentError(f"the offload tier's data region {path} is a symbolic link; "
+                               "refusing to use it") from exc
+        raise
+    try:
+        check_fd(fd, f"the offload tier's data region {path}")
+        if os.fstat(fd).st_size != data_bytes + TRAILER_BYTES:
+            return 0
+        trailer = os.pread(fd, 24, data_bytes)
+    finally:
+        os.close(fd)
+    if trailer[:16] != REGION_MAGIC:
+        return 0
+    return int.from_bytes(trailer[16:24], "little", signed=True)
+
+
+def _make_file(path: str, data_bytes: int) -> tuple[str, int]:
+    """A new region file under a temporary name beside ``path``: (its path, its tag)."""
+    tmp = f"{path}.making-{secrets.token_hex(6)}"
+    size = data_bytes + TRAILER_BYTES
+    st = os.statvfs(os.path.dirname(path))
+    free = st.f_bavail * st.f_frsize
+    if free < size:
+        raise SegmentError(
+            f"the offload tier's data region needs {size} bytes in /dev/shm and {free} are "
+            "free: lower cpu_bytes_to_use, or give /dev/shm more room (docker --shm-size)"
+        )
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise SegmentError(
+                f"no room in /dev/shm for the offload tier's data region ({size} bytes, "
+                f"{free} free when it started): lower cpu_bytes_to_use, or give /dev/shm more "
+                "room (docker --shm-size)"
+            ) from None
+        tag = secrets.randbits(63) or 1
+        os.pwrite(fd, REGION_MAGIC + tag.to_bytes(8, "little", signed=True), data_bytes)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp, tag
+
+
+def _forget_chunks(pool: BlockPool) -> None:
+    """Drops the key of every chunk the tier described: their bytes were in a region that
+    is gone (caller holds the pool lock). A chunk being stored keeps its hold: its storer's
+    completion fails, since that replica maps the old region."""
+    rows = pool.block_rows()
+    keyed = np.flatnonzero(rows["hash_num_tokens"] != L.NO_HASH_TOKENS)
+    del rows
+    keyed = keyed[keyed > 0].tolist()
+    if keyed:
+        pool.evict_blocks(keyed)
+
+
+def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
+                pool_name: str, data_bytes: int) -> int:
+    """Makes sure the region file is the one the tier describes, making it if it is
+    missing or not bound, and records it as replica row ``row``'s; returns its tag.
+
+    Raises:
+        SegmentError: a foreign or insecure file, no room, or another worker took longer
+            than MAKER_WAIT_S to make the region.
+    """
+    path = region_path(pool_name)
+    deadline = time.monotonic() + MAKER_WAIT_S
+    while True:
+        with pool.lock():
+            bound = tier.words[W_REGION_TAG]
+            if bound and read_tag(path, data_bytes) == bound:
+                tier.replica_region[row] = bound
+                return bound
+        if locks.try_region_maker():
+            try:
+                return _make_and_bind(pool, tier, row, path, data_bytes)
+            finally:
+                locks.release_region_maker()
+        if time.monotonic() > deadline:
+            raise SegmentError(
+                f"waited {MAKER_WAIT_S:.0f} s for another worker to make the offload tier's "
+                f"data region {path}"
+            )
+        time.sleep(0.01)
+
+
+def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
+                   data_bytes: int) -> int:
+    with pool.lock():  # another maker may have bound it before this one got the byte
+        bound = tier.words[W_REGION_TAG]
+        if bound and read_tag(path, data_bytes) == bound:
+            tier.replica_region[row] = bound
+            return bound
+    tmp, tag = _make_file(path, data_bytes)  # out of the lock: reserving pages takes time
+    try:
+        with pool.lock():
+            read_tag(path, data_bytes)  # refuses a foreign file planted meanwhile
+            os.rename(tmp, path)
+            if tier.words[W_REGION_TAG]:
+                _forget_chunks(pool)
+            tier.words[W_REGION_TAG] = tag
+            tier.replica_region[row] = tag
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return tag
+
+
+def check_mapped(fd: int, path: str, data_bytes: int, tag: int) -> None:
+    """Checks that the file vLLM's region opened (``fd``) is the bound region.
+
+    Raises:
+        SegmentError: it is another file (replaced between the binding and vLLM's open).
+    """
+    check_fd(fd, f"the offload tier's data region {path}")
+    trailer = os.pread(fd, 24, data_bytes)
+    if trailer != REGION_MAGIC + tag.to_bytes(8, "little", signed=True):
+        raise SegmentError(f"the offload tier's data region {path} was replaced while this "
+                           "worker mapped it; start the worker again")

@@ -1,0 +1,183 @@
+"""Replicas of the offload tier: one engine core and its GPU workers, alive or gone as one.
+
+vLLM's engine core (scheduler side: the manager) decides which chunks a store or a load
+uses; its GPU workers move the bytes. When the engine core is SIGKILLed its workers notice
+through a pipe and stop only after their current step, so a chunk the core was storing into
+may still be written for a while after the core is gone. The pool reaps the core's holds at
+once (that is its job); what keeps the chunk out of another replica's hands is the chunk's
+job bit (``TierTable.jobs``): bit ``r`` stays set while replica row ``r`` has a store, a load
+or an unflushed reset on the chunk, and only a replica that is gone as a whole loses its
+bits.
+
+Membership is kernel-arbitrated and valid across pid namespaces: every process of replica
+row ``r`` (engine core and workers) holds an OFD read lock on byte ``r`` of the replica lock
+file ``/dev/shm/<tier table name>.replicas``. A row is gone when nobody holds its byte
+(``F_OFD_GETLK``), whatever pids now run. A row is keyed by its replica's engine id (vLLM's
+``engine_id``, distinct per data-parallel rank), which the engine core and its workers share.
+
+Byte ``REGION_MAKER_BYTE`` (past every row) is taken, exclusively, by the one worker that
+makes the tier's data region (region.py), so the others wait for it instead of each making
+one.
+
+Every function here that reads or writes the tier table runs under the pool lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+
+import numpy as np
+
+from shmkv.errors import PoolFullError, SegmentError
+from shmkv.pool.segment import check_fd, secure_new_fd
+from shmkv.vllm.tier import MAX_REPLICAS, TierTable, tier_table_name
+
+REGION_MAKER_BYTE = MAX_REPLICAS
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64 / aarch64
+
+
+def replica_locks_path(pool: str) -> str:
+    """The replica lock file of a pool's tier, beside its table in /dev/shm."""
+    return f"/dev/shm{tier_table_name(pool)}.replicas"
+
+
+def replica_key(engine_id: str) -> int:
+    """The non-zero int64 a replica row is keyed by: a digest of the engine id."""
+    word = int.from_bytes(hashlib.blake2b(engine_id.encode(), digest_size=8).digest(),
+                          "little", signed=True)
+    return word or 1
+
+
+def _flock(lock_type: int, byte: int) -> bytes:
+    return _FLOCK.pack(lock_type, os.SEEK_SET, byte, 1, 0)
+
+
+class ReplicaLocks:
+    """This process's descriptor of the replica lock file, and the rows it belongs to."""
+
+    def __init__(self, pool: str) -> None:
+        """Opens the pool's replica lock file, making it (mode 0600) if it is missing.
+
+        Raises:
+            SegmentError: the file is a link, another user's, or not mode 0600.
+        """
+        path = replica_locks_path(pool)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            secure_new_fd(fd)
+        except FileExistsError:
+            try:
+                fd = os.open(path, flags)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise SegmentError(f"the tier's replica lock file {path} is a symbolic "
+                                       "link; refusing to use it") from exc
+                raise
+        try:
+            check_fd(fd, f"the tier's replica lock file {path}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.path = path
+        self._fd = fd
+        self.rows: set[int] = set()
+
+    def _setlk(self, lock_type: int, byte: int) -> bool:
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(lock_type, byte))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def hold(self, row: int) -> None:
+        """Joins row ``row``: a shared lock on its byte, for as long as this handle lives."""
+        self._setlk(fcntl.F_RDLCK, row)
+        self.rows.add(row)
+
+    def leave(self, row: int) -> None:
+        """Leaves row ``row`` (drops this process's lock on its byte)."""
+        self._setlk(fcntl.F_UNLCK, row)
+        self.rows.discard(row)
+
+    def is_gone(self, row: int) -> bool:
+        """Whether no process holds row ``row`` (this process's own rows are live)."""
+        if row in self.rows:
+            return False
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, row))
+        return _FLOCK.unpack(answer)[0] == fcntl.F_UNLCK
+
+    def try_region_maker(self) -> bool:
+        """Takes the region maker's byte without waiting; False if another process has it."""
+        return self._setlk(fcntl.F_WRLCK, REGION_MAKER_BYTE)
+
+    def release_region_maker(self) -> None:
+        self._setlk(fcntl.F_UNLCK, REGION_MAKER_BYTE)
+
+    def close(self) -> None:
+        """Closes the descriptor, which leaves every row this process held."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.rows.clear()
+
+
+def release_row(tier: TierTable, row: int) -> int:
+    """Clears row ``row``'s job bits everywhere and frees the row; returns the chunks it
+    held (caller holds the pool lock, and knows the row is gone)."""
+    bit = np.uint64(1 << row)
+    jobs = tier.jobs
+    held = int(np.count_nonzero(jobs & bit))
+    if held:
+        jobs &= ~bit
+    tier.replica_keys[row] = 0
+    tier.replica_region[row] = 0
+    return held
+
+
+def reap_gone(tier: TierTable, locks: ReplicaLocks) -> int:
+    """Releases every replica row whose processes are all gone; returns the chunks that
+    left quarantine (caller holds the pool lock)."""
+    freed = 0
+    for row in np.flatnonzero(tier.replica_keys).tolist():
+        if locks.is_gone(row):
+            freed += release_row(tier, row)
+    return freed
+
+
+def join(tier: TierTable, locks: ReplicaLocks, key: int) -> int:
+    """Joins the replica keyed ``key`` (its row, or a free one); returns the row (caller
+    holds the pool lock).
+
+    Raises:
+        PoolFullError: all MAX_REPLICAS rows belong to live replicas.
+    """
+    keys = tier.replica_keys
+    rows = np.flatnonzero(keys == key).tolist()
+    if rows:
+        row = rows[0]
+        if locks.is_gone(row):  # an earlier incarnation of the same engine id, all dead
+            release_row(tier, row)
+    else:
+        free = np.flatnonzero(keys == 0).tolist()
+        row = free[0] if free else -1
+        if row < 0:
+            for candidate in np.flatnonzero(keys).tolist():
+                if locks.is_gone(candidate):
+                    release_row(tier, candidate)
+                    row = candidate
+                    break
+        if row < 0:
+            raise PoolFullError(
+                f"the offload tier has {MAX_REPLICAS} replica rows and every one belongs to a "
+                "live replica (engine core or GPU worker); stop one, or use another shmkv_pool"
+            )
+    keys[row] = key
+    locks.hold(row)
+    return row

@@ -1,0 +1,236 @@
+"""vLLM's CPU offloading spec and connector with one node-wide tier (imported on first use of
+``shmkv.vllm.SharedCPUOffloadingSpec`` or ``SharedOffloadingConnector``: vLLM's connector and
+CPU spec modules pull in its platform and worker code, which a process that only needs the
+manager should not pay for)."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from shmkv.errors import UsageError
+from shmkv.pool import layout as L
+from shmkv.vllm.identity import platform_name, replica_identity
+from shmkv.vllm.manager import SharedCPUOffloadingManager
+from shmkv.vllm.region import bind_region, check_mapped, region_path
+from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
+from shmkv.vllm.tier import open_pool, open_tier_table
+
+#: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
+#: plus this spec's own.
+KNOWN_EXTRA_CONFIG_KEYS = frozenset({
+    "spec_name", "spec_module_path", "cpu_bytes_to_use", "eviction_policy",
+    "cache_policy_module_path", "store_threshold", "max_tracker_size",
+    "self_describing_kv_events", "offload_prompt_only", "block_size", "blocks_per_chunk",
+    "canonical_layout", "sync_load_budget_bytes",
+    "shmkv_pool", "shmkv_max_processes",
+})
+DEFAULT_MAX_PROCESSES = 64
+
+# vLLM's whole config while a SharedOffloadingConnector builds its spec: the spec is given
+# only vLLM's OffloadingConfig, which lacks what the tier's identity needs.
+_VLLM_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("shmkv_vllm_config",
+                                                                   default=None)
+
+
+class SharedOffloadingConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector``, unchanged, handing vLLM's whole config to the shmkv
+    spec it builds (``kv_connector: SharedOffloadingConnector``,
+    ``kv_connector_module_path: shmkv.vllm``)."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        token = _VLLM_CONFIG.set(vllm_config)
+        try:
+            super().__init__(vllm_config, *args, **kwargs)
+        finally:
+            _VLLM_CONFIG.reset(token)
+
+
+class SharedCPUOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec with one node-wide tier: ``get_manager()`` returns a
+    :class:`SharedCPUOffloadingManager` on the pool named by ``shmkv_pool``, and the worker
+    side maps the data region bound to that pool (vLLM's own region and transfer code, with
+    the pool's name as engine id and no unlink-after-barrier, so replicas that start later
+    map the same bytes). The engine core and its workers join one replica row of the tier,
+    keyed by vLLM's engine id.
+
+    Raises (at construction):
+        UsageError: ``shmkv_pool`` missing, an unknown ``kv_connector_extra_config`` key, a
+            cache policy the shared tier does not offer, a platform where vLLM does not
+            share its offload region (ROCm), or vLLM's whole config not at hand (the
+            connector is not ``SharedOffloadingConnector``).
+    """
+
+    def __init__(self, config: Any) -> None:
+        extra = dict(config.extra_config)
+        unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
+        if unknown:
+            raise UsageError(
+                f"unknown kv_connector_extra_config keys {unknown}; "
+                f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
+            )
+        pool = extra.get("shmkv_pool")
+        if not pool:
+            raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
+        L.validate_pool_name(pool)
+        policy = extra.get("eviction_policy", "lru")
+        if policy != "lru":
+            raise UsageError(
+                f"eviction_policy {policy!r} is not supported by the shared offload tier "
+                "(ARC's ghost lists are not shared); use 'lru'"
+            )
+        if current_platform.is_rocm():
+            raise UsageError(
+                "the shared offload tier needs vLLM's shared offload region, which vLLM does "
+                "not use on ROCm (its workers would keep private buffers behind a shared "
+                "manager); use vLLM's own CPUOffloadingSpec there"
+            )
+        vllm_config = _VLLM_CONFIG.get() or get_current_vllm_config_or_none()
+        if vllm_config is None:
+            raise UsageError(
+                "SharedCPUOffloadingSpec needs vLLM's whole config to check that replicas "
+                "sharing the tier hold the same KV: set \"kv_connector\": "
+                "\"SharedOffloadingConnector\" and \"kv_connector_module_path\": "
+                "\"shmkv.vllm\" in --kv-transfer-config"
+            )
+        super().__init__(config)
+        self.vllm_config = vllm_config
+        self.shmkv_pool: str = pool
+        self.shmkv_max_processes = int(extra.get("shmkv_max_processes",
+                                                 DEFAULT_MAX_PROCESSES))
+        self._worker_locks: ReplicaLocks | None = None
+
+    def replica_identity(self) -> dict[str, Any]:
+        """What every replica sharing the tier must agree on (``shmkv/vllm/identity.py``)."""
+        return replica_identity(self, self.vllm_config)
+
+    def get_manager(self) -> OffloadingManager:
+        """The shared manager (made on first call), in this engine's replica row, after
+        checking this replica's identity against the tier's.
+
+        Raises:
+            LayoutMismatchError: this replica's identity differs from the tier's (every
+                differing field named), or ``num_chunks`` differs.
+            UsageError: a block hash whose seed replicas cannot share.
+        """
+        if not self._manager:
+            identity = self.replica_identity()
+            store_threshold = int(self.extra_config.get("store_threshold", 0))
+            manager = SharedCPUOffloadingManager(
+                self.shmkv_pool, self.num_chunks,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=min(store_threshold, 1) if store_threshold < 2
+                else store_threshold,
+                info=self.cpu_info, max_processes=self.shmkv_max_processes,
+                replica_id=self.config.engine_id,
+            )
+            try:
+                manager.check_identity(identity)
+            except BaseException:
+                manager.close()
+                raise
+            self._manager = manager
+        return self._manager
+
+    def join_replica_as_worker(self) -> int:
+        """Joins this engine's replica row as one of its workers, binds the data region to
+        the pool (making it if needed) and returns the region's tag. The row is held until
+        this process exits: a worker outlives a SIGKILLed engine core by a step, and its
+        chunks stay out of other replicas' hands until then.
+
+        Raises:
+            SegmentError: a foreign or insecure region file, or no room in /dev/shm.
+        """
+        pool, created = open_pool(self.shmkv_pool, self.num_chunks, self.shmkv_max_processes,
+                                  None, {"label": "vllm-offload-worker"})
+        try:
+            tier = open_tier_table(pool, self.shmkv_pool, self.num_chunks, created)
+            locks = ReplicaLocks(self.shmkv_pool)
+            try:
+                with pool.lock():
+                    row = join(tier, locks, replica_key(self.config.engine_id))
+                tag = bind_region(pool, tier, locks, row, self.shmkv_pool,
+                                  self.num_chunks * self.kv_bytes_per_chunk)
+            except BaseException:
+                locks.close()
+                raise
+            finally:
+                tier.close()
+        finally:
+            pool.close()
+        if self._worker_locks is not None:
+            self._worker_locks.close()
+        self._worker_locks = locks
+        return tag
+
+    def open_data_region(self, rank: int | None) -> SharedOffloadRegion:
+        """Joins the replica as a worker, binds the data region to the pool and maps it
+        with vLLM's ``SharedOffloadRegion`` (which always joins it here, never makes or
+        unlinks it).
+
+        Args:
+            rank: this worker's slot in each chunk (vLLM's worker rank), or None.
+
+        Returns:
+            vLLM's ``SharedOffloadRegion`` over the tier's bytes.
+
+        Raises:
+            SegmentError: a foreign or insecure region file, no room in /dev/shm, or the
+                file replaced while it was being mapped.
+        """
+        tag = self.join_replica_as_worker()
+        region = SharedOffloadRegion(
+            engine_id=L.offload_data_region_engine_id(self.shmkv_pool),
+            num_chunks=self.num_chunks, rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+            barrier=None,  # no unlink: replicas that start later map these bytes
+        )
+        try:
+            check_mapped(region.fd, region_path(self.shmkv_pool),
+                         self.num_chunks * self.kv_bytes_per_chunk, tag)
+        except BaseException:
+            region.cleanup()
+            raise
+        return region
+
+    def create_worker(self, kv_caches: Any) -> CPUOffloadingWorker:
+        """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`).
+
+        Raises:
+            UsageError: a platform where vLLM does not share its offload region.
+            SegmentError: a foreign or insecure region file, or no room in /dev/shm.
+        """
+        if not self._uses_shared_region():
+            raise UsageError(
+                f"the shared offload tier needs vLLM's shared offload region, which vLLM does "
+                f"not use on this platform ({platform_name(current_platform)}); use vLLM's own "
+                "CPUOffloadingSpec here"
+            )
+        mmap_region = None
+        if self.num_chunks > 0:
+            mmap_region = self.open_data_region(
+                0 if self.replicated_layout else self.config.parallel.rank)
+        try:
+            return CPUOffloadingWorker(
+                kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
+                num_cpu_chunks=self.num_chunks, mmap_region=mmap_region,
+            )
+        except Exception:
+            if mmap_region is not None:
+                mmap_region.cleanup()
+            raise
+
+
+__all__ = ["KNOWN_EXTRA_CONFIG_KEYS", "SharedCPUOffloadingSpec",
+           "SharedOffloadingConnector"]

@@ -1,0 +1,209 @@
+"""The tier table: what the offload tier keeps beside its pool, in one sibling segment
+``/shmkv_offload-<pool>-v<TIER_VERSION>``.
+
+Layout (int64 words unless said otherwise; written under the pool lock, by any process of
+the tier):
+
+    word 0     magic (last word written at creation: the table is complete)
+    word 1     TIER_VERSION | num_chunks << 32
+    word 2     the LRU rank counter (vLLM's request-scoped ranks, manager.py)
+    word 3     the generation, bumped by every reset_cache
+    word 4     length of the identity (JSON) at byte IDENTITY_OFFSET; 0: none recorded yet
+    word 5     the data region's tag: a random non-zero word written into the region's
+               trailer when a worker makes the region; 0: no region bound yet (region.py)
+    words 16.. MAX_REPLICAS replica keys, one per replica row (0: the row is free)
+    words 80.. MAX_REPLICAS region tags: the region the row's workers mapped (0: no worker)
+    byte 1152  the identity of the tier's first replica (identity.py), up to the owner record
+    byte 3968  the owner record that tells ``shmkv cleanup`` the table goes with its pool
+    byte 4096  ranks: int64 [num_chunks + 1], one LRU rank per block (block 0 unused)
+    then       jobs: uint64 [num_chunks + 1], bit r set while replica row r has a store, a
+               load or an unflushed reset on the block (replicas.py)
+
+A rank is advice, never an invariant: a word left behind by a killed process still orders
+chunks validly, so the table needs no journal. A job bit left behind by a killed process
+keeps its chunk out of use until every process of its replica is gone, which is the point.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shmkv.errors import (
+    LayoutMismatchError,
+    SegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+)
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.segment import Segment
+from shmkv.pool.siblings import owner_record, write_owner
+
+TIER_KIND = "offload"
+TIER_VERSION = L.OFFLOAD_TIER_VERSION
+TIER_MAGIC = L.OFFLOAD_TIER_MAGIC
+HEADER_BYTES = 4096
+MAX_REPLICAS = 64  # one job bit per replica row in a uint64
+
+W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
+W_REPLICA_KEYS = 16
+W_REPLICA_REGION = W_REPLICA_KEYS + MAX_REPLICAS
+IDENTITY_OFFSET = 8 * (W_REPLICA_REGION + MAX_REPLICAS)
+IDENTITY_MAX = L.OFFLOAD_TIER_OWNER_OFFSET - IDENTITY_OFFSET
+
+
+def tier_table_name(pool: str) -> str:
+    """The POSIX name of a pool's tier table: ``/shmkv_offload-<pool>-v<TIER_VERSION>``."""
+    return L.sibling_segment_name(TIER_KIND, pool, TIER_VERSION)
+
+
+def table_bytes(num_chunks: int) -> int:
+    return HEADER_BYTES + 16 * (num_chunks + 1)
+
+
+class TierTable:
+    """One process's mapping of the tier table, with numpy views of its parts."""
+
+    def __init__(self, seg: Segment, num_chunks: int) -> None:
+        self._seg = seg
+        n = num_chunks + 1
+        buf = seg.buf
+        self.header = np.frombuffer(buf, np.int64, HEADER_BYTES // 8)
+        self.ranks = np.frombuffer(buf, np.int64, n, HEADER_BYTES)
+        self.jobs = np.frombuffer(buf, np.uint64, n, HEADER_BYTES + 8 * n)
+        self.replica_keys = self.header[W_REPLICA_KEYS:W_REPLICA_KEYS + MAX_REPLICAS]
+        self.replica_region = self.header[W_REPLICA_REGION:W_REPLICA_REGION + MAX_REPLICAS]
+        # A memoryview of the header words: a scalar store through it costs a fraction of
+        # numpy's, and the rank counter is bumped on every store and lookup hit.
+        self._mv = memoryview(buf)
+        self.words = self._mv[:HEADER_BYTES].cast("q")
+        self.rank_words = self._mv[HEADER_BYTES:HEADER_BYTES + 8 * n].cast("q")
+
+    def read_identity(self) -> bytes:
+        size = int(self.header[W_IDENTITY_LEN])
+        return bytes(self._seg.buf[IDENTITY_OFFSET:IDENTITY_OFFSET + size])
+
+    def write_identity(self, blob: bytes) -> None:
+        self._seg.buf[IDENTITY_OFFSET:IDENTITY_OFFSET + len(blob)] = blob
+        self.header[W_IDENTITY_LEN] = len(blob)
+
+    def close(self) -> None:
+        self.words.release()
+        self.rank_words.release()
+        self._mv.release()
+        del self.header, self.ranks, self.jobs, self.replica_keys, self.replica_region
+        self._seg.close()
+
+
+def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
+                    created: bool) -> TierTable:
+    """Opens (or makes) the tier table of ``pool`` under its lock, so that one process
+    initialises it; ``created``: the pool was just made, so any table found is stale.
+
+    Raises:
+        LayoutMismatchError: the table is foreign, of another version or chunk count.
+    """
+    name = tier_table_name(pool_name)
+    size = table_bytes(num_chunks)
+    with pool.lock():
+        try:
+            seg = Segment.open(name)
+        except SegmentNotFoundError:
+            seg = Segment.create(name, size)
+            created = True
+        else:
+            if created and len(seg.buf) != size:  # left by an earlier pool of this name
+                seg.close()
+                Segment.unlink(name)
+                seg = Segment.create(name, size)
+        try:
+            hdr = np.frombuffer(seg.buf, np.int64, 8)
+            if len(seg.buf) < size and not created:
+                raise LayoutMismatchError(
+                    f"tier table {name} is {len(seg.buf)} bytes; {num_chunks} chunks need "
+                    f"{size}"
+                )
+            magic = int(hdr[W_MAGIC]) & 0xFFFF_FFFF_FFFF_FFFF
+            if created or magic == 0:  # ours to fill (or its filler died half way)
+                seg.buf[:size] = bytes(size)
+                write_owner(seg.buf, L.OFFLOAD_TIER_OWNER_OFFSET,
+                            owner_record(pool_name, creator=False))
+                hdr[W_VERSION_CHUNKS] = (num_chunks << 32) | TIER_VERSION
+                hdr[W_MAGIC] = np.int64(TIER_MAGIC)  # last: the table is complete
+            elif magic != TIER_MAGIC:
+                raise LayoutMismatchError(
+                    f"tier table {name}: magic expected {TIER_MAGIC:#x}, found {magic:#x}: "
+                    "not a shmkv offload tier table"
+                )
+            else:
+                word = int(hdr[W_VERSION_CHUNKS])
+                if word & 0xFFFF_FFFF != TIER_VERSION or word >> 32 != num_chunks:
+                    raise LayoutMismatchError(
+                        f"tier table {name}: version {word & 0xFFFF_FFFF} with {word >> 32} "
+                        f"chunks, expected version {TIER_VERSION} with {num_chunks}"
+                    )
+            del hdr
+            return TierTable(seg, num_chunks)
+        except BaseException:
+            seg.close()
+            raise
+
+
+MEDIUM = "CPU"
+ATTACH_TIMEOUT_S = 10.0  # how long an attacher waits for the pool's creator to finish
+
+
+def open_pool(pool: str, num_chunks: int, max_processes: int, event_log_bytes: int | None,
+              process: dict) -> tuple[BlockPool, bool]:
+    """Creates the tier's pool (``num_chunks + 1`` blocks, medium CPU, one token per hash),
+    or attaches to it; returns (pool, created). ``process``: ``label`` and lock settings.
+
+    Raises:
+        LayoutMismatchError: the pool is not an offload tier, or holds another number of
+            chunks (both named).
+        SegmentError: the pool belongs to another user, or is not READY in time.
+    """
+    if event_log_bytes is None:
+        event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    while True:
+        try:
+            return BlockPool.create(
+                pool, num_chunks + 1, enable_caching=True, hash_block_size=1,
+                enable_kv_cache_events=False, medium=MEDIUM, max_processes=max_processes,
+                event_log_bytes=event_log_bytes, **process,
+            ), True
+        except SegmentExistsError:
+            pass
+        try:
+            bp = BlockPool.attach(pool, **process)
+        except SegmentNotFoundError:
+            continue  # its creator failed and removed it: create it ourselves
+        except SegmentError as exc:
+            if "INITIALIZING" in str(exc) and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            raise
+        try:
+            _check_pool(bp, pool, num_chunks)
+        except BaseException:
+            bp.close()
+            raise
+        return bp, False
+
+
+def _check_pool(bp: BlockPool, pool: str, num_chunks: int) -> None:
+    if bp.medium != MEDIUM or bp.hash_block_size != 1 or not bp.enable_caching:
+        raise LayoutMismatchError(
+            f"pool {pool!r} is not an offload tier (medium {bp.medium!r}, hash_block_size "
+            f"{bp.hash_block_size}; a tier has medium {MEDIUM!r}, hash_block_size 1)"
+        )
+    if bp.num_gpu_blocks - 1 != num_chunks:
+        raise LayoutMismatchError(
+            f"pool {pool!r} holds {bp.num_gpu_blocks - 1} chunks, this replica has "
+            f"num_chunks={num_chunks}: every replica must use the same cpu_bytes_to_use and "
+            f"KV layout. To start the tier afresh, stop every replica using it and run "
+            f"`shmkv unlink {pool}`"
+        )
