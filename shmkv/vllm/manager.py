@@ -335,8 +335,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     @staticmethod
     def unlink(pool: str) -> bool:
-        """Removes the pool, its tier table, its replica lock file and its data region from /dev/shm (mappings of
-        processes still attached stay valid until they close).
+        """Removes the pool, its tier table, its replica lock file and its data region from
+        /dev/shm (mappings of processes still attached stay valid until they close).
 
         Returns:
             True if anything was removed.

@@ -272,13 +272,41 @@ def spec_pool():
     SharedCPUOffloadingManager.unlink(name)
 
 
-def test_spec_loads_through_vllms_factory(spec_pool):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.multiprocess.vllm_scheduler_driver import write_model_dir
+
+    return write_model_dir(str(tmp_path_factory.mktemp("model") / "model"))
+
+
+def make_spec(model_dir: str, offloading_config: OffloadingConfig, *,
+              quantization: str | None = None, **vllm: object):
+    """The spec as vLLM builds it, vLLM's whole config at hand (``vllm``: make_vllm_config's
+    ``model`` / ``parallel`` arguments). ``quantization`` is set after the config is built:
+    vLLM's validation of a quantized config needs packages the CPU test set-up lacks."""
+    from vllm.config import set_current_vllm_config
+
+    from shmkv.vllm import SharedCPUOffloadingSpec
+    from tests.multiprocess.vllm_scheduler_driver import make_vllm_config
+
+    vllm_config = make_vllm_config("unused", model_dir, **vllm)
+    if quantization is not None:
+        vllm_config.model_config.quantization = quantization
+    with set_current_vllm_config(vllm_config):
+        return SharedCPUOffloadingSpec(offloading_config)
+
+
+def test_spec_loads_through_vllms_factory(spec_pool, model_dir):
     """vLLM's OffloadingSpecFactory finds the spec by module path; get_manager() is the
     shared manager, and two replicas' managers are one cache."""
+    from vllm.config import set_current_vllm_config
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    first = OffloadingSpecFactory.create_spec(make_config(spec_pool))
-    second = OffloadingSpecFactory.create_spec(make_config(spec_pool))
+    from tests.multiprocess.vllm_scheduler_driver import make_vllm_config
+
+    with set_current_vllm_config(make_vllm_config("unused", model_dir)):
+        first = OffloadingSpecFactory.create_spec(make_config(spec_pool))
+        second = OffloadingSpecFactory.create_spec(make_config(spec_pool))
     assert type(first).__name__ == "SharedCPUOffloadingSpec" and first.num_chunks == 8
     a, b = first.get_manager(), second.get_manager()
     try:
@@ -292,64 +320,72 @@ def test_spec_loads_through_vllms_factory(spec_pool):
         b.close()
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"model": "org/other"}, "model"),
-    ({"dtype": "bfloat16"}, "kv_dtype"),
-    ({"kv_bytes_per_block": PAGE // 2, "blocks_per_chunk": 2}, "blocks_per_chunk"),
-])
-def test_a_replica_that_differs_is_refused_naming_the_field(spec_pool, change, field):
-    """A replica with another model, KV dtype or chunk geometry is refused at
-    get_manager(), naming the field and both values; the pool is unchanged."""
+def test_the_spec_needs_vllms_whole_config(spec_pool):
+    """Built by vLLM's plain OffloadingConnector (no config at hand), the spec refuses to
+    start, naming the connector to use; nothing is made."""
     from shmkv.vllm import SharedCPUOffloadingSpec
 
-    first = SharedCPUOffloadingSpec(make_config(spec_pool))
+    with pytest.raises(UsageError, match='"kv_connector": "SharedOffloadingConnector"'):
+        SharedCPUOffloadingSpec(make_config(spec_pool))
+    assert not SharedCPUOffloadingManager.unlink(spec_pool)
+
+
+@pytest.mark.parametrize("config, vllm, field", [
+    ({"dtype": "bfloat16"}, {}, "kv_cache_dtype"),
+    ({"kv_bytes_per_block": PAGE // 2, "blocks_per_chunk": 2}, {}, "blocks_per_chunk"),
+    ({}, {"model": {"revision": "v2"}}, "revision"),
+    ({}, {"quantization": "fp8"}, "quantization"),
+    ({}, {"model": {"hf_overrides": {"num_hidden_layers": 1}}}, "hf_overrides"),
+    ({}, {"parallel": {"tensor_parallel_size": 2}}, "tensor_parallel_size"),
+])
+def test_a_replica_that_differs_is_refused_naming_the_field(spec_pool, model_dir, config, vllm,
+                                                             field):
+    """A replica whose KV could differ (dtype, chunk geometry, revision, quantization,
+    overrides, parallel layout) is refused at get_manager(), naming the field, both values
+    and the way to start afresh; the pool is unchanged."""
+    first = make_spec(model_dir, make_config(spec_pool))
     manager = first.get_manager()
     try:
         _stored(manager, [1])
         before = _image(manager)
-        other = SharedCPUOffloadingSpec(make_config(spec_pool, **change))
+        other = make_spec(model_dir, make_config(spec_pool, **config), **vllm)
         assert other.num_chunks == first.num_chunks
-        with pytest.raises(LayoutMismatchError, match=f"this replica's {field} is"):
+        with pytest.raises(LayoutMismatchError,
+                           match=rf"{field}: this replica .*shmkv unlink {spec_pool}"):
             other.get_manager()
         assert _image(manager) == before
     finally:
         manager.close()
 
 
-def test_a_replica_with_another_size_is_refused(spec_pool):
+def test_a_replica_with_another_size_is_refused(spec_pool, model_dir):
     """Another cpu_bytes_to_use gives another num_chunks: refused with both values."""
-    from shmkv.vllm import SharedCPUOffloadingSpec
-
-    manager = SharedCPUOffloadingSpec(make_config(spec_pool)).get_manager()
+    manager = make_spec(model_dir, make_config(spec_pool)).get_manager()
     try:
         with pytest.raises(LayoutMismatchError, match=r"holds 8 chunks.*num_chunks=16"):
-            SharedCPUOffloadingSpec(make_config(spec_pool, cpu_bytes=16 * PAGE)).get_manager()
+            make_spec(model_dir, make_config(spec_pool, cpu_bytes=16 * PAGE)).get_manager()
     finally:
         manager.close()
 
 
-def test_bad_extra_config_is_refused(spec_pool):
+def test_bad_extra_config_is_refused(spec_pool, model_dir):
     """Unknown extra_config keys (named), a missing shmkv_pool and ARC are refused before
     any pool is made."""
-    from shmkv.vllm import SharedCPUOffloadingSpec
-
     with pytest.raises(UsageError,
                        match=r"unknown kv_connector_extra_config keys \['shmkv_poool'\]"):
-        SharedCPUOffloadingSpec(make_config(spec_pool, shmkv_poool="x"))
+        make_spec(model_dir, make_config(spec_pool, shmkv_poool="x"))
     with pytest.raises(UsageError, match="needs 'shmkv_pool'"):
-        SharedCPUOffloadingSpec(make_config(None))
+        make_spec(model_dir, make_config(None))
     with pytest.raises(UsageError, match="eviction_policy 'arc' is not supported"):
-        SharedCPUOffloadingSpec(make_config(spec_pool, eviction_policy="arc"))
+        make_spec(model_dir, make_config(spec_pool, eviction_policy="arc"))
     assert not SharedCPUOffloadingManager.unlink(spec_pool)
 
 
-def test_replicas_map_one_data_region_named_after_the_pool(spec_pool):
+def test_replicas_map_one_data_region_bound_to_the_pool(spec_pool, model_dir):
     """Every replica's worker maps the same bytes (vLLM's SharedOffloadRegion under the
     pool's name), which outlive a replica's cleanup until the tier is unlinked."""
-    from shmkv.vllm import SharedCPUOffloadingSpec
-
-    first = SharedCPUOffloadingSpec(make_config(spec_pool))
-    second = SharedCPUOffloadingSpec(make_config(spec_pool))
+    first = make_spec(model_dir, make_config(spec_pool))
+    second = make_spec(model_dir, make_config(spec_pool))
     region_a, region_b = first.open_data_region(0), second.open_data_region(0)
     path = f"/dev/shm/vllm_offload_{data_region_engine_id(spec_pool)}.mmap"
     try:
@@ -361,13 +397,13 @@ def test_replicas_map_one_data_region_named_after_the_pool(spec_pool):
         region_a.cleanup()
         region_b.cleanup()
     assert os.path.exists(path)
-    region_c = SharedCPUOffloadingSpec(make_config(spec_pool)).open_data_region(0)
+    region_c = make_spec(model_dir, make_config(spec_pool)).open_data_region(0)
     try:
         assert np.asarray(region_c.create_kv_memoryview())[3, :5].tolist() == [1, 2, 3, 4, 5]
     finally:
         region_c.cleanup()
-    other = SharedCPUOffloadingSpec(make_config(spec_pool, cpu_bytes=16 * PAGE))
-    with pytest.raises(LayoutMismatchError, match=f"is {8 * PAGE} bytes, this replica needs 16"):
+    other = make_spec(model_dir, make_config(spec_pool, cpu_bytes=16 * PAGE))
+    with pytest.raises(LayoutMismatchError, match=r"holds 8 chunks.*num_chunks=16"):
         other.open_data_region(0)
     SharedCPUOffloadingManager.unlink(spec_pool)
     assert not os.path.exists(path)
