@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.config import (
@@ -257,14 +258,14 @@ def replica_worker(pool: str, model_dir: str, engine_id: str, cpu_bytes: int, to
     bytes of each, "exit"."""
     spec = worker_spec(pool, model_dir, cpu_bytes, engine_id=engine_id)
     region = spec.open_data_region(rank)
-    view = region.create_kv_memoryview()
+    view = np.asarray(region.create_kv_memoryview())  # [chunk, byte]
     to_parent.put(("ready", spec.num_chunks, spec.kv_bytes_per_chunk))
     while (command := from_parent.get(timeout=300)) != "exit":
         if command[0] == "write":
             for chunk, value in zip(command[1], command[2], strict=True):
-                view[chunk, :] = bytes([value]) * len(view[chunk])
+                view[chunk, :] = value
             to_parent.put("written")
         elif command[0] == "read":
-            to_parent.put([bytes(view[chunk, :16]) for chunk in command[1]])
+            to_parent.put([view[chunk, :16].tobytes() for chunk in command[1]])
     del view
     region.cleanup()
