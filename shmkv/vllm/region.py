@@ -31,8 +31,8 @@ from shmkv.errors import SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd
-from shmkv.vllm.replicas import ReplicaLocks
-from shmkv.vllm.tier import W_REGION_TAG, TierTable
+from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
+from shmkv.vllm.tier import W_REGION_TAG, TierTable, open_pool, open_tier_table
 
 REGION_MAGIC = b"shmkv-kv-region1"  # 16 bytes
 TRAILER_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -183,3 +183,32 @@ def check_mapped(fd: int, path: str, data_bytes: int, tag: int) -> None:
     if trailer != REGION_MAGIC + tag.to_bytes(8, "little", signed=True):
         raise SegmentError(f"the offload tier's data region {path} was replaced while this "
                            "worker mapped it; start the worker again")
+
+
+def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, engine_id: str,
+                   data_bytes: int) -> tuple[ReplicaLocks, int]:
+    """A GPU worker's start: joins its replica's row (engine id ``engine_id``), binds the
+    data region to the pool (making it if needed) and returns (its hold on the row, kept
+    until the worker exits; the region's tag). The pool handle it needed is closed again:
+    a worker takes no slot of the pool's process table.
+
+    Raises:
+        SegmentError: a foreign or insecure region file, or no room in /dev/shm.
+    """
+    pool, created = open_pool(pool_name, num_chunks, max_processes, None,
+                              {"label": "vllm-offload-worker"})
+    try:
+        tier = open_tier_table(pool, pool_name, num_chunks, created)
+        locks = ReplicaLocks(pool_name)
+        try:
+            with pool.lock():
+                row = join(tier, locks, replica_key(engine_id))
+            tag = bind_region(pool, tier, locks, row, pool_name, data_bytes)
+        except BaseException:
+            locks.close()
+            raise
+        finally:
+            tier.close()
+    finally:
+        pool.close()
+    return locks, tag

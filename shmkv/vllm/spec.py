@@ -22,9 +22,8 @@ from shmkv.errors import UsageError
 from shmkv.pool import layout as L
 from shmkv.vllm.identity import platform_name, replica_identity
 from shmkv.vllm.manager import SharedCPUOffloadingManager
-from shmkv.vllm.region import bind_region, check_mapped, region_path
-from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
-from shmkv.vllm.tier import open_pool, open_tier_table
+from shmkv.vllm.region import check_mapped, join_as_worker, region_path
+from shmkv.vllm.replicas import ReplicaLocks
 
 #: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
 #: plus this spec's own.
@@ -151,23 +150,9 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         Raises:
             SegmentError: a foreign or insecure region file, or no room in /dev/shm.
         """
-        pool, created = open_pool(self.shmkv_pool, self.num_chunks, self.shmkv_max_processes,
-                                  None, {"label": "vllm-offload-worker"})
-        try:
-            tier = open_tier_table(pool, self.shmkv_pool, self.num_chunks, created)
-            locks = ReplicaLocks(self.shmkv_pool)
-            try:
-                with pool.lock():
-                    row = join(tier, locks, replica_key(self.config.engine_id))
-                tag = bind_region(pool, tier, locks, row, self.shmkv_pool,
-                                  self.num_chunks * self.kv_bytes_per_chunk)
-            except BaseException:
-                locks.close()
-                raise
-            finally:
-                tier.close()
-        finally:
-            pool.close()
+        locks, tag = join_as_worker(self.shmkv_pool, self.num_chunks, self.shmkv_max_processes,
+                                    self.config.engine_id,
+                                    self.num_chunks * self.kv_bytes_per_chunk)
         if self._worker_locks is not None:
             self._worker_locks.close()
         self._worker_locks = locks
