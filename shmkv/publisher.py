@@ -729,6 +729,40 @@ class KVEventSubscriber:
                                  "publisher?)")
         return frames[0][1].decode()
 
+    def send_identity_request(self):
+        """Sends an identity request without waiting for the answer: returns the DEALER
+        socket to poll (``zmq.POLLIN``), then to pass to :meth:`identity_answer` once it is
+        readable; the caller closes it (``close(linger=0)``) in any case.
+
+        Raises:
+            UsageError: no replay endpoint was given.
+            zmq.ZMQError: the request could not even be queued.
+        """
+        if self._replay_endpoint is None:
+            raise UsageError("no replay endpoint was given")
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self._replay_endpoint)
+            sock.send_multipart((b"", IDENTITY_REQUEST), zmq.NOBLOCK)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def identity_answer(self, sock) -> str:
+        """The identity a readable socket of :meth:`send_identity_request` received.
+
+        Raises:
+            PublisherError: the answer is not a shmkv publisher's identity frame.
+        """
+        frames = sock.recv_multipart(self._zmq.NOBLOCK)
+        if len(frames) != 4 or frames[2] != END_SEQ:
+            raise PublisherError(f"{self._replay_endpoint} sent no identity (is it a shmkv "
+                                 "publisher?)")
+        return frames[3].decode()
+
     def _request(self, request: bytes) -> list[tuple[bytes, bytes]]:
         """Sends one request to the replay socket; its (seq bytes, payload) frames up to
         and including the end marker."""
