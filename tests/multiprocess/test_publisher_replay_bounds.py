@@ -1,0 +1,96 @@
+"""What a local peer can cost the publisher through its replay socket: bounded memory,
+bounded replies, and the other peers still answered."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from shmkv import BlockPool  # noqa: E402
+from shmkv.publisher import (  # noqa: E402
+    SNAPSHOT_REQUEST,
+    KVEventSubscriber,
+    saved_position,
+    unlink_state,
+)
+from tests.ecosystem_helpers import free_port, serve_requests, start_shmkv  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_a_peer_that_asks_hundreds_of_replays_and_reads_nothing(pool_name):
+    """400 replay requests (and 40 snapshot requests) from peers that read nothing: the
+    publisher's RSS stays within 30 MB of where it was, its live stream goes on, and a
+    fresh subscriber still gets a whole replay."""
+    pool = BlockPool.create(pool_name, 256, enable_kv_cache_events=True,
+                            event_log_bytes=4 << 20)
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    proc = start_shmkv("publish", pool_name, "--endpoint", endpoint, "--replay-endpoint",
+                       replay)
+    ctx = zmq.Context()
+    peers = []
+    try:
+        assert proc.stdout.readline().startswith("publishing pool"), proc.stderr.read()
+        hasher = pool.make_block_hasher()
+        serve_requests(pool, hasher, 0, 1500)
+        end = pool.event_cursor(from_start=False).seq
+        assert end > 2000, end  # each replay from 0 is thousands of frames
+        deadline = time.monotonic() + 10
+        while saved_position(pool_name)["next_seq"] != end:
+            assert time.monotonic() < deadline, saved_position(pool_name)
+            time.sleep(0.02)
+        rss_before = _rss_mb(proc.pid)
+        for _ in range(4):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(replay)
+            for _ in range(100):
+                sock.send_multipart((b"", (0).to_bytes(8, "big")))
+            for _ in range(10):
+                sock.send_multipart((b"", SNAPSHOT_REQUEST))
+            peers.append(sock)
+        samples = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            samples.append(_rss_mb(proc.pid) - rss_before)
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        assert max(samples) < 30, f"RSS grew by {[round(s) for s in samples]} MB"
+        # the live stream still flows, and another peer still gets a whole replay
+        serve_requests(pool, hasher, 1000, 5)
+        new_end = pool.event_cursor(from_start=False).seq
+        deadline = time.monotonic() + 5
+        while saved_position(pool_name)["next_seq"] != new_end:
+            assert time.monotonic() < deadline, saved_position(pool_name)
+            time.sleep(0.02)
+        sub = KVEventSubscriber(endpoint, replay, replay_timeout_s=4)
+        try:
+            got = sub.replay(new_end - 50)
+        finally:
+            sub.close()
+        assert [seq for seq, _ in got] == list(range(new_end - 50, new_end))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 143, out + err
+    finally:
+        for sock in peers:
+            sock.close(linger=0)
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+        pool.close()
+        BlockPool.unlink(pool_name)
+        unlink_state(pool_name)
