@@ -96,7 +96,7 @@ REPLAY_STALL_S = 5.0
 """A replay whose peer read nothing for this long is dropped, and so are that peer's later
 requests."""
 REPLAY_SENDS_PER_TURN = 1024
-"""Replay frames sent per ``poll()``, all replays together (the live stream goes first)."""
+"""Replay frames sent per ``poll()``, shared by the replays in progress (at least 16 each)."""
 SNAPSHOT_REUSE_S = 1.0
 """A snapshot is computed again only when the log moved and the last one is this old."""
 _MAX_STALLED_PEERS = 4096
@@ -646,7 +646,6 @@ class KVEventPublisher:
         drops the jobs of peers that stopped reading, and starts waiting ones."""
         zmq = require_zmq()
         now = time.monotonic()
-        budget = REPLAY_SENDS_PER_TURN
         active = {job.peer for job in self._jobs}
         while self._waiting and len(self._jobs) < MAX_REPLAY_JOBS:
             # one job per peer at a time: its next request waits for the previous answer
@@ -658,8 +657,10 @@ class KVEventPublisher:
             del self._waiting[k]
             active.add(peer)
             self._start_job(peer, frames)
+        share = max(16, REPLAY_SENDS_PER_TURN // max(len(self._jobs), 1))
         for job in list(self._jobs):
             done = False
+            budget = share
             while budget > 0:
                 frames = job.held if job.held is not None else next(job.frames, None)
                 if frames is None:
@@ -678,7 +679,7 @@ class KVEventPublisher:
                 budget -= 1
             if done:
                 self._jobs.remove(job)
-            elif now - job.progress_at > REPLAY_STALL_S:
+            elif job.held is not None and now - job.progress_at > REPLAY_STALL_S:
                 self._jobs.remove(job)
                 self.replays_dropped += 1
                 self._stalled_peers[job.peer] = None

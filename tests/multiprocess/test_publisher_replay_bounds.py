@@ -94,3 +94,55 @@ def test_a_peer_that_asks_hundreds_of_replays_and_reads_nothing(pool_name):
         pool.close()
         BlockPool.unlink(pool_name)
         unlink_state(pool_name)
+
+
+def test_a_peer_that_stops_reading_is_dropped_and_then_ignored(pool_name, monkeypatch,
+                                                               caplog):
+    """A replay whose peer reads nothing (its queue full) is dropped after
+    ``REPLAY_STALL_S``, that peer's later requests go unanswered, and another peer is
+    answered meanwhile."""
+    import logging
+
+    import shmkv.publisher as P
+
+    monkeypatch.setattr(P, "REPLAY_STALL_S", 0.3)
+    pool = BlockPool.create(pool_name, 256, enable_kv_cache_events=True)
+    ctx = zmq.Context.instance()
+    pub = P.KVEventPublisher(pool, f"inproc://{pool_name}-pub",
+                             f"inproc://{pool_name}-replay", buffer_steps=0)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    try:
+        serve_requests(pool, pool.make_block_hasher(), 0, 1500)  # > REPLAY_SNDHWM events
+        while pub.publish_pending():
+            pass
+        sock.connect(pub.replay_endpoint)
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        with caplog.at_level(logging.WARNING, logger="shmkv.publisher"):
+            deadline = time.monotonic() + 5
+            while pub.replays_dropped == 0:
+                assert time.monotonic() < deadline, "the stalled replay was never dropped"
+                pub.poll(0.001)
+        assert "dropped a replay whose peer read nothing" in caplog.text
+        assert not pub._jobs
+        sock.send_multipart((b"", P.IDENTITY_REQUEST))  # ignored from now on
+        other = ctx.socket(zmq.DEALER)
+        other.setsockopt(zmq.LINGER, 0)
+        other.connect(pub.replay_endpoint)
+        other.send_multipart((b"", P.IDENTITY_REQUEST))
+        t0 = time.monotonic()
+        while not other.poll(0) and time.monotonic() - t0 < 2:
+            pub.poll(0.001)
+        frames = other.recv_multipart(zmq.NOBLOCK)
+        other.close(linger=0)
+        assert frames[2] == P.END_SEQ and frames[3].decode() == P.pool_identity(pool)
+        while pub.replays_dropped < 2 and time.monotonic() - t0 < 2:
+            pub.poll(0.001)
+        assert pub.replays_dropped == 2  # the stalled replay, then its peer's request
+    finally:
+        sock.close(linger=0)
+        pub.close()
+        pool.close()
+        BlockPool.unlink(pool_name)
+        unlink_state(pool_name)
