@@ -566,9 +566,14 @@ class KVEventPublisher:
         state = self._state
         self._refresh_labels()
         reads = 0
+        log = self.pool.event_log
         while max_reads is None or reads < max_reads:
             reads += 1
             before = self._cursor.seq
+            if log.next_seq == before:
+                # Nothing logged since (one aligned word, read without the lock): an idle
+                # publisher does not take the pool lock at every turn.
+                return sent
             records, lost = self._read(self._cursor)
             if lost:
                 logger.warning("pool %s: publisher fell behind the event ring: %d events "

@@ -146,3 +146,53 @@ def test_a_peer_that_stops_reading_is_dropped_and_then_ignored(pool_name, monkey
         pool.close()
         BlockPool.unlink(pool_name)
         unlink_state(pool_name)
+
+
+def test_pending_replays_keep_each_turn_short_and_the_lock_rarely_taken(pool_name):
+    """100 replay requests from peers that read nothing: every ``poll()`` turn stays short
+    (the live stream is never held up behind them) and the publisher takes the pool lock
+    only for what its peers' queues can take, not for every request's whole replay."""
+    import shmkv.publisher as P
+
+    pool = BlockPool.create(pool_name, 256, enable_kv_cache_events=True)
+    ctx = zmq.Context.instance()
+    pub = P.KVEventPublisher(pool_name, f"inproc://{pool_name}-pub",  # its own handle
+                             f"inproc://{pool_name}-replay", buffer_steps=0)
+    peers = []
+    try:
+        hasher = pool.make_block_hasher()
+        serve_requests(pool, hasher, 0, 1500)
+        while pub.publish_pending():
+            pass
+        num_events = pub.next_seq
+        for _ in range(4):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.connect(pub.replay_endpoint)
+            for _ in range(25):
+                sock.send_multipart((b"", (0).to_bytes(8, "big")))
+            peers.append(sock)
+        holds_before = pub.pool._lock.num_acquired
+        longest = 0.0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            start = time.monotonic()
+            pub.poll(0.001)
+            longest = max(longest, time.monotonic() - start)
+        holds = pub.pool._lock.num_acquired - holds_before
+        assert longest < 0.25, f"a poll() turn took {longest:.2f} s"
+        # Whole replays would be 100 x num_events / 16 holds (17,000); each peer's queue
+        # takes about REPLAY_SNDHWM frames, 16 a hold.
+        assert holds < 4 * 2 * P.REPLAY_SNDHWM // 16, (holds, num_events)
+        serve_requests(pool, hasher, 10_000, 3)  # the live stream still flows at once
+        for _ in range(3):
+            pub.poll(0.001)
+        assert pub.next_seq == pool.event_cursor(from_start=False).seq
+    finally:
+        for sock in peers:
+            sock.close(linger=0)
+        pub.close()
+        pool.close()
+        BlockPool.unlink(pool_name)
+        unlink_state(pool_name)
