@@ -75,8 +75,8 @@ def add_index_parser(sub) -> None:
         "after its own restart, and from a snapshot of the pool after a Redis restart, "
         "lost events or a re-created pool. A source that does not answer is retried with a "
         "backoff while the others are indexed. Exits 2 only on a Redis error it cannot "
-        "recover from (a lost connection is retried). Runs until SIGTERM or Ctrl-C (exit 143 or 130). "
-        "Needs pyzmq and redis (pip install 'shmkv[zmq,redis]').")
+        "recover from (a lost connection is retried). Runs until SIGTERM or Ctrl-C (exit "
+        "143 or 130). Needs pyzmq and redis (pip install 'shmkv[zmq,redis]').")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL",
                    help="Redis URL (redis://127.0.0.1:6379/0)")
     p.add_argument("--source", action="append", required=True, metavar="SPEC",
