@@ -303,3 +303,27 @@ def _stop(proc) -> str:
         proc.kill()
         out, err = proc.communicate(timeout=30)
     return out + err
+
+
+def test_a_source_nobody_listens_on_is_retried_with_a_backoff(nodes, redis_server):
+    """A source whose address nobody listens on (a node that is down from the start) is
+    retried after 0.25, 0.5, 1 s ..., not at every poll, while a live one is indexed."""
+    from shmkv.cluster_index import ClusterIndexer, IndexSource
+
+    a = nodes[0]
+    index = RedisPrefixIndex.from_url(redis_server.url, unique_pool_name("ix"))
+    dead = IndexSource("dead", f"tcp://127.0.0.1:{free_port()}",
+                       f"tcp://127.0.0.1:{free_port()}")
+    live = IndexSource(a.label, a.endpoint, a.replay)
+    with ClusterIndexer(index, [dead, live], identity_check_s=0.2, replay_timeout_s=0.2,
+                        retry_min_s=0.25, retry_max_s=30) as ix:
+        _serve_some(a, 1, 3)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.9:
+            ix.poll(0.01)
+        assert _index_seqs(index) == {a.label: _log_end(a)}
+        assert ix.down_sources() == ["dead"]
+        # unanswered at 0.2 s, then after waits of 0.25, 0.5 and 1 s (each 0.2 s long):
+        # at 0.65, 1.35 and 2.55 s (the next at 4.75); with a fixed 0.25 s wait it would be
+        # every 0.45 s, 6 times (3 allows for a slow machine)
+        assert 3 <= ix.stats.source_errors <= 4, ix.stats
