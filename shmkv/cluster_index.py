@@ -428,6 +428,20 @@ class IndexerStats:
     snapshots: int = 0     # sources (re)started from a snapshot
     replayed: int = 0      # batches applied from a replay on start
     redis_errors: int = 0  # Redis calls that failed (the source resyncs afterwards)
+    source_errors: int = 0  # requests a source did not answer in time (it is retried)
+
+
+@dataclass
+class _Health:
+    """Whether a source answers its replay socket, and when to ask it next."""
+
+    up: bool = False                  # it answered its last request
+    identity: str | None = None       # what its last identity answer said
+    next_probe: float = 0.0           # when the next identity request goes out
+    backoff_s: float = 0.0            # the wait before the next retry while it is down
+    down_since: float | None = None   # when it stopped answering (None: up, or never seen)
+    probe: object = None              # the DEALER socket of the request in flight
+    probe_sent: float = 0.0
 
 
 class ClusterIndexer:
@@ -440,35 +454,126 @@ class ClusterIndexer:
     ``identity_check_s``) start the source again from a snapshot. So the indexer survives
     its own restart (it keeps no state of its own) and Redis restarts.
 
+    NOTE: one source down never stops the others. The identity check is a request sent
+    without waiting (its answer is read in the same poll as the live batches); a source
+    that leaves it, or a catch-up request, unanswered for ``replay_timeout_s`` is *down*:
+    its live batches are dropped, and it is asked again after a backoff (``retry_min_s``,
+    doubling to ``retry_max_s``) until it answers, then caught up as after a restart. A
+    catch-up waits at most ``replay_timeout_s`` per frame, and only for a source that has
+    just answered. Only Redis errors other than a lost connection leave ``poll()``.
+
     Use from one thread: ``poll()`` in a loop, or ``run()``.
     """
 
     def __init__(self, index: RedisPrefixIndex, sources: Sequence[IndexSource], *,
-                 identity_check_s: float = 1.0, replay_timeout_s: float = 10.0) -> None:
+                 identity_check_s: float = 1.0, replay_timeout_s: float = 2.0,
+                 retry_min_s: float = 0.5, retry_max_s: float = 30.0) -> None:
         from shmkv.publisher import KVEventSubscriber, require_zmq
 
         zmq = require_zmq()
+        self._zmq = zmq
         names = [src.name for src in sources]
         if not sources or len(set(names)) != len(names):
             raise UsageError(f"sources must be non-empty with distinct names, got {names}")
         for src in sources:
             _check_name("source name", src.name)
+        if not (replay_timeout_s > 0 and 0 < retry_min_s <= retry_max_s):
+            raise UsageError(f"replay_timeout_s must be > 0 and 0 < retry_min_s <= "
+                             f"retry_max_s, got {replay_timeout_s}, {retry_min_s}, "
+                             f"{retry_max_s}")
         self.index = index
         self.sources = list(sources)
         self.stats = IndexerStats()
         self._identity_check_s = identity_check_s
+        self._timeout_s = replay_timeout_s
+        self._retry_min_s, self._retry_max_s = retry_min_s, retry_max_s
         self._subs = {src.name: KVEventSubscriber(src.endpoint, src.replay_endpoint,
                                                   src.topic, replay_timeout_s=replay_timeout_s)
                       for src in sources}
         self._identity: dict[str, str] = {}
         self._in_sync: dict[str, bool] = dict.fromkeys(names, False)
-        self._next_identity_check = 0.0
+        self._health = {name: _Health() for name in names}
         self._poller = zmq.Poller()
-        self._by_socket = {}
+        self._by_socket: dict = {}
+        self._by_probe: dict = {}
         for src in sources:
             sock = self._subs[src.name].socket
             self._poller.register(sock, zmq.POLLIN)
             self._by_socket[sock] = src
+
+    def down_sources(self) -> list[str]:
+        """The sources that did not answer their last request (being retried)."""
+        return [name for name, h in self._health.items() if not h.up]
+
+    # -- the sources' health
+
+    def _probe(self, now: float) -> None:
+        """Sends the identity requests that are due; a source that left one unanswered
+        for ``replay_timeout_s`` is down."""
+        for src in self.sources:
+            h = self._health[src.name]
+            if h.probe is not None:
+                if now - h.probe_sent > self._timeout_s:
+                    self._mark_down(src, f"did not answer within {self._timeout_s:g} s", now)
+                continue
+            if now < h.next_probe:
+                continue
+            try:
+                h.probe = self._subs[src.name].send_identity_request()
+            except self._zmq.ZMQError as exc:
+                self._mark_down(src, f"refused the request ({exc})", now)
+                continue
+            h.probe_sent = now
+            self._poller.register(h.probe, self._zmq.POLLIN)
+            self._by_probe[h.probe] = src
+
+    def _end_probe(self, h: _Health) -> None:
+        if h.probe is not None:
+            self._poller.unregister(h.probe)
+            del self._by_probe[h.probe]
+            h.probe.close(linger=0)
+            h.probe = None
+
+    def _probe_answered(self, src: IndexSource, now: float) -> None:
+        from shmkv.publisher import PublisherError
+
+        h = self._health[src.name]
+        try:
+            identity = self._subs[src.name].identity_answer(h.probe)
+        except (PublisherError, self._zmq.ZMQError) as exc:
+            self._end_probe(h)
+            self._mark_down(src, str(exc), now)
+            return
+        self._end_probe(h)
+        if not h.up:
+            if h.down_since is not None:
+                logger.warning("source %s (%s) answers again after %.1f s; catching it up",
+                               src.name, src.replay_endpoint, now - h.down_since)
+            h.up, h.down_since, h.backoff_s = True, None, 0.0
+            self._in_sync[src.name] = False
+        h.identity = identity
+        h.next_probe = now + self._identity_check_s
+        if self._in_sync[src.name] and identity != self._identity.get(src.name):
+            self._in_sync[src.name] = False
+
+    def _mark_down(self, src: IndexSource, why: str, now: float) -> None:
+        """``src`` did not answer: drop its live batches until it does, and ask it again
+        after the backoff."""
+        h = self._health[src.name]
+        self._end_probe(h)
+        self.stats.source_errors += 1
+        self._in_sync[src.name] = False
+        h.backoff_s = min(self._retry_max_s, max(self._retry_min_s, 2 * h.backoff_s))
+        h.next_probe = now + h.backoff_s
+        if h.up or h.down_since is None:
+            logger.warning("source %s (%s) %s; indexing the other sources, retrying it "
+                           "every %g s to %g s", src.name, src.replay_endpoint, why,
+                           self._retry_min_s, self._retry_max_s)
+            h.down_since = now
+        else:
+            logger.info("source %s (%s) %s; next try in %g s", src.name, src.replay_endpoint,
+                        why, h.backoff_s)
+        h.up = False
 
     # -- catching up
 
@@ -499,11 +604,19 @@ class ClusterIndexer:
         return True
 
     def _catch_up(self, src: IndexSource) -> None:
-        identity = self._subs[src.name].identity()
-        if self._replay(src, identity):
-            self._identity[src.name] = identity
-        else:
-            self._snapshot(src)
+        """Replay or snapshot, for a source that has just answered its identity request;
+        one that stops answering half way is down (Redis errors go up)."""
+        from shmkv.publisher import PublisherError
+
+        identity = self._health[src.name].identity
+        try:
+            if self._replay(src, identity):
+                self._identity[src.name] = identity
+            else:
+                self._snapshot(src)
+        except (TimeoutError, PublisherError, self._zmq.ZMQError) as exc:
+            self._mark_down(src, str(exc), time.monotonic())
+            return
         self._in_sync[src.name] = True
 
     def _apply_live(self, src: IndexSource, batches: list[tuple[int, KVEventBatch]]) -> None:
@@ -514,39 +627,48 @@ class ClusterIndexer:
         if not result.in_sync:
             self._in_sync[src.name] = False
 
+    def _take_live(self, src: IndexSource) -> None:
+        sub = self._subs[src.name]
+        lost_before = sub.unfilled
+        pending = []
+        try:
+            while len(pending) < _BATCHES_PER_CALL and (
+                    got := sub.recv(timeout_s=_NO_WAIT_S)) is not None:
+                pending.append(got)
+        except TimeoutError as exc:  # a gap whose replay went unanswered
+            self._mark_down(src, str(exc), time.monotonic())
+            return
+        if sub.unfilled != lost_before:  # events lost for good: resync
+            self._in_sync[src.name] = False
+        elif pending and self._in_sync[src.name]:
+            self._apply_live(src, pending)
+
     # -- the loop
 
     def poll(self, timeout_s: float = 0.05) -> int:
-        """One turn: resyncs the sources that need it, then applies the batches that
-        arrive within ``timeout_s``. Returns how many were applied."""
+        """One turn: asks the sources that are due whether they are still the same pool,
+        catches up those that need it and answer, then applies the batches that arrive
+        within ``timeout_s``. Returns how many were applied.
+
+        Raises:
+            redis.RedisError: other than a lost connection or a timeout (those make every
+                source resync once Redis is back).
+        """
         import redis
 
         before = self.stats.applied
         try:
-            now = time.monotonic()
-            if now >= self._next_identity_check:
-                self._next_identity_check = now + self._identity_check_s
-                for src in self.sources:
-                    if (self._in_sync[src.name]
-                            and self._subs[src.name].identity() != self._identity[src.name]):
-                        self._in_sync[src.name] = False
+            self._probe(time.monotonic())
             for src in self.sources:
-                if not self._in_sync[src.name]:
+                if self._health[src.name].up and not self._in_sync[src.name]:
                     self._catch_up(src)
             ready = dict(self._poller.poll(int(timeout_s * 1000)))
             while ready:
                 for sock in ready:
-                    src = self._by_socket[sock]
-                    sub = self._subs[src.name]
-                    lost_before = sub.unfilled
-                    pending = []
-                    while len(pending) < _BATCHES_PER_CALL and (
-                            got := sub.recv(timeout_s=_NO_WAIT_S)) is not None:
-                        pending.append(got)
-                    if sub.unfilled != lost_before:  # events lost for good: resync
-                        self._in_sync[src.name] = False
-                    elif pending and self._in_sync[src.name]:
-                        self._apply_live(src, pending)
+                    if sock in self._by_probe:
+                        self._probe_answered(self._by_probe[sock], time.monotonic())
+                    elif sock in self._by_socket:  # (not a probe ended meanwhile)
+                        self._take_live(self._by_socket[sock])
                 ready = dict(self._poller.poll(0))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.stats.redis_errors += 1
@@ -563,6 +685,8 @@ class ClusterIndexer:
             self.poll()
 
     def close(self) -> None:
+        for h in self._health.values():
+            self._end_probe(h)
         for sub in self._subs.values():
             sub.close()
         self._subs = {}

@@ -84,6 +84,23 @@ SNAPSHOT_REQUEST = b"snapshot"
 IDENTITY_REQUEST = b"identity"
 """The replay request that asks only for ``pool_identity`` (a shmkv extension)."""
 
+# Bounds on what the replay socket costs, whoever connects to it (see KVEventPublisher's
+# NOTE on replays).
+REPLAY_SNDHWM = 1000
+"""Replies queued per replay peer; a peer that reads nothing stalls its replay there."""
+MAX_REPLAY_JOBS = 16
+"""Requests answered at once; the others wait (at most ``MAX_WAITING_REPLAYS``)."""
+MAX_WAITING_REPLAYS = 256
+"""Requests waiting for a turn; one more is dropped (the requester times out)."""
+REPLAY_STALL_S = 5.0
+"""A replay whose peer read nothing for this long is dropped, and so are that peer's later
+requests."""
+REPLAY_SENDS_PER_TURN = 1024
+"""Replay frames sent per ``poll()``, shared by the replays in progress (at least 16 each)."""
+SNAPSHOT_REUSE_S = 1.0
+"""A snapshot is computed again only when the log moved and the last one is this old."""
+_MAX_STALLED_PEERS = 4096
+
 
 # ZMQ transports that reach other hosts (anything else: ipc, inproc, or ZMQ's own error).
 _NETWORK_TRANSPORTS = ("tcp://", "pgm://", "epgm://", "udp://", "ws://", "wss://", "tipc://",
@@ -285,6 +302,19 @@ class _PublisherState:
         os.close(self._fd)  # drops the flock
 
 
+class _ReplayJob:
+    """One replay request being answered: its peer, its frames still to send (lazily
+    produced), the one that found the peer's queue full, and when it last sent one."""
+
+    __slots__ = ("peer", "frames", "held", "progress_at")
+
+    def __init__(self, peer: bytes, frames, now: float) -> None:
+        self.peer = peer
+        self.frames = frames
+        self.held: tuple | None = None
+        self.progress_at = now
+
+
 class KVEventPublisher:
     """Publishes a pool's global event log over ZMQ, in vLLM's wire format.
 
@@ -315,6 +345,20 @@ class KVEventPublisher:
             by default only loopback (127.0.0.0/8, ::1, localhost), ipc:// and inproc://
             are bound, anything else is a PublisherError. Expose it behind a firewall that
             admits only the indexers, or through a relay that uses ZMQ CURVE.
+
+    NOTE on replays: whoever can connect to the replay socket must not be able to grow the
+    publisher's memory nor hold the pool lock for long. So a request becomes a *replay job*
+    whose frames are produced lazily (a replay reads the log ``max_batch_events`` events per
+    hold of the lock, as far as its peer reads), sent without blocking to a ROUTER socket
+    with ``ROUTER_MANDATORY`` and a high-water mark of ``REPLAY_SNDHWM`` frames per peer: a
+    peer that reads nothing stalls its job there, not in memory. At most
+    ``MAX_REPLAY_JOBS`` jobs run at once (``MAX_WAITING_REPLAYS`` wait, one peer's one at a
+    time); a job whose peer read nothing for ``REPLAY_STALL_S`` is dropped and that peer is
+    not answered again. Snapshots are shared: one computed less than ``SNAPSHOT_REUSE_S``
+    ago, or with no event logged since, answers the next request (the same bytes, sent
+    without a copy). What a reader that reads nothing costs is thus at most
+    ``REPLAY_SNDHWM`` small frames and the shared snapshots. Restricting who may connect is
+    the operator's: see docs/events.md.
 
     Use it from one thread: ``poll()`` in a loop of your own, ``run()`` until ``stop()``,
     or ``start()`` for a background thread. ``close()`` saves nothing more; the position
@@ -386,6 +430,11 @@ class KVEventPublisher:
             self.published = 0
             self.lost = 0
             self.replays = 0
+            self.replays_dropped = 0  # requests not answered (a full queue, a stalled peer)
+            self._jobs: list[_ReplayJob] = []
+            self._waiting: deque[tuple[bytes, list[bytes]]] = deque()
+            self._stalled_peers: dict[bytes, None] = {}  # oldest first, bounded
+            self._snap: tuple[float, int, bytes] | None = None  # (when, seq, payload)
             self._cursor = self._initial_cursor(start, resume)
             self._ctx = zmq.Context.instance()
             self._pub = self._ctx.socket(zmq.PUB)
@@ -405,7 +454,10 @@ class KVEventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.SNDHWM, 0)  # a whole replay is always queued
+                # Bounded per peer; a full queue is EAGAIN (not a silent drop), see the NOTE.
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_SNDHWM)
+                self._replay.setsockopt(zmq.RCVHWM, REPLAY_SNDHWM)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 try:
                     self._replay.bind(replay_endpoint)
                 except zmq.ZMQError as exc:
@@ -514,9 +566,14 @@ class KVEventPublisher:
         state = self._state
         self._refresh_labels()
         reads = 0
+        log = self.pool.event_log
         while max_reads is None or reads < max_reads:
             reads += 1
             before = self._cursor.seq
+            if log.next_seq == before:
+                # Nothing logged since (one aligned word, read without the lock): an idle
+                # publisher does not take the pool lock at every turn.
+                return sent
             records, lost = self._read(self._cursor)
             if lost:
                 logger.warning("pool %s: publisher fell behind the event ring: %d events "
@@ -540,45 +597,120 @@ class KVEventPublisher:
         return sent
 
     def poll(self, timeout_s: float = 0.005) -> int:
-        """One turn: answers waiting replay requests (waiting up to ``timeout_s`` for one),
-        then sends what was logged meanwhile. Returns the number of batches sent live.
-        A turn sends at most 16 reads of the log, so replays are answered even while
-        schedulers log faster than it sends."""
+        """One turn: takes waiting replay requests (waiting up to ``timeout_s`` for one when
+        no replay is in progress), sends some replay frames, then sends what was logged
+        meanwhile. Returns the number of batches sent live. A turn sends at most 16 reads of
+        the log and ``REPLAY_SENDS_PER_TURN`` replay frames, so neither starves the other."""
         sent = self.publish_pending(16)
         if self._replay is not None:
-            ready = dict(self._poller.poll(int(timeout_s * 1000)))
-            while self._replay in ready:
-                self._serve_replay()
-                ready = dict(self._poller.poll(0))
+            wait_ms = 1 if self._jobs else int(timeout_s * 1000)
+            if self._poller.poll(wait_ms):
+                self._take_requests()
+            self._advance_replays()
         elif not sent and timeout_s > 0:
             time.sleep(timeout_s)
         return sent + self.publish_pending(16)
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+    def _take_requests(self) -> None:
+        """Queues the requests that came (a bounded number per turn)."""
+        zmq = require_zmq()
+        for _ in range(64):
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames[0] in self._stalled_peers or len(self._waiting) >= MAX_WAITING_REPLAYS:
+                self.replays_dropped += 1
+                continue
+            self._waiting.append((frames[0], frames))
+
+    def _start_job(self, peer: bytes, frames: list[bytes]) -> None:
         if len(frames) == 3 and frames[2] == IDENTITY_REQUEST:
-            self._replay.send_multipart((frames[0], b"", b"", END_SEQ,
-                                         pool_identity(self.pool).encode()))
-            return
-        if len(frames) == 3 and frames[2] == SNAPSHOT_REQUEST:
-            seq, payload = self.snapshot()
+            out = iter([(b"", b"", END_SEQ, pool_identity(self.pool).encode())])
+        elif len(frames) == 3 and frames[2] == SNAPSHOT_REQUEST:
+            seq, payload = self._shared_snapshot()
             # The frame carries seq + 1, the first event the snapshot leaves out, so that an
             # empty log's snapshot (seq -1) is not mistaken for the end marker.
-            self._replay.send_multipart((frames[0], b"", self._topic,
-                                         (seq + 1).to_bytes(8, "big"), payload))
-            self._replay.send_multipart((frames[0], b"", b"", END_SEQ,
-                                         pool_identity(self.pool).encode()))
-            return
-        if len(frames) != 3 or len(frames[2]) != 8:
+            out = iter([(b"", self._topic, (seq + 1).to_bytes(8, "big"), payload),
+                        (b"", b"", END_SEQ, pool_identity(self.pool).encode())])
+        elif len(frames) == 3 and len(frames[2]) == 8:
+            self.replays += 1
+            out = self._replay_frames(int.from_bytes(frames[2], "big"))
+        else:
             logger.warning("ignored a malformed replay request (%d frames)", len(frames))
             return
-        identity, _, start_bytes = frames
-        start = int.from_bytes(start_bytes, "big")
-        self.replays += 1
+        self._jobs.append(_ReplayJob(peer, out, time.monotonic()))
+
+    def _replay_frames(self, start: int):
         for seq, payload in self._replayable(start):
-            self._replay.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"),
-                                         payload))
-        self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
+            yield (b"", self._topic, seq.to_bytes(8, "big"), payload)
+        yield (b"", b"", END_SEQ, b"")
+
+    def _advance_replays(self) -> None:
+        """Sends replay frames, without blocking, while their peers' queues have room;
+        drops the jobs of peers that stopped reading, and starts waiting ones."""
+        zmq = require_zmq()
+        now = time.monotonic()
+        active = {job.peer for job in self._jobs}
+        while self._waiting and len(self._jobs) < MAX_REPLAY_JOBS:
+            # one job per peer at a time: its next request waits for the previous answer
+            k = next((i for i, (peer, _) in enumerate(self._waiting) if peer not in active),
+                     None)
+            if k is None:
+                break
+            peer, frames = self._waiting[k]
+            del self._waiting[k]
+            active.add(peer)
+            self._start_job(peer, frames)
+        share = max(16, REPLAY_SENDS_PER_TURN // max(len(self._jobs), 1))
+        for job in list(self._jobs):
+            done = False
+            budget = share
+            while budget > 0:
+                frames = job.held if job.held is not None else next(job.frames, None)
+                if frames is None:
+                    done = True
+                    break
+                try:
+                    self._replay.send_multipart((job.peer, *frames), zmq.NOBLOCK,
+                                                copy=False)
+                except zmq.Again:  # its queue is full: it is not reading (yet)
+                    job.held = frames
+                    break
+                except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone
+                    done = True
+                    break
+                job.held, job.progress_at = None, now
+                budget -= 1
+            if done:
+                self._jobs.remove(job)
+            elif job.held is not None and now - job.progress_at > REPLAY_STALL_S:
+                self._jobs.remove(job)
+                self.replays_dropped += 1
+                self._stalled_peers[job.peer] = None
+                if len(self._stalled_peers) > _MAX_STALLED_PEERS:
+                    del self._stalled_peers[next(iter(self._stalled_peers))]
+                before = len(self._waiting)
+                self._waiting = deque(w for w in self._waiting if w[0] != job.peer)
+                self.replays_dropped += before - len(self._waiting)
+                logger.warning("pool %s: dropped a replay whose peer read nothing for %g s "
+                               "(%d replies queued to it); its later requests are ignored",
+                               self.pool.pool_name, REPLAY_STALL_S, REPLAY_SNDHWM)
+
+    def _shared_snapshot(self) -> tuple[int, bytes]:
+        """``snapshot()``, reused while no event was logged since, or for
+        ``SNAPSHOT_REUSE_S`` if events after it are still in the log (a snapshot as of an
+        older event is as exact: the requester replays from there)."""
+        now = time.monotonic()
+        log = self.pool.event_log
+        if self._snap is not None:
+            when, seq, payload = self._snap
+            if log.next_seq == seq + 1 or (now - when < SNAPSHOT_REUSE_S
+                                              and log.oldest().seq <= seq + 1):
+                return seq, payload
+        seq, payload = self.snapshot()
+        self._snap = (now, seq, payload)
+        return seq, payload
 
     def _replayable(self, start: int):
         """(seq, payload) of every published batch from ``start`` on: from the log up to
@@ -728,6 +860,40 @@ class KVEventSubscriber:
             raise PublisherError(f"{self._replay_endpoint} sent no identity (is it a shmkv "
                                  "publisher?)")
         return frames[0][1].decode()
+
+    def send_identity_request(self):
+        """Sends an identity request without waiting for the answer: returns the DEALER
+        socket to poll (``zmq.POLLIN``), then to pass to :meth:`identity_answer` once it is
+        readable; the caller closes it (``close(linger=0)``) in any case.
+
+        Raises:
+            UsageError: no replay endpoint was given.
+            zmq.ZMQError: the request could not even be queued.
+        """
+        if self._replay_endpoint is None:
+            raise UsageError("no replay endpoint was given")
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self._replay_endpoint)
+            sock.send_multipart((b"", IDENTITY_REQUEST), zmq.NOBLOCK)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def identity_answer(self, sock) -> str:
+        """The identity a readable socket of :meth:`send_identity_request` received.
+
+        Raises:
+            PublisherError: the answer is not a shmkv publisher's identity frame.
+        """
+        frames = sock.recv_multipart(self._zmq.NOBLOCK)
+        if len(frames) != 4 or frames[2] != END_SEQ:
+            raise PublisherError(f"{self._replay_endpoint} sent no identity (is it a shmkv "
+                                 "publisher?)")
+        return frames[3].decode()
 
     def _request(self, request: bytes) -> list[tuple[bytes, bytes]]:
         """Sends one request to the replay socket; its (seq bytes, payload) frames up to

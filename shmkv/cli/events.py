@@ -159,7 +159,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         while not stop.stopped and (deadline is None or time.monotonic() < deadline):
             pub.poll()
         print(f"published {pub.published} batches ({pub.lost} events lost, {pub.replays} "
-              f"replays); next seq {pub.next_seq}", flush=True)
+              f"replays, {pub.replays_dropped} replay requests dropped); next seq "
+              f"{pub.next_seq}", flush=True)
         return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
     finally:
         pub.close()
@@ -173,7 +174,9 @@ def add_publish_parser(sub) -> None:
         "per event, whose seq is the event's number in the log; data_parallel_rank names the "
         "scheduler process that caused it. With --replay-endpoint, a ROUTER socket answers "
         "[b'', start seq] with every batch from there and then seq -1. One publisher per "
-        "pool; a restarted one resumes right after the last batch sent. Runs until SIGTERM "
+        "pool; a restarted one resumes right after the last batch sent. On loopback TCP any "
+        "local user can connect; ipc:// endpoints in a directory of mode 0700 admit only its "
+        "owner (docs/events.md). Runs until SIGTERM "
         "or Ctrl-C (exit 143 or 130). Needs pyzmq (pip install 'shmkv[zmq]').")
     p.add_argument("name", help="pool name")
     p.add_argument("--endpoint", required=True, metavar="ADDR",

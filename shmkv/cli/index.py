@@ -40,21 +40,29 @@ def _connect_index(args: argparse.Namespace):
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    import redis
+
     from shmkv.cluster_index import ClusterIndexer
 
     sources = [_parse_source(text) for text in args.source]
     index = _connect_index(args)
-    with ClusterIndexer(index, sources, identity_check_s=args.identity_check) as indexer:
+    with ClusterIndexer(index, sources, identity_check_s=args.identity_check,
+                        replay_timeout_s=args.source_timeout,
+                        retry_max_s=max(args.retry_max, 0.5)) as indexer:
         print(f"indexing {len(sources)} source(s) into {args.redis} (key prefix "
               f"{args.key_prefix!r}): " + ", ".join(src.name for src in sources), flush=True)
         stop = StopOnSignals()
         deadline = None if args.duration is None else time.monotonic() + args.duration
-        while not stop.stopped and (deadline is None or time.monotonic() < deadline):
-            indexer.poll()
+        try:
+            while not stop.stopped and (deadline is None or time.monotonic() < deadline):
+                indexer.poll()
+        except redis.RedisError as exc:  # a lost connection is retried inside poll()
+            raise ShmKVError(f"Redis at {args.redis} refused the index's work: {exc} "
+                             "(check its URL, password, ACL and memory limit)") from None
         st = indexer.stats
         print(f"applied {st.applied} batches live, {st.replayed} by replay, {st.snapshots} "
-              f"snapshots, {st.duplicates} duplicates, {st.redis_errors} Redis errors",
-              flush=True)
+              f"snapshots, {st.duplicates} duplicates, {st.redis_errors} Redis errors, "
+              f"{st.source_errors} unanswered source requests", flush=True)
     return stop.exit_code  # 143 after SIGTERM, 130 after Ctrl-C
 
 
@@ -65,8 +73,10 @@ def add_index_parser(sub) -> None:
         "`shmkv publish NAME --endpoint ... --replay-endpoint ...`, on any node) and keeps, "
         "in Redis, which pool holds every cached block, exactly: it catches up by replay "
         "after its own restart, and from a snapshot of the pool after a Redis restart, "
-        "lost events or a re-created pool. Runs until SIGTERM or Ctrl-C (exit 143 or 130). "
-        "Needs pyzmq and redis (pip install 'shmkv[zmq,redis]').")
+        "lost events or a re-created pool. A source that does not answer is retried with a "
+        "backoff while the others are indexed. Exits 2 only on a Redis error it cannot "
+        "recover from (a lost connection is retried). Runs until SIGTERM or Ctrl-C (exit "
+        "143 or 130). Needs pyzmq and redis (pip install 'shmkv[zmq,redis]').")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL",
                    help="Redis URL (redis://127.0.0.1:6379/0)")
     p.add_argument("--source", action="append", required=True, metavar="SPEC",
@@ -74,6 +84,12 @@ def add_index_parser(sub) -> None:
     p.add_argument("--key-prefix", default="shmkv", help="prefix of every Redis key (shmkv)")
     p.add_argument("--identity-check", type=float, default=1.0, metavar="S",
                    help="seconds between checks that each pool is still the same (1)")
+    p.add_argument("--source-timeout", type=float, default=2.0, metavar="S",
+                   help="seconds a source may leave a request unanswered before it counts as "
+                   "down; the others are indexed meanwhile and it is retried (2)")
+    p.add_argument("--retry-max", type=float, default=30.0, metavar="S",
+                   help="longest wait between retries of a source that is down: the wait "
+                   "starts at 0.5 s and doubles (30)")
     p.add_argument("--duration", type=float, default=None, help="stop after S seconds")
     p.set_defaults(func=cmd_index)
 

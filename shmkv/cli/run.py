@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, StopOnSignals
@@ -27,12 +28,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     caps = _capacities(args.blocks)
     if (caps is None or args.schedulers < 1 or min(caps) < 16 or args.conversations < 1
             or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1
-            or args.trace_block_tokens < 1 or args.time_scale < 0
+            or args.trace_block_tokens < 1 or not 0 <= args.time_scale < math.inf
             or not 0 <= args.rank_nice <= 19):
         print(f"{name}: --schedulers, --conversations, --max-num-seqs, "
               "--max-num-batched-tokens and --trace-block-tokens must be >= 1, --blocks a "
-              "number >= 16 (or several, comma-separated), --time-scale >= 0, --rank-nice "
-              "0 to 19", file=sys.stderr)
+              "number >= 16 (or several, comma-separated), --time-scale a finite number >= 0, "
+              "--rank-nice 0 to 19", file=sys.stderr)
         return EXIT_ERROR
     if args.trace_format and not args.trace:
         print(f"{name}: --trace-format needs --trace", file=sys.stderr)

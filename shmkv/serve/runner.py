@@ -33,6 +33,7 @@ in one forward per request).
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -73,6 +74,9 @@ STOP_TIMEOUT_S = 30.0  # for every process of the run to exit after Shutdown
 PARTNER_STOP_S = 5.0
 CHANNEL_BYTES = 1 << 20
 RANK_NICE = 10
+# The longest a run waits for a request to arrive (--time-scale times its timestamp): a
+# week, longer than any trace replayed in real time; beyond it a timestamp is a mistake.
+MAX_ARRIVAL_WAIT_S = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -124,8 +128,9 @@ class RunConfig:
             raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.kill_one and self.num_schedulers < 2:
             raise UsageError("--kill-one needs at least 2 schedulers")
-        if self.time_scale < 0:
-            raise UsageError(f"--time-scale must be >= 0, got {self.time_scale}")
+        if not (0 <= self.time_scale < math.inf):  # NaN fails it too
+            raise UsageError(f"--time-scale must be a finite number >= 0, got "
+                             f"{self.time_scale}")
         if not 0 <= self.rank_nice <= 19:
             raise UsageError(f"--rank-nice must be between 0 and 19, got {self.rank_nice}")
 
@@ -217,6 +222,25 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _check_arrivals(workload: list[TraceRequest], time_scale: float) -> None:
+    """Refuses a workload whose last arrival, scaled, is more than ``MAX_ARRIVAL_WAIT_S``
+    away: the run would wait that long for it (a timestamp of 1e308 ms is 3e297 years).
+
+    Raises:
+        UsageError: naming the request, its wait and the two ways out.
+    """
+    if time_scale <= 0:
+        return  # arrivals are not waited for
+    late = max(workload, key=lambda t: t.arrival_s or 0.0)
+    wait_s = (late.arrival_s or 0.0) * time_scale
+    if not wait_s <= MAX_ARRIVAL_WAIT_S:
+        raise UsageError(
+            f"request {late.request_id} arrives {late.arrival_s:g} s after the first, "
+            f"{wait_s:g} s with --time-scale {time_scale:g}, past the longest wait of a run "
+            f"({MAX_ARRIVAL_WAIT_S:,.0f} s, a week): lower --time-scale (0 sends at once) or "
+            "fix the trace's timestamps")
+
+
 class Runner:
     """One run: sets up, serves the workload, tears down (see the module docstring)."""
 
@@ -235,6 +259,7 @@ class Runner:
                                  f"vocabulary [0, {vocab})")
         if not workload:
             raise UsageError("the workload has no requests")
+        _check_arrivals(workload, cfg.time_scale)
         self.cfg = cfg
         self.workload = workload
         self.log = log or (lambda text: print(text, file=sys.stderr))

@@ -15,7 +15,7 @@ from tests.conftest import unique_pool_name
 from tests.ecosystem_helpers import free_port, shmkv, start_shmkv
 
 pytest.importorskip("zmq")
-pytest.importorskip("redis")
+redis = pytest.importorskip("redis")
 pytestmark = pytest.mark.multiprocess
 
 
@@ -98,3 +98,36 @@ def test_errors_exit_2_with_one_line_and_no_traceback(args, says):
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert says in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_index_exits_2_in_one_line_on_a_redis_error_it_cannot_retry(redis_server):
+    """A Redis that refuses the index's writes (out of memory under noeviction) ends
+    `shmkv index` with one line naming Redis and its error, exit 2, no traceback."""
+    name = unique_pool_name("cli")
+    pool = BlockPool.create(name, 64, hash_block_size=W.BS, enable_kv_cache_events=True)
+    pub_ep, replay_ep = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    client = redis.Redis.from_url(redis_server.url)
+    procs = []
+    try:
+        procs.append(start_shmkv("publish", name, "--endpoint", pub_ep, "--replay-endpoint",
+                                 replay_ep))
+        assert procs[0].stdout.readline().startswith("publishing pool")
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")
+        procs.append(start_shmkv("index", "--redis", redis_server.url, "--source",
+                                 f"node0={pub_ep},{replay_ep}"))
+        assert procs[1].stdout.readline().startswith("indexing 1 source(s)")
+        W.admit(pool, Request("a", W.SYSTEMS[0] + [5], block_hasher=pool.make_block_hasher()))
+        _, err = procs[1].communicate(timeout=10)
+        assert procs[1].returncode == 2, err
+        assert "Redis at" in err and "maxmemory" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    finally:
+        for proc in procs:
+            _stop(proc)
+        client.close()
+        pool.close()
+        BlockPool.unlink(name)
+        from shmkv.publisher import unlink_state
+
+        unlink_state(name)

@@ -221,3 +221,109 @@ def test_a_pool_recreated_under_its_name_is_indexed_as_another_one(redis_server,
             proc.kill()
             proc.join(10)
         node.close()
+
+
+def _index_seqs(index: RedisPrefixIndex) -> dict[str, int]:
+    return {st.source: st.seq for st in index.sources()}
+
+
+def _log_end(node: Node) -> int:
+    return node.pool.event_cursor(from_start=False).seq - 1
+
+
+def _serve_some(node: Node, seed: int, n: int) -> None:
+    rng = random.Random(seed)
+    hasher = node.pool.make_block_hasher()
+    for i in range(n):
+        blocks = W.admit(node.pool, Request(f"d{seed}-{i}", W.prompt(rng), block_hasher=hasher))
+        node.pool.free_blocks(reversed(blocks))
+
+
+def test_a_silent_source_does_not_stop_the_others(nodes, redis_server):
+    """`shmkv index` with one source stopped (SIGSTOP: connections open, nothing answers)
+    keeps indexing the other within a second or two, retries the silent one with a backoff,
+    catches it up once it answers again, and is still running at the end (SIGTERM: 143)."""
+    a, b = nodes
+    key_prefix = unique_pool_name("ix")
+    index = RedisPrefixIndex.from_url(redis_server.url, key_prefix)
+    sources = [f"{n.label}={n.endpoint},{n.replay},{n.label}" for n in nodes]
+    proc = start_shmkv("index", "--redis", redis_server.url, "--key-prefix", key_prefix,
+                       "--identity-check", "0.2", "--source-timeout", "0.5",
+                       *(arg for s in sources for arg in ("--source", s)))
+    stopped = False
+    try:
+        assert proc.stdout.readline().startswith("indexing 2 source(s)")
+        _serve_some(a, 1, 3)
+        _serve_some(b, 2, 3)
+        deadline = time.monotonic() + 10
+        while _index_seqs(index) != {a.label: _log_end(a), b.label: _log_end(b)}:
+            assert time.monotonic() < deadline, (_index_seqs(index), _log_end(a), _log_end(b))
+            time.sleep(0.02)
+        b.publisher.send_signal(signal.SIGSTOP)
+        stopped = True
+        time.sleep(0.8)  # an identity check of b goes unanswered: b is down
+        _serve_some(b, 3, 3)
+        b_end_while_down = _log_end(b)
+        t0 = time.monotonic()
+        for k in range(3):  # a's events keep being indexed, each within 2 s
+            _serve_some(a, 10 + k, 2)
+            while _index_seqs(index)[a.label] != _log_end(a):
+                assert proc.poll() is None, _stop(proc)
+                assert time.monotonic() - t0 < 2 * (k + 1), (
+                    f"a's events not indexed while b is silent: index {_index_seqs(index)}, "
+                    f"a's log ends at {_log_end(a)}")
+                time.sleep(0.02)
+            time.sleep(0.3)
+        assert _index_seqs(index)[b.label] < b_end_while_down
+        b.publisher.send_signal(signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 4  # the backoff is short after a short outage
+        while _index_seqs(index) != {a.label: _log_end(a), b.label: _log_end(b)}:
+            assert time.monotonic() < deadline, (_index_seqs(index), _log_end(a), _log_end(b))
+            time.sleep(0.02)
+        assert proc.poll() is None
+        out = _stop(proc)
+        assert proc.returncode == 143, out
+        assert f"source {b.label}" in out and "did not answer within 0.5 s" in out, out
+        assert "answers again" in out, out
+    finally:
+        if stopped:
+            b.publisher.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
+def _stop(proc) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except Exception:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+    return out + err
+
+
+def test_a_source_nobody_listens_on_is_retried_with_a_backoff(nodes, redis_server):
+    """A source whose address nobody listens on (a node that is down from the start) is
+    retried after 0.25, 0.5, 1 s ..., not at every poll, while a live one is indexed."""
+    from shmkv.cluster_index import ClusterIndexer, IndexSource
+
+    a = nodes[0]
+    index = RedisPrefixIndex.from_url(redis_server.url, unique_pool_name("ix"))
+    dead = IndexSource("dead", f"tcp://127.0.0.1:{free_port()}",
+                       f"tcp://127.0.0.1:{free_port()}")
+    live = IndexSource(a.label, a.endpoint, a.replay)
+    with ClusterIndexer(index, [dead, live], identity_check_s=0.2, replay_timeout_s=0.2,
+                        retry_min_s=0.25, retry_max_s=30) as ix:
+        _serve_some(a, 1, 3)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.9:
+            ix.poll(0.01)
+        assert _index_seqs(index) == {a.label: _log_end(a)}
+        assert ix.down_sources() == ["dead"]
+        # unanswered at 0.2 s, then after waits of 0.25, 0.5 and 1 s (each 0.2 s long):
+        # at 0.65, 1.35 and 2.55 s (the next at 4.75); with a fixed 0.25 s wait it would be
+        # every 0.45 s, 6 times (3 allows for a slow machine)
+        assert 3 <= ix.stats.source_errors <= 4, ix.stats

@@ -213,3 +213,28 @@ def test_bench_replay_smoke(tmp_path):
     assert [x["schedulers"] for x in lines] == [1, 2]
     assert all(x["requests"] == 300 and x["requests_per_s"] > 0 for x in lines)
     assert "requests/s" in out.stdout
+
+
+@pytest.mark.parametrize("timestamp, scale", [(1e308, "1"), (2_000, "1e308"),
+                                               (2_000, "inf"), (2_000, "nan")])
+def test_time_scale_past_any_wait_is_refused_at_once(tmp_path, timestamp, scale):
+    """A trace whose last arrival, times --time-scale, is beyond the longest wait a run
+    makes (or a --time-scale that is not a finite number) is one line on stderr and exit
+    2, before any process starts, never a wait without end."""
+    trace = _mooncake(tmp_path / "far.jsonl", [([1], 1, 0), ([2], 1, timestamp)])
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "replay", "--trace",
+                             str(trace), "--trace-block-tokens", "16", "--schedulers", "1",
+                             "--blocks", "256", "--time-scale", scale, "--plot", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, (stdout, stderr)
+    assert "--time-scale" in stderr and "Traceback" not in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert "requests" not in stdout  # no run, no report
+    assert run_leftovers(proc.pid) == []
