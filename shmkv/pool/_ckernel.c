@@ -545,8 +545,11 @@ static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t narg
     if (!kernel_alive(k)) return NULL;
     uint32_t group;
     if (!read_group(args[1], &group)) return NULL;
-    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) return NULL;
+    int overflow = 0;
+    long long max_ll = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (max_ll == -1 && PyErr_Occurred()) return NULL;
+    /* A limit past 2**63 is no limit (as in _pykernel.py); -1 means none. */
+    Py_ssize_t max_blocks = overflow > 0 || max_ll > PY_SSIZE_T_MAX ? -1 : (Py_ssize_t)max_ll;
     PyObject *handles = args[3], *make = args[4];
     if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {
         PyErr_SetString(PyExc_TypeError, "handles must be the pool's handle list");
@@ -675,14 +678,38 @@ static Py_ssize_t read_ids(Kernel *k, PyObject *seq, const char *what) {
             }
             return -1;
         }
-        long b = PyLong_AsLong(id_obj);
-        Py_DECREF(id_obj);
-        if (b == -1 && PyErr_Occurred()) return -1;
-        if (b < 0 || b >= k->num_blocks) {
-            PyErr_Format(UsageError, "%s(): block id %ld is out of range [0, %zd)", what, b,
-                         k->num_blocks);
+        int overflow = 0;
+        long b;
+        if (PyLong_CheckExact(id_obj)) {
+            b = PyLong_AsLongAndOverflow(id_obj, &overflow);
+        } else {
+            /* Not a plain int: a numpy integer is one (its __index__), a bool, float, None
+             * or str is not (block_id_int in _pykernel.py, the same words). */
+            PyObject *as_int = PyBool_Check(id_obj) ? NULL : PyNumber_Index(id_obj);
+            if (!as_int) {
+                if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    Py_DECREF(id_obj);
+                    return -1;
+                }
+                PyErr_Clear();
+                PyErr_Format(UsageError, "%s(): block id %R is not an int", what, id_obj);
+                Py_DECREF(id_obj);
+                return -1;
+            }
+            Py_SETREF(id_obj, as_int);
+            b = PyLong_AsLongAndOverflow(id_obj, &overflow);
+        }
+        if (b == -1 && PyErr_Occurred()) {
+            Py_DECREF(id_obj);
             return -1;
         }
+        if (overflow || b < 0 || b >= k->num_blocks) {
+            PyErr_Format(UsageError, "%s(): block id %S is out of range [0, %zd)", what, id_obj,
+                         k->num_blocks);
+            Py_DECREF(id_obj);
+            return -1;
+        }
+        Py_DECREF(id_obj);
         k->ids_buf[i] = (int32_t)b;
     }
     return n;
@@ -697,8 +724,15 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     if (!kernel_alive(k)) return NULL;
-    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
-    if (n == -1 && PyErr_Occurred()) return NULL;
+    int overflow = 0;
+    long long count = PyLong_AsLongLongAndOverflow(args[0], &overflow);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    if (overflow || count < 0 || count > PY_SSIZE_T_MAX) {
+        /* Past 2**63 (or below -2**63): as many free blocks as that are never there. */
+        PyErr_Format(OutOfBlocksError, "Cannot get %S free blocks from the pool", args[0]);
+        return NULL;
+    }
+    Py_ssize_t n = (Py_ssize_t)count;
     int caching = PyObject_IsTrue(args[1]);
     PyObject *handles = args[2], *make = args[3], *evicted_out = args[4];
     if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {

@@ -1080,7 +1080,11 @@ class BlockPool:
         Raises:
             UsageError: a bad argument, too few hashes or blocks, a block already cached.
         """
-        if num_cached_blocks >= num_full_blocks:
+        try:
+            nothing_to_cache = num_cached_blocks >= num_full_blocks
+        except TypeError:  # not numbers: refused just below, naming the argument
+            nothing_to_cache = False
+        if nothing_to_cache:
             return
         ratio, fine_hashes = self._check_hash_run(
             "cache_full_blocks", request,
