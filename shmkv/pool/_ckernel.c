@@ -1253,6 +1253,27 @@ static inline void set_phase(CLock *l, int64_t phase) {
     }
 }
 
+/* sem_timedwait with the deadline `until` on CLOCK_MONOTONIC: sem_clockwait (glibc >= 2.30),
+ * else a poll every millisecond, sleeping on the monotonic clock. 0, or -1 with errno. */
+static int sem_wait_monotonic(sem_t *sem, const struct timespec *until) {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    return sem_clockwait(sem, CLOCK_MONOTONIC, until);
+#else
+    for (;;) {
+        if (sem_trywait(sem) == 0) return 0;
+        if (errno != EAGAIN) return -1;
+        struct timespec now, step = {0, 1000000L};
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec > until->tv_sec ||
+            (now.tv_sec == until->tv_sec && now.tv_nsec >= until->tv_nsec)) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        clock_nanosleep(CLOCK_MONOTONIC, 0, &step, NULL);
+    }
+#endif
+}
+
 /* Waits for the semaphore in slices, asking on_stall() after each empty one. Returns 1 when
  * acquired, 2 when taken over, 0 with an exception set, 3 with an exception set when the
  * lock was taken over all the same (the caller gives the unit back). */
@@ -1263,18 +1284,16 @@ static int wait_in_slices(CLock *l, int64_t start) {
         int64_t slice = (int64_t)(l->slice_s * 1e9);
         if (now + slice > deadline) slice = deadline - now;
         if (slice < 0) slice = 0;
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_sec += (time_t)(slice / 1000000000LL);
-        until.tv_nsec += (long)(slice % 1000000000LL);
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec += 1;
-            until.tv_nsec -= 1000000000L;
-        }
+        /* The slice's deadline is on CLOCK_MONOTONIC, like `deadline`: a step of the wall
+         * clock neither stretches nor cuts the wait (sem_timedwait's deadline is on
+         * CLOCK_REALTIME). */
+        int64_t until_ns = now_ns() + slice;
+        struct timespec until = {(time_t)(until_ns / 1000000000LL),
+                                 (long)(until_ns % 1000000000LL)};
         int rc;
         Py_BEGIN_ALLOW_THREADS
         do {
-            rc = sem_timedwait(l->sem, &until);
+            rc = sem_wait_monotonic(l->sem, &until);
         } while (rc != 0 && errno == EINTR);
         Py_END_ALLOW_THREADS
         if (rc == 0) return 1;
