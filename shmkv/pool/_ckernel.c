@@ -66,8 +66,13 @@ static PyObject *str_block_id = NULL;
 
 /* Stores still allowed before this process kills itself; -1 when no fault is armed. */
 static long long fault_left = -1;
+static int fault_stop = 0; /* SIGSTOP instead of SIGKILL (fault.py's stop mode) */
 
 static void fault_fire(void) {
+    if (fault_stop) {
+        kill(getpid(), SIGSTOP); /* returns once continued: the store goes on */
+        return;
+    }
     kill(getpid(), SIGKILL);
     for (;;) pause();
 }
@@ -77,10 +82,12 @@ static void fault_fire(void) {
         if (fault_left >= 0 && fault_left-- == 0) fault_fire(); \
     } while (0)
 
-static PyObject *fault_arm(PyObject *mod, PyObject *arg) {
-    long long n = PyLong_AsLongLong(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
+static PyObject *fault_arm(PyObject *mod, PyObject *args) {
+    long long n;
+    int stop = 0;
+    if (!PyArg_ParseTuple(args, "L|p", &n, &stop)) return NULL;
     fault_left = n > 0 ? n - 1 : -1;
+    fault_stop = stop;
     Py_RETURN_NONE;
 }
 
@@ -2097,8 +2104,9 @@ fail:
 static PyMethodDef module_methods[] = {
     {"fence", mem_fence, METH_NOARGS,
      "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
-    {"fault_arm", fault_arm, METH_O,
-     "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
+    {"fault_arm", fault_arm, METH_VARARGS,
+     "fault_arm(n, stop=False): SIGKILL (stop: SIGSTOP) this process before its n-th store "
+     "from now (n <= 0: disarm)"},
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},
     {"set_fault", set_fault, METH_O,
      "set_fault(module): shmkv.pool.fault, whose plan mutate() counts stores for"},
