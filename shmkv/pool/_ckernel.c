@@ -1231,15 +1231,16 @@ static PyObject *CLock_set_identity(CLock *l, PyObject *args) {
                           &phase_offset))
         return NULL;
     if (!l->has_view || fence_offset < -1 || fence_offset + 8 > l->view.len ||
-        (fence_offset >= 0 && fence_offset % 8) || phase_offset < 0 ||
-        phase_offset + 8 > l->view.len || phase_offset % 8) {
+        (fence_offset >= 0 && fence_offset % 8) || phase_offset < -1 ||
+        phase_offset + 8 > l->view.len || (phase_offset >= 0 && phase_offset % 8)) {
         PyErr_SetString(PyExc_ValueError, "bad fence or phase offset");
         return NULL;
     }
     l->holder_word = holder_word;
     l->incarnation = incarnation;
     l->fence = fence_offset < 0 ? NULL : (uint64_t *)((char *)l->view.buf + fence_offset);
-    l->phase = (int64_t *)((char *)l->view.buf + phase_offset);
+    /* -1: no row of its own yet (an attach that has not claimed a slot): no phase marks */
+    l->phase = phase_offset < 0 ? NULL : (int64_t *)((char *)l->view.buf + phase_offset);
     Py_RETURN_NONE;
 }
 
