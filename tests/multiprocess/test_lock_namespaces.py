@@ -129,3 +129,84 @@ def test_a_slotless_holder_in_another_pid_namespace_is_not_taken_over(kernel, sp
             worker.join(10)
         pool.close()
         BlockPool.unlink(name)
+
+
+def _attach_wait_then_allocate(name: str, kernel: str, ready, go) -> None:
+    pool = BlockPool.attach(name, kernel=kernel)
+    ready.set()
+    go.wait(60)
+    pool.get_new_blocks(1)  # waits for the lock until it is killed
+    pool.close()
+
+
+def _state(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return b"gone"
+
+
+def test_an_attacher_stopped_giving_the_lock_back_is_not_taken_for_a_stuck_lock(kernel,
+                                                                                spawn_ctx):
+    """An attacher of a full table (no row, so no lock_phase marks) is stopped after it
+    cleared its holder word and before its post: the lock stands taken with no holder. A
+    waiter of the pool then dies waiting (a dead ACQUIRING mark). The creator, with
+    stuck_after_s 0.1 s, must not take the lock for stuck (rule 2): the attacher's hold byte
+    says a live process may have the unit. It times out; continued, the attacher posts, and
+    the semaphore is back at 1 (a take-over would have left 2).
+    Without the hold byte check the creator took over after 0.1 s."""
+    name = unique_pool_name("hb")
+    pool = BlockPool.create(name, 16, kernel=kernel, max_processes=2, lock_timeout_s=1.0,
+                            stuck_after_s=0.1)
+    sem = posix_ipc.Semaphore(lock_name(pool._segment.shm_name))
+    ready, go = spawn_ctx.Event(), spawn_ctx.Event()
+    waiter = spawn_ctx.Process(target=_attach_wait_then_allocate, args=(name, kernel, ready, go))
+    waiter.start()
+    attacher = None
+    try:
+        assert ready.wait(60)
+        for n in range(1, 20):  # the store before which it has cleared `holder`, not posted
+            seq = int(pool._hdr64[L.H_LOCK_SEQ])
+            attacher = subprocess.Popen([sys.executable, "-c", _ATTACHER, name, kernel],
+                                        env=dict(os.environ, SHMKV_FAULT=f"attach:{n}:stop"))
+            deadline = time.monotonic() + 30
+            while _state(attacher.pid) not in (b"T", b"Z", b"gone") and attacher.poll() is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            if attacher.poll() is not None:
+                pytest.fail(f"no store of the attach hold leaves the window (exit "
+                            f"{attacher.returncode} at store {n})")
+            # Its hold counted (lock_seq), its holder word cleared, the semaphore not posted.
+            if (pool._hdr64[L.H_LOCK_SEQ] == seq + 1 and not pool._hdr64[L.H_HOLDER]
+                    and sem.value == 0):
+                break
+            os.kill(attacher.pid, signal.SIGCONT)
+            assert attacher.wait(60) == 3
+        go.set()
+        time.sleep(0.3)  # the waiter marks itself ACQUIRING and waits
+        os.kill(waiter.pid, signal.SIGKILL)
+        waiter.join(60)
+        assert waiter.exitcode == -signal.SIGKILL
+        with pytest.raises(LockTimeoutError, match="no holder is recorded"):
+            pool.get_new_blocks(1)
+        assert pool.last_repair is None  # nobody took over
+        os.kill(attacher.pid, signal.SIGCONT)
+        assert attacher.wait(60) == 3
+        assert sem.value == 1
+        assert len(pool.get_new_blocks(2)) == 2
+        fresh = BlockPool.attach(name, kernel=kernel)  # the dead waiter is reaped for it
+        try:
+            fresh.check_invariants()
+        finally:
+            fresh.close()
+    finally:
+        if attacher is not None and attacher.poll() is None:
+            attacher.kill()
+            attacher.wait(10)
+        if waiter.is_alive():
+            waiter.kill()
+        waiter.join(10)
+        sem.close()
+        pool.close()
+        BlockPool.unlink(name)
