@@ -1005,7 +1005,9 @@ class BlockPool:
         return self._repairer.last_repair
 
     def holder(self) -> tuple[int, int] | None:
-        """(slot, pid) of the process holding the pool lock now, or None."""
+        """(slot, pid) of the process holding the pool lock now, or None. A process inside
+        ``attach()`` is named by its attach mark instead of a slot (a number past every slot,
+        ``shmkv.pool.liveness.is_mark``)."""
         return decode_holder(self._hdr64[L.H_HOLDER])
 
     @property
