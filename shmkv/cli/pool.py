@@ -220,8 +220,57 @@ def add_inspect_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- recover
 
+def _live_lock_holder(name: str) -> tuple[int, int] | None:
+    """(slot or attach mark, pid) of the pool lock's holder if it is alive, read without
+    attaching (no lock, no slot); None when the lock is free, its holder dead, or the pool
+    unreadable (attach then says why)."""
+    from shmkv.pool.liveness import AliveLocks, alive_path, is_mark
+    from shmkv.pool.segment import Segment, read_config
+
+    shm_name = L.segment_name(name)
+    try:
+        segment = Segment.open(shm_name)
+    except (ShmKVError, OSError):
+        return None
+    try:
+        layout = read_config(segment, allow_poisoned=True)
+        hdr = layout.view(segment.buf, "header")[0]
+        holder = decode_holder(int(hdr["holder"]))
+        del hdr
+        if holder is None:
+            return None
+        procs = layout.view(segment.buf, "proc_table")
+        alive = AliveLocks(alive_path(shm_name), create=False, procs=procs.copy())
+        del procs
+        try:
+            slot = holder[0]
+            if is_mark(slot):
+                live = alive.mark_alive(slot)
+            else:
+                live = 0 <= slot < layout.config.max_processes and alive.is_alive(slot)
+        finally:
+            alive.close()
+        return holder if live else None
+    except (ShmKVError, OSError):
+        return None
+    finally:
+        segment.close()
+
+
 def cmd_recover(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    holder = _live_lock_holder(args.name) if args.reclaim else None
+    if holder is not None and holder[1] in args.reclaim:
+        # A process stopped or hung inside a hold cannot be fenced: the fence is checked
+        # when the lock is taken, and the process would finish its writes when it runs again.
+        pid = holder[1]
+        print(f"shmkv recover: pid {pid} holds the pool lock and is alive (stopped or hung "
+              "in the middle of a call); its slot cannot be reclaimed while it holds the "
+              f"lock, for it would finish its writes when it runs again. Kill it (kill -9 "
+              f"{pid}), then run shmkv recover {args.name} again: it takes the lock over "
+              "from the dead process, rolls its hold back and frees its slot.",
+              file=sys.stderr)
+        return EXIT_ERROR
     pool = BlockPool.attach(args.name, label="shmkv-recover", lock_timeout_s=args.timeout,
                             stuck_after_s=args.stuck_after, _recovering=True)
     try:
@@ -278,7 +327,8 @@ def add_recover_parser(sub) -> None:
         "READY again. Exit 1 if the pool is still broken.")
     recover.add_argument("name", help="pool name")
     recover.add_argument("--reclaim", type=int, action="append", default=[], metavar="PID",
-                         help="also take the slot of this live (stuck) process; it is fenced")
+                         help="also take the slot of this live (stuck) process; it is fenced "
+                         "(not a process that holds the pool lock: kill that one)")
     recover.add_argument("--timeout", type=float, default=30.0,
                          help="seconds to wait for the lock (30)")
     recover.add_argument("--stuck-after", type=float, default=2.0,

@@ -66,8 +66,13 @@ static PyObject *str_block_id = NULL;
 
 /* Stores still allowed before this process kills itself; -1 when no fault is armed. */
 static long long fault_left = -1;
+static int fault_stop = 0; /* SIGSTOP instead of SIGKILL (fault.py's stop mode) */
 
 static void fault_fire(void) {
+    if (fault_stop) {
+        kill(getpid(), SIGSTOP); /* returns once continued: the store goes on */
+        return;
+    }
     kill(getpid(), SIGKILL);
     for (;;) pause();
 }
@@ -77,10 +82,12 @@ static void fault_fire(void) {
         if (fault_left >= 0 && fault_left-- == 0) fault_fire(); \
     } while (0)
 
-static PyObject *fault_arm(PyObject *mod, PyObject *arg) {
-    long long n = PyLong_AsLongLong(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
+static PyObject *fault_arm(PyObject *mod, PyObject *args) {
+    long long n;
+    int stop = 0;
+    if (!PyArg_ParseTuple(args, "L|p", &n, &stop)) return NULL;
     fault_left = n > 0 ? n - 1 : -1;
+    fault_stop = stop;
     Py_RETURN_NONE;
 }
 
@@ -545,8 +552,11 @@ static PyObject *Kernel_prefix(Kernel *k, PyObject *const *args, Py_ssize_t narg
     if (!kernel_alive(k)) return NULL;
     uint32_t group;
     if (!read_group(args[1], &group)) return NULL;
-    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) return NULL;
+    int overflow = 0;
+    long long max_ll = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (max_ll == -1 && PyErr_Occurred()) return NULL;
+    /* A limit past 2**63 is no limit (as in _pykernel.py); -1 means none. */
+    Py_ssize_t max_blocks = overflow > 0 || max_ll > PY_SSIZE_T_MAX ? -1 : (Py_ssize_t)max_ll;
     PyObject *handles = args[3], *make = args[4];
     if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {
         PyErr_SetString(PyExc_TypeError, "handles must be the pool's handle list");
@@ -675,14 +685,38 @@ static Py_ssize_t read_ids(Kernel *k, PyObject *seq, const char *what) {
             }
             return -1;
         }
-        long b = PyLong_AsLong(id_obj);
-        Py_DECREF(id_obj);
-        if (b == -1 && PyErr_Occurred()) return -1;
-        if (b < 0 || b >= k->num_blocks) {
-            PyErr_Format(UsageError, "%s(): block id %ld is out of range [0, %zd)", what, b,
-                         k->num_blocks);
+        int overflow = 0;
+        long b;
+        if (PyLong_CheckExact(id_obj)) {
+            b = PyLong_AsLongAndOverflow(id_obj, &overflow);
+        } else {
+            /* Not a plain int: a numpy integer is one (its __index__), a bool, float, None
+             * or str is not (block_id_int in _pykernel.py, the same words). */
+            PyObject *as_int = PyBool_Check(id_obj) ? NULL : PyNumber_Index(id_obj);
+            if (!as_int) {
+                if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    Py_DECREF(id_obj);
+                    return -1;
+                }
+                PyErr_Clear();
+                PyErr_Format(UsageError, "%s(): block id %R is not an int", what, id_obj);
+                Py_DECREF(id_obj);
+                return -1;
+            }
+            Py_SETREF(id_obj, as_int);
+            b = PyLong_AsLongAndOverflow(id_obj, &overflow);
+        }
+        if (b == -1 && PyErr_Occurred()) {
+            Py_DECREF(id_obj);
             return -1;
         }
+        if (overflow || b < 0 || b >= k->num_blocks) {
+            PyErr_Format(UsageError, "%s(): block id %S is out of range [0, %zd)", what, id_obj,
+                         k->num_blocks);
+            Py_DECREF(id_obj);
+            return -1;
+        }
+        Py_DECREF(id_obj);
         k->ids_buf[i] = (int32_t)b;
     }
     return n;
@@ -697,8 +731,15 @@ static PyObject *Kernel_allocate(Kernel *k, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     if (!kernel_alive(k)) return NULL;
-    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
-    if (n == -1 && PyErr_Occurred()) return NULL;
+    int overflow = 0;
+    long long count = PyLong_AsLongLongAndOverflow(args[0], &overflow);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    if (overflow || count < 0 || count > PY_SSIZE_T_MAX) {
+        /* Past 2**63 (or below -2**63): as many free blocks as that are never there. */
+        PyErr_Format(OutOfBlocksError, "Cannot get %S free blocks from the pool", args[0]);
+        return NULL;
+    }
+    Py_ssize_t n = (Py_ssize_t)count;
     int caching = PyObject_IsTrue(args[1]);
     PyObject *handles = args[2], *make = args[3], *evicted_out = args[4];
     if (!PyList_Check(handles) || PyList_GET_SIZE(handles) != k->num_blocks) {
@@ -1190,15 +1231,16 @@ static PyObject *CLock_set_identity(CLock *l, PyObject *args) {
                           &phase_offset))
         return NULL;
     if (!l->has_view || fence_offset < -1 || fence_offset + 8 > l->view.len ||
-        (fence_offset >= 0 && fence_offset % 8) || phase_offset < 0 ||
-        phase_offset + 8 > l->view.len || phase_offset % 8) {
+        (fence_offset >= 0 && fence_offset % 8) || phase_offset < -1 ||
+        phase_offset + 8 > l->view.len || (phase_offset >= 0 && phase_offset % 8)) {
         PyErr_SetString(PyExc_ValueError, "bad fence or phase offset");
         return NULL;
     }
     l->holder_word = holder_word;
     l->incarnation = incarnation;
     l->fence = fence_offset < 0 ? NULL : (uint64_t *)((char *)l->view.buf + fence_offset);
-    l->phase = (int64_t *)((char *)l->view.buf + phase_offset);
+    /* -1: no row of its own yet (an attach that has not claimed a slot): no phase marks */
+    l->phase = phase_offset < 0 ? NULL : (int64_t *)((char *)l->view.buf + phase_offset);
     Py_RETURN_NONE;
 }
 
@@ -1219,6 +1261,27 @@ static inline void set_phase(CLock *l, int64_t phase) {
     }
 }
 
+/* sem_timedwait with the deadline `until` on CLOCK_MONOTONIC: sem_clockwait (glibc >= 2.30),
+ * else a poll every millisecond, sleeping on the monotonic clock. 0, or -1 with errno. */
+static int sem_wait_monotonic(sem_t *sem, const struct timespec *until) {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    return sem_clockwait(sem, CLOCK_MONOTONIC, until);
+#else
+    for (;;) {
+        if (sem_trywait(sem) == 0) return 0;
+        if (errno != EAGAIN) return -1;
+        struct timespec now, step = {0, 1000000L};
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec > until->tv_sec ||
+            (now.tv_sec == until->tv_sec && now.tv_nsec >= until->tv_nsec)) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        clock_nanosleep(CLOCK_MONOTONIC, 0, &step, NULL);
+    }
+#endif
+}
+
 /* Waits for the semaphore in slices, asking on_stall() after each empty one. Returns 1 when
  * acquired, 2 when taken over, 0 with an exception set, 3 with an exception set when the
  * lock was taken over all the same (the caller gives the unit back). */
@@ -1229,18 +1292,16 @@ static int wait_in_slices(CLock *l, int64_t start) {
         int64_t slice = (int64_t)(l->slice_s * 1e9);
         if (now + slice > deadline) slice = deadline - now;
         if (slice < 0) slice = 0;
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_sec += (time_t)(slice / 1000000000LL);
-        until.tv_nsec += (long)(slice % 1000000000LL);
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec += 1;
-            until.tv_nsec -= 1000000000L;
-        }
+        /* The slice's deadline is on CLOCK_MONOTONIC, like `deadline`: a step of the wall
+         * clock neither stretches nor cuts the wait (sem_timedwait's deadline is on
+         * CLOCK_REALTIME). */
+        int64_t until_ns = now_ns() + slice;
+        struct timespec until = {(time_t)(until_ns / 1000000000LL),
+                                 (long)(until_ns % 1000000000LL)};
         int rc;
         Py_BEGIN_ALLOW_THREADS
         do {
-            rc = sem_timedwait(l->sem, &until);
+            rc = sem_wait_monotonic(l->sem, &until);
         } while (rc != 0 && errno == EINTR);
         Py_END_ALLOW_THREADS
         if (rc == 0) return 1;
@@ -2044,8 +2105,9 @@ fail:
 static PyMethodDef module_methods[] = {
     {"fence", mem_fence, METH_NOARGS,
      "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
-    {"fault_arm", fault_arm, METH_O,
-     "fault_arm(n): SIGKILL this process before its n-th store from now (n <= 0: disarm)"},
+    {"fault_arm", fault_arm, METH_VARARGS,
+     "fault_arm(n, stop=False): SIGKILL (stop: SIGSTOP) this process before its n-th store "
+     "from now (n <= 0: disarm)"},
     {"fault_tick", fault_tick, METH_NOARGS, "one store is about to happen (shmkv/pool/fault.py)"},
     {"set_fault", set_fault, METH_O,
      "set_fault(module): shmkv.pool.fault, whose plan mutate() counts stores for"},

@@ -20,6 +20,7 @@ Kernel interface (both kernels):
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections import Counter
 
@@ -74,6 +75,21 @@ def check_group(group_id) -> None:
     message (``read_group`` in _ckernel.c): neither kernel truncates or wraps it."""
     if not (isinstance(group_id, int) and 0 <= group_id < _GROUP_LIMIT):
         raise UsageError(f"kv_cache_group_id {group_id!r} is not an int in [0, 2**31)")
+
+
+_INT_ONLY = {int}
+
+
+def block_id_int(value, what: str) -> int:
+    """A handle's ``block_id`` that is not a plain int, as one (a numpy integer), or a
+    UsageError naming ``what``: a bool, float, None, str... is not a block id. The C
+    kernel's ``read_ids`` gives the same answer and message."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise UsageError(f"{what}(): block id {value!r} is not an int")
 
 
 class PyKernel:
@@ -155,6 +171,8 @@ class PyKernel:
                 raise UsageError(
                     f"{what}() takes KVCacheBlock handles, got {type(block).__name__}"
                 ) from None
+            if type(block_id) is not int:
+                block_id = block_id_int(block_id, what)
             if block_id < 0 or block_id >= n:
                 raise UsageError(f"{what}(): block id {block_id} is out of range [0, {n})")
             return [block_id]
@@ -172,7 +190,7 @@ class PyKernel:
             return self._read_ids(blocks, what), None
         ids = self._block_ids(blocks, what)
         arr = np.array(ids)
-        if arr.dtype != np.int64 or arr.ndim != 1:  # not plain ints: the list check
+        if arr.dtype != np.int64 or arr.ndim != 1:  # ids past int64: the list check
             n = self._num_blocks
             if min(ids) < 0 or max(ids) >= n:
                 self._raise_out_of_range(ids, what)
@@ -182,19 +200,23 @@ class PyKernel:
         return ids, arr
 
     @staticmethod
-    def _block_ids(blocks, what: str) -> list:
+    def _block_ids(blocks, what: str) -> list[int]:
+        """The handles' ids, each a plain int (``block_id_int``), unchecked for range."""
         try:
             if len(blocks) < BULK_MIN_BLOCKS:  # a loop beats a comprehension's set-up here
                 ids = []
                 for b in blocks:
                     ids.append(b.block_id)
-                return ids
-            return [b.block_id for b in blocks]
+            else:
+                ids = [b.block_id for b in blocks]
         except AttributeError:
             bad = next(b for b in blocks if not hasattr(b, "block_id"))
             raise UsageError(
                 f"{what}() takes KVCacheBlock handles, got {type(bad).__name__}"
             ) from None
+        if set(map(type, ids)) != _INT_ONLY:  # not all plain ints: convert or refuse each
+            ids = [b if type(b) is int else block_id_int(b, what) for b in ids]
+        return ids
 
     def _raise_out_of_range(self, ids: list, what: str) -> None:
         n = self._num_blocks
@@ -518,7 +540,7 @@ class PyKernel:
                 block_id = blocks[0].block_id
             except AttributeError:
                 block_id = -1
-            if block_id < 0 or block_id >= self._num_blocks:
+            if type(block_id) is not int or block_id < 0 or block_id >= self._num_blocks:
                 block_id = self._read_ids(blocks, "free_blocks")[0]  # raises its error
             if block_id == _NULL:
                 return
@@ -676,7 +698,7 @@ class PyKernel:
                 block_id = blocks[0].block_id
             except AttributeError:
                 block_id = -1
-            if block_id < 0 or block_id >= self._num_blocks:
+            if type(block_id) is not int or block_id < 0 or block_id >= self._num_blocks:
                 block_id = self._read_ids(blocks, "touch")[0]  # raises its error
             if block_id == _NULL:
                 return

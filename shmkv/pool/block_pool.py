@@ -71,7 +71,7 @@ from shmkv.pool._pykernel import PyKernel
 from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
-from shmkv.pool.liveness import AliveLocks, alive_path
+from shmkv.pool.liveness import NUM_MARKS, AliveLocks, alive_path
 from shmkv.pool.lock import (
     DEFAULT_LOCK_TIMEOUT_S,
     SPIN_S,
@@ -382,11 +382,21 @@ class BlockPool:
         self.slot = -1
         self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
         check_semaphore(segment.shm_name)
-        self._my_holder_word = holder_word(-1, self.pid)
         if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
             self._alive.close()
             self._release_views()
             raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
+        # The attach hold's holder word names this process's attach mark, not a slot: the
+        # row it claims is not its own yet (shmkv/pool/liveness.py, attach marks).
+        mark = self._alive.claim_mark(
+            lambda byte: (decode_holder(int(self._hdr64[L.H_HOLDER])) or (None,))[0] == byte)
+        if mark is None:
+            self._alive.close()
+            self._release_views()
+            raise PoolFullError(
+                f"pool {self.pool_name}: {NUM_MARKS} processes are attaching to it at once"
+            )
+        self._my_holder_word = holder_word(mark, self.pid)
         self._takeover = TakeOver(
             segment.shm_name, self._hdr64, self._procs, self._alive,
             lambda: self._my_holder_word, stuck_after_s,
@@ -412,7 +422,7 @@ class BlockPool:
             self._lock.spin_s = SPIN_S
         else:
             self._lock = PoolLock(
-                segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
+                segment.shm_name, self._hdr64, slot=mark, pid=self.pid, incarnation=0,
                 timeout_s=lock_timeout_s, describe_holder=self.process_table.describe_holder,
                 enabled=_lock_enabled, on_stall=self._takeover.on_stall,
                 on_dirty=self._repairer.on_dirty,
@@ -617,14 +627,20 @@ class BlockPool:
         row back. So the choice is checked again under the lock.
         """
         table = self.process_table
-        slot = table.claim_free_slot()
-        if slot is not None:
-            self._set_lock_identity(slot, None)
-        counting = _fault.planned is not None and _fault.begin("attach")
+        mark = self._alive.held_mark
+        counting = False
         try:
+            slot = table.claim_free_slot()
+            if slot is not None:
+                self._set_lock_identity(slot, None, holder=mark)
+            counting = _fault.planned is not None and _fault.begin("attach")
             with self._lock:
+                # First under the lock: the mark's hold byte, this hold's lock_phase while
+                # it has no row (takeover.py, rule 2), until after the post.
+                self._alive.hold_mark(mark)
                 if slot is not None and not table.slot_is_free(slot):
                     table.give_up_claim(slot)  # not ours after all
+                    self._set_lock_identity(None, None, holder=mark)
                     slot = None
                 if slot is None:  # no usable slot yet: reap the dead, under the lock
                     table.reap_dead()
@@ -636,30 +652,39 @@ class BlockPool:
                             "their liveness locks by children a dead process forked "
                             "without Python's at-fork hooks (free once those exit)"
                         )
-                    self._set_lock_identity(slot, None)
+                    self._set_lock_identity(slot, None, holder=mark)
                 incarnation = table.fill_row(slot, self.pid, label)
                 self.slot = slot
                 self._incarnation = incarnation
                 self._set_lock_identity(slot, incarnation)
         finally:
-            if counting:
-                _fault.end()
+            try:
+                self._alive.release_mark(mark)
+            finally:
+                if counting:
+                    _fault.end()
 
-    def _set_lock_identity(self, slot: int, incarnation: int | None) -> None:
-        """Points the lock at this process's row: ``holder`` word, ``lock_phase`` and, once
-        the row carries ``incarnation``, the fence."""
-        self._my_holder_word = holder_word(slot, self.pid)
+    def _set_lock_identity(self, slot: int | None, incarnation: int | None,
+                           holder: int | None = None) -> None:
+        """Points the lock at this process's row ``slot`` (None: no row, no ``lock_phase``
+        marks): its ``lock_phase`` and, once the row carries ``incarnation``, the fence; the
+        ``holder`` word names ``holder`` (the attach mark, in the attach hold) or else the
+        slot."""
+        named = slot if holder is None else holder
+        self._my_holder_word = holder_word(named, self.pid)
         words = L.PROC_I64
         fence_index = slot * words + L.P_INCARNATION if incarnation is not None else None
-        phase_index = slot * words + L.P_LOCK_PHASE
+        phase_index = slot * words + L.P_LOCK_PHASE if slot is not None else None
         if isinstance(self._lock, PoolLock):
-            self._lock.set_identity(slot, incarnation or 0, self._proc64, fence_index,
-                                    phase_index)
+            self._lock.set_identity(named, incarnation or 0,
+                                    self._proc64 if slot is not None else None, fence_index,
+                                    phase_index or 0)
         else:
             base = self._layout.offsets["proc_table"]
             self._lock.set_identity(
                 self._my_holder_word, incarnation or 0,
-                -1 if fence_index is None else base + 8 * fence_index, base + 8 * phase_index,
+                -1 if fence_index is None else base + 8 * fence_index,
+                -1 if phase_index is None else base + 8 * phase_index,
             )
 
     def _forked_child(self) -> None:
@@ -980,7 +1005,9 @@ class BlockPool:
         return self._repairer.last_repair
 
     def holder(self) -> tuple[int, int] | None:
-        """(slot, pid) of the process holding the pool lock now, or None."""
+        """(slot, pid) of the process holding the pool lock now, or None. A process inside
+        ``attach()`` is named by its attach mark instead of a slot (a number past every slot,
+        ``shmkv.pool.liveness.is_mark``)."""
         return decode_holder(self._hdr64[L.H_HOLDER])
 
     @property
@@ -1080,7 +1107,11 @@ class BlockPool:
         Raises:
             UsageError: a bad argument, too few hashes or blocks, a block already cached.
         """
-        if num_cached_blocks >= num_full_blocks:
+        try:
+            nothing_to_cache = num_cached_blocks >= num_full_blocks
+        except TypeError:  # not numbers: refused just below, naming the argument
+            nothing_to_cache = False
+        if nothing_to_cache:
             return
         ratio, fine_hashes = self._check_hash_run(
             "cache_full_blocks", request,

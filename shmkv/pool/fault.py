@@ -16,6 +16,11 @@ Operations (the public ``BlockPool`` method that starts the count): ``allocate``
 
 One counter serves both kernels: with the C extension built, the count lives in C (its
 stores tick it directly) and the Python stores tick the same counter.
+
+``SHMKV_FAULT=<op>:<n>:stop`` (or ``arm(op, n, stop=True)``) stops the process with SIGSTOP
+at that point instead, and lets it go on from there once it gets SIGCONT: a process stopped
+at a chosen instant of a hold, for the tests of what waiters, take-over and ``shmkv recover``
+do with a holder that is alive but does not move.
 """
 
 from __future__ import annotations
@@ -39,31 +44,36 @@ OPERATIONS = (
 
 # The plan: (op, n) waiting for its call, or None. `armed` is True while a call counts.
 planned: tuple[str, int] | None = None
+stop_not_kill = False  # the planned point stops the process (SIGSTOP), not kills it
 armed = False
 completed = False  # a planned call ran to its end without reaching its n-th store
 _left = -1  # stores still allowed (pure-Python counter, when there is no C kernel)
 
 
-def arm(op: str, n: int) -> None:
-    """Kills this process before the ``n``-th store of the next call of ``op``."""
-    global planned, completed
+def arm(op: str, n: int, stop: bool = False) -> None:
+    """Kills this process before the ``n``-th store of the next call of ``op`` (with
+    ``stop``, stops it there with SIGSTOP; it goes on when continued)."""
+    global planned, completed, stop_not_kill
     if op not in OPERATIONS:
         raise ValueError(f"{ENV_VAR}: unknown operation {op!r}; one of {OPERATIONS}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{ENV_VAR}: the store number must be an int >= 1, got {n!r}")
     planned = (op, n)
+    stop_not_kill = bool(stop)
     completed = False
 
 
 def arm_from_env() -> None:
-    """Reads ``SHMKV_FAULT=<op>:<n>`` (no-op when unset)."""
+    """Reads ``SHMKV_FAULT=<op>:<n>[:stop]`` (no-op when unset)."""
     spec = os.environ.get(ENV_VAR)
     if not spec:
         return
-    op, sep, n = spec.partition(":")
-    if not sep or not n.strip().isdigit():
-        raise ValueError(f"{ENV_VAR} must look like 'allocate:7', got {spec!r}")
-    arm(op.strip(), int(n))
+    op, sep, rest = spec.partition(":")
+    n, _, mode = rest.partition(":")
+    if not sep or not n.strip().isdigit() or mode.strip() not in ("", "stop"):
+        raise ValueError(f"{ENV_VAR} must look like 'allocate:7' or 'allocate:7:stop', got "
+                         f"{spec!r}")
+    arm(op.strip(), int(n), stop=mode.strip() == "stop")
 
 
 def begin(op: str) -> bool:
@@ -76,7 +86,7 @@ def begin(op: str) -> bool:
     planned = None
     armed = True
     if _ckernel is not None:
-        _ckernel.fault_arm(n)
+        _ckernel.fault_arm(n, stop_not_kill)
     else:
         _left = n - 1
     return True
@@ -99,12 +109,16 @@ def tick() -> None:
         _ckernel.fault_tick()
         return
     if _left == 0:
+        _left = -1  # fires once (a stopped process goes on past it)
         fire()
     if _left > 0:
         _left -= 1
 
 
 def fire() -> None:
+    if stop_not_kill:
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+        return
     os.kill(os.getpid(), signal.SIGKILL)
     signal.pause()  # pragma: no cover - SIGKILL is not delivered late, but never go on
 

@@ -69,7 +69,8 @@ Mutable, written only under the pool lock:
 - `queue_tail_key` (i64, 152): the largest queue key handed out so far (``append_n``).
 - `holder` (i64, 160): the lock holder, ``slot + 1`` in the low 32 bits and its pid in the
   high 32; 0 when the lock is free. Written right after the semaphore is taken, cleared
-  right before it is posted.
+  right before it is posted. In a process's ``attach()`` hold the low half is its attach
+  mark byte + 1 instead, a number past every slot (``shmkv/pool/liveness.py``).
 - `holder_incarnation` (u64, 168) and `holder_since_ns` (i64, 176, CLOCK_MONOTONIC): the
   rest of the holder record.
 - `next_event_seq` (i64, 184): the sequence number of the next logged event.

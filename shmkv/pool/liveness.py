@@ -12,6 +12,18 @@ Byte ``ARBITER_BYTE`` (past every slot) arbitrates the take-over of a dead lock 
 the waiters that find the holder dead race for it, non-blocking, and only the winner takes
 over (``shmkv/pool/takeover.py``).
 
+Attach marks: a process that is attaching holds the pool lock before the row it claims is
+its own (it may have no slot at all: a full table, where it reaps under the lock, or a
+claimed slot it gives back when the row turns out taken). So for its whole ``attach()`` it
+holds one of ``NUM_MARKS`` mark bytes (``MARK_FIRST_BYTE`` on, exclusively, taken before it
+waits for the lock), and the lock's ``holder`` word names that byte instead of a slot; a
+waiter takes such a holder for dead only when its mark byte is free. While it is inside its
+attach hold it also locks the mark's hold byte (``byte + NUM_MARKS``): a process with no row
+marks no ``lock_phase``, and a locked hold byte is how a waiter knows that the lock may be
+taken by a live process that recorded no holder yet, or no more (``shmkv/pool/takeover.py``,
+rule 2). Kernel-arbitrated like the slot bytes, so valid across pid namespaces, where a
+pid test means nothing.
+
 The liveness rule (the one every liveness decision of the package goes through,
 ``AliveLocks.is_alive``): a slot is live while byte ``slot`` is locked AND, when the reader
 is in the pid namespace the row records (``pid_ns``), the row's ``pid`` runs, is not a
@@ -22,7 +34,7 @@ pid test alone can be fooled by a reused pid, and means nothing in another pid n
 (a pool shared across containers), where the lock is the only word.
 
 ``pid_alive`` is the plain pid test (``kill(pid, 0)``), for the few places that only have a
-pid to go on: a lock holder recorded without a slot, a channel's peer, the front end of a
+pid to go on (never a take-over of the pool lock): a channel's peer, the front end of a
 run, a run's leftover segments. It can be fooled by a reused pid, which is why the process
 table does not use it.
 
@@ -43,6 +55,8 @@ from shmkv.pool.layout import MAX_PROCESSES, SLOT_ACTIVE
 from shmkv.pool.segment import check_fd, secure_new_fd
 
 ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
+MARK_FIRST_BYTE = ARBITER_BYTE + 1  # the attach marks: [MARK_FIRST_BYTE, + NUM_MARKS)
+NUM_MARKS = 4096  # processes that can be attaching to one pool at once
 
 # struct flock on Linux x86_64 / aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid, padded to 32 bytes. l_pid must be 0 for OFD locks.
@@ -54,8 +68,13 @@ def alive_path(shm_name: str) -> str:
     return f"/dev/shm{shm_name}.alive"
 
 
-def _flock(lock_type: int, byte: int) -> bytes:
-    return _FLOCK.pack(lock_type, os.SEEK_SET, byte, 1, 0)
+def _flock(lock_type: int, byte: int, length: int = 1) -> bytes:
+    return _FLOCK.pack(lock_type, os.SEEK_SET, byte, length, 0)
+
+
+def is_mark(byte: int) -> bool:
+    """Whether a ``holder`` word's slot field names an attach mark byte, not a slot."""
+    return MARK_FIRST_BYTE <= byte < MARK_FIRST_BYTE + NUM_MARKS
 
 
 class AliveLocks:
@@ -90,6 +109,7 @@ class AliveLocks:
             raise
         self.path = path
         self.held_slot: int | None = None
+        self.held_mark: int | None = None  # this process's attach mark, while it attaches
         self.procs = procs
 
     def claim(self, slot: int) -> bool:
@@ -123,6 +143,62 @@ class AliveLocks:
     def release_arbiter(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, ARBITER_BYTE))
 
+    # ------------------------------------------------------------------ attach marks
+
+    def claim_mark(self, named_by_holder=None) -> int | None:
+        """Takes a free attach mark byte (module docstring) and returns it; None if all
+        ``NUM_MARKS`` are held.
+
+        ``named_by_holder(byte)`` says whether the lock's ``holder`` word names the byte. A
+        free byte that it names is a dead holder's mark (only the process holding a mark
+        writes a word naming it), which is how the waiters tell that holder is dead: taking
+        it would make the dead holder look alive. Asked once the byte is locked, so that no
+        holder can write such a word after the look."""
+        for byte in range(MARK_FIRST_BYTE, MARK_FIRST_BYTE + NUM_MARKS):
+            if self._try_lock(byte):
+                if named_by_holder is not None and named_by_holder(byte):
+                    fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, byte))
+                    continue
+                self.held_mark = byte
+                return byte
+        return None
+
+    def hold_mark(self, byte: int) -> None:
+        """Locks the hold byte of this process's mark ``byte`` (it holds the pool lock)."""
+        if not self._try_lock(byte + NUM_MARKS):  # pragma: no cover - the mark is ours
+            raise SegmentError(f"the hold byte of attach mark {byte} of {self.path} is taken")
+
+    def release_mark(self, byte: int) -> None:
+        """Drops this process's mark ``byte`` and its hold byte."""
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, byte + NUM_MARKS))
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, byte))
+        if self.held_mark == byte:
+            self.held_mark = None
+
+    def mark_alive(self, byte: int) -> bool:
+        """Whether the process of attach mark ``byte`` is alive: the byte is locked (by
+        this process, or by another: one ``F_OFD_GETLK``)."""
+        return byte == self.held_mark or self._locked_by_other(byte, 1)
+
+    def another_in_attach_hold(self) -> bool:
+        """Whether another process has locked the hold byte of its attach mark: it is
+        inside an attach hold of the pool lock, perhaps between the semaphore and its
+        ``holder`` word, which no ``lock_phase`` row shows."""
+        return self._locked_by_other(MARK_FIRST_BYTE + NUM_MARKS, NUM_MARKS)
+
+    def _try_lock(self, byte: int) -> bool:
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, byte))
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def _locked_by_other(self, byte: int, length: int) -> bool:
+        answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, byte, length))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
     def is_alive(self, slot: int) -> bool:
         """Whether the process of ``slot`` is alive, by the liveness rule (module
         docstring): this process's own slot is; another is while some process holds byte
@@ -144,7 +220,7 @@ class AliveLocks:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self.held_slot = None
+        self.held_slot = self.held_mark = None
         self.procs = None
 
     def close(self) -> None:
@@ -152,7 +228,7 @@ class AliveLocks:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-            self.held_slot = None
+            self.held_slot = self.held_mark = None
         self.procs = None  # a view of the segment, which is about to be unmapped
 
 

@@ -40,6 +40,8 @@ bounded (``timeout_s``).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import threading
 import time
@@ -76,6 +78,76 @@ _STAGE_HELD = 3  # surely the unit (HOLDING is stored)
 WAIT_SLICE_S = 0.02
 # A waiter first polls the semaphore this long before it sleeps on it (``PoolLock._spin``).
 SPIN_S = 20e-6
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _sem_clockwait = _libc.sem_clockwait  # glibc >= 2.30
+    _sem_open, _sem_close = _libc.sem_open, _libc.sem_close
+    _sem_open.restype = ctypes.c_void_p
+    _sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    _sem_close.argtypes = [ctypes.c_void_p]
+    _sem_clockwait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec)]
+except (OSError, AttributeError):
+    _sem_clockwait = None
+
+
+class MonotonicWait:
+    """Timed waits on a named POSIX semaphore with the deadline on CLOCK_MONOTONIC.
+
+    posix_ipc's timed acquire (like ``sem_timedwait``) takes a wall-clock deadline: a step of
+    the wall clock back during the wait stretches it by the step (an NTP correction, a VM
+    resumed, an operator's ``date``). ``sem_clockwait`` (glibc >= 2.30) waits on the
+    monotonic clock, which never steps; the C kernel's lock uses it too. Without it (another
+    libc), a wait polls the semaphore every millisecond, sleeping on the monotonic clock.
+    """
+
+    POLL_S = 0.001
+
+    def __init__(self, name: str, sem: posix_ipc.Semaphore) -> None:
+        self._poll_sem = sem
+        self._handle = None
+        if _sem_clockwait is not None:
+            handle = _sem_open(name.encode(), 0)
+            if handle:  # SEM_FAILED is NULL in glibc
+                self._handle = handle
+
+    def wait(self, wait_s: float) -> bool:
+        """Takes the semaphore within ``wait_s`` (monotonic) seconds: True, else False (the
+        time ran out, or a signal came; its Python handler runs when this returns)."""
+        if self._handle is None:
+            return self._poll(wait_s)
+        deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + max(0, int(wait_s * 1e9))
+        until = _Timespec(deadline // 1_000_000_000, deadline % 1_000_000_000)
+        if _sem_clockwait(self._handle, time.CLOCK_MONOTONIC, ctypes.byref(until)) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.ETIMEDOUT, errno.EINTR):
+            return False
+        raise OSError(err, f"sem_clockwait: {os.strerror(err)}")
+
+    def _poll(self, wait_s: float) -> bool:
+        deadline = _monotonic_ns() + int(wait_s * 1e9)
+        sem = self._poll_sem
+        while True:
+            try:
+                sem.acquire(0)
+                return True
+            except posix_ipc.BusyError:
+                pass
+            left = (deadline - _monotonic_ns()) / 1e9
+            if left <= 0:
+                return False
+            time.sleep(min(self.POLL_S, left))
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            _sem_close(handle)
 
 
 def lock_name(shm_name: str) -> str:
@@ -174,6 +246,7 @@ class PoolLock:
             from shmkv.errors import SegmentError
 
             raise SegmentError(f"the pool's lock {lock_name(shm_name)} is missing") from None
+        self._timed = MonotonicWait(lock_name(shm_name), self._sem)
         self._hdr64 = hdr64
         self._holder_word = holder_word(slot, pid)
         self._incarnation = incarnation
@@ -410,13 +483,12 @@ class PoolLock:
             left = (deadline - _monotonic_ns()) / 1e9
             wait_s = max(0.0, min(self.slice_s, left))
             self._stage = _STAGE_IN_WAIT
-            try:
-                self._sem.acquire(wait_s)
+            # The deadline on CLOCK_MONOTONIC (MonotonicWait). False: the time ran out, or a
+            # signal cut the wait short; its Python handler runs at the next bytecode, Ctrl-C
+            # raising from here.
+            if self._timed.wait(wait_s):
                 return False
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                # SignalError: a signal cut the wait short (posix_ipc does not retry EINTR);
-                # its Python handler runs at the next bytecode, Ctrl-C raising from here.
-                self._stage = _STAGE_NONE
+            self._stage = _STAGE_NONE
             self._stage = _STAGE_IN_STALL
             if self._on_stall():
                 return True
@@ -556,4 +628,5 @@ class PoolLock:
 
     def close(self) -> None:
         self._proc64 = None
+        self._timed.close()
         self._sem.close()

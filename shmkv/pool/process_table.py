@@ -24,7 +24,7 @@ import numpy as np
 from shmkv.pool import layout as L
 from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView
-from shmkv.pool.liveness import AliveLocks, own_pid_namespace, process_start_ticks
+from shmkv.pool.liveness import AliveLocks, is_mark, own_pid_namespace, process_start_ticks
 
 logger = logging.getLogger("shmkv.pool.block_pool")  # the pool's log, as before the split
 
@@ -122,6 +122,10 @@ class ProcessTable:
 
     def describe_holder(self, slot: int, pid: int) -> str:
         """Why the lock's holder (``slot``, ``pid``) holds it, for a timeout message."""
+        if is_mark(slot):
+            state = ("alive (a long hold, or it is stopped)" if self._alive.mark_alive(slot)
+                     else "dead: it died holding the lock")
+            return f"a process inside attach(), by its attach mark; that process is {state}"
         if not 0 <= slot < self.num_slots:
             return "not a process-table slot"
         if self._alive.is_alive(slot):

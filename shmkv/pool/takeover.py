@@ -5,9 +5,12 @@ wait slice (``lock.WAIT_SLICE_S``) and calls :meth:`TakeOver.on_stall`, which re
 situations:
 
 1. **Dead holder.** ``holder`` names a slot whose liveness byte is free (the process is
-   gone; ``shmkv/pool/liveness.py``), or, for a holder without a slot (a process attaching to a
-   full table), a pid that no longer exists. Unambiguous: the holder writes ``holder`` after
-   taking the semaphore and clears it before posting, so the unit died with it.
+   gone; ``shmkv/pool/liveness.py``), or, for a process inside ``attach()`` (whose row is not
+   its own yet, or which has none: a full table), an attach mark byte that is free.
+   Unambiguous: the holder writes ``holder`` after taking the semaphore and clears it before
+   posting, so the unit died with it. Only the kernel's word counts (an OFD lock), never a
+   pid, which means nothing to a waiter in another pid namespace; a ``holder`` word that
+   names neither a slot nor a mark (another version's) is never taken for dead.
 2. **Stuck with no holder.** ``holder == 0``, the semaphore at 0 and ``lock_seq`` unchanged
    for ``stuck_after_s``. Each process marks its row's ``lock_phase``: ACQUIRING before it
    waits, HOLDING as the very first store once it has the semaphore (before ``holder``),
@@ -24,9 +27,14 @@ situations:
    - a process marked ABANDONED (live or dead: an exception cut its acquire short just as
      the semaphore call returned, ``shmkv/pool/lock.py``) counts as a dead ACQUIRING one.
 
+   - a live process in an attach hold marks no ``lock_phase`` of its own (it has no row
+     yet); it locks its attach mark's hold byte instead, from its first statement under the
+     lock to after its post. While another process has one locked, never take over.
+
    The one case this cannot tell apart: a live process stopped (SIGSTOP, or starved) for
    ``stuck_after_s`` in the single instruction between taking the semaphore and its HOLDING
-   store, while a dead process's mark is around.
+   store (for an attach without a row: its few stores up to its ``holder`` word), while a
+   dead process's mark is around.
 
 Exactly one waiter takes over: the candidates race for an OFD lock on the arbiter byte of
 the liveness file; the winner re-reads the lock's state under it, writes its own holder
@@ -44,7 +52,7 @@ import numpy as np
 import posix_ipc
 
 from shmkv.pool import layout as L
-from shmkv.pool.liveness import AliveLocks, pid_alive
+from shmkv.pool.liveness import AliveLocks, is_mark
 from shmkv.pool.lock import decode_holder, lock_name
 
 DEFAULT_STUCK_AFTER_S = 2.0
@@ -80,14 +88,18 @@ class TakeOver:
         self._sem.close()
 
     def _holder_dead(self, word: int) -> bool:
-        slot, pid = decode_holder(word)
+        slot, _pid = decode_holder(word)
         if 0 <= slot < len(self._procs):
             return not self._alive.is_alive(slot)
-        return not pid_alive(pid)  # a holder without a slot: only its pid to go on
+        if is_mark(slot):  # a process inside attach(): its mark byte
+            return not self._alive.mark_alive(slot)
+        return False  # no byte to ask the kernel about: never taken for dead
 
     def _suspects(self) -> list[int]:
         """Slots of dead processes that may have died with the semaphore (rule 2 of the
         module docstring); [] when a live process may have it."""
+        if self._alive.another_in_attach_hold():
+            return []  # a live process without a row may have the unit
         phases = self._procs["lock_phase"]
         dead_with_unit, dead_waiting = [], []
         for slot in np.flatnonzero(phases != L.PHASE_IDLE).tolist():
@@ -122,7 +134,8 @@ class TakeOver:
             if not self._holder_dead(word):
                 return False
             slot, pid = decode_holder(word)
-            victim = f"holder slot {slot} (pid {pid}) died holding the lock"
+            who = f"attach mark {slot}" if is_mark(slot) else f"slot {slot}"
+            victim = f"holder {who} (pid {pid}) died holding the lock"
         else:
             if not self._stuck_without_holder():
                 return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,74 @@ def test_recover_rebuilds_a_corrupted_pool_and_clears_the_poison(make_pool):
     assert pool._header["state"][0] == L.STATE_READY
     pool.check_invariants()
     assert shmkv("recover", "no-such-pool").returncode == 2
+
+
+def _wait_stopped(pid: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop")
+
+
+@pytest.mark.crash
+def test_recover_reclaim_refuses_a_stopped_lock_holder_at_once_and_recovers_once_killed(
+        spawn_ctx, make_pool, monkeypatch):
+    """shmkv recover --reclaim PID, PID stopped (SIGSTOP, by a fault point) half way through
+    an allocation, holding the lock: it cannot be fenced (it would finish its writes when it
+    runs again), so recover refuses at once, naming it and saying to kill it, instead of
+    waiting its whole --timeout for the lock. Killed (kill -9), recover takes the lock over,
+    rolls its hold back and reaps it; another stopped process that does not hold the lock
+    is reclaimed (fenced) by the same command.
+    Before: recover waited the 5 s --timeout, then "pool lock not acquired within 5.0 s: held
+    by slot 2 ...; that process is alive", exit 2, with no word of what to do."""
+    import signal
+
+    from tests.multiprocess import workers
+
+    pool = make_pool(32)
+    pool.get_new_blocks(3)
+    ready, go, result = spawn_ctx.Event(), spawn_ctx.Event(), spawn_ctx.Queue()
+    bystander = spawn_ctx.Process(target=workers.attach_hold_then_call,
+                                  args=(pool.pool_name, pool.kernel, ready, go, result))
+    holder = spawn_ctx.Process(target=workers.attach_and_allocate, args=(pool.pool_name, 4))
+    bystander.start()
+    try:
+        assert ready.wait(60)
+        os.kill(bystander.pid, signal.SIGSTOP)  # stopped, not holding the lock
+        monkeypatch.setenv("SHMKV_FAULT", "allocate:25:stop")
+        holder.start()
+        _wait_stopped(holder.pid)  # stopped half way through its allocation, in the lock
+        assert pool.holder() is not None and pool.holder()[1] == holder.pid
+        start = time.monotonic()
+        out = shmkv("recover", pool.pool_name, "--reclaim", str(holder.pid), "--timeout", "5")
+        assert time.monotonic() - start < 4, f"recover waited for the lock: {out.stderr}"
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"pid {holder.pid} holds the pool lock" in out.stderr, out.stderr
+        assert f"kill -9 {holder.pid}" in out.stderr and "Traceback" not in out.stderr
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(60)
+        assert holder.exitcode == -signal.SIGKILL
+        out = shmkv("recover", pool.pool_name, "--reclaim", str(bystander.pid),
+                    "--stuck-after", "0.2")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "died holding the lock" in out.stdout and "its hold rolled back:" in out.stdout
+        assert f"(pid {bystander.pid}): 3 reference(s) released" in out.stdout
+        assert pool.get_num_free_blocks() == 28  # only the creator's 3 blocks are held
+        os.kill(bystander.pid, signal.SIGCONT)
+        go.set()  # its next call is fenced
+        assert "FencedError" in result.get(timeout=60)
+        bystander.join(60)
+        assert bystander.exitcode == 0
+        fresh = BlockPool.attach(pool.pool_name)
+        try:
+            fresh.check_invariants()
+        finally:
+            fresh.close()
+    finally:
+        for proc in (holder, bystander):
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+                proc.join(10)

@@ -743,7 +743,7 @@ def test_fault_arm_rejects_bad_plans(op, n, match):
     assert fault.planned is None
 
 
-@pytest.mark.parametrize("spec", ["allocate", "allocate:x", "allocate:-2"])
+@pytest.mark.parametrize("spec", ["allocate", "allocate:x", "allocate:-2", "allocate:3:halt"])
 def test_fault_env_rejects_bad_specs(monkeypatch, spec):
     from shmkv.pool import fault
 
@@ -751,3 +751,18 @@ def test_fault_env_rejects_bad_specs(monkeypatch, spec):
     with pytest.raises(ValueError, match="SHMKV_FAULT"):
         fault.arm_from_env()
     assert fault.planned is None
+
+
+def test_fault_env_stop_mode(monkeypatch):
+    """SHMKV_FAULT=<op>:<n>:stop plans a stop (SIGSTOP) instead of a kill."""
+    from shmkv.pool import fault
+
+    monkeypatch.setenv(fault.ENV_VAR, "allocate:3:stop")
+    try:
+        fault.arm_from_env()
+        assert fault.planned == ("allocate", 3) and fault.stop_not_kill
+        fault.arm("free", 2)
+        assert fault.planned == ("free", 2) and not fault.stop_not_kill
+    finally:
+        fault.planned = None
+        fault.stop_not_kill = False

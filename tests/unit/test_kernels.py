@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from shmkv import BlockPool, InvariantViolation, UsageError
+from shmkv import BlockPool, InvariantViolation, OutOfBlocksError, UsageError
 from shmkv.pool.block_pool import _C_GEOMETRY, _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import make_request
@@ -267,3 +267,77 @@ def test_out_of_range_group_ids_are_refused_alike(make_pool, group):
         pool._kernel.insert(bytes(32), group, 5, 16)
     assert pool.get_cached_block(req.block_hashes[0], [0])[0].block_id == blocks[0].block_id
     pool.check_invariants()
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+# Counts and ids around every width a kernel converts to (int32, C long, ssize_t, uint64),
+# numpy integers of both signs, and what is not an integer at all.
+_BAD_NUMBERS = [
+    -1, 11, 2**31 - 1, 2**31, 2**32 + 1, 2**63 - 1, 2**63, 2**64, -2**63, -2**63 - 1, 10**30,
+    np.int32(-1), np.int64(2**40), np.uint64(2**63), np.uint64(2**64 - 1),
+]
+_NOT_INTS = [1.5, 2.0, float("nan"), None, "2", b"\x01", True, False, [1], object]
+
+
+def _bad_argument_calls(pool: BlockPool, value) -> dict[str, object]:
+    """Every call of the pool's kernel-facing API that takes ``value`` as a count, a limit,
+    a group id or a handle's block id (alone, among good ones, in a bulk batch)."""
+    from shmkv.pool.block_pool import KVCacheBlock
+
+    held = pool.get_new_blocks(3)
+    request = make_request(48)
+    bad = KVCacheBlock(pool, value)
+    calls = {
+        "get_new_blocks": lambda: pool.get_new_blocks(value),
+        "has_free_blocks": lambda: pool.has_free_blocks(value),
+        "evict_blocks": lambda: pool.evict_blocks([value]),
+        "get_cached_block": lambda: pool.get_cached_block(b"\x01" * 32, [value]),
+        "get_cached_prefix group": lambda: pool.get_cached_prefix([b"\x01" * 32], value),
+        "get_cached_prefix max": lambda: pool.get_cached_prefix([b"\x01" * 32], 0, value),
+        "unpin_blocks": lambda: pool.unpin_blocks([bad], print),
+        "cache_full_blocks id": lambda: pool.cache_full_blocks(request, [bad], 0, 1, 16, 0),
+    }
+    for method in ("touch", "free_blocks"):
+        call = getattr(pool, method)
+        calls[method] = lambda call=call: call([bad])
+        calls[f"{method} among good"] = lambda call=call: call([held[0], bad])
+        calls[f"{method} bulk"] = lambda call=call: call([held[1]] * 30 + [bad])
+    for i, label in enumerate(("num_cached_blocks", "num_full_blocks", "block_size",
+                               "kv_cache_group_id")):
+        args = [0, 3, 16, 0]
+        args[i] = value
+        calls[f"cache_full_blocks {label}"] = (
+            lambda args=args: pool.cache_full_blocks(request, held, *args)
+        )
+    return calls
+
+
+def _outcome(call) -> tuple:
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 (the outcome is what is compared)
+        return type(exc).__name__, str(exc), isinstance(exc, (UsageError, OutOfBlocksError))
+    return "returned", repr(result)
+
+
+@needs_c
+@pytest.mark.parametrize("value", _BAD_NUMBERS + _NOT_INTS, ids=repr)
+def test_kernels_refuse_every_bad_argument_alike(value):
+    """Differential: each count, limit, group id and block id, on both kernels, gives the
+    same outcome: a result, or a shmkv error (UsageError, or OutOfBlocksError for a count no
+    pool has) of one class with one message, never a raw OverflowError or TypeError. Each
+    refused call changed nothing (the pool's bytes are the same as a twin's)."""
+    outcomes = {}
+    for kernel in ("python", "c"):
+        pool = BlockPool.create(unique_pool_name(), 11, kernel=kernel)
+        try:
+            calls = _bad_argument_calls(pool, value)
+            outcomes[kernel] = {name: _outcome(call) for name, call in calls.items()}
+            pool.check_invariants()
+        finally:
+            pool.close()
+            BlockPool.unlink(pool.pool_name)
+    for name, py in outcomes["python"].items():
+        assert outcomes["c"][name] == py, (name, py, outcomes["c"][name])
+        assert py[0] == "returned" or py[2], (name, py)  # a shmkv error, not a raw one

@@ -108,3 +108,46 @@ def test_the_recorded_process_is_gone_only_where_this_process_can_tell():
     assert not recorded_process_gone(_row(dead.pid, ticks, 0))  # namespace unknown
     assert not recorded_process_gone(_row(dead.pid, ticks, ns, state=0))  # not active yet
     assert not recorded_process_gone(_row(me, 0, ns))  # no start time recorded
+
+
+def _mark_and_wait(path: str, ready, release, result) -> None:
+    locks = AliveLocks(path, create=False)
+    mark = locks.claim_mark()
+    locks.hold_mark(mark)
+    result.put(mark)
+    ready.set()
+    release.wait(30)
+
+
+def test_attach_marks_are_exclusive_and_die_with_their_process(lock_path):
+    """An attach mark is one process's at a time; its mark and hold bytes read alive while
+    it lives (from another process, whatever its pid namespace: only the kernel's lock is
+    asked) and free at once after SIGKILL."""
+    from shmkv.pool.liveness import MARK_FIRST_BYTE, is_mark
+
+    ctx = mp.get_context("spawn")
+    ready, release, result = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_mark_and_wait, args=(lock_path, ready, release, result))
+    child.start()
+    observer = AliveLocks(lock_path, create=False)
+    try:
+        assert ready.wait(30)
+        theirs = result.get(timeout=30)
+        assert theirs == MARK_FIRST_BYTE and is_mark(theirs) and not is_mark(3)
+        assert observer.mark_alive(theirs) and observer.another_in_attach_hold()
+        mine = observer.claim_mark()
+        assert mine == theirs + 1  # not the same byte
+        assert observer.mark_alive(mine)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+        assert child.exitcode == -signal.SIGKILL
+        assert not observer.mark_alive(theirs) and not observer.another_in_attach_hold()
+        observer.hold_mark(mine)
+        assert not observer.another_in_attach_hold()  # its own hold byte is not another's
+        observer.release_mark(mine)
+        assert observer.held_mark is None and observer.claim_mark() == theirs
+    finally:
+        observer.close()
+        if child.is_alive():
+            child.kill()
+            child.join(10)
