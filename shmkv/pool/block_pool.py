@@ -499,6 +499,7 @@ class BlockPool:
         Raises:
             UsageError: a bad name or config value.
             SegmentExistsError: a pool of that name exists already.
+            NoSpaceError: /dev/shm has no room for the segment (nothing is left behind).
         """
         if event_log_bytes is None:
             event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES if enable_kv_cache_events else 0
@@ -527,7 +528,7 @@ class BlockPool:
             raise UsageError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         layout = L.Layout.from_config(config)
         shm_name = L.segment_name(name)
-        segment = Segment.create(shm_name, layout.total_bytes)
+        segment = Segment.create(shm_name, layout.total_bytes, "pool")
         try:
             write_header(segment.buf, layout)
             layout.view(segment.buf, "header")["none_hash"] = none_hash(
