@@ -380,52 +380,50 @@ class BlockPool:
         self._tiers: dict[str, BlockPool] = {}  # tier(): this handle's tiers, by name
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
-        self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
-        check_semaphore(segment.shm_name)
-        self._my_holder_word = holder_word(-1, self.pid)
-        if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
-            self._alive.close()
-            self._release_views()
-            raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
-        self._takeover = TakeOver(
-            segment.shm_name, self._hdr64, self._procs, self._alive,
-            lambda: self._my_holder_word, stuck_after_s,
-        )
-        self.process_table = ProcessTable(
-            self.pool_name, layout, self._procs, self._ledger, self._alive, self._journal,
-            self._hdr_w, self._ref_col, self._ref_col_w, self._htok_col, self.free_block_queue,
-            self.enable_caching,
-        )
-        self._repairer = Repairer(
-            self.pool_name, self._segment_views, self._hdr_w, self._header,
-            self.process_table, self._takeover, self._log_dropped_keys,
-        )
-        if self.kernel == "c":  # the same lock, with its fast path in C
-            self._lock = _ckernel.CLock(
-                buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
-                L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
-                WAIT_SLICE_S, _lock_enabled,
-                lambda: timeout_message(self._hdr64, self._lock.timeout_s,
-                                        self.process_table.describe_holder),
-                self._takeover.on_stall, self._repairer.on_dirty,
+        self._alive = self._takeover = self._lock = None  # type: ignore[assignment]
+        try:  # every descriptor and mapping of a failed attach is given back
+            self._alive = AliveLocks(alive_path(segment.shm_name), create=False,
+                                     procs=self._procs)
+            check_semaphore(segment.shm_name)
+            self._my_holder_word = holder_word(-1, self.pid)
+            if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
+                raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
+            self._takeover = TakeOver(
+                segment.shm_name, self._hdr64, self._procs, self._alive,
+                lambda: self._my_holder_word, stuck_after_s,
             )
-            self._lock.spin_s = SPIN_S
-        else:
-            self._lock = PoolLock(
-                segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
-                timeout_s=lock_timeout_s, describe_holder=self.process_table.describe_holder,
-                enabled=_lock_enabled, on_stall=self._takeover.on_stall,
-                on_dirty=self._repairer.on_dirty,
+            self.process_table = ProcessTable(
+                self.pool_name, layout, self._procs, self._ledger, self._alive,
+                self._journal, self._hdr_w, self._ref_col, self._ref_col_w, self._htok_col,
+                self.free_block_queue, self.enable_caching,
             )
-        # Every mutating call runs through self._lock.mutate(): this is how it rolls back.
-        self._lock.set_savepoint(self._event_queue, self._undo_since)
-        try:
+            self._repairer = Repairer(
+                self.pool_name, self._segment_views, self._hdr_w, self._header,
+                self.process_table, self._takeover, self._log_dropped_keys,
+            )
+            if self.kernel == "c":  # the same lock, with its fast path in C
+                self._lock = _ckernel.CLock(
+                    buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
+                    L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
+                    WAIT_SLICE_S, _lock_enabled,
+                    lambda: timeout_message(self._hdr64, self._lock.timeout_s,
+                                            self.process_table.describe_holder),
+                    self._takeover.on_stall, self._repairer.on_dirty,
+                )
+                self._lock.spin_s = SPIN_S
+            else:
+                self._lock = PoolLock(
+                    segment.shm_name, self._hdr64, slot=-1, pid=self.pid, incarnation=0,
+                    timeout_s=lock_timeout_s,
+                    describe_holder=self.process_table.describe_holder,
+                    enabled=_lock_enabled, on_stall=self._takeover.on_stall,
+                    on_dirty=self._repairer.on_dirty,
+                )
+            # Every mutating call runs through self._lock.mutate(): this is how it rolls back.
+            self._lock.set_savepoint(self._event_queue, self._undo_since)
             self._claim_slot(label_bytes)
         except BaseException:
-            self._lock.close()
-            self._takeover.close()
-            self._alive.close()
-            self._release_views()
+            self._abandon()
             raise
         ledger_off = layout.offsets["ledger"] + self.slot * cfg.num_blocks * 4
         if self.kernel == "c":
@@ -606,6 +604,22 @@ class BlockPool:
         except BaseException:
             segment.close()
             raise
+
+    def _abandon(self) -> None:
+        """Gives back what a failed ``__init__`` opened (the lock, the take-over's and the
+        liveness file's descriptors, the segment's views and mapping), whichever it got to.
+        """
+        for part in (self._lock, self._takeover, self._alive):
+            if part is not None:
+                part.close()
+        self.free_block_queue.release()
+        self._index.release()
+        self._journal.release()
+        # Their arrays over the segment would keep it mapped (until a garbage collection:
+        # the repairer and the take-over refer back to this handle).
+        self._lock = self._takeover = self._alive = _CLOSED  # type: ignore[assignment]
+        self._repairer = _CLOSED  # type: ignore[assignment]
+        self._release_views()
 
     def _claim_slot(self, label: bytes) -> None:
         """Takes a free process-table slot (reaping the dead if none is free).
