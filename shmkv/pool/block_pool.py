@@ -83,13 +83,13 @@ from shmkv.pool.lock import (
     holder_word,
     lock_name,
     timeout_message,
-    unlink_semaphore,
 )
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 from shmkv.pool.process_table import ProcessTable
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
 from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
+from shmkv.pool.siblings import unlink_pool_files, unlink_tiers
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
 logger = logging.getLogger(__name__)
@@ -459,6 +459,7 @@ class BlockPool:
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         partial_keys: bool = False,
         num_hash_lookahead_tokens: int = 0,
+        _tier_of: bytes | None = None,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
 
@@ -529,9 +530,12 @@ class BlockPool:
         segment = Segment.create(shm_name, layout.total_bytes, "pool")
         try:
             write_header(segment.buf, layout)
-            layout.view(segment.buf, "header")["none_hash"] = none_hash(
-                get_hash_fn_by_name(hash_fn_name)
-            )
+            header = layout.view(segment.buf, "header")
+            header["none_hash"] = none_hash(get_hash_fn_by_name(hash_fn_name))
+            if _tier_of is not None:  # tier(): this pool is that pool's, before READY
+                header["tier_of"] = _tier_of
+            pool_id = bytes(header[0]["pool_id"])
+            del header
             create_semaphore(shm_name)
             AliveLocks(alive_path(shm_name), create=True).close()
             pool = cls(segment, layout, owner=True, kernel=kernel, label=label,
@@ -539,13 +543,12 @@ class BlockPool:
             pool._initialize()
         except BaseException:
             segment.close()
-            cls._unlink_all(shm_name)
+            unlink_pool_files(name)
             raise
         # A tier left by an earlier pool of this name describes pages of a pool that is gone
         # (its host copies would be taken for this pool's): the new pool starts without one.
-        for tier in cls.TIERS:
-            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
-                cls._unlink_all(L.segment_name(f"{name}.{tier}"))
+        # Only a tier by its header: a pool of its own named "<name>.host" is another user's.
+        unlink_tiers(name, cls.TIERS, keep_of=pool_id)
         return pool
 
     def _initialize(self) -> None:
@@ -745,6 +748,8 @@ class BlockPool:
         Raises:
             UsageError: an unknown tier, or ``num_blocks`` / ``enable_caching`` that differ
                 from the tier's (made by another process, or by an earlier call).
+            SegmentError: ``<name>.<tier>`` exists but is not this pool's tier (its header's
+                ``tier_of`` is not this pool's id: a pool of its own, or an earlier pool's).
         """
         if tier not in self.TIERS:
             raise UsageError(f"tier must be one of {self.TIERS}, got {tier!r}")
@@ -752,6 +757,7 @@ class BlockPool:
         if pool is None:
             name = f"{self.pool_name}.{tier}"
             cfg = self._layout.config
+            pool_id = bytes(self.header_snapshot()["pool_id"])
             try:
                 pool = BlockPool.create(
                     name, num_blocks, enable_caching=enable_caching,
@@ -760,6 +766,7 @@ class BlockPool:
                     max_processes=self.max_processes, hash_fn_name=self.hash_fn_name,
                     kernel=self.kernel, label=f"{tier}-tier",
                     lock_timeout_s=self._lock.timeout_s, partial_keys=cfg.partial_keys,
+                    _tier_of=pool_id,
                 )
             except SegmentExistsError:
                 pool = BlockPool.attach(
@@ -768,6 +775,13 @@ class BlockPool:
                     enable_kv_cache_events=self.enable_kv_cache_events, kernel=self.kernel,
                     label=f"{tier}-tier", lock_timeout_s=self._lock.timeout_s,
                 )
+                if bytes(pool.header_snapshot()["tier_of"]) != pool_id:
+                    pool.close()
+                    raise SegmentError(
+                        f"pool {name} is not the {tier} tier of pool {self.pool_name} (its "
+                        "header names another pool, or none): it is left alone; unlink it "
+                        "if it is stale, or give this pool another name"
+                    )
             # One queue for both, as vLLM's SharedEventQueueBlockPool: the savepoint of the
             # tier's lock then counts this queue's entries.
             pool._event_queue = self._event_queue
@@ -796,24 +810,13 @@ class BlockPool:
 
     @staticmethod
     def unlink(name: str) -> bool:
-        """Removes a pool's segment, lock and lock file. Returns False if there was none.
+        """Removes a pool's segment, lock and lock file, and its tiers (known by their
+        header, never by name alone). Returns False if there was none.
 
         Processes that have it mapped keep working until they close it.
         """
-        found = BlockPool._unlink_all(L.segment_name(name))
-        for tier in BlockPool.TIERS:
-            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
-                BlockPool._unlink_all(L.segment_name(f"{name}.{tier}"))
-        return found
-
-    @staticmethod
-    def _unlink_all(shm_name: str) -> bool:
-        found = Segment.unlink(shm_name)
-        unlink_semaphore(shm_name)
-        try:
-            os.unlink(alive_path(shm_name))
-        except FileNotFoundError:
-            pass
+        found = unlink_pool_files(name)
+        unlink_tiers(name, BlockPool.TIERS)
         return found
 
     def __enter__(self) -> BlockPool:
