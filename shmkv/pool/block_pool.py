@@ -89,7 +89,7 @@ from shmkv.pool.process_table import ProcessTable
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
 from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
-from shmkv.pool.siblings import unlink_pool_files, unlink_tiers
+from shmkv.pool.siblings import unlink_pool, unlink_pool_files, unlink_tiers
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
 logger = logging.getLogger(__name__)
@@ -810,19 +810,20 @@ class BlockPool:
 
     @staticmethod
     def unlink(name: str) -> bool:
-        """Removes a pool's segment, lock and lock file, and its tiers (known by their
-        header, never by name alone). Returns False if there was none.
+        """Removes a pool and every sibling it owns, as ``shmkv unlink`` does: its segment,
+        lock and lock file; its tiers (known by their header, never by name alone); its
+        stats, publisher position and vLLM offload tier and data region. Returns False if
+        the pool's segment did not exist.
 
         Processes that have it mapped keep working until they close it.
         """
-        found = unlink_pool_files(name)
-        unlink_tiers(name, BlockPool.TIERS)
-        return found
+        return unlink_pool(name, BlockPool.TIERS)[0]
 
     def __enter__(self) -> BlockPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Closes this handle; the creator's also unlinks the pool and all it owns."""
         name = self.pool_name
         self.close()
         if self._owner:

@@ -520,6 +520,17 @@ def unlink_tiers(pool: str, tiers: tuple[str, ...], *, keep_of: bytes | None = N
     return removed
 
 
+def unlink_pool(pool: str, tiers: tuple[str, ...]) -> tuple[bool, list[str]]:
+    """Removes a pool and everything it owns: its segment, lock and liveness file, its
+    ``tiers`` (``unlink_tiers``), and what is named after it alone
+    (``unlink_pool_siblings``). Returns whether its segment existed, and what else was
+    removed ("host tier", "stats", ...)."""
+    L.validate_pool_name(pool)
+    found = unlink_pool_files(pool)
+    extras = [f"{name.rpartition('.')[2]} tier" for name in unlink_tiers(pool, tiers)]
+    return found, extras + unlink_pool_siblings(pool)
+
+
 def unlink_pool_siblings(pool: str) -> list[str]:
     """Removes what is named after ``pool`` alone besides the pool itself
     (``layout.POOL_NAMED_SIBLINGS``, then the offload data region); returns what each
@@ -572,5 +583,5 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 
 
 __all__ = ["DOORBELL_GRACE_S", "Verdict", "owner_record", "plan", "pool_identity", "remove",
-           "tier_of", "unlink_offload_data_region", "unlink_pool_files",
+           "tier_of", "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
            "unlink_pool_siblings", "unlink_tiers", "write_owner"]

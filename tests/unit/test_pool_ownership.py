@@ -1,5 +1,6 @@
 """Removing a pool removes what it owns, and only that: its tiers by their header's
-``tier_of``, never a pool of its own that merely has a tier's name."""
+``tier_of``, never a pool of its own that merely has a tier's name; its stats and publisher
+position with the creator's with-block, not only with ``shmkv unlink``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import sys
 import pytest
 
 from shmkv import BlockPool, SegmentError
+from shmkv.pool import layout as L
 from shmkv.pool import siblings
+from shmkv.publisher import KVEventPublisher, state_segment_name
+from shmkv.stats import PoolStats, stats_segment_name
 from tests.conftest import unique_pool_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,5 +73,20 @@ def test_a_pools_tier_goes_with_it_by_its_header(kernel):
         pool.close()
         result = remove(name)
         if remove is _shmkv_unlink:
-            assert result.returncode == 0, result
+            assert result.returncode == 0 and "host tier" in result.stdout, result
         assert _left(name) == [], remove
+
+
+def test_the_creators_with_block_removes_every_sibling(kernel):
+    """After the creator's with-block nothing of the pool is left in /dev/shm: its stats,
+    publisher position and host tier go with its segment, lock and lock file."""
+    name = unique_pool_name("sib")
+    with BlockPool.create(name, 8, kernel=kernel, enable_kv_cache_events=True) as pool:
+        PoolStats.open(pool).close()
+        KVEventPublisher(pool, "tcp://127.0.0.1:0").close()
+        pool.tier("host", 6, enable_caching=True)
+        expected = {L.segment_name(name)[1:], stats_segment_name(name)[1:],
+                    state_segment_name(name)[1:], L.segment_name(f"{name}.host")[1:]}
+        assert expected <= set(_left(name)), _left(name)
+        pool.check_invariants()
+    assert _left(name) == []
