@@ -781,7 +781,7 @@ class BlockPool:
                         f"pool {name} is not the {tier} tier of pool {self.pool_name} (its "
                         "header names another pool, or none): it is left alone; unlink it "
                         "if it is stale, or give this pool another name"
-                    )
+                    ) from None
             # One queue for both, as vLLM's SharedEventQueueBlockPool: the savepoint of the
             # tier's lock then counts this queue's entries.
             pool._event_queue = self._event_queue

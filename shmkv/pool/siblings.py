@@ -463,8 +463,8 @@ def unlink_pool_files(pool: str) -> bool:
     """Removes a pool's segment, lock and liveness file (nothing else it owns). False if
     the segment did not exist. Processes that have it mapped keep working until they close
     it."""
-    from shmkv.pool.lock import unlink_semaphore
     from shmkv.pool.liveness import alive_path
+    from shmkv.pool.lock import unlink_semaphore
 
     shm_name = L.segment_name(pool)
     try:

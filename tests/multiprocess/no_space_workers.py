@@ -64,9 +64,9 @@ def serve(pool: BlockPool) -> int:
     for round_ in range(2):
         blocks = pool.get_new_blocks(pool.get_num_free_blocks())
         hashes = [(b"%d-%d" % (round_, i)).ljust(32, b"\0") for i in range(len(blocks))]
-        pool.cache_full_blocks(SimpleNamespace(
-            block_hashes=hashes, all_token_ids=[7] * (16 * len(blocks)), lora_request=None), blocks, 0, len(blocks),
-                               16, 0)
+        request = SimpleNamespace(block_hashes=hashes, all_token_ids=[7] * (16 * len(blocks)),
+                                  lora_request=None)
+        pool.cache_full_blocks(request, blocks, 0, len(blocks), 16, 0)
         pool.free_blocks(blocks)
         taken += len(pool.take_events())
     pool.check_invariants()
