@@ -1,8 +1,8 @@
 """No room in /dev/shm is a NoSpaceError at create, never a SIGBUS later.
 
 Each run is a process in a private mount namespace whose /dev/shm is a real 16 MiB tmpfs
-(``tests/multiprocess/no_space_workers.py``); it needs root (or user namespaces) and
-``unshare``, and is skipped without them. A segment sized with ``ftruncate`` alone is sparse:
+(``tests/multiprocess/no_space_workers.py``); it needs ``unshare`` and root, or user
+namespaces, and is skipped without them. A segment sized with ``ftruncate`` alone is sparse:
 there, the too-big pool's create was killed by SIGBUS, and so was a pool that fit once
 another file filled the tmpfs (in ``get_new_blocks``).
 """
@@ -29,8 +29,10 @@ def _in_small_shm(*argv: str) -> subprocess.CompletedProcess:
     script = (f"mount -t tmpfs -o size={TMPFS_BYTES} tmpfs /dev/shm && "
               f'exec "$0" "$@"')
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
-                           *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+    # Without root, a user namespace (where this user is root) may mount it.
+    namespaces = ["-m"] if os.geteuid() == 0 else ["-U", "-r", "-m"]
+    return subprocess.run(["unshare", *namespaces, "--propagation", "private", "sh", "-c",
+                           script, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
 
 
