@@ -52,7 +52,14 @@ from shmkv.errors import (
 from shmkv.pool import layout as L
 from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.liveness import pid_alive
-from shmkv.pool.segment import check_path, create_shm, open_shm, semaphore_path
+from shmkv.pool.segment import (
+    NO_SPACE_ERRNOS,
+    check_path,
+    create_shm,
+    no_space,
+    open_shm,
+    semaphore_path,
+)
 from shmkv.pool.siblings import owner_record, write_owner
 
 logger = logging.getLogger("shmkv.messages")
@@ -552,6 +559,10 @@ def create_doorbell(name: str) -> str:
     bell = _doorbell_name(name)
     try:
         sem = posix_ipc.Semaphore(bell, posix_ipc.O_CREX, mode=CHANNEL_MODE, initial_value=0)
+    except OSError as exc:  # a semaphore is a page of /dev/shm, written when made
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise no_space(f"doorbell semaphore {bell}", mmap.PAGESIZE, exc.errno) from None
+        raise
     except posix_ipc.ExistentialError:
         raise SegmentExistsError(f"doorbell semaphore {bell} already exists") from None
     sem.close()

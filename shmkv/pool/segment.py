@@ -99,19 +99,26 @@ def reserve(fd: int, size: int, what: str) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        if exc.errno not in NO_SPACE_ERRNOS:
             raise
-        try:
-            st = os.statvfs(SHM_DIR)
-            room = (f"{st.f_bavail * st.f_frsize:,} bytes free of "
-                    f"{st.f_blocks * st.f_frsize:,}")
-        except OSError:
-            room = "free space unknown"
-        raise NoSpaceError(
-            f"{what}: no room in {SHM_DIR} for {size:,} bytes ({room}; "
-            f"{os.strerror(exc.errno)}): make it smaller, free space (shmkv ls, shmkv "
-            "cleanup), or give /dev/shm more room (docker run --shm-size=...)"
-        ) from None
+        raise no_space(what, size, exc.errno) from None
+
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+
+
+def no_space(what: str, size: int, err: int) -> NoSpaceError:
+    """The NoSpaceError for ``what`` of ``size`` bytes, with /dev/shm's free space now."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        room = f"{st.f_bavail * st.f_frsize:,} bytes free of {st.f_blocks * st.f_frsize:,}"
+    except OSError:
+        room = "free space unknown"
+    return NoSpaceError(
+        f"{what}: no room in {SHM_DIR} for {size:,} bytes ({room}; {os.strerror(err)}): "
+        "make it smaller, free space (shmkv ls, shmkv cleanup), or give /dev/shm more room "
+        "(docker run --shm-size=...)"
+    )
 
 
 def create_shm(shm_name: str, size: int, what: str) -> posix_ipc.SharedMemory:

@@ -6,19 +6,22 @@
 2. a pool that fits, then the tmpfs filled by another file: the pool serves on (every block
    allocated, cached, freed, with events), where a sparse segment would SIGBUS;
 3. with the tmpfs full, each sibling segment's create (block tables, KV store, channel,
-   stats, publisher state): its error, and what is left behind.
+   stats, publisher state, doorbell): its error, and what is left behind;
+4. room for a small pool's segment but not for its semaphore: the create's error.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import sys
 from types import SimpleNamespace
 
 from shmkv import BlockPool, NoSpaceError
 from shmkv.messages import Channel, create_doorbell, unlink_doorbell
+from shmkv.pool import layout as L
 from shmkv.publisher import KVEventPublisher
 from shmkv.ranks.block_table import KVStore, SharedBlockTables
 from shmkv.stats import PoolStats
@@ -42,11 +45,16 @@ def attempt(make) -> dict:
     return {"made": repr(made), "before": before, "after": state()}
 
 
-def fill() -> int:
-    """Fills the tmpfs with one file until it has no page left; returns its size."""
+def fill(leave_pages: int = 0) -> int:
+    """Fills the tmpfs with one file until it has ``leave_pages`` pages left; returns the
+    file's size."""
     fd = os.open(f"{SHM}/filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    chunk, total = b"\1" * 65536, 0
+    st = os.statvfs(SHM)
+    total = st.f_bavail * st.f_frsize - leave_pages * mmap.PAGESIZE
     try:
+        if leave_pages:
+            return os.write(fd, b"\1" * total)
+        total, chunk = 0, b"\1" * 65536
         while True:
             try:
                 total += os.write(fd, chunk)
@@ -89,11 +97,18 @@ def main(kernel: str) -> None:
     out["channel"] = attempt(lambda: Channel.create("ch", 1 << 16, doorbell=bell, pool="fits"))
     out["stats"] = attempt(lambda: PoolStats.open(pool))
     out["publisher"] = attempt(lambda: KVEventPublisher(pool, "tcp://127.0.0.1:0"))
+    out["doorbell"] = attempt(lambda: create_doorbell("bell2"))
     os.unlink(f"{SHM}/filler")
     out["events_after"] = serve(pool)
     unlink_doorbell(bell)
     pool.close()
     BlockPool.unlink("fits")
+    # room for a small pool's segment, not for its semaphore
+    with BlockPool.create("probe", 2, kernel=kernel):
+        pages = -(-os.stat(f"{SHM}/shmkv-probe-v{L.LAYOUT_VERSION}").st_size // mmap.PAGESIZE)
+    fill(leave_pages=pages)
+    out["semaphore"] = attempt(lambda: BlockPool.create("tight", 2, kernel=kernel))
+    os.unlink(f"{SHM}/filler")
     out["end"] = state()["shm"]
     print(json.dumps(out))
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TMPFS_BYTES = 16 << 20
-SIBLINGS = ["block_tables", "kv_store", "channel", "stats", "publisher"]
+SIBLINGS = ["block_tables", "kv_store", "channel", "stats", "publisher", "doorbell"]
 
 
 def _in_small_shm(*argv: str) -> subprocess.CompletedProcess:
@@ -55,7 +55,8 @@ def _assert_nothing_left(report: dict, label: str) -> None:
 def test_no_room_is_an_error_at_create_not_a_sigbus(small_shm, kernel):
     """A pool too big for /dev/shm fails to create, naming the size and the free space,
     leaving nothing; a pool that fits keeps serving once /dev/shm is full; every sibling
-    made on a full /dev/shm fails the same way."""
+    made on a full /dev/shm fails the same way, and so does a pool whose segment fits but
+    whose semaphore does not."""
     run = _in_small_shm(sys.executable, "-m", "tests.multiprocess.no_space_workers", kernel)
     assert run.returncode == 0, f"exit {run.returncode} (-7/135: SIGBUS)\n{run.stderr}"
     out = json.loads(run.stdout)
@@ -66,4 +67,6 @@ def test_no_room_is_an_error_at_create_not_a_sigbus(small_shm, kernel):
     for sibling in SIBLINGS:
         _assert_nothing_left(out[sibling], sibling)
         assert "bytes (0 bytes free" in out[sibling]["error"], sibling
+    _assert_nothing_left(out["semaphore"], "a pool whose semaphore has no room")
+    assert out["semaphore"]["error"].startswith("the pool's semaphore /shmkv-tight-v")
     assert out["end"] == []
