@@ -623,6 +623,7 @@ class BlockPool:
         self._lock = self._takeover = self._alive = _CLOSED  # type: ignore[assignment]
         self._repairer = _CLOSED  # type: ignore[assignment]
         self._release_views()
+        _OPEN_POOLS.discard(self)
 
     def _claim_slot(self, label: bytes) -> None:
         """Takes a free process-table slot (reaping the dead if none is free).
