@@ -10,6 +10,7 @@
 | SegmentError           | base of the shared-memory segment errors                           |
 | SegmentNotFoundError   | attach to a name that has no segment                               |
 | SegmentExistsError     | create over a segment that already exists                          |
+| NoSpaceError           | /dev/shm has no room for a new segment's pages; names both sizes   |
 | LayoutMismatchError    | the segment is not shmkv's, or of another layout version or config |
 | LockTimeoutError       | the pool lock was not acquired in time; names the holder           |
 | FencedError            | this process's slot was reclaimed; it must attach again            |
@@ -56,6 +57,12 @@ class SegmentNotFoundError(SegmentError):
 
 class SegmentExistsError(SegmentError):
     """A segment already exists under the name ``create`` was given."""
+
+
+class NoSpaceError(SegmentError):
+    """/dev/shm has no room for a new segment: its pages are reserved at creation, so this
+    is raised by ``create``, naming the size asked for and the free space, and nothing is
+    left behind (never a SIGBUS on first touch)."""
 
 
 class LayoutMismatchError(SegmentError):

@@ -52,7 +52,14 @@ from shmkv.errors import (
 from shmkv.pool import layout as L
 from shmkv.pool.barriers import fence as _fence
 from shmkv.pool.liveness import pid_alive
-from shmkv.pool.segment import check_path, open_shm, secure_new_fd, semaphore_path
+from shmkv.pool.segment import (
+    NO_SPACE_ERRNOS,
+    check_path,
+    create_shm,
+    no_space,
+    open_shm,
+    semaphore_path,
+)
 from shmkv.pool.siblings import owner_record, write_owner
 
 logger = logging.getLogger("shmkv.messages")
@@ -250,6 +257,7 @@ class Channel:
 
         Raises:
             UsageError: a bad name or capacity. SegmentExistsError: the name is taken.
+            NoSpaceError: /dev/shm has no room for it (nothing is left behind).
         """
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or not (
             MIN_CAPACITY_BYTES <= capacity_bytes <= MAX_CAPACITY_BYTES
@@ -268,14 +276,16 @@ class Channel:
             )
         size = L.CHANNEL_HEADER_DTYPE.itemsize + capacity_bytes
         try:
-            shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=CHANNEL_MODE,
-                                         size=size)
+            shm = create_shm(shm_name, size, "channel")  # its pages reserved, mode 0600
         except posix_ipc.ExistentialError:
             if own_bell:
                 unlink_doorbell(bell)
             raise SegmentExistsError(f"channel segment {shm_name} already exists") from None
+        except BaseException:  # NoSpaceError: the segment is gone already, so is its bell
+            if own_bell:
+                unlink_doorbell(bell)
+            raise
         try:
-            secure_new_fd(shm.fd)
             mapping = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
@@ -549,6 +559,10 @@ def create_doorbell(name: str) -> str:
     bell = _doorbell_name(name)
     try:
         sem = posix_ipc.Semaphore(bell, posix_ipc.O_CREX, mode=CHANNEL_MODE, initial_value=0)
+    except OSError as exc:  # a semaphore is a page of /dev/shm, written when made
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise no_space(f"doorbell semaphore {bell}", mmap.PAGESIZE, exc.errno) from None
+        raise
     except posix_ipc.ExistentialError:
         raise SegmentExistsError(f"doorbell semaphore {bell} already exists") from None
     sem.close()

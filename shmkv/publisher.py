@@ -72,7 +72,7 @@ from shmkv.events import (
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.event_log import EventCursor, LoggedEvent, decode_event
-from shmkv.pool.segment import open_shm
+from shmkv.pool.segment import open_shm, reserve
 from shmkv.pool.siblings import owner_record, write_owner
 
 logger = logging.getLogger(__name__)
@@ -243,8 +243,13 @@ class _PublisherState:
                 f"pool {pool.pool_name} already has a publisher running (it holds "
                 f"{self.name}); one publisher per pool serves every scheduler"
             ) from None
-        if os.fstat(self._fd).st_size < _STATE_BYTES:
+        if os.fstat(self._fd).st_size < _STATE_BYTES:  # made, not yet sized, by another
             os.ftruncate(self._fd, _STATE_BYTES)
+            try:
+                reserve(self._fd, _STATE_BYTES, f"publisher state {self.name}")
+            except BaseException:
+                os.close(self._fd)
+                raise
         self._map = mmap.mmap(self._fd, _STATE_BYTES)
         self.row = np.ndarray((1,), dtype=_STATE_DTYPE, buffer=self._map)[0]
         self._words = memoryview(self._map).cast("q")  # the per-send stores, fast

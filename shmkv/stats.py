@@ -42,7 +42,7 @@ import posix_ipc
 
 from shmkv.errors import LayoutMismatchError, UsageError
 from shmkv.pool import layout as L
-from shmkv.pool.segment import open_shm
+from shmkv.pool.segment import open_shm, reserve
 from shmkv.pool.siblings import owner_record, write_owner
 
 STATS_VERSION = L.STATS_VERSION
@@ -105,10 +105,12 @@ class _StatsSegment:
     def __init__(self, pool_name: str, max_processes: int | None, create: bool) -> None:
         name = stats_segment_name(pool_name)
         size = _size(max_processes) if create else 0
-        shm = open_shm(name, "stats segment", create=create)  # this user's, 0600, no link
+        # created exclusively with its pages reserved, or this user's with mode 0600
+        shm = open_shm(name, "stats segment", create=create, size=size)
         try:
-            if create and shm.size < size:
-                os.ftruncate(shm.fd, size)  # first opener sizes it; zeros = empty rows
+            if create and shm.size < size:  # another opener's, not sized yet
+                os.ftruncate(shm.fd, size)  # zeros = empty rows
+                reserve(shm.fd, size, f"stats segment {name}")
             length = max(os.fstat(shm.fd).st_size, 0)
             if length < _HEADER_BYTES:
                 raise LayoutMismatchError(f"stats segment {name} is {length} bytes long")

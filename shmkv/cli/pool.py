@@ -125,10 +125,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 p.kill()
                 p.join(10)
         pool.close()
-        BlockPool.unlink(name)
-        from shmkv.stats import unlink_stats
-
-        unlink_stats(name)
+        BlockPool.unlink(name)  # with its stats
     return status
 
 
@@ -340,11 +337,11 @@ def add_recover_parser(sub) -> None:
 # ---------------------------------------------------------------------------- unlink
 
 def cmd_unlink(args: argparse.Namespace) -> int:
-    from shmkv.pool.siblings import unlink_pool_siblings
+    from shmkv.pool.siblings import unlink_pool
 
     L.validate_pool_name(args.name)
-    extras = unlink_pool_siblings(args.name)
-    if BlockPool.unlink(args.name):
+    found, extras = unlink_pool(args.name, BlockPool.TIERS)
+    if found:
         print(f"removed pool {args.name}" + (f" (and its {', '.join(extras)})"
                                              if extras else ""))
         return EXIT_OK
@@ -357,10 +354,12 @@ def cmd_unlink(args: argparse.Namespace) -> int:
 
 def add_unlink_parser(sub) -> None:
     unlink = sub.add_parser("unlink", help="remove a pool",
-                            description="Removes a pool's segment, lock and lock file, and "
-                            "what is named after the pool alone (publisher position, stats, "
-                            "the vLLM offload tier's table and data region). Processes that have "
-                            "it mapped keep working. Exit 1 if none.")
+                            description="Removes a pool's segment, lock and lock file, its "
+                            "tiers (HiSparse's host pool, known by its header: a pool of its "
+                            "own named <name>.host stays), and what is named after the pool "
+                            "alone (publisher position, stats, the vLLM offload tier's table "
+                            "and data region). Processes that have it mapped keep working. "
+                            "Exit 1 if none.")
     unlink.add_argument("name", help="pool name")
     unlink.set_defaults(func=cmd_unlink)
 

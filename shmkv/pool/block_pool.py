@@ -83,13 +83,13 @@ from shmkv.pool.lock import (
     holder_word,
     lock_name,
     timeout_message,
-    unlink_semaphore,
 )
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 from shmkv.pool.process_table import ProcessTable
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
 from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
+from shmkv.pool.siblings import unlink_pool, unlink_pool_files, unlink_tiers
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S, TakeOver
 
 logger = logging.getLogger(__name__)
@@ -380,62 +380,59 @@ class BlockPool:
         self._tiers: dict[str, BlockPool] = {}  # tier(): this handle's tiers, by name
         self._kernel = _CLOSED  # type: ignore[assignment]
         self.slot = -1
-        self._alive = AliveLocks(alive_path(segment.shm_name), create=False, procs=self._procs)
-        check_semaphore(segment.shm_name)
-        if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
-            self._alive.close()
-            self._release_views()
-            raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
-        # The attach hold's holder word names this process's attach mark, not a slot: the
-        # row it claims is not its own yet (shmkv/pool/liveness.py, attach marks).
-        mark = self._alive.claim_mark(
-            lambda byte: (decode_holder(int(self._hdr64[L.H_HOLDER])) or (None,))[0] == byte)
-        if mark is None:
-            self._alive.close()
-            self._release_views()
-            raise PoolFullError(
-                f"pool {self.pool_name}: {NUM_MARKS} processes are attaching to it at once"
+        self._alive = self._takeover = self._lock = None  # type: ignore[assignment]
+        try:  # every descriptor and mapping of a failed attach is given back
+            self._alive = AliveLocks(alive_path(segment.shm_name), create=False,
+                                     procs=self._procs)
+            check_semaphore(segment.shm_name)
+            if not os.path.exists(f"/dev/shm/sem.{lock_name(segment.shm_name)[1:]}"):
+                raise SegmentError(f"the pool's lock {lock_name(segment.shm_name)} is missing")
+            # The attach hold's holder word names this process's attach mark, not a slot:
+            # the row it claims is not its own yet (shmkv/pool/liveness.py, attach marks).
+            mark = self._alive.claim_mark(
+                lambda byte: (decode_holder(int(self._hdr64[L.H_HOLDER])) or (None,))[0]
+                == byte)
+            if mark is None:
+                raise PoolFullError(
+                    f"pool {self.pool_name}: {NUM_MARKS} processes are attaching to it at once"
+                )
+            self._my_holder_word = holder_word(mark, self.pid)
+            self._takeover = TakeOver(
+                segment.shm_name, self._hdr64, self._procs, self._alive,
+                lambda: self._my_holder_word, stuck_after_s,
             )
-        self._my_holder_word = holder_word(mark, self.pid)
-        self._takeover = TakeOver(
-            segment.shm_name, self._hdr64, self._procs, self._alive,
-            lambda: self._my_holder_word, stuck_after_s,
-        )
-        self.process_table = ProcessTable(
-            self.pool_name, layout, self._procs, self._ledger, self._alive, self._journal,
-            self._hdr_w, self._ref_col, self._ref_col_w, self._htok_col, self.free_block_queue,
-            self.enable_caching,
-        )
-        self._repairer = Repairer(
-            self.pool_name, self._segment_views, self._hdr_w, self._header,
-            self.process_table, self._takeover, self._log_dropped_keys,
-        )
-        if self.kernel == "c":  # the same lock, with its fast path in C
-            self._lock = _ckernel.CLock(
-                buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
-                L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
-                WAIT_SLICE_S, _lock_enabled,
-                lambda: timeout_message(self._hdr64, self._lock.timeout_s,
-                                        self.process_table.describe_holder),
-                self._takeover.on_stall, self._repairer.on_dirty,
+            self.process_table = ProcessTable(
+                self.pool_name, layout, self._procs, self._ledger, self._alive,
+                self._journal, self._hdr_w, self._ref_col, self._ref_col_w, self._htok_col,
+                self.free_block_queue, self.enable_caching,
             )
-            self._lock.spin_s = SPIN_S
-        else:
-            self._lock = PoolLock(
-                segment.shm_name, self._hdr64, slot=mark, pid=self.pid, incarnation=0,
-                timeout_s=lock_timeout_s, describe_holder=self.process_table.describe_holder,
-                enabled=_lock_enabled, on_stall=self._takeover.on_stall,
-                on_dirty=self._repairer.on_dirty,
+            self._repairer = Repairer(
+                self.pool_name, self._segment_views, self._hdr_w, self._header,
+                self.process_table, self._takeover, self._log_dropped_keys,
             )
-        # Every mutating call runs through self._lock.mutate(): this is how it rolls back.
-        self._lock.set_savepoint(self._event_queue, self._undo_since)
-        try:
+            if self.kernel == "c":  # the same lock, with its fast path in C
+                self._lock = _ckernel.CLock(
+                    buf, lock_name(segment.shm_name), L.H_HOLDER, L.H_HOLDER_INCARNATION,
+                    L.H_HOLDER_SINCE_NS, self._my_holder_word, float(lock_timeout_s),
+                    WAIT_SLICE_S, _lock_enabled,
+                    lambda: timeout_message(self._hdr64, self._lock.timeout_s,
+                                            self.process_table.describe_holder),
+                    self._takeover.on_stall, self._repairer.on_dirty,
+                )
+                self._lock.spin_s = SPIN_S
+            else:
+                self._lock = PoolLock(
+                    segment.shm_name, self._hdr64, slot=mark, pid=self.pid, incarnation=0,
+                    timeout_s=lock_timeout_s,
+                    describe_holder=self.process_table.describe_holder,
+                    enabled=_lock_enabled, on_stall=self._takeover.on_stall,
+                    on_dirty=self._repairer.on_dirty,
+                )
+            # Every mutating call runs through self._lock.mutate(): this is how it rolls back.
+            self._lock.set_savepoint(self._event_queue, self._undo_since)
             self._claim_slot(label_bytes)
         except BaseException:
-            self._lock.close()
-            self._takeover.close()
-            self._alive.close()
-            self._release_views()
+            self._abandon()
             raise
         ledger_off = layout.offsets["ledger"] + self.slot * cfg.num_blocks * 4
         if self.kernel == "c":
@@ -471,6 +468,7 @@ class BlockPool:
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         partial_keys: bool = False,
         num_hash_lookahead_tokens: int = 0,
+        _tier_of: bytes | None = None,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
 
@@ -509,6 +507,7 @@ class BlockPool:
         Raises:
             UsageError: a bad name or config value.
             SegmentExistsError: a pool of that name exists already.
+            NoSpaceError: /dev/shm has no room for the segment (nothing is left behind).
         """
         if event_log_bytes is None:
             event_log_bytes = L.DEFAULT_EVENT_LOG_BYTES if enable_kv_cache_events else 0
@@ -537,12 +536,15 @@ class BlockPool:
             raise UsageError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         layout = L.Layout.from_config(config)
         shm_name = L.segment_name(name)
-        segment = Segment.create(shm_name, layout.total_bytes)
+        segment = Segment.create(shm_name, layout.total_bytes, "pool")
         try:
             write_header(segment.buf, layout)
-            layout.view(segment.buf, "header")["none_hash"] = none_hash(
-                get_hash_fn_by_name(hash_fn_name)
-            )
+            header = layout.view(segment.buf, "header")
+            header["none_hash"] = none_hash(get_hash_fn_by_name(hash_fn_name))
+            if _tier_of is not None:  # tier(): this pool is that pool's, before READY
+                header["tier_of"] = _tier_of
+            pool_id = bytes(header[0]["pool_id"])
+            del header
             create_semaphore(shm_name)
             AliveLocks(alive_path(shm_name), create=True).close()
             pool = cls(segment, layout, owner=True, kernel=kernel, label=label,
@@ -550,13 +552,12 @@ class BlockPool:
             pool._initialize()
         except BaseException:
             segment.close()
-            cls._unlink_all(shm_name)
+            unlink_pool_files(name)
             raise
         # A tier left by an earlier pool of this name describes pages of a pool that is gone
         # (its host copies would be taken for this pool's): the new pool starts without one.
-        for tier in cls.TIERS:
-            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
-                cls._unlink_all(L.segment_name(f"{name}.{tier}"))
+        # Only a tier by its header: a pool of its own named "<name>.host" is another user's.
+        unlink_tiers(name, cls.TIERS, keep_of=pool_id)
         return pool
 
     def _initialize(self) -> None:
@@ -615,6 +616,23 @@ class BlockPool:
         except BaseException:
             segment.close()
             raise
+
+    def _abandon(self) -> None:
+        """Gives back what a failed ``__init__`` opened (the lock, the take-over's and the
+        liveness file's descriptors, the segment's views and mapping), whichever it got to.
+        """
+        for part in (self._lock, self._takeover, self._alive):
+            if part is not None:
+                part.close()
+        self.free_block_queue.release()
+        self._index.release()
+        self._journal.release()
+        # Their arrays over the segment would keep it mapped (until a garbage collection:
+        # the repairer and the take-over refer back to this handle).
+        self._lock = self._takeover = self._alive = _CLOSED  # type: ignore[assignment]
+        self._repairer = _CLOSED  # type: ignore[assignment]
+        self._release_views()
+        _OPEN_POOLS.discard(self)
 
     def _claim_slot(self, label: bytes) -> None:
         """Takes a free process-table slot (reaping the dead if none is free).
@@ -755,6 +773,8 @@ class BlockPool:
         Raises:
             UsageError: an unknown tier, or ``num_blocks`` / ``enable_caching`` that differ
                 from the tier's (made by another process, or by an earlier call).
+            SegmentError: ``<name>.<tier>`` exists but is not this pool's tier (its header's
+                ``tier_of`` is not this pool's id: a pool of its own, or an earlier pool's).
         """
         if tier not in self.TIERS:
             raise UsageError(f"tier must be one of {self.TIERS}, got {tier!r}")
@@ -762,6 +782,7 @@ class BlockPool:
         if pool is None:
             name = f"{self.pool_name}.{tier}"
             cfg = self._layout.config
+            pool_id = bytes(self.header_snapshot()["pool_id"])
             try:
                 pool = BlockPool.create(
                     name, num_blocks, enable_caching=enable_caching,
@@ -770,6 +791,7 @@ class BlockPool:
                     max_processes=self.max_processes, hash_fn_name=self.hash_fn_name,
                     kernel=self.kernel, label=f"{tier}-tier",
                     lock_timeout_s=self._lock.timeout_s, partial_keys=cfg.partial_keys,
+                    _tier_of=pool_id,
                 )
             except SegmentExistsError:
                 pool = BlockPool.attach(
@@ -778,6 +800,13 @@ class BlockPool:
                     enable_kv_cache_events=self.enable_kv_cache_events, kernel=self.kernel,
                     label=f"{tier}-tier", lock_timeout_s=self._lock.timeout_s,
                 )
+                if bytes(pool.header_snapshot()["tier_of"]) != pool_id:
+                    pool.close()
+                    raise SegmentError(
+                        f"pool {name} is not the {tier} tier of pool {self.pool_name} (its "
+                        "header names another pool, or none): it is left alone; unlink it "
+                        "if it is stale, or give this pool another name"
+                    ) from None
             # One queue for both, as vLLM's SharedEventQueueBlockPool: the savepoint of the
             # tier's lock then counts this queue's entries.
             pool._event_queue = self._event_queue
@@ -806,30 +835,20 @@ class BlockPool:
 
     @staticmethod
     def unlink(name: str) -> bool:
-        """Removes a pool's segment, lock and lock file. Returns False if there was none.
+        """Removes a pool and every sibling it owns, as ``shmkv unlink`` does: its segment,
+        lock and lock file; its tiers (known by their header, never by name alone); its
+        stats, publisher position and vLLM offload tier and data region. Returns False if
+        the pool's segment did not exist.
 
         Processes that have it mapped keep working until they close it.
         """
-        found = BlockPool._unlink_all(L.segment_name(name))
-        for tier in BlockPool.TIERS:
-            if len(name) + 1 + len(tier) <= L.MAX_POOL_NAME_CHARS:
-                BlockPool._unlink_all(L.segment_name(f"{name}.{tier}"))
-        return found
-
-    @staticmethod
-    def _unlink_all(shm_name: str) -> bool:
-        found = Segment.unlink(shm_name)
-        unlink_semaphore(shm_name)
-        try:
-            os.unlink(alive_path(shm_name))
-        except FileNotFoundError:
-            pass
-        return found
+        return unlink_pool(name, BlockPool.TIERS)[0]
 
     def __enter__(self) -> BlockPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Closes this handle; the creator's also unlinks the pool and all it owns."""
         name = self.pool_name
         self.close()
         if self._owner:

@@ -60,6 +60,10 @@ Immutable after creation (the "config echo", validated by every attach, in this 
   hits would read KV laid out for another configuration. Written once, from 0, in one
   aligned store under the lock and outside the journal (a holder that dies after it leaves
   the pool bound, which is what it was about to use it for).
+- `tier_of` (V16, 288): zeros for a pool of its own; for a tier (``BlockPool.tier``: the
+  pool ``<name>.<tier>``, HiSparse's host pages), the ``pool_id`` of the pool that made it,
+  written by its creator before ``READY``. Removing a pool removes ``<name>.<tier>`` only
+  when this field says it is a tier: a pool of its own that merely has such a name stays.
 
 Mutable, written only under the pool lock:
 
@@ -296,6 +300,8 @@ Changelog
 - v6: `num_hash_lookahead_tokens` (header offset 272, in the padding: no region moves).
 - v7: process rows grow to 72 bytes with `pid_ns`, so liveness can also check `pid` and
   `start_ticks` (issue 15, item 3); header `cache_geometry` (offset 280, in the padding).
+- v8: header `tier_of` (offset 288, in the padding: no region moves): a pool's tiers are
+  known by it, never by their names alone.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -316,7 +322,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -367,6 +373,8 @@ HEADER_DTYPE = np.dtype(
             "pool_id", "num_hash_lookahead_tokens",
             # written once, by the first KV-cache coordinator (``claim_cache_geometry``)
             "cache_geometry",
+            # immutable: the pool whose tier this is (zeros: none)
+            "tier_of",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -379,6 +387,7 @@ HEADER_DTYPE = np.dtype(
             "<i8", "<i8", "<i8", "<u8", "<u8",
             "V16", "<u4",
             "<i8",
+            "V16",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -391,6 +400,7 @@ HEADER_DTYPE = np.dtype(
             216, 224, 232, 240, 248,
             256, 272,
             280,
+            288,
         ],
         "itemsize": 320,
     }

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import threading
 import time
@@ -159,11 +160,16 @@ def create_semaphore(shm_name: str) -> None:
     """Creates the pool's semaphore (value 1, mode 0600 whatever the umask); it must not
     exist yet (SegmentError naming it if it does)."""
     from shmkv.errors import SegmentError
-    from shmkv.pool.segment import SEGMENT_MODE, semaphore_path
+    from shmkv.pool.segment import NO_SPACE_ERRNOS, SEGMENT_MODE, no_space, semaphore_path
 
     try:
         sem = posix_ipc.Semaphore(lock_name(shm_name), posix_ipc.O_CREX, mode=0o600,
                                   initial_value=1)
+    except OSError as exc:  # a semaphore is a page of /dev/shm, written when made
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise no_space(f"the pool's semaphore {lock_name(shm_name)}", mmap.PAGESIZE,
+                           exc.errno) from None
+        raise
     except posix_ipc.ExistentialError:
         raise SegmentError(
             f"the pool's semaphore {lock_name(shm_name)} exists already (left by an earlier "

@@ -12,10 +12,17 @@ opened only if it is a regular file owned by this user (the pool's owner: attach
 pool segment of another uid) with mode exactly 0600. Anything else is refused with a
 SegmentError naming the file: another user must not be able to plant one (a foreign
 ``.alive`` would let them block reaping and take-over).
+
+Every segment is made by :func:`create_shm`, which reserves its pages at once
+(``posix_fallocate``): a segment only sized with ``ftruncate`` is sparse, and the first
+touch of a page /dev/shm has no room for kills the process with SIGBUS (Docker's default
+/dev/shm is 64 MiB). No room is a :class:`NoSpaceError` at creation instead, naming the size
+and the free space, with the new segment unlinked and its descriptor closed.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -24,7 +31,13 @@ import stat
 import numpy as np
 import posix_ipc
 
-from shmkv.errors import LayoutMismatchError, SegmentError, SegmentExistsError, SegmentNotFoundError
+from shmkv.errors import (
+    LayoutMismatchError,
+    NoSpaceError,
+    SegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+)
 from shmkv.pool import layout as L
 
 SEGMENT_MODE = 0o600
@@ -73,6 +86,63 @@ def secure_new_fd(fd: int) -> None:
     os.fchmod(fd, SEGMENT_MODE)
 
 
+def reserve(fd: int, size: int, what: str) -> None:
+    """Reserves the pages of bytes ``[0, size)`` of an opened segment now, so that no room
+    is an error here, never a SIGBUS on first touch. Already reserved pages cost nothing.
+
+    Raises:
+        NoSpaceError: /dev/shm (or the memory behind it) has no room; names ``what``, the
+            size and the free space.
+    """
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        raise no_space(what, size, exc.errno) from None
+
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+
+
+def no_space(what: str, size: int, err: int) -> NoSpaceError:
+    """The NoSpaceError for ``what`` of ``size`` bytes, with /dev/shm's free space now."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        room = f"{st.f_bavail * st.f_frsize:,} bytes free of {st.f_blocks * st.f_frsize:,}"
+    except OSError:
+        room = "free space unknown"
+    return NoSpaceError(
+        f"{what}: no room in {SHM_DIR} for {size:,} bytes ({room}; {os.strerror(err)}): "
+        "make it smaller, free space (shmkv ls, shmkv cleanup), or give /dev/shm more room "
+        "(docker run --shm-size=...)"
+    )
+
+
+def create_shm(shm_name: str, size: int, what: str) -> posix_ipc.SharedMemory:
+    """Creates a segment exclusively: ``size`` bytes, mode 0600 whatever the umask, its
+    pages reserved. On any failure the new segment is unlinked and its descriptor closed.
+
+    Raises:
+        posix_ipc.ExistentialError: a segment of that name exists already.
+        NoSpaceError: no room for it (``reserve``).
+    """
+    shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=SEGMENT_MODE, size=size)
+    try:
+        secure_new_fd(shm.fd)
+        reserve(shm.fd, size, f"{what} {shm_name}")
+    except BaseException:
+        shm.close_fd()
+        try:
+            posix_ipc.unlink_shared_memory(shm_name)
+        except posix_ipc.ExistentialError:
+            pass
+        raise
+    return shm
+
+
 def open_shm(shm_name: str, what: str, *, create: bool = False,
              size: int = 0) -> posix_ipc.SharedMemory:
     """Opens a sibling shared-memory segment by the rule above: with ``create``, created
@@ -82,13 +152,12 @@ def open_shm(shm_name: str, what: str, *, create: bool = False,
     Raises:
         posix_ipc.ExistentialError: it does not exist (and ``create`` is False).
         SegmentError: naming the segment, when it is another user's, or not 0600.
+        NoSpaceError: no room to create it (nothing is left behind).
     """
     shm = None
     if create:
         try:
-            shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=SEGMENT_MODE,
-                                         size=size)
-            secure_new_fd(shm.fd)
+            shm = create_shm(shm_name, size, what)
         except posix_ipc.ExistentialError:
             shm = None
     if shm is None:
@@ -113,23 +182,22 @@ class Segment:
         return 0 if self.buf is None else len(self.buf)
 
     @classmethod
-    def create(cls, shm_name: str, size_bytes: int) -> Segment:
-        """Creates a new zero-filled segment of ``size_bytes``.
+    def create(cls, shm_name: str, size_bytes: int, what: str = "segment") -> Segment:
+        """Creates a new zero-filled segment of ``size_bytes``, its pages reserved;
+        ``what`` names it in errors.
 
         Raises:
             SegmentExistsError: a segment of that name exists already.
+            NoSpaceError: /dev/shm has no room for its pages (nothing is left behind).
         """
         try:
-            shm = posix_ipc.SharedMemory(
-                shm_name, posix_ipc.O_CREX, mode=SEGMENT_MODE, size=size_bytes
-            )
+            shm = create_shm(shm_name, size_bytes, what)
         except posix_ipc.ExistentialError as exc:
             raise SegmentExistsError(
                 f"shared-memory segment {shm_name} already exists; attach to it, or unlink it "
                 "first if it is stale"
             ) from exc
         try:
-            secure_new_fd(shm.fd)
             mapping = mmap.mmap(shm.fd, size_bytes)
         except BaseException:
             shm.close_fd()

@@ -459,6 +459,78 @@ def unlink_offload_data_region(pool: str) -> list[str]:
     return removed
 
 
+def unlink_pool_files(pool: str) -> bool:
+    """Removes a pool's segment, lock and liveness file (nothing else it owns). False if
+    the segment did not exist. Processes that have it mapped keep working until they close
+    it."""
+    from shmkv.pool.liveness import alive_path
+    from shmkv.pool.lock import unlink_semaphore
+
+    shm_name = L.segment_name(pool)
+    try:
+        posix_ipc.unlink_shared_memory(shm_name)
+        found = True
+    except posix_ipc.ExistentialError:
+        found = False
+    unlink_semaphore(shm_name)
+    try:
+        os.unlink(alive_path(shm_name))
+    except FileNotFoundError:
+        pass
+    return found
+
+
+def tier_of(pool_name: str) -> bytes | None:
+    """The ``pool_id`` of the pool whose tier ``pool_name`` is (its header's ``tier_of``);
+    None when it is a pool of its own, or not a readable shmkv pool of this user and layout
+    version (then it is nobody's tier: left alone)."""
+    try:
+        fd = os.open(SHM_DIR + L.segment_name(pool_name),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if _foreign(os.fstat(fd)):
+            return None
+        head = os.pread(fd, L.HEADER_DTYPE.itemsize, 0)
+    finally:
+        os.close(fd)
+    if len(head) < L.HEADER_DTYPE.itemsize:
+        return None
+    hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
+    if int(hdr["magic"]) != L.MAGIC or int(hdr["layout_version"]) != L.LAYOUT_VERSION:
+        return None
+    owner = bytes(hdr["tier_of"])
+    return owner if any(owner) else None
+
+
+def unlink_tiers(pool: str, tiers: tuple[str, ...], *, keep_of: bytes | None = None) -> list[str]:
+    """Removes the tiers of ``pool`` (the pools ``<pool>.<tier>`` whose header says they
+    are a tier, of this pool or of an earlier one of its name), except a tier of the pool
+    ``keep_of`` (a ``pool_id``). A pool of its own named ``<pool>.<tier>`` is never
+    removed. Returns the names of the tiers removed."""
+    removed = []
+    for tier in tiers:
+        name = f"{pool}.{tier}"
+        if len(name) > L.MAX_POOL_NAME_CHARS:
+            continue
+        owner = tier_of(name)
+        if owner is not None and owner != keep_of and unlink_pool_files(name):
+            removed.append(name)
+    return removed
+
+
+def unlink_pool(pool: str, tiers: tuple[str, ...]) -> tuple[bool, list[str]]:
+    """Removes a pool and everything it owns: its segment, lock and liveness file, its
+    ``tiers`` (``unlink_tiers``), and what is named after it alone
+    (``unlink_pool_siblings``). Returns whether its segment existed, and what else was
+    removed ("host tier", "stats", ...)."""
+    L.validate_pool_name(pool)
+    found = unlink_pool_files(pool)
+    extras = [f"{name.rpartition('.')[2]} tier" for name in unlink_tiers(pool, tiers)]
+    return found, extras + unlink_pool_siblings(pool)
+
+
 def unlink_pool_siblings(pool: str) -> list[str]:
     """Removes what is named after ``pool`` alone besides the pool itself
     (``layout.POOL_NAMED_SIBLINGS``, then the offload data region); returns what each
@@ -481,14 +553,12 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     """Removes what ``verdicts`` say to remove: siblings, then doorbells, then pools (with
     their lock and liveness file). Returns (verdict, removed) for each, False when the
     object had gone meanwhile."""
-    from shmkv.pool.block_pool import BlockPool
-
     done = []
     order = {"doorbell": 1, "pool": 2, "lock": 3, "liveness": 3}
     pools_removed = set()
     for v in sorted((v for v in verdicts if v.remove), key=lambda v: order.get(v.kind, 0)):
-        if v.kind == "pool":
-            ok = BlockPool.unlink(v.name)
+        if v.kind == "pool":  # with its lock and liveness file; each tier has its verdict
+            ok = unlink_pool_files(v.name)
             pools_removed.add(v.name)
         elif v.kind in ("lock", "liveness") and v.pool in pools_removed:
             ok = not os.path.exists(v.path)  # went with its pool
@@ -513,4 +583,5 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 
 
 __all__ = ["DOORBELL_GRACE_S", "Verdict", "owner_record", "plan", "pool_identity", "remove",
-           "unlink_offload_data_region", "unlink_pool_siblings", "write_owner"]
+           "tier_of", "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
+           "unlink_pool_siblings", "unlink_tiers", "write_owner"]

@@ -434,6 +434,7 @@ class SharedBlockTables:
         Raises:
             UsageError: a bad name or size (nothing is created).
             SegmentExistsError: tables of that name exist already.
+            NoSpaceError: /dev/shm has no room for them (nothing is left behind).
         """
         shm_name = block_tables_segment_name(name)
         _positive_int("max_num_reqs", max_num_reqs)
@@ -457,7 +458,7 @@ class SharedBlockTables:
                 _positive_int("each max_num_blocks_per_req", w)
         total = cls._total_bytes(len(block_sizes), max_num_reqs, widths)
         owner = owner_record(pool)
-        seg = Segment.create(shm_name, total)
+        seg = Segment.create(shm_name, total, "block tables")
         try:
             h = np.ndarray((1,), BT_HEADER_DTYPE, buffer=seg.buf)
             h["layout_version"] = BT_LAYOUT_VERSION
@@ -982,6 +983,7 @@ class KVStore:
         Raises:
             UsageError: a bad size or dtype (nothing is created).
             SegmentExistsError: a store of that name exists already.
+            NoSpaceError: /dev/shm has no room for it (nothing is left behind).
         """
         shm_name = kv_store_segment_name(name)
         for what, v in [("num_layers", num_layers), ("num_blocks", num_blocks),
@@ -995,7 +997,7 @@ class KVStore:
         total = cls._total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
                                  element_bytes)
         owner = owner_record(pool)
-        seg = Segment.create(shm_name, total)
+        seg = Segment.create(shm_name, total, "KV store")
         try:
             h = np.ndarray((1,), KV_HEADER_DTYPE, buffer=seg.buf)
             h["layout_version"] = KV_LAYOUT_VERSION

@@ -18,6 +18,7 @@ import pytest
 from shmkv import BlockPool
 from shmkv.messages import Channel, channel_segment_name, create_doorbell, unlink_doorbell
 from shmkv.pool import layout as L
+from shmkv.pool import siblings
 from tests.conftest import unique_pool_name
 from tests.multiprocess import cleanup_workers as workers
 from tests.multiprocess.conftest import join_processes
@@ -406,7 +407,7 @@ def test_an_offload_data_region_goes_with_its_pool(name):
         assert f"its pool {name} stays (1 live process(es) attached" in out.stdout
     finally:
         pool.close()
-    assert BlockPool.unlink(name)
+    assert siblings.unlink_pool_files(name)  # the pool alone (BlockPool.unlink takes both)
     dry = shmkv("cleanup", "--dry-run")
     assert f"offload data region of pool {name}" in dry.stdout and "its pool" in dry.stdout
     assert all(os.path.exists(p) for p in regions)

@@ -14,6 +14,7 @@ import pytest
 
 from shmkv import BlockPool
 from shmkv.cli import build_parser
+from shmkv.pool import siblings
 from tests.ecosystem_helpers import ROOT, command_env, serve_requests, shmkv, start_shmkv
 
 pytestmark = pytest.mark.multiprocess
@@ -246,7 +247,7 @@ def test_unlink_removes_the_siblings_and_cleanup_the_orphaned_ones(pool_name):
     pool = BlockPool.create(pool_name, 16)
     PoolStats.open(pool).close()
     pool.close()
-    BlockPool.unlink(pool_name)
+    siblings.unlink_pool_files(pool_name)  # the pool alone (BlockPool.unlink takes both)
     try:
         dry = shmkv("cleanup", "--dry-run")
         assert dry.returncode == 0

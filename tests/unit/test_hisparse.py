@@ -20,6 +20,7 @@ from shmkv import (
     get_hisparse_coordinator,
 )
 from shmkv.core.kv_cache_interface import KVCacheGroupRole
+from shmkv.pool import siblings
 from tests.helpers import free_ids, ids, make_request, segment_image
 
 BS = 4
@@ -207,11 +208,10 @@ def test_a_new_pool_does_not_inherit_a_stale_host_tier(make_pool):
     by the next pool of that name: that pool's host pages would claim copies that are gone."""
     pool = make_pool(8, hash_block_size=BS)
     name = pool.pool_name
-    stale = BlockPool.create(f"{name}.host", 6, hash_block_size=BS)  # as a killed run left it
+    stale = pool.tier("host", 6, enable_caching=True)  # as a killed run left it
     stale.cache_full_blocks(make_request(BS, block_size=BS), stale.get_new_blocks(1), 0, 1, BS, 0)
-    stale.close()
-    pool.close()
-    BlockPool._unlink_all(pool._segment.shm_name)   # the device pool only
+    pool.close()  # closes its tier too
+    siblings.unlink_pool_files(name)  # the device pool only
     fresh = BlockPool.create(name, 8, hash_block_size=BS)
     try:
         host = fresh.tier("host", 6, enable_caching=True)
