@@ -301,7 +301,8 @@ Changelog
 - v7: process rows grow to 72 bytes with `pid_ns`, so liveness can also check `pid` and
   `start_ticks` (issue 15, item 3); header `cache_geometry` (offset 280, in the padding).
 - v8: header `tier_of` (offset 288, in the padding: no region moves): a pool's tiers are
-  known by it, never by their names alone.
+  known by it, never by their names alone. The holder word of a process inside ``attach``
+  names its attach mark (a byte of the ``.alive`` file past the slots), not a slot.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -774,7 +775,8 @@ STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner
 PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
-OFFLOAD_TIER_VERSION = 2  # the vLLM offload tier's table (shmkv/vllm/tier.py)
+OFFLOAD_TIER_VERSION = 2  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
+# rows, per-chunk job bits, the data region's tag and the replica identity
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
 OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
 
@@ -812,6 +814,16 @@ POOL_NAMED_SIBLINGS = ("pub", "stats", "offload")
 # ``/dev/shm/vllm_offload_<engine_id>.mmap``, plus a suffix per rank); shmkv picks the
 # engine id, ``shmkv_offload_data-<pool>``, so every replica maps the same bytes.
 OFFLOAD_DATA_REGION_PREFIX = "vllm_offload_shmkv_offload_data-"  # + pool + ".mmap..."
+
+
+OFFLOAD_REPLICAS_SUFFIX = ".replicas"  # the offload tier's replica lock file, beside its table
+
+
+def offload_replicas_path(pool: str) -> str:
+    """The offload tier's replica lock file (``shmkv/vllm/replicas.py``): every process of a
+    replica holds a lock on its row's byte."""
+    return (f"/dev/shm{sibling_segment_name('offload', pool, OFFLOAD_TIER_VERSION)}"
+            f"{OFFLOAD_REPLICAS_SUFFIX}")
 
 
 def offload_data_region_engine_id(pool: str) -> str:

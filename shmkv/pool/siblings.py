@@ -380,10 +380,26 @@ def plan(now: float | None = None) -> list[Verdict]:
         else:
             v.remove, v.reason = True, f"its pool {name} is gone"
         out[entry] = v
-    # 3. sibling segments
+    # 3. sibling segments, then the offload tier's replica lock files beside their tables
     for entry, st in stats.items():
-        if entry.startswith("shmkv_"):
+        if entry.startswith("shmkv_") and not entry.endswith(L.OFFLOAD_REPLICAS_SUFFIX):
             out[entry] = _assess_sibling(entry, st, pools)
+    for entry, st in stats.items():
+        if entry.startswith("shmkv_") and entry.endswith(L.OFFLOAD_REPLICAS_SUFFIX):
+            table = out.get(entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)])
+            v = Verdict(entry, "offload replica locks", table.pool if table else "", False, "",
+                        pool=table.pool if table else "")
+            if problem := _foreign(st):
+                v.reason = problem
+            elif table is not None:
+                v.remove = table.remove
+                v.reason = ("goes with its tier table" if table.remove
+                            else "its tier table stays")
+            elif _any_lock_held(f"{SHM_DIR}/{entry}"):
+                v.reason = "a live process holds a lock on it"
+            else:
+                v.remove, v.reason = True, "its tier table is gone"
+            out[entry] = v
     # 4. vLLM offload data regions: with the pool they are named after (vLLM's file holds
     #    no owner record, so its name is all there is; another user's file stays)
     for entry, st in stats.items():
@@ -544,6 +560,11 @@ def unlink_pool_siblings(pool: str) -> list[str]:
             removed.append(spec.what)
         except posix_ipc.ExistentialError:
             pass
+    try:
+        os.unlink(L.offload_replicas_path(pool))
+        removed.append("offload replica locks")
+    except FileNotFoundError:
+        pass
     if unlink_offload_data_region(pool):
         removed.append("offload data region")
     return removed

@@ -33,8 +33,9 @@ import struct
 import numpy as np
 
 from shmkv.errors import PoolFullError, SegmentError
+from shmkv.pool import layout as L
 from shmkv.pool.segment import check_fd, secure_new_fd
-from shmkv.vllm.tier import MAX_REPLICAS, TierTable, tier_table_name
+from shmkv.vllm.tier import MAX_REPLICAS, TierTable
 
 REGION_MAKER_BYTE = MAX_REPLICAS
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64 / aarch64
@@ -42,7 +43,7 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64 / aarch64
 
 def replica_locks_path(pool: str) -> str:
     """The replica lock file of a pool's tier, beside its table in /dev/shm."""
-    return f"/dev/shm{tier_table_name(pool)}.replicas"
+    return L.offload_replicas_path(pool)
 
 
 def replica_key(engine_id: str) -> int:

@@ -218,21 +218,26 @@ def test_position_out_of_range_is_refused(tier):
 
 
 def test_the_tier_table_goes_with_its_pool(tier):
-    """shmkv cleanup's plan keeps the tier table while its pool stays and removes it once
-    the pool is gone; a new pool of the name gets a fresh table, whatever the old size."""
+    """shmkv cleanup's plan keeps the tier table and its replica lock file while its pool
+    stays and removes them once the pool is gone; a new pool of the name gets a fresh
+    table, whatever the old size."""
     from shmkv.pool import siblings
 
     name = tier.pool_name
     entry = tier_table_name(name)[1:]
+    replicas = entry + ".replicas"
 
-    def verdict():
-        return next(v for v in siblings.plan() if v.entry == entry)
+    def verdict(which=entry):
+        return next(v for v in siblings.plan() if v.entry == which)
 
     assert verdict().kind == "offload tier table" and not verdict().remove
+    assert verdict(replicas).kind == "offload replica locks" and not verdict(replicas).remove
     tier.close()
-    assert not verdict().remove  # the pool is still there
+    assert not verdict().remove and not verdict(replicas).remove  # the pool is still there
     siblings.unlink_pool_files(name)  # the pool alone, as a killed creator leaves it
-    assert verdict().remove
+    assert verdict().remove and verdict(replicas).remove
+    siblings.remove([verdict(replicas)])
+    assert not os.path.exists(f"/dev/shm/{replicas}")
     with SharedCPUOffloadingManager(name, 6) as again:  # a stale 4-chunk table is replaced
         again.prepare_store([key(1)], CTX)
         assert again.lookup(key(1), CTX) == LookupResult.HIT_PENDING
