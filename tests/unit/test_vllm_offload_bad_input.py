@@ -7,6 +7,8 @@ data region named after the pool, and ``kv_connector_extra_config`` validation.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -412,3 +414,16 @@ def test_replicas_map_one_data_region_bound_to_the_pool(spec_pool, model_dir):
         other.open_data_region(0)
     SharedCPUOffloadingManager.unlink(spec_pool)
     assert not os.path.exists(path)
+
+
+def test_an_untested_vllm_is_refused_at_import():
+    """shmkv.vllm under a vLLM version it was not tested with refuses to import, naming
+    both versions and the fix (the version is the installed vLLM's, relabelled)."""
+    code = ("import vllm; vllm.__version__ = '0.34.0'\n"
+            "try:\n    import shmkv.vllm\nexcept Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.startswith("UsageError shmkv.vllm is tested with vLLM 0.33.0, and this is "
+                          "vLLM 0.34.0"), out
+    assert "pip install 'vllm==0.33.0'" in out
