@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -151,6 +152,41 @@ class _ClosedLock:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+class _StepRegion:
+    """The manager's ``lock``, private to this process (re-entrant).
+
+    vLLM's connector holds ``manager.lock`` over the connector part of a scheduler step
+    (from the step's first lookup to its connector metadata). The node-wide pool lock is
+    taken per call inside it, never across it, so the replicas' steps run side by side.
+    What the step region promises vLLM (a lookup's HIT is still there at the
+    ``prepare_load`` that pins it, and no ``prepare_store`` of the step evicts it) is kept
+    by lookup pins: a HIT found inside the region takes a hold on its chunk, which
+    ``prepare_load`` turns into its pin; the holds left are given back when the region
+    closes.
+    """
+
+    def __init__(self, manager: SharedCPUOffloadingManager) -> None:
+        self._mutex = threading.RLock()
+        self._depth = 0
+        self._manager = manager
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+    def __enter__(self) -> None:
+        self._mutex.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._depth -= 1
+            if not self._depth:
+                self._manager._end_step()
+        finally:
+            self._mutex.release()
 
 
 class _Hashes:
@@ -302,7 +338,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._thdr, self._ranks = tier.words, tier.rank_words
         self._rank_array, self._jobs = tier.ranks, tier.jobs
         self._blocks = self._pool.blocks
-        self._lock = self._pool.lock()
+        self._lock = self._pool.lock()  # node-wide, per call
+        self._region = _StepRegion(self)
+        self._lookup_pins: dict[OffloadKey, int] = {}  # this step's HITs -> their blocks
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -325,6 +363,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
+        self._lookup_pins.clear()  # the pool gave their holds back
         self._lock = _ClosedLock()
 
     def __enter__(self) -> SharedCPUOffloadingManager:
@@ -510,8 +549,20 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
-        """The pool lock (re-entrant): holding it holds off every process of the tier."""
-        return self._lock
+        """The step region (:class:`_StepRegion`): private to this process; the node-wide
+        pool lock is taken per call, and a lookup HIT inside the region stays pinned until
+        its ``prepare_load`` or the region's end."""
+        return self._region
+
+    def _end_step(self) -> None:
+        """Gives back the holds of the step's HITs no ``prepare_load`` took."""
+        if not self._lookup_pins or self._pool is None:
+            return
+        with self._lock:
+            blocks = self._blocks
+            held = [blocks[b] for b in self._lookup_pins.values()]
+            self._lookup_pins.clear()
+            self._pool.free_blocks(held)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Starts the request's access record.
@@ -537,6 +588,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
             key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
             req_context: the request's context (unused: a lookup changes no recency).
 
+        Inside the step region (``lock``), a HIT pins its chunk until the ``prepare_load``
+        that loads it, or the region's end.
+
         Returns:
             the ``LookupResult``.
 
@@ -547,7 +601,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
         with self._lock:
             if self._region_lost():
                 return LookupResult.MISS
-            state, _ = self._status(key)
+            state, block_id = self._status(key)
+            if state == _READY and self._region.active and key not in self._lookup_pins:
+                self._pool.touch([self._blocks[block_id]])  # until prepare_load or step end
+                self._lookup_pins[key] = block_id
         if state == _READY:
             return LookupResult.HIT
         return LookupResult.HIT_PENDING if state == _PENDING else LookupResult.MISS
@@ -586,9 +643,14 @@ class SharedCPUOffloadingManager(OffloadingManager):
                         f"{'still being stored' if state == _PENDING else 'not stored'}"
                     )
                 block_ids.append(block_id)
-            blocks = self._blocks
+            blocks, lookup_pins = self._blocks, self._lookup_pins
             self._jobs[block_ids] |= self._bit  # before the hold: a kill between leaves a
-            self._pool.touch([blocks[b] for b in block_ids])  # bit, never a bare hold
+            to_hold = []  # bit, never a bare hold; a lookup's hold becomes the pin
+            for key, block_id in zip(keys, block_ids, strict=True):
+                if lookup_pins.pop(key, None) is None:
+                    to_hold.append(blocks[block_id])
+            if to_hold:
+                self._pool.touch(to_hold)
             pins = self._pins
             for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
@@ -896,6 +958,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
             held = [blocks[b] for b in pending_ids]
             for block_id, count in self._pins.values():
                 held.extend([blocks[block_id]] * count)
+            held.extend(blocks[b] for b in self._lookup_pins.values())
+            self._lookup_pins.clear()
             self._unflushed.update(pending_ids)
             self._unflushed.update(block_id for block_id, _ in self._pins.values())
             if pending_ids:

@@ -114,3 +114,17 @@ def replica_zygote(name: str, num_chunks: int, seed: int, num_replicas: int, sto
                 break
             time.sleep(0.002)
     to_parent.put(ends)
+
+
+def step_holder(name: str, num_chunks: int, to_parent, from_parent) -> None:
+    """A replica inside its step region (vLLM's connector holding ``manager.lock``) that
+    looked up a HIT and has not loaded it yet; leaves the region on command."""
+    manager = SharedCPUOffloadingManager(name, num_chunks, label="step-holder")
+    ctx = ReqContext("holder")
+    with manager.lock:
+        assert manager.lookup(prompt_key(0, 0), ctx) == LookupResult.HIT
+        to_parent.put("in step")
+        assert from_parent.get(timeout=60) == "end step"
+    to_parent.put("step over")
+    assert from_parent.get(timeout=60) == "exit"
+    manager.close()

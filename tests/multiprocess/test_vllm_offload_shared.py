@@ -149,3 +149,36 @@ def test_four_replicas_with_random_sigkills(spawn_ctx, tier_name):
         assert ends[pid] == expected, (pid, ends[pid], killed)
     keys = [prompt_key(p, i) for p in range(4) for i in range(6)]
     _assert_all_reusable(tier_name, num_chunks, keys, f"seed {seed}")
+
+
+@pytest.mark.timeout(120)
+def test_a_step_region_holds_no_node_wide_lock_and_pins_its_hits(spawn_ctx, tier_name):
+    """While replica A sits in its step region (vLLM's connector holding manager.lock)
+    after a lookup HIT, replica B's calls go through at once (no node-wide lock across A's
+    step) and B's evictions spare A's HIT; once A's step ends, B may evict it."""
+    from tests.multiprocess.offload_workers import step_holder
+
+    with SharedCPUOffloadingManager(tier_name, 4, lock_timeout_s=5.0) as manager:
+        ctx = ReqContext("b")  # a lock held across A's step: LockTimeoutError after 5 s
+        manager.prepare_store([prompt_key(0, 0)], ctx)
+        manager.complete_store([prompt_key(0, 0)], ctx)
+        to_parent, from_parent = spawn_ctx.Queue(), spawn_ctx.Queue()
+        holder = spawn_ctx.Process(target=step_holder,
+                                   args=(tier_name, 4, to_parent, from_parent))
+        holder.start()
+        try:
+            assert to_parent.get(timeout=60) == "in step"
+            fill = [prompt_key(1, i) for i in range(4)]
+            out = manager.prepare_store(fill, ctx)  # needs 4 chunks: 3 free + A's HIT
+            assert out is None  # A's HIT is pinned for its step: not evicted
+            assert manager.lookup(prompt_key(0, 0), ctx) == LookupResult.HIT
+            from_parent.put("end step")
+            assert to_parent.get(timeout=60) == "step over"
+            out = manager.prepare_store(fill, ctx)
+            assert out is not None and out.evicted_keys == [prompt_key(0, 0)]
+            from_parent.put("exit")
+            assert join_processes([holder]) == [0]
+            manager.pool.check_invariants()
+        finally:
+            if holder.is_alive():
+                holder.kill()
