@@ -1741,6 +1741,14 @@ class BlockPool:
         """The digest the pool is bound to (``claim_cache_geometry``), 0 if none yet."""
         return int(self._hdr64[L.H_CACHE_GEOMETRY])
 
+    def num_reaped(self) -> int:
+        """How many processes that died without ``close()`` have been reaped so far (the
+        header's ``num_reaped``; one word, no lock: a layer above compares it with what it
+        saw last to learn that some process's holds were given back)."""
+        if self._segment.buf is None:
+            raise PoolClosedError("the pool is closed; attach again to use it")
+        return int(self._hdr64[L.H_NUM_REAPED])
+
     def header_snapshot(self) -> np.void:
         """A copy of the segment header, one structured record (``shmkv/pool/layout.py``,
         the header table: ``creator_pid``, ``none_hash``, ``epoch``, ``num_reaped``,

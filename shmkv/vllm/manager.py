@@ -63,8 +63,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -99,6 +99,7 @@ from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import unlink_offload_data_region
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 from shmkv.vllm.identity import check_identity
+from shmkv.vllm.lru import TierLRU
 from shmkv.vllm.region import PENDING_BIT
 from shmkv.vllm.replicas import (
     ReplicaLocks,
@@ -112,6 +113,7 @@ from shmkv.vllm.tier import (
     MEDIUM,
     W_GENERATION,
     W_NEXT_RANK,
+    W_REAPED_SEEN,
     W_REGION_TAG,
     open_pool,
     open_tier_table,
@@ -336,10 +338,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._warned_region = False
         tier = self._tier
         self._thdr, self._ranks = tier.words, tier.rank_words
-        self._rank_array, self._jobs = tier.ranks, tier.jobs
+        self._jobs = tier.jobs
         self._blocks = self._pool.blocks
         self._lock = self._pool.lock()  # node-wide, per call
         self._region = _StepRegion(self)
+        self._lru = TierLRU(tier, self._pool.block_rows)
+        self._in_hold = False  # inside _hold(): the LRU may change
         self._lookup_pins: dict[OffloadKey, int] = {}  # this step's HITs -> their blocks
 
     # ------------------------------------------------------------------ lifecycle
@@ -352,14 +356,21 @@ class SharedCPUOffloadingManager(OffloadingManager):
         if self._pool is None:
             return
         try:
-            with self._pool.lock():
+            with self._hold():
+                pending = list(self._pending.values())
+                if pending:  # their keys go now: an orphan nobody reaps would stay keyed
+                    self._pool.evict_blocks(pending)
+                    self._pool.free_blocks([self._blocks[b] for b in pending])
+                    self._pending.clear()
                 self._locks.leave(self._row)
+                freed = pending
                 if self._locks.is_gone(self._row):
-                    release_row(self._tier, self._row)
+                    freed = freed + release_row(self._tier, self._row)
+                self._lru.push_free(freed)
         except ShmKVError:
             pass  # the row is released by the next process short of chunks
         self._locks.close()
-        del self._thdr, self._ranks, self._rank_array, self._jobs
+        del self._thdr, self._ranks, self._jobs, self._lru
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
@@ -451,6 +462,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
         block = hit[0]
         if block.ref_cnt == 0 or (self._maybe_reap() and block.ref_cnt == 0):
             pool.evict_blocks([block.block_id])  # an orphan: its storer died
+            if self._in_hold:
+                self._lru.push_free([block.block_id])
+            else:  # a lookup, which holds the pool lock alone
+                self._lru.begin()
+                self._lru.push_free([block.block_id])
+                self._lru.end()
             return _MISS, 0
         return _PENDING, block.block_id
 
@@ -460,9 +477,32 @@ class SharedCPUOffloadingManager(OffloadingManager):
             return False
         self._last_reap = now
         if self._pool.reap_dead() > 0:
-            reap_gone(self._tier, self._locks)  # a replica may have died with them
+            released = reap_gone(self._tier, self._locks)  # a replica may be gone with them
+            if released:
+                in_hold = self._in_hold
+                if not in_hold:
+                    self._lru.begin()
+                self._lru.push_free(released)
+                if not in_hold:
+                    self._lru.end()
             return True
         return False
+
+    def _collect_orphans(self) -> None:
+        """Once some process was reaped since the last look, drops the keys of the stores
+        the dead left unfinished and frees their chunks (one O(chunks) pass per reap)."""
+        reaped = self._pool.num_reaped()
+        if reaped == self._thdr[W_REAPED_SEEN]:
+            return
+        self._thdr[W_REAPED_SEEN] = reaped
+        rows = self._pool.block_rows()
+        orphans = np.flatnonzero((rows["ref_cnt"] == 0) & ((rows["group_id"] & PENDING_BIT) != 0)
+                                 & (rows["hash_num_tokens"] != L.NO_HASH_TOKENS))
+        del rows
+        orphans = orphans[orphans > 0].tolist()
+        if orphans:
+            self._pool.evict_blocks(orphans)
+            self._lru.push_free(orphans)
 
     def _generation(self) -> int:
         return self._thdr[W_GENERATION]
@@ -518,6 +558,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
             if ranks[block_id] >= rank:
                 continue
             ranks[block_id] = rank
+            if state == _READY:
+                self._lru.push(rank, block_id)
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
                        known: dict[OffloadKey, tuple[int, int]],
@@ -543,7 +585,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
         for key in keys:
             state, block_id = self._status(key)
             if state != _MISS:
-                ranks[block_id] = self._new_rank()
+                ranks[block_id] = rank = self._new_rank()
+                if state == _READY:
+                    self._lru.push(rank, block_id)
 
     # ------------------------------------------------------------------ OffloadingManager
 
@@ -554,11 +598,25 @@ class SharedCPUOffloadingManager(OffloadingManager):
         its ``prepare_load`` or the region's end."""
         return self._region
 
+    @contextmanager
+    def _hold(self) -> Iterator[None]:
+        """One hold of the node-wide pool lock, in which the tier's eviction heap and free
+        stack may change (``lru.py``: rebuilt first if their last writer died)."""
+        with self._lock:
+            lru = self._lru
+            lru.begin()
+            self._in_hold = True
+            try:
+                yield
+            finally:
+                self._in_hold = False
+                lru.end()
+
     def _end_step(self) -> None:
         """Gives back the holds of the step's HITs no ``prepare_load`` took."""
         if not self._lookup_pins or self._pool is None:
             return
-        with self._lock:
+        with self._hold():
             blocks = self._blocks
             held = [blocks[b] for b in self._lookup_pins.values()]
             self._lookup_pins.clear()
@@ -573,7 +631,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         Returns:
             vLLM's default (chunk-level) ``RequestOffloadingContext``.
         """
-        with self._lock:
+        with self._hold():
             self._request_access(req_context)
         return RequestOffloadingContext()
 
@@ -631,7 +689,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         """
         keys = list(keys)
         self._check_positions(keys, req_context)
-        with self._lock:
+        with self._hold():
             block_ids = []
             known: dict[OffloadKey, tuple[int, int]] = {}
             for i, key in enumerate(keys):
@@ -672,7 +730,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         Raises:
             UsageError: a key the tier cannot hold.
         """
-        with self._lock:
+        with self._hold():
             self._update_recency(reversed(list(keys)))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -686,7 +744,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
             UsageError: a key this process has not pinned (that often); nothing changes.
         """
         keys = list(keys)
-        with self._lock:
+        with self._hold():
             need: dict[OffloadKey, int] = {}
             for key in keys:
                 need[key] = need.get(key, 0) + 1
@@ -751,7 +809,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         """
         keys = list(keys)
         self._check_positions(keys, req_context)
-        with self._lock:
+        with self._hold():
             if self._region_lost():
                 return None
             keys_to_store: list[OffloadKey] = []
@@ -803,60 +861,54 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def _choose_chunks(self, num: int, protected_ids: list[int]
                        ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:
-        """(free blocks, (key, block) victims) for ``num`` new chunks, or None.
-        ``protected_ids``: the blocks of the call's own ready keys, never evicted."""
+        """(free blocks, (key, block) victims) for ``num`` new chunks, or None, in
+        O(num x log chunks) (``lru.py``). ``protected_ids``: the blocks of the call's own
+        ready keys, never evicted."""
+        protected = set(protected_ids)
         for attempt in (0, 1):
-            rows = self._pool.block_rows()
-            ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
-            jobs = self._jobs
-            idle = (ref == 0) & (jobs == 0)  # nobody holds it, no bytes moving
-            if self._unflushed:  # this replica's workers flush its own jobs in order (as
-                own = np.fromiter(self._unflushed, np.int64)  # vLLM's single tier relies)
-                idle[own[jobs[own] == self._bit]] = True
-                idle &= ref == 0
-            idle[0] = False  # the null block
-            free = np.flatnonzero(idle & (htok == L.NO_HASH_TOKENS))
-            if len(free) >= num:  # the common case until the tier fills up
-                del rows, ref, htok
-                return free[:num].tolist(), []
-            hashed = idle & (htok != L.NO_HASH_TOKENS)
-            pending = (rows["group_id"] & PENDING_BIT) != 0
-            orphans = np.flatnonzero(hashed & pending)  # stores of the dead: free too
-            free = np.sort(np.concatenate([free, orphans])) if len(orphans) else free
-            num_evict = num - len(free)
-            victims = None
-            if num_evict <= 0:
-                victims = []
-            else:
-                evictable = np.flatnonzero(hashed & ~pending)
-                if protected_ids:
-                    evictable = evictable[~np.isin(evictable, protected_ids)]
-                if num_evict <= len(evictable):
-                    victims = self._pick_victims(num_evict, evictable, rows)
-            del rows, ref, htok, hashed, pending
-            if victims is None:
-                if attempt == 0 and (self._pool.reap_dead()
-                                     + reap_gone(self._tier, self._locks)):
+            self._collect_orphans()
+            chosen = self._choose_once(num, protected)
+            if chosen is not None:
+                return chosen
+            if attempt == 0:
+                reaped = self._pool.reap_dead()
+                released = reap_gone(self._tier, self._locks)
+                self._lru.push_free(released)
+                if reaped or released:
                     continue  # a dead replica's pins and jobs may be what is missing
-                return None
-            return free[:num - len(victims)].tolist(), victims
         return None
 
-    def _pick_victims(self, num: int, evictable: np.ndarray,
-                      rows: np.ndarray) -> list[tuple[OffloadKey, int]]:
-        """The ``num`` evictable chunks of smallest (rank, key), in that order (vLLM's
-        heap order); ``len(evictable) >= num``."""
-        ranks = self._rank_array[evictable]
-        if num < len(evictable):
-            part = np.argpartition(ranks, num - 1)[:num]
-            keep = ranks <= ranks[part].max()  # ties at the edge kept: keys decide them
-            evictable, ranks = evictable[keep], ranks[keep]
-        hashes, gids = rows["block_hash"], rows["group_id"]
-        items = sorted(
-            (rank, self._decode(bytes(hashes[b]), int(gids[b])), b)
-            for rank, b in zip(ranks.tolist(), evictable.tolist(), strict=True)
-        )
-        return [(key, block_id) for _, key, block_id in items[:num]]
+    def _choose_once(self, num: int, protected: set[int]
+                     ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:
+        lru, jobs, bit, own = self._lru, self._jobs, self._bit, self._unflushed
+        rows = self._pool.block_rows()
+        ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
+
+        def is_free(b: int) -> bool:  # no key, no hold, no bytes moving; this replica's
+            return (ref[b] == 0 and htok[b] == L.NO_HASH_TOKENS  # workers flush its own
+                    and (jobs[b] == 0 or (jobs[b] == bit and b in own)))  # reset's jobs in
+            # order, as vLLM's single tier relies on
+
+        def evictable(b: int) -> bool:
+            return ref[b] == 0 and jobs[b] == 0 and b not in protected
+
+        keys: dict[int, bytes] = {}
+
+        def key_of(b: int) -> bytes:
+            key = keys.get(b)
+            if key is None:
+                keys[b] = key = self._decode(bytes(rows["block_hash"][b]),
+                                             int(rows["group_id"][b]))
+            return key
+
+        free = lru.pop_free(num, is_free)
+        victims: list[int] | None = []
+        if len(free) < num:
+            victims = lru.pop_victims(num - len(free), evictable, key_of)
+        if victims is None:
+            lru.push_free(free[::-1])  # back, lowest on top again
+            return None
+        return free, [(key_of(b), b) for b in victims]
 
     def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
         """Holds the blocks (this process's ledger), drops their old keys and caches them
@@ -892,7 +944,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
             req_context: the request's context (its access record and key positions).
             success: whether the workers wrote the chunks.
         """
-        with self._lock:
+        with self._hold():
             mine: list[tuple[OffloadKey, int]] = []
             for key in keys:
                 block_id = self._pending.pop(key, None)
@@ -911,6 +963,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
             pool.free_blocks(handles)
             self._end_jobs(block_ids)
             if success:
+                ranks = self._ranks
+                for block_id in block_ids:
+                    self._lru.push(ranks[block_id], block_id)
+            else:
+                self._lru.push_free(block_ids)
+            if success:
                 if self.events is not None:
                     self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
                                                        removed=False))
@@ -926,7 +984,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         Args:
             req_context: the finished request's context.
         """
-        with self._lock:
+        with self._hold():
             state = req_context.get_state(_RequestAccess)
             if (state is None or state.owner is not self
                     or state.generation != self._generation() or state.finished):
@@ -952,7 +1010,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         The chunks of the stores and loads it cuts off stay out of every replica's hands
         (their job bits) until :meth:`on_reset_flushed`: this replica's workers may still be
         moving their bytes."""
-        with self._lock:
+        with self._hold():
             pool, blocks = self._pool, self._blocks
             pending_ids = list(self._pending.values())
             held = [blocks[b] for b in pending_ids]
@@ -977,6 +1035,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
             del rows
             if idle:
                 pool.evict_blocks(idle)
+            self._lru.push_free(sorted(set(idle).union(pending_ids), reverse=True))
             self._thdr[W_GENERATION] = self._thdr[W_GENERATION] + 1
             if removed:
                 self._log_removed(removed)
@@ -984,11 +1043,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
     def on_reset_flushed(self) -> None:
         """vLLM's workers have reported every job in flight at the last reset: the chunks
         those jobs used go back to every replica."""
-        with self._lock:
+        with self._hold():
             busy = set(self._pending.values())
             busy.update(block_id for block_id, _ in self._pins.values())
             flushed, self._unflushed = [b for b in self._unflushed if b not in busy], set()
             self._end_jobs(flushed)
+            self._lru.push_free(flushed)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Yields the events queued since the last call (stores completed, evictions, and
@@ -998,7 +1058,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         events, self.events = self.events, []
         for event in events:
             if event.metadata_only:
-                with self._lock:
+                with self._hold():
                     keys = [k for k in event.keys if self._status(k)[0] == _MISS]
                 if not keys:
                     continue
@@ -1019,7 +1079,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         )
 
         stats = OffloadingConnectorStats()
-        with self._lock:
+        with self._hold():
             rows = self._pool.block_rows()
             held = rows["ref_cnt"][1:] > 0
             num_held = int(held.sum())
@@ -1078,5 +1138,5 @@ class SharedCPUOffloadingManager(OffloadingManager):
             LayoutMismatchError: fields differ (each named, with both values, and the way
                 to start afresh), or the identity does not fit the table.
         """
-        with self._lock:
+        with self._hold():
             check_identity(self._tier, self.pool_name, identity)

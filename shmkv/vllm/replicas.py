@@ -129,12 +129,12 @@ class ReplicaLocks:
         self.rows.clear()
 
 
-def release_row(tier: TierTable, row: int) -> int:
-    """Clears row ``row``'s job bits everywhere and frees the row; returns the chunks it
-    held (caller holds the pool lock, and knows the row is gone)."""
+def release_row(tier: TierTable, row: int) -> list[int]:
+    """Clears row ``row``'s job bits everywhere and frees the row; returns the blocks it
+    had bits on (caller holds the pool lock, and knows the row is gone)."""
     bit = np.uint64(1 << row)
     jobs = tier.jobs
-    held = int(np.count_nonzero(jobs & bit))
+    held = np.flatnonzero(jobs & bit).tolist()
     if held:
         jobs &= ~bit
     tier.replica_keys[row] = 0
@@ -142,10 +142,10 @@ def release_row(tier: TierTable, row: int) -> int:
     return held
 
 
-def reap_gone(tier: TierTable, locks: ReplicaLocks) -> int:
-    """Releases every replica row whose processes are all gone; returns the chunks that
+def reap_gone(tier: TierTable, locks: ReplicaLocks) -> list[int]:
+    """Releases every replica row whose processes are all gone; returns the blocks that
     left quarantine (caller holds the pool lock)."""
-    freed = 0
+    freed: list[int] = []
     for row in np.flatnonzero(tier.replica_keys).tolist():
         if locks.is_gone(row):
             freed += release_row(tier, row)

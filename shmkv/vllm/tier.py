@@ -11,6 +11,8 @@ the tier):
     word 4     length of the identity (JSON) at byte IDENTITY_OFFSET; 0: none recorded yet
     word 5     the data region's tag: a random non-zero word written into the region's
                trailer when a worker makes the region; 0: no region bound yet (region.py)
+    words 6-9  the eviction heap's size, the free stack's top, the LRU's dirty flag, the
+               pool's reap count the orphans were last collected at (lru.py)
     words 16.. MAX_REPLICAS replica keys, one per replica row (0: the row is free)
     words 80.. MAX_REPLICAS region tags: the region the row's workers mapped (0: no worker)
     byte 1152  the identity of the tier's first replica (identity.py), up to the owner record
@@ -18,6 +20,9 @@ the tier):
     byte 4096  ranks: int64 [num_chunks + 1], one LRU rank per block (block 0 unused)
     then       jobs: uint64 [num_chunks + 1], bit r set while replica row r has a store, a
                load or an unflushed reset on the block (replicas.py)
+    then       heap_rank: int64 [heap_capacity], heap_block: int32 [heap_capacity] and
+               free_stack: int32 [num_chunks + 1 + 64]: the eviction heap and the free
+               chunks (lru.py), with heap_capacity = 4 * (num_chunks + 1) + 64
 
 A rank is advice, never an invariant: a word left behind by a killed process still orders
 chunks validly, so the table needs no journal. A job bit left behind by a killed process
@@ -48,6 +53,7 @@ HEADER_BYTES = 4096
 MAX_REPLICAS = 64  # one job bit per replica row in a uint64
 
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
+W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
 W_REPLICA_KEYS = 16
 W_REPLICA_REGION = W_REPLICA_KEYS + MAX_REPLICAS
 IDENTITY_OFFSET = 8 * (W_REPLICA_REGION + MAX_REPLICAS)
@@ -59,8 +65,13 @@ def tier_table_name(pool: str) -> str:
     return L.sibling_segment_name(TIER_KIND, pool, TIER_VERSION)
 
 
+def heap_capacity(num_chunks: int) -> int:
+    return 4 * (num_chunks + 1) + 64
+
+
 def table_bytes(num_chunks: int) -> int:
-    return HEADER_BYTES + 16 * (num_chunks + 1)
+    cap = heap_capacity(num_chunks)
+    return HEADER_BYTES + 16 * (num_chunks + 1) + 12 * cap + 4 * (num_chunks + 1 + 64)
 
 
 class TierTable:
@@ -73,6 +84,11 @@ class TierTable:
         self.header = np.frombuffer(buf, np.int64, HEADER_BYTES // 8)
         self.ranks = np.frombuffer(buf, np.int64, n, HEADER_BYTES)
         self.jobs = np.frombuffer(buf, np.uint64, n, HEADER_BYTES + 8 * n)
+        cap = heap_capacity(num_chunks)
+        heap_at = HEADER_BYTES + 16 * n
+        self.heap_rank = np.frombuffer(buf, np.int64, cap, heap_at)
+        self.heap_block = np.frombuffer(buf, np.int32, cap, heap_at + 8 * cap)
+        self.free_stack = np.frombuffer(buf, np.int32, n + 64, heap_at + 12 * cap)
         self.replica_keys = self.header[W_REPLICA_KEYS:W_REPLICA_KEYS + MAX_REPLICAS]
         self.replica_region = self.header[W_REPLICA_REGION:W_REPLICA_REGION + MAX_REPLICAS]
         # A memoryview of the header words: a scalar store through it costs a fraction of
@@ -80,6 +96,10 @@ class TierTable:
         self._mv = memoryview(buf)
         self.words = self._mv[:HEADER_BYTES].cast("q")
         self.rank_words = self._mv[HEADER_BYTES:HEADER_BYTES + 8 * n].cast("q")
+        self.heap_rank_words = self._mv[heap_at:heap_at + 8 * cap].cast("q")
+        self.heap_block_words = self._mv[heap_at + 8 * cap:heap_at + 12 * cap].cast("i")
+        free_at = heap_at + 12 * cap
+        self.free_words = self._mv[free_at:free_at + 4 * (n + 64)].cast("i")
 
     def read_identity(self) -> bytes:
         size = int(self.header[W_IDENTITY_LEN])
@@ -90,10 +110,12 @@ class TierTable:
         self.header[W_IDENTITY_LEN] = len(blob)
 
     def close(self) -> None:
-        self.words.release()
-        self.rank_words.release()
+        for view in (self.words, self.rank_words, self.heap_rank_words,
+                     self.heap_block_words, self.free_words):
+            view.release()
         self._mv.release()
         del self.header, self.ranks, self.jobs, self.replica_keys, self.replica_region
+        del self.heap_rank, self.heap_block, self.free_stack
         self._seg.close()
 
 
@@ -119,7 +141,7 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
                 Segment.unlink(name)
                 seg = Segment.create(name, size)
         try:
-            hdr = np.frombuffer(seg.buf, np.int64, 8)
+            hdr = np.frombuffer(seg.buf, np.int64, 16)
             if len(seg.buf) < size and not created:
                 raise LayoutMismatchError(
                     f"tier table {name} is {len(seg.buf)} bytes; {num_chunks} chunks need "
@@ -131,6 +153,7 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
                 write_owner(seg.buf, L.OFFLOAD_TIER_OWNER_OFFSET,
                             owner_record(pool_name, creator=False))
                 hdr[W_VERSION_CHUNKS] = (num_chunks << 32) | TIER_VERSION
+                hdr[W_LRU_DIRTY] = 1  # the first holder builds the free stack (lru.py)
                 hdr[W_MAGIC] = np.int64(TIER_MAGIC)  # last: the table is complete
             elif magic != TIER_MAGIC:
                 raise LayoutMismatchError(

@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base")
 
+from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
+
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.crash import vllm_tier_soak as soak  # noqa: E402
@@ -82,6 +84,12 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False) -> tuple[list[
         assert int(rows["ref_cnt"][1:].max()) == 0  # no pin or store left behind
         del rows
         fresh.pool.check_invariants()
+        ctx = ReqContext("after")  # every chunk can be had again: none lost to the LRU
+        keys = [soak.offload_key(1000 + i, 0) for i in range(soak.NUM_CHUNKS)]
+        out = fresh.prepare_store(keys, ctx)
+        assert out is not None and out.keys_to_store == keys
+        assert sorted(out.store_spec.block_ids.tolist()) == list(range(soak.NUM_CHUNKS))
+        fresh.complete_store(keys, ctx)
     SharedCPUOffloadingManager.unlink(pool)
     assert not [e for e in os.listdir("/dev/shm") if pool in e]
     return list(counters), pool

@@ -115,11 +115,12 @@ def test_a_region_left_by_a_removed_pool_is_replaced(spawn_ctx, tier):
         worker_a.stop()
     path = region_path(pool)
     old_inode = os.stat(path).st_ino
-    from shmkv.pool.block_pool import BlockPool
+    from shmkv.pool import siblings
     from shmkv.pool.segment import Segment
     from shmkv.vllm import tier_table_name
 
-    assert BlockPool.unlink(pool) and Segment.unlink(tier_table_name(pool))
+    siblings.unlink_pool_files(pool)  # the pool and its table, not the region
+    assert Segment.unlink(tier_table_name(pool)) and os.path.exists(path)
     worker_b = Worker(spawn_ctx, pool, model_dir, "B")
     try:
         assert worker_b.ask(("read", stored)) == [bytes(16)] * 6

@@ -287,3 +287,63 @@ def test_close_releases_this_process_holds(make_manager):
     rows = manager.pool.block_rows()
     assert np.array_equal(rows["ref_cnt"][1:], [1, 1])
     del rows
+
+
+@pytest.mark.parametrize("damage", ["scrambled", "emptied"])
+def test_an_lru_left_half_changed_is_rebuilt(make_manager, damage):
+    """A writer killed half way through a change of the eviction heap or free stack
+    leaves their dirty flag set (here set by hand, with the heap scrambled or emptied): the
+    next holder rebuilds both from the block rows and ranks, and evicts exactly the least
+    recently used keys, as before."""
+    from shmkv.vllm.tier import W_FREE_TOP, W_HEAP_SIZE, W_LRU_DIRTY
+
+    manager = make_manager(6)
+    for i in range(6):
+        manager.prepare_store([to_key(i)], CTX)
+        manager.complete_store([to_key(i)], CTX)
+    manager.touch(to_keys([0, 1]), CTX)  # LRU now: 2 3 4 5 1 0 (0 most recent)
+    tier = manager._tier
+    tier.words[W_LRU_DIRTY] = 1
+    size = tier.words[W_HEAP_SIZE]
+    if damage == "scrambled":
+        tier.heap_rank[:size] = tier.heap_rank[:size][::-1].copy()
+        tier.heap_block[:size] = 5
+    else:
+        tier.words[W_HEAP_SIZE] = 0
+        tier.words[W_FREE_TOP] = 0
+    out = manager.prepare_store(to_keys([10, 11, 12]), CTX)
+    assert out is not None and out.evicted_keys == to_keys([2, 3, 4])
+    assert tier.words[W_LRU_DIRTY] == 0
+    manager.complete_store(to_keys([10, 11, 12]), CTX)
+    out = manager.prepare_store(to_keys([13, 14]), CTX)
+    assert out.evicted_keys == to_keys([5, 1])
+
+
+def test_calls_do_not_scan_the_tier(make_manager):
+    """prepare_store on a full tier reads O(keys x log chunks) entries, not every block:
+    the free stack and the eviction heap answer it, so a tier of 65,536 chunks and one of
+    64 evict the same way with the same number of heap pops."""
+    from shmkv.vllm import lru
+
+    pops = []
+    original = lru.TierLRU._pop
+
+    def counting(self):
+        pops.append(1)
+        return original(self)
+
+    for num_chunks in (64, 65536):
+        manager = make_manager(num_chunks)
+        batch = 4096
+        for start in range(0, num_chunks, batch):
+            keys = to_keys(range(start, min(start + batch, num_chunks)))
+            manager.prepare_store(keys, CTX)
+            manager.complete_store(keys, CTX)
+        lru.TierLRU._pop = counting
+        try:
+            out = manager.prepare_store(to_keys(range(-16, 0)), CTX)
+        finally:
+            lru.TierLRU._pop = original
+        assert out.evicted_keys == to_keys(range(16))
+        assert len(pops) == 16, (num_chunks, len(pops))
+        pops.clear()
