@@ -133,6 +133,14 @@ _MINOR_SPAN = 1 << 26
 MAX_POSITION = _MINOR_SPAN - 1
 
 ENCODE_CACHE_ENTRIES = 1 << 16
+LOCK_RECORD_FOLD = 1024  # pool lock holds recorded before they are folded into totals
+GAUGE_INTERVAL_S = 1.0  # how often get_stats counts the held chunks (an O(chunks) pass)...
+GAUGE_EXACT_CHUNKS = 1 << 16  # ... of a tier larger than this; a smaller one, every call
+# get_stats' counters, beside vLLM's CPU-tier metrics (SharedCPUOffloadingSpec declares them)
+SHMKV_CROSS_REPLICA_HITS = "shmkv_cross_replica_hit_chunks"
+SHMKV_LOCK_HOLDS = "shmkv_pool_lock_holds"
+SHMKV_LOCK_WAIT_S = "shmkv_pool_lock_wait_seconds"
+SHMKV_LOCK_HOLD_S = "shmkv_pool_lock_hold_seconds"
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
 
 
@@ -338,9 +346,14 @@ class SharedCPUOffloadingManager(OffloadingManager):
         self._warned_region = False
         tier = self._tier
         self._thdr, self._ranks = tier.words, tier.rank_words
-        self._jobs = tier.jobs
+        self._jobs, self._producer = tier.jobs, tier.producer
+        self._cross_hits = 0  # chunks this process loaded that another replica stored
+        self._gauges = (-GAUGE_INTERVAL_S, 0.0, 0.0)  # when counted, usage, write usage
+        self._lock_totals = [0, 0, 0]  # holds, wait ns, hold ns, since the last get_stats
         self._blocks = self._pool.blocks
         self._lock = self._pool.lock()  # node-wide, per call
+        if self._lock.record is None:  # time the pool lock for get_stats (unless in use)
+            self._lock.record = []
         self._region = _StepRegion(self)
         self._lru = TierLRU(tier, self._pool.block_rows)
         self._in_hold = False  # inside _hold(): the LRU may change
@@ -370,7 +383,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         except ShmKVError:
             pass  # the row is released by the next process short of chunks
         self._locks.close()
-        del self._thdr, self._ranks, self._jobs, self._lru
+        del self._thdr, self._ranks, self._jobs, self._producer, self._lru
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
@@ -611,6 +624,22 @@ class SharedCPUOffloadingManager(OffloadingManager):
             finally:
                 self._in_hold = False
                 lru.end()
+        record = self._lock.record
+        if record is not None and len(record) > LOCK_RECORD_FOLD:
+            self._fold_lock_record()
+
+    def _fold_lock_record(self) -> None:
+        """Adds the pool lock's record of (wait, hold) times to this process's totals."""
+        record = self._lock.record
+        if not record:
+            return
+        keep = record[-1:] if record[-1][1] == 0 else []  # a hold still going on
+        done = record[:len(record) - len(keep)]
+        self._lock.record = keep
+        totals = self._lock_totals
+        totals[0] += len(done)
+        totals[1] += sum(w for w, _ in done)
+        totals[2] += sum(h for _, h in done)
 
     def _end_step(self) -> None:
         """Gives back the holds of the step's HITs no ``prepare_load`` took."""
@@ -709,6 +738,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
                     to_hold.append(blocks[block_id])
             if to_hold:
                 self._pool.touch(to_hold)
+            self._cross_hits += int(np.count_nonzero(self._producer[block_ids] != self._row + 1))
             pins = self._pins
             for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
@@ -966,6 +996,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 ranks = self._ranks
                 for block_id in block_ids:
                     self._lru.push(ranks[block_id], block_id)
+                self._producer[block_ids] = self._row + 1
             else:
                 self._lru.push_free(block_ids)
             if success:
@@ -1067,8 +1098,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:  # noqa: F821
         """vLLM's CPU-tier gauges, node-wide: the fraction of chunks held (pinned or being
-        stored) and of chunks being stored; this process's allocation sizes since the last
-        call.
+        stored) and of chunks being stored (an O(chunks) pass read without the lock: at most
+        every ``GAUGE_INTERVAL_S`` on a tier of more than ``GAUGE_EXACT_CHUNKS``); this
+        process's allocation sizes, the chunks it loaded that another replica stored, and its holds of the node-wide pool
+        lock (count, wait and hold seconds), since the last call.
 
         Returns:
             an ``OffloadingConnectorStats``.
@@ -1079,15 +1112,26 @@ class SharedCPUOffloadingManager(OffloadingManager):
         )
 
         stats = OffloadingConnectorStats()
-        with self._hold():
+        if self._pool is None:
+            raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
+        now = time.monotonic()
+        if self._num_chunks <= GAUGE_EXACT_CHUNKS or now - self._gauges[0] >= GAUGE_INTERVAL_S:
             rows = self._pool.block_rows()
             held = rows["ref_cnt"][1:] > 0
             num_held = int(held.sum())
             num_pending = int((held & ((rows["group_id"][1:] & PENDING_BIT) != 0)
                                & (rows["hash_num_tokens"][1:] != L.NO_HASH_TOKENS)).sum())
             del rows, held
-        usage = num_held / self._num_chunks
-        write_usage = num_pending / self._num_chunks
+            self._gauges = (now, num_held / self._num_chunks, num_pending / self._num_chunks)
+        _, usage, write_usage = self._gauges
+        self._fold_lock_record()
+        holds, wait_ns, hold_ns = self._lock_totals
+        self._lock_totals = [0, 0, 0]
+        stats.increase_counter(SHMKV_CROSS_REPLICA_HITS, self._cross_hits)
+        stats.increase_counter(SHMKV_LOCK_HOLDS, holds)
+        stats.increase_counter(SHMKV_LOCK_WAIT_S, wait_ns / 1e9)
+        stats.increase_counter(SHMKV_LOCK_HOLD_S, hold_ns / 1e9)
+        self._cross_hits = 0
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
         for size in self._allocation_sizes:
             stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingManager
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
@@ -21,7 +21,13 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from shmkv.errors import UsageError
 from shmkv.pool import layout as L
 from shmkv.vllm.identity import platform_name, replica_identity
-from shmkv.vllm.manager import SharedCPUOffloadingManager
+from shmkv.vllm.manager import (
+    SHMKV_CROSS_REPLICA_HITS,
+    SHMKV_LOCK_HOLD_S,
+    SHMKV_LOCK_HOLDS,
+    SHMKV_LOCK_WAIT_S,
+    SharedCPUOffloadingManager,
+)
 from shmkv.vllm.region import check_mapped, join_as_worker, region_path
 from shmkv.vllm.replicas import ReplicaLocks
 
@@ -69,6 +75,21 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
             share its offload region (ROCm), or vLLM's whole config not at hand (the
             connector is not ``SharedOffloadingConnector``).
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's CPU-tier metrics, and the shared tier's own: chunks a replica loaded that
+        another stored, and its holds of the node-wide pool lock."""
+        definitions = dict(super().build_metric_definitions(extra_config))
+        for name, doc in (
+            (SHMKV_CROSS_REPLICA_HITS, "Chunks this replica loaded from the shared tier that "
+             "another replica stored."),
+            (SHMKV_LOCK_HOLDS, "Holds of the shared tier's node-wide pool lock."),
+            (SHMKV_LOCK_WAIT_S, "Seconds spent waiting for the node-wide pool lock."),
+            (SHMKV_LOCK_HOLD_S, "Seconds the node-wide pool lock was held."),
+        ):
+            definitions[name] = OffloadingCounterMetadata(documentation=doc)
+        return definitions
 
     def __init__(self, config: Any) -> None:
         extra = dict(config.extra_config)

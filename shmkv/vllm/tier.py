@@ -23,6 +23,8 @@ the tier):
     then       heap_rank: int64 [heap_capacity], heap_block: int32 [heap_capacity] and
                free_stack: int32 [num_chunks + 1 + 64]: the eviction heap and the free
                chunks (lru.py), with heap_capacity = 4 * (num_chunks + 1) + 64
+    then       producer: int32 [num_chunks + 1], 1 + the replica row whose store made the
+               chunk ready (for the cross-replica hit count; advice only)
 
 A rank is advice, never an invariant: a word left behind by a killed process still orders
 chunks validly, so the table needs no journal. A job bit left behind by a killed process
@@ -71,7 +73,8 @@ def heap_capacity(num_chunks: int) -> int:
 
 def table_bytes(num_chunks: int) -> int:
     cap = heap_capacity(num_chunks)
-    return HEADER_BYTES + 16 * (num_chunks + 1) + 12 * cap + 4 * (num_chunks + 1 + 64)
+    return HEADER_BYTES + 16 * (num_chunks + 1) + 12 * cap + 4 * (num_chunks + 1 + 64) \
+        + 4 * (num_chunks + 1)
 
 
 class TierTable:
@@ -89,6 +92,7 @@ class TierTable:
         self.heap_rank = np.frombuffer(buf, np.int64, cap, heap_at)
         self.heap_block = np.frombuffer(buf, np.int32, cap, heap_at + 8 * cap)
         self.free_stack = np.frombuffer(buf, np.int32, n + 64, heap_at + 12 * cap)
+        self.producer = np.frombuffer(buf, np.int32, n, heap_at + 12 * cap + 4 * (n + 64))
         self.replica_keys = self.header[W_REPLICA_KEYS:W_REPLICA_KEYS + MAX_REPLICAS]
         self.replica_region = self.header[W_REPLICA_REGION:W_REPLICA_REGION + MAX_REPLICAS]
         # A memoryview of the header words: a scalar store through it costs a fraction of
@@ -115,7 +119,7 @@ class TierTable:
             view.release()
         self._mv.release()
         del self.header, self.ranks, self.jobs, self.replica_keys, self.replica_region
-        del self.heap_rank, self.heap_block, self.free_stack
+        del self.heap_rank, self.heap_block, self.free_stack, self.producer
         self._seg.close()
 
 

@@ -67,8 +67,8 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False) -> tuple[list[
             i = rng.randrange(REPLICAS)
             victim = replicas[i]
             os.kill(victim.core.pid, signal.SIGKILL)
-            assert join_processes([victim.core]) == [-signal.SIGKILL]
-            assert join_processes([victim.worker]) == [0]  # it ends its step, then exits
+            assert join_processes([victim.core], 60) == [-signal.SIGKILL]
+            assert join_processes([victim.worker], 60) == [0]  # ends its step, then exits
             incarnations[i] += 1
             replicas[i] = Replica(ctx, pool, f"r{i}-{incarnations[i]}", rng.randrange(1 << 30),
                                   stop, counters, guard_off)
@@ -95,22 +95,23 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False) -> tuple[list[
     return list(counters), pool
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_no_replica_ever_loads_wrong_kv_under_kills_restarts_and_resets(spawn_ctx):
-    """6 SIGKILLs of engine cores with stores in flight: every chunk loaded holds its
+    """5 SIGKILLs of engine cores with stores in flight: every chunk loaded holds its
     key's bytes."""
-    checked, wrong, stores, resets = run_soak(spawn_ctx, seed=2026, kills=6)[0]
+    checked, wrong, stores, resets = run_soak(spawn_ctx, seed=2026, kills=5)[0]
     print(f"loads checked {checked}, wrong {wrong}, stores {stores}, resets {resets}")
     assert checked > 50 and stores > 20 and resets > 0
     assert wrong == 0
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="with the job bits ignored, chunks are handed out "
-                   "while a dead core's worker still writes them: wrong KV is read")
+@pytest.mark.timeout(480)
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="with the job bits ignored, chunks are handed out while a dead "
+                   "core's worker still writes them: wrong KV is read")
 def test_the_soak_sees_wrong_kv_when_the_job_bits_are_ignored(spawn_ctx):
     """The race detector: the same soak with every core ignoring the job bits."""
-    wrong = run_soak(spawn_ctx, seed=2026, kills=6, guard_off=True)[0][1]
+    wrong = run_soak(spawn_ctx, seed=2026, kills=5, guard_off=True)[0][1]
     assert wrong == 0
 
 

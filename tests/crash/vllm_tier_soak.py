@@ -53,13 +53,9 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
         try:
             kind, job, chunks, keys = commands.get(timeout=0.1)
         except queue.Empty:
-            pid = core_pid_box.value
-            try:
-                if pid:
-                    os.kill(pid, 0)
-                continue
-            except ProcessLookupError:
+            if _gone(core_pid_box.value):
                 break  # its core is gone and every job it sent is done: as vLLM's worker
+            continue
         if kind == "write":
             for part in range(WRITE_SLICES):
                 lo, hi = part * slice_bytes, (part + 1) * slice_bytes
@@ -72,6 +68,19 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
                                     for c, k in zip(chunks, keys, strict=True)]))
     del region
     locks.close()
+    acks.cancel_join_thread()  # nobody reads them any more: never wait to flush them
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has died (a zombie counts: its parent may not have joined
+    it yet)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
 
 
 class _Jobs:

@@ -62,7 +62,9 @@ def _events(manager) -> list[tuple]:
 
 
 def _gauges(manager) -> dict:
-    return manager.get_stats().reduce()
+    """vLLM's CPU-tier figures (the shared tier's own counters, ``shmkv_*``, left out)."""
+    return {k: v for k, v in manager.get_stats().reduce().items()
+            if not k.startswith("shmkv_")}
 
 
 def _run(seed: int, num_chunks: int, num_ops: int, *, key_width: int = 32) -> None:

@@ -347,3 +347,41 @@ def test_calls_do_not_scan_the_tier(make_manager):
         assert out.evicted_keys == to_keys(range(16))
         assert len(pops) == 16, (num_chunks, len(pops))
         pops.clear()
+
+
+def test_get_stats_counts_cross_replica_hits_and_lock_holds(make_manager):
+    """get_stats reaches vLLM's connector stats with the chunks a replica loaded that
+    another replica stored, and its holds of the node-wide lock (count, wait, hold), each
+    since the last call; vLLM's metric definitions of the spec declare them."""
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+    from shmkv.vllm import SharedCPUOffloadingSpec
+    from shmkv.vllm.manager import (
+        SHMKV_CROSS_REPLICA_HITS,
+        SHMKV_LOCK_HOLD_S,
+        SHMKV_LOCK_HOLDS,
+        SHMKV_LOCK_WAIT_S,
+    )
+
+    a = make_manager(8, replica_id="A")
+    b = SharedCPUOffloadingManager(a.pool_name, 8, replica_id="B")
+    try:
+        a.prepare_store(to_keys([1, 2, 3]), CTX)
+        a.complete_store(to_keys([1, 2, 3]), CTX)
+        a.get_stats()
+        b.get_stats()
+        b.prepare_load(to_keys([1, 2]), CTX)
+        b.complete_load(to_keys([1, 2]), CTX)
+        a.prepare_load(to_keys([3]), CTX)
+        a.complete_load(to_keys([3]), CTX)
+        sb, sa = b.get_stats().reduce(), a.get_stats().reduce()
+        assert sb[SHMKV_CROSS_REPLICA_HITS] == 2 and sa[SHMKV_CROSS_REPLICA_HITS] == 0
+        assert sb[SHMKV_LOCK_HOLDS] >= 2 and sb[SHMKV_LOCK_HOLD_S] > 0
+        assert sb[SHMKV_LOCK_WAIT_S] >= 0
+        assert b.get_stats().reduce()[SHMKV_LOCK_HOLDS] == 0  # since the last call
+    finally:
+        b.close()
+    definitions = SharedCPUOffloadingSpec.build_metric_definitions({})
+    assert all(isinstance(definitions[n], OffloadingCounterMetadata)
+               for n in (SHMKV_CROSS_REPLICA_HITS, SHMKV_LOCK_HOLDS, SHMKV_LOCK_WAIT_S,
+                         SHMKV_LOCK_HOLD_S))
