@@ -1100,8 +1100,9 @@ class SharedCPUOffloadingManager(OffloadingManager):
         """vLLM's CPU-tier gauges, node-wide: the fraction of chunks held (pinned or being
         stored) and of chunks being stored (an O(chunks) pass read without the lock: at most
         every ``GAUGE_INTERVAL_S`` on a tier of more than ``GAUGE_EXACT_CHUNKS``); this
-        process's allocation sizes, the chunks it loaded that another replica stored, and its holds of the node-wide pool
-        lock (count, wait and hold seconds), since the last call.
+        process's allocation sizes, the chunks it loaded that another replica stored, and
+        its holds of the node-wide pool lock (count, wait and hold seconds), since the last
+        call.
 
         Returns:
             an ``OffloadingConnectorStats``.

@@ -14,7 +14,6 @@ overwritten after its new owner wrote it.
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import random
 import time
