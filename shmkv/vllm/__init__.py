@@ -14,6 +14,8 @@ data region to that pool, so every replica's workers map the same bytes:
 The rooms:
 
 - ``manager.py``: ``SharedCPUOffloadingManager``, vLLM's LRU manager over the shared pool;
+- ``recency.py``: offload keys in the pool, and vLLM's request-scoped LRU ranks;
+- ``lru.py``: the eviction heap and free chunks, in shared memory, O(log chunks) a chunk;
 - ``tier.py``: the tier table beside the pool (ranks, job bits, replica rows, identity);
 - ``replicas.py``: a replica (engine core and GPU workers) alive or gone as one, and the
   job bits that keep a chunk out of other replicas' hands while its bytes move;

@@ -65,7 +65,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -87,7 +87,6 @@ from vllm.v1.kv_offload.cpu.common import (
     CPUOffloadingInfo,
     CPUOffloadingMetrics,
 )
-from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from shmkv.errors import PoolClosedError, ShmKVError, UsageError
@@ -100,6 +99,7 @@ from shmkv.pool.siblings import unlink_offload_data_region
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 from shmkv.vllm.identity import check_identity
 from shmkv.vllm.lru import TierLRU
+from shmkv.vllm.recency import MISS, PENDING, READY, RequestRecency, pack_rank
 from shmkv.vllm.region import PENDING_BIT
 from shmkv.vllm.replicas import (
     ReplicaLocks,
@@ -112,7 +112,6 @@ from shmkv.vllm.replicas import (
 from shmkv.vllm.tier import (
     MEDIUM,
     W_GENERATION,
-    W_NEXT_RANK,
     W_REAPED_SEEN,
     W_REGION_TAG,
     open_pool,
@@ -124,15 +123,6 @@ __all__ = ["SharedCPUOffloadingManager", "data_region_engine_id", "tier_table_na
 
 logger = logging.getLogger("shmkv.vllm")
 
-_GROUP_MASK = 0xFFFF
-_PAD_SHIFT = 16
-HASH_BYTES = 32
-
-# vLLM's LRU rank (major, minor) with minor = -position in (-2**26, 0], packed in one int64.
-_MINOR_SPAN = 1 << 26
-MAX_POSITION = _MINOR_SPAN - 1
-
-ENCODE_CACHE_ENTRIES = 1 << 16
 LOCK_RECORD_FOLD = 1024  # pool lock holds recorded before they are folded into totals
 GAUGE_INTERVAL_S = 1.0  # how often get_stats counts the held chunks (an O(chunks) pass)...
 GAUGE_EXACT_CHUNKS = 1 << 16  # ... of a tier larger than this; a smaller one, every call
@@ -142,10 +132,6 @@ SHMKV_LOCK_HOLDS = "shmkv_pool_lock_holds"
 SHMKV_LOCK_WAIT_S = "shmkv_pool_lock_wait_seconds"
 SHMKV_LOCK_HOLD_S = "shmkv_pool_lock_hold_seconds"
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
-
-
-def _pack_rank(major: int, minor: int) -> int:
-    return major * _MINOR_SPAN + (_MINOR_SPAN - 1 + minor)
 
 
 def data_region_engine_id(pool: str) -> str:
@@ -208,33 +194,9 @@ class _Hashes:
         self.block_hashes = block_hashes
 
 
-@dataclass(slots=True)
-class _RequestRank:
-    """The LRU rank a request's positioned keys share (vLLM's request-scoped rank)."""
-
-    owner: object
-    generation: int
-    rank: int
 
 
-@dataclass(slots=True)
-class _RequestAccess:
-    """Keys one request touched, grouped in prefix order (as vLLM's manager records)."""
-
-    owner: object
-    generation: int
-    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
-    seen_keys: set[OffloadKey] = field(default_factory=set)
-    inserted_keys: set[OffloadKey] = field(default_factory=set)
-    reused_keys: set[OffloadKey] = field(default_factory=set)
-    store_miss_keys: set[OffloadKey] = field(default_factory=set)
-    finished: bool = False
-
-
-_MISS, _PENDING, _READY = 0, 1, 2
-
-
-class SharedCPUOffloadingManager(OffloadingManager):
+class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
     """vLLM's CPU offloading manager (LRU) with its chunk metadata in a shmkv pool shared by
     every process that opens the same ``pool`` name: ONE cache for all of them.
 
@@ -427,51 +389,16 @@ class SharedCPUOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ keys and state
 
-    def _encode(self, key: OffloadKey) -> tuple[bytes, int]:
-        """(pool hash, ready group id) of an offload key (memoised: a scheduler asks
-        about the same keys again and again)."""
-        enc = self._encoded.get(key)
-        if enc is not None:
-            return enc
-        enc = self._encode_key(key)
-        if len(self._encoded) >= ENCODE_CACHE_ENTRIES:
-            self._encoded.clear()
-        self._encoded[key] = enc
-        return enc
-
-    @staticmethod
-    def _encode_key(key: OffloadKey) -> tuple[bytes, int]:
-        if not isinstance(key, bytes):
-            raise UsageError(f"an offload key must be bytes, got {type(key).__name__}")
-        num_hash = len(key) - 4
-        if not 1 <= num_hash <= HASH_BYTES:
-            raise UsageError(
-                f"offload key of {len(key)} bytes: the shared tier takes a block hash of 1 to "
-                f"{HASH_BYTES} bytes plus the 4-byte group index"
-            )
-        group = int.from_bytes(key[-4:], "big")
-        if group > _GROUP_MASK:
-            raise UsageError(f"offload key group index {group} > {_GROUP_MASK}")
-        pad = HASH_BYTES - num_hash
-        block_hash = key[:-4] + bytes(pad) if pad else key[:-4]
-        return block_hash, group | (pad << _PAD_SHIFT)
-
-    @staticmethod
-    def _decode(block_hash: bytes, group_id: int) -> OffloadKey:
-        pad = (group_id >> _PAD_SHIFT) & 0x3F
-        return OffloadKey(block_hash[:HASH_BYTES - pad]
-                          + (group_id & _GROUP_MASK).to_bytes(4, "big"))
-
     def _status(self, key: OffloadKey) -> tuple[int, int]:
         """(state, block id) of a key; drops the key of an orphan (caller holds the lock)."""
         block_hash, gid = self._encode(key)
         pool = self._pool
         hit = pool.get_cached_block(block_hash, (gid,))
         if hit is not None:
-            return _READY, hit[0].block_id
+            return READY, hit[0].block_id
         hit = pool.get_cached_block(block_hash, (gid | PENDING_BIT,))
         if hit is None:
-            return _MISS, 0
+            return MISS, 0
         block = hit[0]
         if block.ref_cnt == 0 or (self._maybe_reap() and block.ref_cnt == 0):
             pool.evict_blocks([block.block_id])  # an orphan: its storer died
@@ -481,8 +408,8 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 self._lru.begin()
                 self._lru.push_free([block.block_id])
                 self._lru.end()
-            return _MISS, 0
-        return _PENDING, block.block_id
+            return MISS, 0
+        return PENDING, block.block_id
 
     def _maybe_reap(self) -> bool:
         now = time.monotonic()
@@ -516,91 +443,6 @@ class SharedCPUOffloadingManager(OffloadingManager):
         if orphans:
             self._pool.evict_blocks(orphans)
             self._lru.push_free(orphans)
-
-    def _generation(self) -> int:
-        return self._thdr[W_GENERATION]
-
-    def _request_rank(self, req_context: ReqContext) -> int:
-        state = req_context.get_state(_RequestRank)
-        generation = self._thdr[W_GENERATION]
-        if state is None or state.owner is not self or state.generation != generation:
-            rank = self._thdr[W_NEXT_RANK] + 1
-            self._thdr[W_NEXT_RANK] = rank
-            state = _RequestRank(self, generation, rank)
-            req_context.set_state(state)
-        return state.rank
-
-    def _new_rank(self) -> int:
-        rank = self._thdr[W_NEXT_RANK] + 1
-        self._thdr[W_NEXT_RANK] = rank
-        return _pack_rank(rank, 0)
-
-    def _request_access(self, req_context: ReqContext) -> _RequestAccess:
-        state = req_context.get_state(_RequestAccess)
-        generation = self._thdr[W_GENERATION]
-        if state is None or state.owner is not self or state.generation != generation:
-            state = _RequestAccess(owner=self, generation=generation)
-            req_context.set_state(state)
-        return state
-
-    @staticmethod
-    def _position(req_context: ReqContext, key: OffloadKey) -> int | None:
-        position = req_context.get_offload_key_position(key)
-        if position is not None and not 0 <= position <= MAX_POSITION:
-            raise UsageError(f"offload key position {position} is not in [0, {MAX_POSITION}]")
-        return position
-
-    def _check_positions(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            self._encode(key)
-            self._position(req_context, key)
-
-    def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext,
-                           known: dict[OffloadKey, tuple[int, int]]) -> None:
-        request_rank = self._request_rank(req_context)
-        ranks = self._ranks
-        for key in keys:
-            position = self._position(req_context, key)
-            if position is None:
-                continue
-            status = known.get(key)
-            state, block_id = status if status is not None else self._status(key)
-            if state == _MISS:
-                continue
-            rank = _pack_rank(request_rank, -position)
-            if ranks[block_id] >= rank:
-                continue
-            ranks[block_id] = rank
-            if state == _READY:
-                self._lru.push(rank, block_id)
-
-    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
-                       known: dict[OffloadKey, tuple[int, int]],
-                       reused_keys: Iterable[OffloadKey] = ()) -> None:
-        """vLLM's request access record; ``known`` holds the (state, block) of keys this
-        call has just looked up (under the same hold of the lock)."""
-        state = self._request_access(req_context)
-        new_keys = []
-        for key in keys:
-            if key in state.seen_keys:
-                continue
-            if state.finished:
-                raise UsageError("new offload keys observed after the request finished")
-            state.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
-            state.seen_keys.add(key)
-            new_keys.append(key)
-        if new_keys:
-            self._on_request_access(new_keys, req_context, known)
-        state.reused_keys.update(k for k in reused_keys if k not in state.inserted_keys)
-
-    def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
-        ranks = self._ranks
-        for key in keys:
-            state, block_id = self._status(key)
-            if state != _MISS:
-                ranks[block_id] = rank = self._new_rank()
-                if state == _READY:
-                    self._lru.push(rank, block_id)
 
     # ------------------------------------------------------------------ OffloadingManager
 
@@ -689,12 +531,12 @@ class SharedCPUOffloadingManager(OffloadingManager):
             if self._region_lost():
                 return LookupResult.MISS
             state, block_id = self._status(key)
-            if state == _READY and self._region.active and key not in self._lookup_pins:
+            if state == READY and self._region.active and key not in self._lookup_pins:
                 self._pool.touch([self._blocks[block_id]])  # until prepare_load or step end
                 self._lookup_pins[key] = block_id
-        if state == _READY:
+        if state == READY:
             return LookupResult.HIT
-        return LookupResult.HIT_PENDING if state == _PENDING else LookupResult.MISS
+        return LookupResult.HIT_PENDING if state == PENDING else LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """Hits of this tier come from host memory."""
@@ -724,10 +566,10 @@ class SharedCPUOffloadingManager(OffloadingManager):
             for i, key in enumerate(keys):
                 state, block_id = self._status(key)
                 known[key] = (state, block_id)
-                if state != _READY:
+                if state != READY:
                     raise UsageError(
                         f"prepare_load(): key {i} of {len(keys)} ({key.hex()}) is "
-                        f"{'still being stored' if state == _PENDING else 'not stored'}"
+                        f"{'still being stored' if state == PENDING else 'not stored'}"
                     )
                 block_ids.append(block_id)
             blocks, lookup_pins = self._blocks, self._lookup_pins
@@ -748,20 +590,6 @@ class SharedCPUOffloadingManager(OffloadingManager):
                     pin[1] += 1
             self._record_access(keys, req_context, known, reused_keys=keys)
         return CPULoadStoreSpec([b - 1 for b in block_ids])
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Marks the keys as most recently used, the first key last (vLLM's order); keys
-        not in the tier are skipped.
-
-        Args:
-            keys: offload keys (a block hash of up to 32 bytes + a 4-byte group index).
-            req_context: the request's context (its access record and key positions).
-
-        Raises:
-            UsageError: a key the tier cannot hold.
-        """
-        with self._hold():
-            self._update_recency(reversed(list(keys)))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Drops this process's pins of the given keys (one per occurrence).
@@ -848,11 +676,11 @@ class SharedCPUOffloadingManager(OffloadingManager):
             known: dict[OffloadKey, tuple[int, int]] = {}
             for key in keys:
                 state, _ = known[key] = self._status(key)
-                if state == _MISS:
+                if state == MISS:
                     if key not in queued:
                         keys_to_store.append(key)
                         queued.add(key)
-                elif state == _READY:
+                elif state == READY:
                     ready_existing.append(key)
             access = self._request_access(req_context)
             access.store_miss_keys.update(keys_to_store)  # an LRU store miss moves no rank
@@ -877,7 +705,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 if position is None:
                     ranks[block_id] = self._new_rank()
                 else:
-                    ranks[block_id] = _pack_rank(self._request_rank(req_context), -position)
+                    ranks[block_id] = pack_rank(self._request_rank(req_context), -position)
                 self._pending[key] = block_id
             access.inserted_keys.update(keys_to_store)
             if evicted_keys:
@@ -1008,31 +836,6 @@ class SharedCPUOffloadingManager(OffloadingManager):
                 self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
                                                    removed=True, metadata_only=True))
 
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        """Commits the request's recency: its keys become most recently used, tail first,
-        so its head is evicted last (vLLM's LRU). A second call does nothing.
-
-        Args:
-            req_context: the finished request's context.
-        """
-        with self._hold():
-            state = req_context.get_state(_RequestAccess)
-            if (state is None or state.owner is not self
-                    or state.generation != self._generation() or state.finished):
-                return
-            state.finished = True
-            key_groups = []
-            for group_idx in sorted(state.key_groups):
-                group_keys = state.key_groups[group_idx]
-                positions = {
-                    key: position for key in group_keys
-                    if (position := req_context.get_offload_key_position(key)) is not None
-                }
-                if len(positions) == len(group_keys):
-                    group_keys = sorted(group_keys, key=positions.__getitem__)
-                key_groups.append(tuple(group_keys))
-            self._update_recency(reversed(order_request_keys(tuple(key_groups), req_context)))
-
     def reset_cache(self) -> None:
         """Drops this process's pins and unfinished stores and every chunk no other
         process holds (their removal goes to the global event log); every process's request
@@ -1090,7 +893,7 @@ class SharedCPUOffloadingManager(OffloadingManager):
         for event in events:
             if event.metadata_only:
                 with self._hold():
-                    keys = [k for k in event.keys if self._status(k)[0] == _MISS]
+                    keys = [k for k in event.keys if self._status(k)[0] == MISS]
                 if not keys:
                     continue
                 event = replace(event, keys=keys)
