@@ -64,6 +64,31 @@ def check_fd(fd: int, what: str) -> None:
         raise SegmentError(f"{what}: {'; '.join(problems)}; refusing to use it")
 
 
+def open_checked(path: str, flags: int, what: str) -> int:
+    """Opens ``path`` without following a link (``O_NOFOLLOW | O_CLOEXEC`` added; mode
+    0600 when ``flags`` create it) and refuses it by ``check_fd``'s rule; returns the
+    descriptor. ``FileNotFoundError`` and ``FileExistsError`` pass through.
+
+    Raises:
+        SegmentError: naming ``what`` and ``path``: a link, another user's file, not a
+            regular file, or not mode 0600.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, SEGMENT_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SegmentError(f"{what} {path} is a symbolic link; refusing to use it") from exc
+        raise
+    try:
+        if flags & os.O_CREAT:
+            secure_new_fd(fd)
+        check_fd(fd, f"{what} {path}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def check_path(path: str, what: str) -> None:
     """``check_fd`` for a file known only by path (a POSIX semaphore, /dev/shm/sem.<name>),
     without following a symbolic link."""

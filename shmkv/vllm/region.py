@@ -30,7 +30,7 @@ import numpy as np
 from shmkv.errors import SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
-from shmkv.pool.segment import check_fd
+from shmkv.pool.segment import check_fd, open_checked
 from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
 from shmkv.vllm.tier import W_REGION_TAG, TierTable, open_pool, open_tier_table
 
@@ -53,16 +53,10 @@ def read_tag(path: str, data_bytes: int) -> int | None:
         SegmentError: the file is a link, another user's, or not mode 0600.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_checked(path, os.O_RDONLY, "the offload tier's data region")
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SegmentError(f"the offload tier's data region {path} is a symbolic link; "
-                               "refusing to use it") from exc
-        raise
     try:
-        check_fd(fd, f"the offload tier's data region {path}")
         if os.fstat(fd).st_size != data_bytes + TRAILER_BYTES:
             return 0
         trailer = os.pread(fd, 24, data_bytes)

@@ -32,9 +32,9 @@ import struct
 
 import numpy as np
 
-from shmkv.errors import PoolFullError, SegmentError
+from shmkv.errors import PoolFullError
 from shmkv.pool import layout as L
-from shmkv.pool.segment import check_fd, secure_new_fd
+from shmkv.pool.segment import open_checked
 from shmkv.vllm.tier import MAX_REPLICAS, TierTable
 
 REGION_MAKER_BYTE = MAX_REPLICAS
@@ -67,23 +67,11 @@ class ReplicaLocks:
             SegmentError: the file is a link, another user's, or not mode 0600.
         """
         path = replica_locks_path(pool)
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        what = "the tier's replica lock file"
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-            secure_new_fd(fd)
+            fd = open_checked(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, what)
         except FileExistsError:
-            try:
-                fd = os.open(path, flags)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise SegmentError(f"the tier's replica lock file {path} is a symbolic "
-                                       "link; refusing to use it") from exc
-                raise
-        try:
-            check_fd(fd, f"the tier's replica lock file {path}")
-        except BaseException:
-            os.close(fd)
-            raise
+            fd = open_checked(path, os.O_RDWR, what)
         self.path = path
         self._fd = fd
         self.rows: set[int] = set()
