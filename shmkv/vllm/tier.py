@@ -209,7 +209,7 @@ def open_pool(pool: str, num_chunks: int, max_processes: int, event_log_bytes: i
         except SegmentNotFoundError:
             continue  # its creator failed and removed it: create it ourselves
         except SegmentError as exc:
-            if "INITIALIZING" in str(exc) and time.monotonic() < deadline:
+            if _being_made(exc) and time.monotonic() < deadline:
                 time.sleep(0.01)
                 continue
             raise
@@ -219,6 +219,15 @@ def open_pool(pool: str, num_chunks: int, max_processes: int, event_log_bytes: i
             bp.close()
             raise
         return bp, False
+
+
+def _being_made(exc: SegmentError) -> bool:
+    """Whether an attach failed because the pool's creator has not finished it: replicas
+    start together, and an attacher can map the segment before its creator sized it, wrote
+    its header or marked it READY."""
+    text = str(exc)
+    return ("INITIALIZING" in text or "smaller than a shmkv header" in text
+            or "header field magic is '0x0'" in text)
 
 
 def _check_pool(bp: BlockPool, pool: str, num_chunks: int) -> None:

@@ -128,3 +128,21 @@ def step_holder(name: str, num_chunks: int, to_parent, from_parent) -> None:
     to_parent.put("step over")
     assert from_parent.get(timeout=60) == "exit"
     manager.close()
+
+
+def start_together(base: str, rounds: int, index: int, barrier, errors) -> None:
+    """Round after round, opens a new tier at the same instant as its peers (the first
+    creates it, the others attach while it is being made), then closes it."""
+    for r in range(rounds):
+        barrier.wait(timeout=60)
+        try:
+            manager = SharedCPUOffloadingManager(f"{base}-{r}", 1 << 17, label=f"start{index}")
+        except Exception as exc:  # noqa: BLE001 (reported to the parent)
+            errors.put(f"round {r}: {type(exc).__name__}: {exc}")
+            manager = None
+        barrier.wait(timeout=60)
+        if manager is not None:
+            manager.close()
+        barrier.wait(timeout=60)
+        if index == 0:
+            SharedCPUOffloadingManager.unlink(f"{base}-{r}")

@@ -182,3 +182,23 @@ def test_a_step_region_holds_no_node_wide_lock_and_pins_its_hits(spawn_ctx, tier
         finally:
             if holder.is_alive():
                 holder.kill()
+
+
+@pytest.mark.timeout(180)
+def test_replicas_starting_at_the_same_instant_all_open_the_tier(spawn_ctx, tier_name):
+    """Four processes open a new tier at the same instant, 25 times: one creates it, the
+    others attach while it is being made, and none is refused (an attacher that mapped the
+    segment before its creator wrote the header used to get 'not a shmkv segment')."""
+    from tests.multiprocess.offload_workers import start_together
+
+    barrier, errors = spawn_ctx.Barrier(4), spawn_ctx.Queue()
+    procs = [spawn_ctx.Process(target=start_together, args=(tier_name, 25, i, barrier, errors))
+             for i in range(4)]
+    for proc in procs:
+        proc.start()
+    assert join_processes(procs) == [0, 0, 0, 0]
+    found = []
+    while not errors.empty():
+        found.append(errors.get(timeout=5))
+    assert found == []
+    assert not [e for e in os.listdir("/dev/shm") if tier_name in e]
