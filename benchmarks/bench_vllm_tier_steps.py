@@ -116,14 +116,12 @@ def prompts(seed: int, replica: int):
 
 
 def replica(setup: str, index: int, pool: str, model_dir: str, cpu_bytes: int,
-            args: argparse.Namespace, build_lock, barrier, results) -> None:
+            args: argparse.Namespace, barrier, results) -> None:
     """One replica's engine core: builds its scheduler, waits for the others, steps."""
     init_none_hash(sha256)
     engine_id = f"replica{index}"
-    with build_lock:  # one at a time: replicas that create/attach the pool at once can fail
-        scheduler = (make_scheduler(pool, model_dir, cpu_bytes, engine_id=engine_id)
-                     if setup == "shared" else private_scheduler(model_dir, cpu_bytes,
-                                                                 engine_id))
+    scheduler = (make_scheduler(pool, model_dir, cpu_bytes, engine_id=engine_id)
+                 if setup == "shared" else private_scheduler(model_dir, cpu_bytes, engine_id))
     manager = scheduler.connector.connector_scheduler.manager
     lock = manager.pool.lock() if setup == "shared" else None
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -172,10 +170,10 @@ def run(ctx, setup: str, n: int, forward_ms: float, args, model_dir: str, tag: s
     pool = f"{tag}-{setup}-{n}-{int(forward_ms)}"
     total = args.tier_chunks * CHUNK_BYTES
     cpu_bytes = total if setup == "shared" else total // n
-    build_lock, barrier, results = ctx.Lock(), ctx.Barrier(n), ctx.Queue()
+    barrier, results = ctx.Barrier(n), ctx.Queue()
     args = argparse.Namespace(**{**vars(args), "forward_ms": forward_ms})
     procs = [ctx.Process(target=replica, args=(setup, i, pool, model_dir, cpu_bytes, args,
-                                               build_lock, barrier, results))
+                                               barrier, results))
              for i in range(n)]
     rows, deadline = [], time.monotonic() + 300 + args.warmup_s + args.seconds
     try:
