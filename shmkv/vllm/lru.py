@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shmkv.pool import layout as L
-from shmkv.vllm.tier import W_FREE_TOP, W_HEAP_SIZE, W_LRU_DIRTY, TierTable
+from shmkv.vllm.tier import PENDING_BIT, W_FREE_TOP, W_HEAP_SIZE, W_LRU_DIRTY, TierTable
 
 
 class TierLRU:
@@ -58,7 +58,7 @@ class TierLRU:
         """Both structures from the block rows, ranks and job bits (O(chunks))."""
         tier, rows = self._tier, self._rows()
         keyed = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
-        pending = (rows["group_id"] & (1 << 30)) != 0
+        pending = (rows["group_id"] & PENDING_BIT) != 0
         ready = np.flatnonzero(keyed & ~pending)
         ready = ready[ready > 0]
         order = np.argsort(tier.ranks[ready], kind="stable")  # sorted: a valid heap
@@ -137,7 +137,7 @@ class TierLRU:
         while len(victims) < num and self._words[W_HEAP_SIZE]:
             rank, block = self._pop()
             if (block in seen or ranks[block] != rank or keyed[block] == L.NO_HASH_TOKENS
-                    or gids[block] & (1 << 30)):
+                    or gids[block] & PENDING_BIT):
                 continue  # stale: re-ranked, or no longer ready
             seen.add(block)
             if not evictable(block):
@@ -147,7 +147,7 @@ class TierLRU:
             while self._words[W_HEAP_SIZE] and self._hr[0] == rank:
                 _, other = self._pop()
                 if (other in seen or ranks[other] != rank
-                        or keyed[other] == L.NO_HASH_TOKENS or gids[other] & (1 << 30)):
+                        or keyed[other] == L.NO_HASH_TOKENS or gids[other] & PENDING_BIT):
                     continue
                 seen.add(other)
                 if evictable(other):

@@ -100,7 +100,6 @@ from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 from shmkv.vllm.identity import check_identity
 from shmkv.vllm.lru import TierLRU
 from shmkv.vllm.recency import MISS, PENDING, READY, RequestRecency, pack_rank
-from shmkv.vllm.region import PENDING_BIT
 from shmkv.vllm.replicas import (
     ReplicaLocks,
     join,
@@ -111,6 +110,7 @@ from shmkv.vllm.replicas import (
 )
 from shmkv.vllm.tier import (
     MEDIUM,
+    PENDING_BIT,
     W_GENERATION,
     W_REAPED_SEEN,
     W_REGION_TAG,

@@ -32,12 +32,11 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd, open_checked
 from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
-from shmkv.vllm.tier import W_REGION_TAG, TierTable, open_pool, open_tier_table
+from shmkv.vllm.tier import W_LRU_DIRTY, W_REGION_TAG, TierTable, open_pool, open_tier_table
 
 REGION_MAGIC = b"shmkv-kv-region1"  # 16 bytes
 TRAILER_BYTES = os.sysconf("SC_PAGE_SIZE")
 MAKER_WAIT_S = 120.0  # how long a worker waits for another to make the region
-PENDING_BIT = 1 << 30  # the pool group-id bit of a chunk whose store is in flight (manager.py)
 
 
 def region_path(pool: str) -> str:
@@ -157,6 +156,7 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
             os.rename(tmp, path)
             if tier.words[W_REGION_TAG]:
                 _forget_chunks(pool)
+                tier.words[W_LRU_DIRTY] = 1  # the next holder rebuilds the free stack (lru.py)
             tier.words[W_REGION_TAG] = tag
             tier.replica_region[row] = tag
     except BaseException:
