@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
+from vllm import platforms
 from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingManager
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -109,7 +109,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 f"eviction_policy {policy!r} is not supported by the shared offload tier "
                 "(ARC's ghost lists are not shared); use 'lru'"
             )
-        if current_platform.is_rocm():
+        if platforms.current_platform.is_rocm():
             raise UsageError(
                 "the shared offload tier needs vLLM's shared offload region, which vLLM does "
                 "not use on ROCm (its workers would keep private buffers behind a shared "
@@ -219,9 +219,9 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         """
         if not self._uses_shared_region():
             raise UsageError(
-                f"the shared offload tier needs vLLM's shared offload region, which vLLM does "
-                f"not use on this platform ({platform_name(current_platform)}); use vLLM's own "
-                "CPUOffloadingSpec here"
+                "the shared offload tier needs vLLM's shared offload region, which vLLM does "
+                f"not use on this platform ({platform_name(platforms.current_platform)}); use "
+                "vLLM's own CPUOffloadingSpec here"
             )
         mmap_region = None
         if self.num_chunks > 0:

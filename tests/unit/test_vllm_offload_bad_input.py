@@ -427,3 +427,45 @@ def test_an_untested_vllm_is_refused_at_import():
     assert out.startswith("UsageError shmkv.vllm is tested with vLLM 0.33.0, and this is "
                           "vLLM 0.34.0"), out
     assert "pip install 'vllm==0.33.0'" in out
+
+
+def test_a_platform_without_vllms_shared_region_is_refused(spec_pool, model_dir):
+    """On a platform where vLLM does not share its offload region (this machine's CPU
+    platform) the worker side refuses to start, naming the platform; its workers would
+    keep private buffers behind the shared manager."""
+    spec = make_spec(model_dir, make_config(spec_pool))
+    with pytest.raises(UsageError, match=r"does not use on this platform \(\w+Platform"):
+        spec.create_worker(None)
+    assert not os.path.exists(f"/dev/shm/vllm_offload_{data_region_engine_id(spec_pool)}.mmap")
+
+
+def test_rocm_is_refused_at_start(spec_pool, model_dir):
+    """Under vLLM's ROCm platform (a vLLM Platform whose enum is ROCM, installed as the
+    current platform the way an out-of-tree platform plugin is), the spec refuses to start."""
+    code = f"""
+import vllm.platforms as platforms
+from vllm.platforms.interface import Platform, PlatformEnum
+
+class RocmPlatform(Platform):
+    _enum = PlatformEnum.ROCM
+    device_name = "rocm"
+    device_type = "cuda"
+
+from vllm.config import set_current_vllm_config
+from tests.multiprocess.vllm_scheduler_driver import make_vllm_config
+from tests.unit.test_vllm_offload_bad_input import make_config
+config = make_vllm_config("unused", {model_dir!r})  # built on this machine's platform
+platforms._current_platform = RocmPlatform()
+from shmkv.vllm.spec import SharedCPUOffloadingSpec
+try:
+    with set_current_vllm_config(config):
+        SharedCPUOffloadingSpec(make_config({spec_pool!r}))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__))))).stdout
+    assert out.startswith("UsageError the shared offload tier needs vLLM's shared offload "
+                          "region, which vLLM does not use on ROCm"), out
+    assert not SharedCPUOffloadingManager.unlink(spec_pool)
