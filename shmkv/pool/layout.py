@@ -34,7 +34,9 @@ Immutable after creation (the "config echo", validated by every attach, in this 
   rows, region 2 is ``[num_blocks]`` rather than empty).
 - `header_bytes` (u32, 16): ``HEADER_DTYPE.itemsize``.
 - `state` (u32, 20): ``STATE_INITIALIZING`` while the creator fills the segment, then
-  ``STATE_READY``; ``STATE_POISONED`` once ``check_invariants`` has found corruption.
+  ``STATE_READY``; ``STATE_POISONED`` once ``check_invariants`` has found corruption. Read
+  right after `magic`: the creator writes `magic` first, so a header in state 0 or
+  INITIALIZING is still being written and its other fields are not compared yet.
 - `total_bytes` (u64, 24): the size the layout formula gives; the segment must be that big.
 - `num_blocks` (u32, 32): ``num_gpu_blocks``; block 0 is the null block.
 - `hash_block_size` (u32, 36): tokens per hash unit of ``request.block_hashes``.

@@ -311,9 +311,10 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None,
                 allow_poisoned: bool = False) -> L.Layout:
     """Validates a segment's header and returns its layout.
 
-    Checks, in order: size >= header, magic, layout version, format flags, header size,
-    hash width, total size (header vs layout formula vs actual), the caller's expected config,
-    state. ``expected`` maps PoolConfig field names to the values the caller requires.
+    Checks, in order: size >= header, magic, a header still being written (state
+    INITIALIZING: the creator writes the magic first), layout version, format flags, header
+    size, hash width, total size (header vs layout formula vs actual), the caller's expected
+    config, state. ``expected`` maps PoolConfig field names to the values the caller requires.
 
     Raises:
         LayoutMismatchError: naming the field, the expected and the found value.
@@ -335,6 +336,11 @@ def read_config(seg: Segment, expected: dict[str, object] | None = None,
 
     if int(hdr["magic"]) != L.MAGIC:
         raise mismatch("magic", hex(L.MAGIC), hex(int(hdr["magic"])), ": not a shmkv segment")
+    if int(hdr["state"]) in (0, L.STATE_INITIALIZING):  # magic is written first: its creator
+        raise SegmentError(  # is still writing the header, whose other fields mean nothing yet
+            f"segment {name} is in state INITIALIZING, not READY: its creator has not "
+            "finished (or died while) initialising it"
+        )
     if int(hdr["layout_version"]) != L.LAYOUT_VERSION:
         raise mismatch(
             "layout_version", L.LAYOUT_VERSION, int(hdr["layout_version"]),
