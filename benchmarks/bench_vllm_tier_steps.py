@@ -65,6 +65,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
+from tests.multiprocess.conftest import join_processes  # noqa: E402
 from tests.multiprocess.vllm_scheduler_driver import (  # noqa: E402
     BLOCK_SIZE,
     LAYERS,
@@ -78,7 +79,6 @@ from tests.multiprocess.vllm_scheduler_driver import (  # noqa: E402
 
 CHUNK_BYTES = len(LAYERS) * PAGE_BYTES  # one GPU block per chunk (4 KiB aligned already)
 SYSTEM_PROMPTS, SYSTEM_BLOCKS, MAX_TOKENS = 8, 4, 8
-JOIN_TIMEOUT_S = 120
 
 
 def private_scheduler(model_dir: str, cpu_bytes: int, engine_id: str) -> Scheduler:
@@ -191,13 +191,7 @@ def run(ctx, setup: str, n: int, forward_ms: float, args, model_dir: str, tag: s
             for p in procs:
                 if p.is_alive():
                     p.kill()
-        codes = []
-        for p in procs:
-            p.join(JOIN_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-            codes.append(p.exitcode)
+        codes = join_processes(procs)
         if setup == "shared":
             SharedCPUOffloadingManager.unlink(pool)
     if codes != [0] * n:

@@ -114,12 +114,8 @@ class AliveLocks:
 
     def claim(self, slot: int) -> bool:
         """Takes the lock on byte ``slot``; False if a live process holds it."""
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, slot))
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            raise
+        if not self._try_lock(slot):
+            return False
         self.held_slot = slot
         return True
 
@@ -132,13 +128,7 @@ class AliveLocks:
     def try_arbiter(self) -> bool:
         """Takes the take-over arbiter byte without waiting; False if another process has
         it."""
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, ARBITER_BYTE))
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return False
-            raise
-        return True
+        return self._try_lock(ARBITER_BYTE)
 
     def release_arbiter(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, ARBITER_BYTE))

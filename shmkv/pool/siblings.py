@@ -77,12 +77,12 @@ def write_owner(buf, offset: int, record: np.ndarray) -> None:
     np.ndarray((1,), L.OWNER_DTYPE, buffer=buf, offset=offset)[:] = record
 
 
-def pool_identity(pool_name: str) -> tuple[int, int, bytes] | None:
-    """(creator pid, inode, ``pool_id``) of a pool's segment now; None if there is no such
-    pool."""
-    path = SHM_DIR + L.segment_name(pool_name)
+def _pool_header(pool_name: str) -> tuple[os.stat_result, np.void] | None:
+    """(stat, header) of a pool's segment, read without following a link; None if there is
+    none or it is too short for a header."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(SHM_DIR + L.segment_name(pool_name),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -92,7 +92,16 @@ def pool_identity(pool_name: str) -> tuple[int, int, bytes] | None:
         os.close(fd)
     if len(head) < L.HEADER_DTYPE.itemsize:
         return None
-    hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
+    return st, np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
+
+
+def pool_identity(pool_name: str) -> tuple[int, int, bytes] | None:
+    """(creator pid, inode, ``pool_id``) of a pool's segment now; None if there is no such
+    pool."""
+    found = _pool_header(pool_name)
+    if found is None:
+        return None
+    st, hdr = found
     return int(hdr["creator_pid"]), int(st.st_ino), bytes(hdr["pool_id"])
 
 
@@ -500,20 +509,10 @@ def tier_of(pool_name: str) -> bytes | None:
     """The ``pool_id`` of the pool whose tier ``pool_name`` is (its header's ``tier_of``);
     None when it is a pool of its own, or not a readable shmkv pool of this user and layout
     version (then it is nobody's tier: left alone)."""
-    try:
-        fd = os.open(SHM_DIR + L.segment_name(pool_name),
-                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    found = _pool_header(pool_name)
+    if found is None or _foreign(found[0]):
         return None
-    try:
-        if _foreign(os.fstat(fd)):
-            return None
-        head = os.pread(fd, L.HEADER_DTYPE.itemsize, 0)
-    finally:
-        os.close(fd)
-    if len(head) < L.HEADER_DTYPE.itemsize:
-        return None
-    hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
+    hdr = found[1]
     if int(hdr["magic"]) != L.MAGIC or int(hdr["layout_version"]) != L.LAYOUT_VERSION:
         return None
     owner = bytes(hdr["tier_of"])
