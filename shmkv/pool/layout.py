@@ -217,13 +217,14 @@ Other shared-memory objects of shmkv are named ``/shmkv_<kind>-<name>-v<version>
 pool tools (``shmkv cleanup``) parse as ``shmkv-<pool name>-v<LAYOUT_VERSION>``. Each starts
 with its own small header and is versioned on its own.
 
-Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables),
-``kv`` (a pool's KV store), ``stats`` (a pool's per-process counters, ``shmkv/stats.py``) and
-``pub`` (a pool's saved publisher position, ``shmkv/publisher.py``) and ``offload`` (the vLLM
-offload tier's rank table beside its pool, ``shmkv/vllm.py``); ``bt`` and ``kv`` are laid
-out in ``shmkv/ranks/block_table.py``'s docstring. Besides these, a channel's doorbell is a
-POSIX semaphore ``/shmkv_bell-<name>`` named in the channel's header (it has no header of its
-own), and a pool has its lock semaphore and ``.alive`` file (above).
+Kinds: ``ch`` (a message channel, below), ``bt`` (a scheduler's shared block tables), ``kv``
+(a pool's KV store), ``stats`` (a pool's per-process counters, ``shmkv/stats.py``) and
+``pub`` (a pool's saved publisher position, ``shmkv/publisher.py``) and ``offload`` (the
+vLLM offload tier's rank table beside its pool, ``shmkv/vllm.py``); ``bt`` and ``kv`` are
+laid out in the docstrings of ``shmkv/ranks/tables.py`` and ``shmkv/ranks/kv_store.py``.
+Besides these, a channel's doorbell is a POSIX semaphore ``/shmkv_bell-<name>`` named in the
+channel's header (it has no header of its own), and a pool has its lock semaphore and
+``.alive`` file (above).
 
 Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and holds an
 *owner record* (``OWNER_DTYPE``, 112 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
@@ -282,7 +283,7 @@ without it, x86-64 only).
 - Channel ring (``shmkv/messages.py``): the producer's frame bytes, fence, `tail` publishes
   them; the consumer reads `tail`, fence, the frame, fence, `head` gives the space back; the
   producer reads `head`, fence, then overwrites.
-- Block-table seqlock (``shmkv/ranks/block_table.py``): odd `seq`, fence, rows, fence, `step`,
+- Block-table seqlock (``shmkv/ranks/tables.py``): odd `seq`, fence, rows, fence, `step`,
   fence, even `seq` publishes them; a reader reads an even `seq`, fence, the rows, fence, and
   re-reads `seq` to validate the copy.
 

@@ -21,7 +21,8 @@ from shmkv.errors import (  # noqa: E402
     UsageError,
 )
 from shmkv.pool import layout as L  # noqa: E402
-from shmkv.ranks import block_table as block_table_module  # noqa: E402
+from shmkv.ranks import slot_mapping as slot_mapping_module  # noqa: E402
+from shmkv.ranks import tables as tables_module  # noqa: E402
 from shmkv.ranks.block_table import (  # noqa: E402
     BT_HEADER_DTYPE,
     KV_HEADER_DTYPE,
@@ -58,11 +59,11 @@ def rank_path(request, monkeypatch):
     """The rank side's two paths: the C helpers (when the kernel is built) and numpy, the
     reference they are held to."""
     if request.param == "c":
-        if block_table_module._c_slot_mappings is None:
+        if slot_mapping_module.c_slot_mappings is None:
             pytest.skip("the C kernel is not built")
     else:
-        monkeypatch.setattr(block_table_module, "_c_slot_mappings", None)
-        monkeypatch.setattr(block_table_module, "_c_token_indices", None)
+        monkeypatch.setattr(slot_mapping_module, "c_slot_mappings", None)
+        monkeypatch.setattr(slot_mapping_module, "c_token_indices", None)
     return request.param
 
 
@@ -70,10 +71,10 @@ def rank_path(request, monkeypatch):
 def writer_path(request, monkeypatch):
     """add_rows / append_rows: the C pass (when built) and the Python paths."""
     if request.param == "c":
-        if block_table_module._c_scatter_rows is None:
+        if tables_module._c_scatter_rows is None:
             pytest.skip("the C kernel is not built")
     else:
-        monkeypatch.setattr(block_table_module, "_c_scatter_rows", None)
+        monkeypatch.setattr(tables_module, "_c_scatter_rows", None)
     return request.param
 
 
@@ -483,9 +484,7 @@ def test_a_few_rows_of_arrays_or_numpy_ints_end_the_same_as_lists(name, writer_p
 @pytest.mark.parametrize("row_by_row_max", [24, 0], ids=["row-by-row", "vectorised"])
 def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, row_by_row_max,
                                                          monkeypatch, writer_path):
-    import shmkv.ranks.block_table as bt
-
-    monkeypatch.setattr(bt, "_ROW_BY_ROW_MAX", row_by_row_max)
+    monkeypatch.setattr(tables_module, "_ROW_BY_ROW_MAX", row_by_row_max)
     tables.add_row(([1, 2], [3]), 3)
     tables.commit(0)
     before = _state(tables)
@@ -538,8 +537,8 @@ def _outcome(fn, *args) -> tuple:
 def _both_paths(monkeypatch, fn, *args) -> tuple[tuple, tuple]:
     c = _outcome(fn, *args)
     with monkeypatch.context() as m:
-        m.setattr(block_table_module, "_c_slot_mappings", None)
-        m.setattr(block_table_module, "_c_token_indices", None)
+        m.setattr(slot_mapping_module, "c_slot_mappings", None)
+        m.setattr(slot_mapping_module, "c_token_indices", None)
         reference = _outcome(fn, *args)
     return c, reference
 
@@ -570,7 +569,7 @@ def _container(rng: random.Random, values: list):
     return np.repeat(np.array(values, dtype=np.int64), 2)[::2]  # a strided view
 
 
-@pytest.mark.skipif(block_table_module._c_token_indices is None,
+@pytest.mark.skipif(slot_mapping_module.c_token_indices is None,
                     reason="the C kernel is not built")
 def test_the_c_rank_helpers_answer_as_numpy_does_for_every_input(name, tables, monkeypatch):
     """Random batches, good and bad, in every container: batch_token_indices and
@@ -581,7 +580,7 @@ def test_the_c_rank_helpers_answer_as_numpy_does_for_every_input(name, tables, m
     tables.commit(1)
     reader = SharedBlockTables.attach(name)
     c_took = {"token_indices": 0, "slot_mappings": 0}
-    op = block_table_module._c_operand
+    op = slot_mapping_module.c_operand
     try:
         for _ in range(1500):
             n = rng.randint(0, 5)
@@ -592,7 +591,7 @@ def test_the_c_rank_helpers_answer_as_numpy_does_for_every_input(name, tables, m
             c, ref = _both_paths(monkeypatch, batch_token_indices, *args)
             assert c == ref, (counts, starts)
             operands = [op(a) for a in args]
-            if all(x is not None for x in operands) and block_table_module._c_token_indices(
+            if all(x is not None for x in operands) and slot_mapping_module.c_token_indices(
                     *operands, np.empty(0, np.int64), np.empty(0, np.int64)) >= 0:
                 c_took["token_indices"] += 1
             rows = [rng.choice([0, 2, 6, 6, 7, 7, 8, -1]) for _ in range(rng.randint(1, 3))]
@@ -604,7 +603,7 @@ def test_the_c_rank_helpers_answer_as_numpy_does_for_every_input(name, tables, m
             c, ref = _both_paths(monkeypatch, reader.compute_slot_mappings, *args)
             assert c == ref, (rows, req, pos)
             operands = [op(a) for a in args]
-            if all(x is not None for x in operands) and block_table_module._c_slot_mappings(
+            if all(x is not None for x in operands) and slot_mapping_module.c_slot_mappings(
                     reader._tables_c, reader.block_sizes, *operands, None):
                 c_took["slot_mappings"] += 1
         # Enough of the cases went the C way for the comparison to mean something.
@@ -616,13 +615,13 @@ def test_the_c_rank_helpers_answer_as_numpy_does_for_every_input(name, tables, m
         reader.close()
 
 
-@pytest.mark.skipif(block_table_module._c_token_indices is None,
+@pytest.mark.skipif(slot_mapping_module.c_token_indices is None,
                     reason="the C kernel is not built")
 def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
     """The C path is the one a regular batch takes (so the comparison above compares two
     paths), and it writes nothing when it says no."""
-    token_indices = block_table_module._c_token_indices
-    slot_mappings = block_table_module._c_slot_mappings
+    token_indices = slot_mapping_module.c_token_indices
+    slot_mappings = slot_mapping_module.c_slot_mappings
     req, pos = np.full(3, -7, np.int64), np.full(3, -7, np.int64)
     assert token_indices([2, 3], [0, 10], req, pos) == 5  # too short: nothing written
     assert req.tolist() == pos.tolist() == [-7, -7, -7]
@@ -648,19 +647,19 @@ def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
     with pytest.raises(TypeError):  # no group: a caller's bug, not a batch to refuse
         slot_mappings((), (), [3], [0], [0], None)
     with pytest.raises(TypeError):
-        block_table_module._c_scatter_rows((), tables._num_blocks_np, [1], [[]], False, 9,
+        tables_module._c_scatter_rows((), tables._num_blocks_np, [1], [[]], False, 9,
                                            lambda: None)
 
 
-@pytest.mark.skipif(block_table_module._c_token_indices is None,
+@pytest.mark.skipif(slot_mapping_module.c_token_indices is None,
                     reason="the C kernel is not built")
 def test_inputs_changed_between_the_c_check_and_the_c_pass_go_the_numpy_way(
         name, tables, monkeypatch):
     """Another thread may change the caller's lists between the C helper's check and its
     pass: the pass then refuses them, and the answer is numpy's on what the lists became
     (here an error), never the unwritten output buffer."""
-    real_slots, real_tokens = (block_table_module._c_slot_mappings,
-                               block_table_module._c_token_indices)
+    real_slots, real_tokens = (slot_mapping_module.c_slot_mappings,
+                               slot_mapping_module.c_token_indices)
     rows, counts = [6], [2, 3]
     calls = {"slots": 0, "tokens": 0}
 
@@ -676,8 +675,8 @@ def test_inputs_changed_between_the_c_check_and_the_c_pass_go_the_numpy_way(
             counts[1] = -1
         return real_tokens(*args)
 
-    monkeypatch.setattr(block_table_module, "_c_slot_mappings", slots_then_meddle)
-    monkeypatch.setattr(block_table_module, "_c_token_indices", tokens_then_meddle)
+    monkeypatch.setattr(slot_mapping_module, "c_slot_mappings", slots_then_meddle)
+    monkeypatch.setattr(slot_mapping_module, "c_token_indices", tokens_then_meddle)
     tables.add_row(([1, 2], [7]), 6)
     tables.commit(1)
     with pytest.raises(UsageError, match=r"rows must lie in \[0, 8\), got 9"):
@@ -687,7 +686,7 @@ def test_inputs_changed_between_the_c_check_and_the_c_pass_go_the_numpy_way(
     assert calls == {"slots": 2, "tokens": 2}
 
 
-@pytest.mark.skipif(block_table_module._c_scatter_rows is None,
+@pytest.mark.skipif(tables_module._c_scatter_rows is None,
                     reason="the C kernel is not built")
 def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeypatch):
     """Random add_rows / append_rows, good and bad (rows repeated or out of range, ids
@@ -721,7 +720,7 @@ def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeyp
             for t, fast in ((c_tables, True), (py_tables, False)):
                 with monkeypatch.context() as m:
                     if not fast:
-                        m.setattr(block_table_module, "_c_scatter_rows", None)
+                        m.setattr(tables_module, "_c_scatter_rows", None)
                     try:
                         (t.append_rows if appending else t.add_rows)(ids, rows)
                         outcomes.append("ok")
@@ -744,14 +743,14 @@ def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeyp
             SharedBlockTables.unlink(n)
 
 
-@pytest.mark.skipif(block_table_module._c_scatter_rows is None,
+@pytest.mark.skipif(tables_module._c_scatter_rows is None,
                     reason="the C kernel is not built")
 def test_the_c_row_writer_checks_all_before_begin_write_and_stores_what_it_checked(tables):
     """It calls begin_write only once everything is checked (a refusal calls nothing and
     writes nothing), an exception from begin_write writes nothing, and what it stores is
     what it checked, even if the caller's lists change inside begin_write (another thread
     may run there)."""
-    scatter = block_table_module._c_scatter_rows
+    scatter = tables_module._c_scatter_rows
     groups, lengths = tables._tables_c, tables._num_blocks_np
     calls = []
     before = _state(tables)
