@@ -313,7 +313,8 @@ record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher
 is keyed on the pool's `pool_id` (was its creator pid and 8 bytes of NONE_HASH). ch v3, bt v3,
 kv v3, stats v3, pub v3: the owner record grows to 112 bytes with the pool's `pool_id`, which
 cleanup compares (a pool re-created under the name, even by a reused pid on a reused inode, is
-another pool).
+another pool). kv v4: the KV store's header names its data layout (`layout`, in former
+padding): layer-major as before, or block-major (``shmkv/ranks/kv_store.py``).
 """
 
 from __future__ import annotations
@@ -769,7 +770,7 @@ OWNER_DTYPE = np.dtype(
 BT_LAYOUT_VERSION = 3
 BT_MAGIC = 0x1A5E_4B76_7462_6C31
 BT_OWNER_OFFSET = 128  # in the 256-byte header's padding
-KV_LAYOUT_VERSION = 3
+KV_LAYOUT_VERSION = 4
 KV_MAGIC = 0x1A5E_4B76_6B76_7332
 KV_OWNER_OFFSET = 128  # in the 4 KiB header's padding
 STATS_VERSION = 3

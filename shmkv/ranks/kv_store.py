@@ -1,21 +1,41 @@
 """The KV store: every layer's K and V over one POSIX shared-memory segment (the host tier).
 
-One segment per pool, ``/shmkv_kv-<name>-v<KV_LAYOUT_VERSION>``: a 4 KiB header (`magic`,
-`layout_version`, `header_bytes`, `total_bytes`, `num_layers`, `num_blocks`, `block_size`,
-`num_kv_heads`, `head_size`, `element_bytes`, `dtype` name, `creator_pid`; at byte 128 the
-owner record, as for block tables: ``shmkv/pool/layout.py``, "Sibling segments"), then one
-page-aligned tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``:
-``key_cache[l]`` is ``kv[l, 0]`` and ``value_cache[l]`` is ``kv[l, 1]``. Block id ``b`` of the
-pool names row ``b`` of every layer (the host tier of DESIGN section 1). Who writes a block:
-the rank whose request holds it (a block is written only while one request holds it alone,
-before it is cached; once cached it is only read), provided every scheduler caches a
-step's blocks only after its rank has answered (``delay_cache_blocks``, then
-``cache_blocks``; see ``shmkv/serve/rank.py``).
+One segment per pool, ``/shmkv_kv-<name>-v<KV_LAYOUT_VERSION>``, mode 0600: a 4 KiB header,
+then the data, page-aligned (``cudaHostRegister`` wants pages).
+
+Header fields (little-endian, ``KV_HEADER_DTYPE``): `magic` (u64, ``KV_MAGIC``, written last),
+`layout_version` (u32), `header_bytes` (u32), `total_bytes` (u64), `num_layers`,
+`num_blocks`, `block_size`, `num_kv_heads`, `head_size`, `element_bytes`, `creator_pid`,
+`layout` (u32 each; `layout`: 0 layer-major, 1 block-major), `dtype` (S16, the torch dtype's
+name); at byte 128 the owner record (``shmkv/pool/layout.py``, "Sibling segments": the
+creator and the pool whose block ids index the store, for ``shmkv cleanup``).
+
+The data, one of two layouts chosen at ``create`` (the same bytes in all, ``2 *
+num_layers * num_blocks * block_size * num_kv_heads * head_size`` elements)::
+
+    layer_major  kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+                 layer l's K for every block, then its V, then layer l + 1 ...
+                 key_cache[l] = kv[l, 0], contiguous: a model attends over it in place
+                 (the CPU ranks of ``shmkv run``), slot s = block * block_size + offset.
+    block_major  kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]
+                 block b's K and V of every layer, then block b + 1 ...
+                 key_cache[l] = kv[:, l, 0], a strided view ``[num_blocks, block_size,
+                 ...]`` (index it by (block, offset)); one block is one contiguous range,
+                 so moving a set of blocks to or from a GPU is one DMA per run of
+                 consecutive ids (``shmkv/ranks/transfer.py``): the host tier for GPU ranks.
+
+Block id ``b`` of the pool names block ``b`` of every layer (the host tier of DESIGN section
+1). Who writes a block: the rank whose request holds it (a block is written only while one
+request holds it alone, before it is cached; once cached it is only read), provided every
+scheduler caches a step's blocks only after its rank has answered (``delay_cache_blocks``,
+then ``cache_blocks``; see ``shmkv/serve/rank.py``), and a rank that computes on a GPU has
+``store_blocks`` return before it answers.
 
 The store has no protocol of its own: block ownership comes from the pool.
 
 Changelog: kv v1: initial. kv v2: the owner record (versions and magics now in
-``shmkv/pool/layout.py``). kv v3: the owner record grows to 112 bytes.
+``shmkv/pool/layout.py``). kv v3: the owner record grows to 112 bytes. kv v4: the header's
+`layout` field (was padding) and the block-major layout.
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +51,7 @@ from shmkv.errors import LayoutMismatchError, UsageError
 from shmkv.pool import layout as L
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, write_owner
+from shmkv.ranks import transfer
 from shmkv.ranks._common import (
     DTYPE_NAMES,
     MAX_BLOCK_ID,
@@ -46,12 +68,15 @@ torch = LazyTorch(globals())
 KV_LAYOUT_VERSION = L.KV_LAYOUT_VERSION
 KV_MAGIC = L.KV_MAGIC
 KV_HEADER_BYTES = 4096  # the data starts page-aligned (cudaHostRegister wants pages)
+LAYER_MAJOR = transfer.LAYER_MAJOR
+BLOCK_MAJOR = transfer.BLOCK_MAJOR
+KV_LAYOUTS = transfer.KV_LAYOUTS  # header code: the index
 
 KV_HEADER_DTYPE = np.dtype([
     ("magic", "<u8"), ("layout_version", "<u4"), ("header_bytes", "<u4"),
     ("total_bytes", "<u8"), ("num_layers", "<u4"), ("num_blocks", "<u4"),
     ("block_size", "<u4"), ("num_kv_heads", "<u4"), ("head_size", "<u4"),
-    ("element_bytes", "<u4"), ("creator_pid", "<u4"), ("_pad0", "<u4"),
+    ("element_bytes", "<u4"), ("creator_pid", "<u4"), ("layout", "<u4"),
     ("dtype", "S16"),
 ])
 
@@ -62,7 +87,12 @@ def kv_store_segment_name(name: str) -> str:
 
 class KVStore:
     """Per layer K and V, ``[num_blocks, block_size, num_kv_heads, head_size]``, over one
-    POSIX shared-memory segment that every process maps (the host tier)."""
+    POSIX shared-memory segment that every process maps (the host tier).
+
+    ``kv`` is the whole store in its layout (``layout``: ``"layer_major"`` or
+    ``"block_major"``, see the module docstring); ``key_cache[l]`` / ``value_cache[l]`` are
+    layer ``l``'s views in both. ``load_blocks`` / ``store_blocks`` copy blocks to and from
+    a device cache (``allocate_device_cache``: layer-major on every layout)."""
 
     def __init__(self, segment: Segment, owner: bool) -> None:
         self._segment = segment
@@ -74,16 +104,25 @@ class KVStore:
         self.num_kv_heads = int(h["num_kv_heads"])
         self.head_size = int(h["head_size"])
         self.dtype = torch_dtype(bytes(h["dtype"]).decode())
+        self.layout = KV_LAYOUTS[int(h["layout"])]
         del h
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                 self.head_size)
+        block = (self.block_size, self.num_kv_heads, self.head_size)
+        if self.layout == BLOCK_MAJOR:
+            shape = (self.num_blocks, self.num_layers, 2, *block)
+        else:
+            shape = (self.num_layers, 2, self.num_blocks, *block)
         count = math.prod(shape)
         self.kv = torch.frombuffer(segment.buf, dtype=self.dtype, count=count,
                                    offset=KV_HEADER_BYTES).view(shape)
-        self.key_cache = [self.kv[i, 0] for i in range(self.num_layers)]
-        self.value_cache = [self.kv[i, 1] for i in range(self.num_layers)]
+        if self.layout == BLOCK_MAJOR:
+            self.key_cache = [self.kv[:, i, 0] for i in range(self.num_layers)]
+            self.value_cache = [self.kv[:, i, 1] for i in range(self.num_layers)]
+        else:
+            self.key_cache = [self.kv[i, 0] for i in range(self.num_layers)]
+            self.value_cache = [self.kv[i, 1] for i in range(self.num_layers)]
         self.name = segment.shm_name
         self._pinned = False
+        self._copy_streams: dict[int, Any] = {}  # per CUDA device index
 
     @staticmethod
     def _total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
@@ -94,9 +133,12 @@ class KVStore:
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_blocks: int, block_size: int,
                num_kv_heads: int, head_size: int, dtype: object = "float32",
-               pool: str | None = None) -> KVStore:
+               pool: str | None = None, layout: str = LAYER_MAJOR) -> KVStore:
         """A new, zero-filled store. ``pool``: the pool whose block ids index it, recorded
         with this process as its owner (``shmkv cleanup`` keeps it while either lives).
+        ``layout``: ``"layer_major"`` (a model attends over the store in place) or
+        ``"block_major"`` (the host tier of GPU ranks: each block one contiguous range,
+        copied at the bus's speed); see the module docstring.
 
         Raises:
             UsageError: a bad size or dtype (nothing is created).
@@ -110,6 +152,8 @@ class KVStore:
             positive_int(what, v)
         if num_blocks > MAX_BLOCK_ID:
             raise UsageError(f"num_blocks {num_blocks} exceeds {MAX_BLOCK_ID}")
+        if layout not in KV_LAYOUTS:
+            raise UsageError(f"layout {layout!r} is not one of {list(KV_LAYOUTS)}")
         dname = dtype_name(dtype)
         element_bytes = torch_dtype(dname).itemsize
         total = cls._total_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_size,
@@ -129,6 +173,7 @@ class KVStore:
             h["element_bytes"] = element_bytes
             h["creator_pid"] = os.getpid()
             h["dtype"] = dname.encode()
+            h["layout"] = KV_LAYOUTS.index(layout)
             write_owner(seg.buf, L.KV_OWNER_OFFSET, owner)
             h["magic"] = KV_MAGIC
             del h
@@ -158,6 +203,10 @@ class KVStore:
                 raise LayoutMismatchError(
                     f"segment {seg.shm_name}: header field dtype is {dname!r}, expected one of "
                     f"{sorted(DTYPE_NAMES)}")
+            if int(hdr["layout"]) >= len(KV_LAYOUTS):
+                raise LayoutMismatchError(
+                    f"segment {seg.shm_name}: header field layout is {int(hdr['layout'])}, "
+                    f"expected one of {list(range(len(KV_LAYOUTS)))} ({list(KV_LAYOUTS)})")
             itemsize = torch_dtype(dname).itemsize
             if int(hdr["element_bytes"]) != itemsize:
                 raise LayoutMismatchError(
@@ -232,60 +281,80 @@ class KVStore:
 
     def allocate_device_cache(self, device: torch.device | str | int,
                               num_blocks: int | None = None) -> torch.Tensor:
-        """A device tensor shaped like ``kv`` (``num_blocks`` rows per layer and K/V)."""
+        """A zeroed device cache, ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+        head_size]`` (``num_blocks`` rows per layer and K/V; the store's by default), in the
+        store's dtype, whatever the store's layout: what ``load_blocks`` fills."""
         n = self.num_blocks if num_blocks is None else num_blocks
         return torch.zeros((self.num_layers, 2, n, self.block_size, self.num_kv_heads,
                             self.head_size), dtype=self.dtype, device=device)
 
     def load_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                     device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Copies blocks host -> device for every layer, K and V: host block
-        ``block_ids[i]`` to device block ``device_block_ids[i]`` (the same ids by default).
+        """Copies blocks host -> device for every layer, K and V: store block
+        ``block_ids[i]`` to row ``device_block_ids[i]`` of ``device_kv`` (the same ids by
+        default). Any set of ids, in any order; a store block may be loaded into several
+        rows, a row is written once.
 
-        ``device_kv`` is shaped like ``kv`` (``allocate_device_cache``). Runs of consecutive
-        ids are copied as one contiguous slice each, straight from the store: once ``pin()``
-        has registered it, each copy is an asynchronous DMA (no staging copy); call
-        ``torch.cuda.synchronize()`` (or sync the stream) before reading the host side.
+        ``device_kv``: ``[num_layers, 2, rows, block_size, num_kv_heads, head_size]`` in the
+        store's dtype, on any device (``allocate_device_cache``). On a GPU with a
+        block-major store the copies are one DMA per run of consecutive ids into a staging
+        buffer and one index kernel per chunk (``shmkv/ranks/transfer.py``); asynchronous
+        once ``pin()`` registered the store: kernels later queued on the current stream
+        see the rows, the host must synchronize before reading them itself.
+
+        Raises:
+            UsageError: ``device_kv`` not a tensor of that shape and dtype, ids that are
+                not ints, out of range, of different lengths, or a repeated row; nothing is
+                copied then.
         """
-        for src, dst, n in self._runs(block_ids, device_block_ids, device_kv):
-            for layer in range(self.num_layers):
-                for kv in (0, 1):
-                    device_kv[layer, kv, dst:dst + n].copy_(self.kv[layer, kv, src:src + n],
-                                                           non_blocking=self._pinned)
+        plan = self._plan(device_kv, block_ids, device_block_ids, unique="device")
+        self._copy(device_kv, plan, to_device=True)
 
     def store_blocks(self, device_kv: torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
                      device_block_ids: Sequence[int] | torch.Tensor | None = None) -> None:
-        """Copies blocks device -> host (the inverse of ``load_blocks``), then waits for the
-        copies, so the store holds them when it returns."""
-        for dst, src, n in self._runs(block_ids, device_block_ids, device_kv):
-            for layer in range(self.num_layers):
-                for kv in (0, 1):
-                    self.kv[layer, kv, dst:dst + n].copy_(device_kv[layer, kv, src:src + n],
-                                                          non_blocking=self._pinned)
-        if self._pinned and device_kv.is_cuda:
-            torch.cuda.synchronize(device_kv.device)
+        """Copies blocks device -> host (the inverse of ``load_blocks``: row
+        ``device_block_ids[i]`` to store block ``block_ids[i]``; a store block is written
+        once), then waits for the copies, so the store holds them when it returns.
 
-    def _runs(self, host_ids, device_ids, device_kv) -> list[tuple[int, int, int]]:
-        """(host start, device start, length) of the maximal runs where both id lists go up
-        by one. Raises UsageError on ids out of range."""
-        host = [int(b) for b in (host_ids.tolist() if hasattr(host_ids, "tolist") else host_ids)]
-        dev = host if device_ids is None else [
-            int(b) for b in (device_ids.tolist() if hasattr(device_ids, "tolist") else device_ids)]
-        if len(dev) != len(host):
-            raise UsageError(f"{len(host)} host block ids for {len(dev)} device block ids")
-        if tuple(device_kv.shape[:2]) != (self.num_layers, 2) or (
-                tuple(device_kv.shape[3:]) != tuple(self.kv.shape[3:])):
-            raise UsageError(f"device KV of shape {tuple(device_kv.shape)} does not match the "
-                             f"store's {tuple(self.kv.shape)} (but for the number of blocks)")
-        for what, ids, limit in (("host", host, self.num_blocks),
-                                 ("device", dev, device_kv.shape[2])):
-            if ids and (min(ids) < 0 or max(ids) >= limit):
-                raise UsageError(f"{what} block ids must lie in [0, {limit}), found "
-                                 f"{min(ids)}..{max(ids)}")
-        runs: list[list[int]] = []
-        for h, d in zip(host, dev, strict=True):
-            if runs and h == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-                runs[-1][2] += 1
-            else:
-                runs.append([h, d, 1])
-        return [tuple(r) for r in runs]
+        Raises:
+            UsageError: as ``load_blocks`` (a repeated store block instead of a repeated
+                row); nothing is copied then.
+        """
+        plan = self._plan(device_kv, block_ids, device_block_ids, unique="host")
+        self._copy(device_kv, plan, to_device=False)
+
+    def _plan(self, device_kv: object, block_ids: object, device_block_ids: object,
+              unique: str) -> transfer.TransferPlan:
+        if not isinstance(device_kv, torch.Tensor):
+            raise UsageError(f"device_kv must be a torch.Tensor, got {type(device_kv).__name__}")
+        want = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_size)
+        got = tuple(device_kv.shape)
+        if len(got) != 6 or got[:2] + got[3:] != want:
+            raise UsageError(
+                f"device_kv of shape {got} does not match the store: expected (num_layers, 2, "
+                f"rows, block_size, num_kv_heads, head_size) = ({want[0]}, 2, rows, "
+                f"{', '.join(map(str, want[2:]))})")
+        if device_kv.dtype != self.dtype:
+            raise UsageError(f"device_kv has dtype {device_kv.dtype}; the store holds "
+                             f"{self.dtype} (bytes are copied, never converted)")
+        return transfer.plan_transfer(block_ids, device_block_ids, self.num_blocks, got[2],
+                                      unique=unique)
+
+    def _copy(self, device_kv: torch.Tensor, plan: transfer.TransferPlan,
+              to_device: bool) -> None:
+        nb = self._pinned and device_kv.is_cuda
+        if device_kv.is_cuda and self.layout == BLOCK_MAJOR:
+            transfer.copy_staged(self.kv, device_kv, plan, to_device=to_device,
+                                 non_blocking=nb,
+                                 copy_stream=self._copy_stream(device_kv.device))
+        else:
+            transfer.copy_direct(self.kv, self.layout, device_kv, plan, to_device=to_device,
+                                 non_blocking=nb)
+
+    def _copy_stream(self, device: torch.device):
+        """This store's CUDA stream for host <-> ``device`` copies, made on first use."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._copy_streams.get(index)
+        if stream is None:
+            stream = self._copy_streams[index] = torch.cuda.Stream(device=index)
+        return stream
