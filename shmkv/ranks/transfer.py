@@ -54,7 +54,7 @@ torch = LazyTorch(globals())
 LAYER_MAJOR = "layer_major"
 BLOCK_MAJOR = "block_major"
 KV_LAYOUTS = (LAYER_MAJOR, BLOCK_MAJOR)  # their header codes are their indices
-STAGING_CHUNK_BYTES = 64 << 20  # a staged copy's unit of overlap (DMA k+1 || index kernel k)
+STAGING_CHUNK_BYTES = 32 << 20  # a staged copy's unit of overlap (DMA k+1 || index kernel k)
 
 
 @dataclass(frozen=True)
@@ -206,9 +206,11 @@ def copy_staged(host_blocks: torch.Tensor, device_kv: torch.Tensor, plan: Transf
     device = device_kv.device
     block_bytes = math.prod(rows.shape[1:]) * rows.element_size()
     per_chunk = max(1, chunk_bytes // block_bytes)
-    index = torch.from_numpy(plan.device_ids).to(device)
+    index = torch.from_numpy(plan.device_ids)
     cuda = copy_stream is not None
     current = torch.cuda.current_stream(device) if cuda else None
+    if cuda:  # from pinned memory: no host sync on the current stream's queued work
+        index = index.pin_memory().to(device, non_blocking=True)
     for first, end, runs in _chunks(plan, per_chunk):
         shape = (end - first, *rows.shape[1:])
         if to_device:
