@@ -63,6 +63,7 @@ from shmkv.serve.messages import (
     TokensGenerated,
 )
 from shmkv.serve.routing import PrivatePoolsView, SharedPoolView, make_router
+from shmkv.serve.token_check import _check_tokens, reference_tokens  # noqa: F401 (re-export)
 from shmkv.serve.workload import TraceRequest
 
 __all__ = ["RunConfig", "RunResult", "Runner"]
@@ -512,6 +513,7 @@ class Runner:
         cfg = self.cfg
         live = set(range(cfg.num_schedulers))
         t_start = self.t_setup
+        self.reference = self._reference_model()
         self._wait_attached(live)
         t_serve = time.monotonic()
         if self.interrupted:
@@ -546,18 +548,24 @@ class Runner:
         self.records = st.records
         return self._finish(live, t_start, t_serve, st.timeline, st.stats, t_end)
 
+    def _reference_model(self):
+        """The no-cache reference (``check_tokens``) on the run's device, in its dtype: made
+        while the ranks start, so that a big model's making is not in the serving time."""
+        if not self.cfg.check_tokens:
+            return None
+        import torch
+
+        from shmkv.serve.model import TinyTransformer
+
+        torch.set_num_threads(1)
+        run = self.cfg.run_device
+        return TinyTransformer(self.cfg.model, device=run.device,
+                               dtype=getattr(torch, run.dtype))
+
     def _start_serving(self, t_serve: float) -> _Serving:
-        """The reference model (``check_tokens``), the pool view, the router, the records."""
+        """The pool view, the router, the records."""
         cfg = self.cfg
-        model = None
-        if cfg.check_tokens:
-            import torch
-
-            from shmkv.serve.model import TinyTransformer
-
-            torch.set_num_threads(1)
-            model = TinyTransformer(cfg.model, device=cfg.run_device.device,
-                                    dtype=getattr(torch, cfg.run_device.dtype))
+        model = self.reference
         if cfg.pool == "shared":
             view = SharedPoolView(self.pools[0])
         else:
@@ -816,39 +824,6 @@ class Runner:
             elif isinstance(msg, SchedulerStats):
                 stats[msg.scheduler] = msg
         return len(results) == len(targets) and all(results.values())
-
-
-def reference_tokens(model, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[int]:
-    """The no-cache reference's greedy token after each prefix ``prompt + output[:k]``, from
-    one causal ``forward_reference`` over ``prompt + output[:-1]``.
-
-    It is ``reference_generate(prompt, len(output))`` whenever ``output`` is right, and its
-    first difference from ``output`` is at the same index as ``reference_generate``'s
-    otherwise: the logits at a position depend only on the tokens up to it, and up to the
-    first wrong token both runs feed the same tokens. One forward instead of one per token.
-    """
-    return _reference_logits(model, prompt_token_ids, output_token_ids).argmax(-1).tolist()
-
-
-def _reference_logits(model, prompt_token_ids: list[int], output_token_ids: list[int]):
-    seq = list(prompt_token_ids) + list(output_token_ids[:-1])
-    return model.forward_reference(seq)[len(prompt_token_ids) - 1:]
-
-
-def _check_tokens(model, rec: RequestRecord) -> None:
-    """The first wrong token of ``rec`` (-1: none) and, if there is one, how far the
-    reference's logit of its own choice there lies above its logit of the served token
-    (``logit_gap``: a greedy flip between near-equal logits, in bfloat16, has a small
-    one)."""
-    out = list(rec.result.output_token_ids)
-    logits = _reference_logits(model, rec.prompt_token_ids, out)
-    ref = logits.argmax(-1).tolist()
-    rec.mismatch = next((k for k, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b),
-                        -1)
-    if rec.mismatch >= 0:
-        row = logits[rec.mismatch]
-        rec.logit_gap = float(row[ref[rec.mismatch]] - row[out[rec.mismatch]])
-    rec.checked = len(out)
 
 
 def _context(model_free: bool = False):

@@ -128,3 +128,35 @@ def test_small_model_shape_runs_paged_on_the_cpu_like_its_reference(dtype):
         assert int(logits[0].argmax()) == int(ref.argmax())
     else:
         assert float((logits[0] - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+def test_a_flip_is_reported_with_its_position_and_the_reference_logit_gap():
+    """A served token that differs from the reference at generated token 2: the check
+    finds index 2 and the reference's logit of its own choice minus the served token's;
+    in bfloat16 the figures list it without making it exact-checked."""
+    from types import SimpleNamespace
+
+    from shmkv.serve.report import _device_figures
+    from shmkv.serve.runner import RequestRecord
+    from shmkv.serve.token_check import _check_tokens
+    from shmkv.serve.workload import TraceRequest
+
+    model = TinyTransformer(_cut_down_small())
+    prompt = [4, 99, 250, 17]
+    ref = model.reference_generate(prompt, 4)
+    served = list(ref)
+    served[2] = (ref[2] + 1) % 512
+    rec = RequestRecord(trace=TraceRequest(request_id="r0", prompt_token_ids=prompt),
+                        prompt_token_ids=prompt,
+                        result=SimpleNamespace(output_token_ids=served))
+    _check_tokens(model, rec)
+    assert rec.mismatch == 2
+    logits = model.forward_reference(prompt + served[:2])[-1]
+    assert rec.logit_gap == pytest.approx(float(logits[ref[2]] - logits[served[2]]))
+    assert rec.logit_gap > 0
+    cfg = SimpleNamespace(run_device=RunDevice(dtype="bfloat16"))
+    f = _device_figures(cfg, [rec], [{"device_memory_bytes": 5}, {"device_memory_bytes": 9}])
+    assert f["exact_tokens"] is False and f["peak_device_memory_bytes"] == 9
+    assert f["divergences"] == [{"request_id": "r0", "position": 2,
+                                 "logit_gap": rec.logit_gap}]
+    assert f["max_logit_gap"] == rec.logit_gap
