@@ -130,3 +130,38 @@ def test_a_rank_killed_mid_run_the_others_finish(tmp_path, kv):
     assert any("rank-" in p and "died" in p for p in f["problems"]), f["problems"]
     assert sum(not s["alive_at_end"] for s in f["per_scheduler"]) == 1
     _check_clean(f, proc.pid)
+
+
+def _cut_down_small():
+    import dataclasses
+
+    from shmkv.serve.small_model import SMALL_MODEL_CONFIG
+
+    return dataclasses.replace(SMALL_MODEL_CONFIG, vocab_size=512, num_layers=2,
+                               hidden_size=64, intermediate_size=96, num_heads=4,
+                               num_kv_heads=2, head_size=16, sliding_window=(None, None))
+
+
+@pytest.mark.parametrize("kv,dtype", [("device", "float32"), ("host", "bfloat16")])
+def test_small_models_shape_cut_down_serves_through_the_ranks(kv, dtype):
+    """--model small's shape (one full-attention group), cut down, through scheduler and
+    rank processes on the CPU: float32 matches the reference token for token; bfloat16
+    serves every request and reports (does not fail on) any flip."""
+    from shmkv.serve.device import RunDevice
+    from shmkv.serve.runner import RunConfig, Runner
+    from shmkv.serve.workload import ChatWorkloadConfig, chat_workload
+
+    model = _cut_down_small()
+    workload = chat_workload(ChatWorkloadConfig(num_conversations=4,
+                                                vocab_size=model.vocab_size))
+    cfg = RunConfig(num_schedulers=2, num_blocks=256, model=model,
+                    run_device=RunDevice("cpu", kv, dtype))
+    runner = Runner(cfg, workload, log=lambda _: None)
+    f = runner.run().figures
+    assert f["problems"] == [] and f["pool_valid"]
+    assert f["requests"] == f["requests_total"] and f["tokens_checked"] > 0
+    assert (f["kv"], f["dtype"], f["exact_tokens"]) == (kv, dtype, dtype == "float32")
+    if dtype == "float32":
+        assert f["token_mismatches"] == 0
+    assert len(f["divergences"]) == min(f["requests_mismatched"], 5)
+    assert [e for e in os.listdir("/dev/shm") if runner.name in e] == []
