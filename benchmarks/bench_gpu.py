@@ -86,8 +86,8 @@ def transfer_worker(args, proc: int, stores: dict[str, str], barrier, results) -
     try:
         device = args.device
         torch.set_num_threads(args.threads)
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
+        if device.startswith("cuda") and torch.device(device).index is not None:
+            torch.cuda.set_device(torch.device(device))  # (set_device refuses a bare "cuda")
         opened = {layout: KVStore.attach(name) for layout, name in stores.items()}
         any_store = next(iter(opened.values()))
         if device != "cpu":
@@ -118,7 +118,7 @@ def transfer_worker(args, proc: int, stores: dict[str, str], barrier, results) -
                                 dst.copy_(src, non_blocking=pin)
                         spans = []
                         for rep in range(args.repeats + 1):
-                            barrier.wait()
+                            barrier.wait(timeout=args.timeout_s)
                             t0 = time.perf_counter()
                             run()
                             _sync(device)
