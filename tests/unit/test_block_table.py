@@ -22,7 +22,7 @@ from shmkv.errors import (  # noqa: E402
 )
 from shmkv.pool import layout as L  # noqa: E402
 from shmkv.ranks import slot_mapping as slot_mapping_module  # noqa: E402
-from shmkv.ranks import tables as tables_module  # noqa: E402
+from shmkv.ranks import table_writer as table_writer_module  # noqa: E402
 from shmkv.ranks.block_table import (  # noqa: E402
     BT_HEADER_DTYPE,
     KV_HEADER_DTYPE,
@@ -71,10 +71,10 @@ def rank_path(request, monkeypatch):
 def writer_path(request, monkeypatch):
     """add_rows / append_rows: the C pass (when built) and the Python paths."""
     if request.param == "c":
-        if tables_module._c_scatter_rows is None:
+        if table_writer_module._c_scatter_rows is None:
             pytest.skip("the C kernel is not built")
     else:
-        monkeypatch.setattr(tables_module, "_c_scatter_rows", None)
+        monkeypatch.setattr(table_writer_module, "_c_scatter_rows", None)
     return request.param
 
 
@@ -481,7 +481,7 @@ def test_a_few_rows_of_arrays_or_numpy_ints_end_the_same_as_lists(name, writer_p
 @pytest.mark.parametrize("row_by_row_max", [24, 0], ids=["row-by-row", "vectorised"])
 def test_batched_bad_input_is_refused_and_changes_nothing(tables, call, match, row_by_row_max,
                                                          monkeypatch, writer_path):
-    monkeypatch.setattr(tables_module, "_ROW_BY_ROW_MAX", row_by_row_max)
+    monkeypatch.setattr(table_writer_module, "_ROW_BY_ROW_MAX", row_by_row_max)
     tables.add_row(([1, 2], [3]), 3)
     tables.commit(0)
     before = _state(tables)
@@ -644,7 +644,7 @@ def test_the_c_rank_helpers_take_a_regular_batch_and_refuse_the_rest(tables):
     with pytest.raises(TypeError):  # no group: a caller's bug, not a batch to refuse
         slot_mappings((), (), [3], [0], [0], None)
     with pytest.raises(TypeError):
-        tables_module._c_scatter_rows((), tables._num_blocks_np, [1], [[]], False, 9,
+        table_writer_module._c_scatter_rows((), tables._num_blocks_np, [1], [[]], False, 9,
                                            lambda: None)
 
 
@@ -683,7 +683,7 @@ def test_inputs_changed_between_the_c_check_and_the_c_pass_go_the_numpy_way(
     assert calls == {"slots": 2, "tokens": 2}
 
 
-@pytest.mark.skipif(tables_module._c_scatter_rows is None,
+@pytest.mark.skipif(table_writer_module._c_scatter_rows is None,
                     reason="the C kernel is not built")
 def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeypatch):
     """Random add_rows / append_rows, good and bad (rows repeated or out of range, ids
@@ -717,7 +717,7 @@ def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeyp
             for t, fast in ((c_tables, True), (py_tables, False)):
                 with monkeypatch.context() as m:
                     if not fast:
-                        m.setattr(tables_module, "_c_scatter_rows", None)
+                        m.setattr(table_writer_module, "_c_scatter_rows", None)
                     try:
                         (t.append_rows if appending else t.add_rows)(ids, rows)
                         outcomes.append("ok")
@@ -740,14 +740,14 @@ def test_the_c_row_writer_ends_as_the_python_one_on_random_batches(name, monkeyp
             SharedBlockTables.unlink(n)
 
 
-@pytest.mark.skipif(tables_module._c_scatter_rows is None,
+@pytest.mark.skipif(table_writer_module._c_scatter_rows is None,
                     reason="the C kernel is not built")
 def test_the_c_row_writer_checks_all_before_begin_write_and_stores_what_it_checked(tables):
     """It calls begin_write only once everything is checked (a refusal calls nothing and
     writes nothing), an exception from begin_write writes nothing, and what it stores is
     what it checked, even if the caller's lists change inside begin_write (another thread
     may run there)."""
-    scatter = tables_module._c_scatter_rows
+    scatter = table_writer_module._c_scatter_rows
     groups, lengths = tables._tables_c, tables._num_blocks_np
     calls = []
     before = _state(tables)
