@@ -86,7 +86,10 @@ class PoolKV:
         else:
             self.store = KVStore.create(
                 name, num_layers=c.num_layers, num_blocks=num_blocks, block_size=block_size,
-                num_kv_heads=c.num_kv_heads, head_size=c.head_size, dtype=run.dtype, pool=pool)
+                num_kv_heads=c.num_kv_heads, head_size=c.head_size, dtype=run.dtype, pool=pool,
+                # the host tier moves whole blocks (one copy per run of ids); a device
+                # placement on the CPU attends over the store in place, layer by layer
+                layout="block_major" if run.kv == "host" else "layer_major")
         self.placement = KVPlacement(run.kv, run.device, run.dtype,
                                      None if self.store is None else name, handle)
 

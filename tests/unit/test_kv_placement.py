@@ -172,3 +172,22 @@ def test_a_row_taken_by_another_request_frees_the_old_requests_cache_rows(rig):
     assert cache.num_rows_in_use == 3
     r.step(host, [("b", 0, ([4],), [7, 7], 0)])
     assert cache.num_rows_in_use == 1 and "a" not in cache._held
+
+
+@pytest.mark.parametrize("kv, layout", [("host", "block_major"), ("device", "layer_major")])
+def test_the_pool_store_is_block_major_for_the_host_tier_only(kv, layout):
+    """The host placement's store moves whole blocks (one copy per run of ids), so it is
+    block-major; a device placement on the CPU attends over the store in place, so its
+    store stays layer-major."""
+    from types import SimpleNamespace
+
+    from shmkv.serve.placement import PoolKV
+
+    name = unique_pool_name("poolkv")
+    run = SimpleNamespace(kv=kv, device="cpu", dtype="float32")
+    pool_kv = PoolKV(name, FULL, 8, BS, run)
+    try:
+        assert pool_kv.store.layout == layout
+        assert KVStore.attach(name).layout == layout
+    finally:
+        pool_kv.close()
