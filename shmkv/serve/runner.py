@@ -196,9 +196,10 @@ class _Serving:
 class _Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, label: str = "") -> None:
         self.total = total
         self.enabled = enabled
+        self.label = f"{label} " if label else ""  # "run 3 of 9" in a sweep
         self.last = 0.0
 
     def update(self, done: int, hit_rate: float, usage: float, elapsed: float,
@@ -212,7 +213,7 @@ class _Progress:
         width = 30
         filled = int(width * done / max(self.total, 1))
         bar = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
-        sys.stderr.write(f"\r  [{bar[:width]}] {done}/{self.total} requests  "
+        sys.stderr.write(f"\r  {self.label}[{bar[:width]}] {done}/{self.total} requests  "
                          f"hit {hit_rate:5.1%}  pool {usage:5.1%}  {elapsed:5.1f} s ")
         sys.stderr.flush()
 
@@ -245,7 +246,7 @@ class Runner:
     """One run: sets up, serves the workload, tears down (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, workload: list[TraceRequest], *,
-                 progress: bool = False, log=None) -> None:
+                 progress: bool = False, log=None, progress_label: str = "") -> None:
         from shmkv.serve.config import TinyModelConfig
 
         cfg.model = cfg.model or TinyModelConfig()
@@ -265,7 +266,7 @@ class Runner:
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.name = f"run{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.max_in_flight = cfg.concurrency
-        self.progress = _Progress(len(workload), progress)
+        self.progress = _Progress(len(workload), progress, progress_label)
         self.interrupted: str | None = None
         self.problems: list[str] = []  # what went wrong (exit code 1)
         self.notes: list[str] = []  # what happened on purpose (--kill-one)
