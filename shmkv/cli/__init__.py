@@ -43,12 +43,21 @@ import os
 import sys
 
 from shmkv.cli import events, index, pool, run
-from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
-from shmkv.errors import ShmKVError
+from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, missing_pool_message
+from shmkv.errors import SegmentNotFoundError, ShmKVError
 
 # the order `shmkv --help` lists them in
 _ORDER = ("run", "replay", "demo", "inspect", "recover", "unlink", "cleanup", "create", "stats",
           "events", "publish", "metrics", "ls", "bench", "index", "route")
+
+
+def _version() -> str:
+    """``shmkv 0.1.0 (layout v7)``: the package's version and the shared-memory layout's
+    (pools of another layout version are not attached)."""
+    from shmkv import __version__
+    from shmkv.pool.layout import LAYOUT_VERSION
+
+    return f"shmkv {__version__} (layout v{LAYOUT_VERSION})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and events --follow run until SIGTERM or Ctrl-C, then detach and exit 143 (SIGTERM) "
         "or 130 (Ctrl-C); so does run, once it has removed everything it made.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print shmkv's version, its layout version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     adders = {**run.COMMANDS, **pool.COMMANDS, **events.COMMANDS, **index.COMMANDS}
@@ -86,6 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ShmKVError, OSError) as exc:
         if args.debug:
             raise
-        print(f"shmkv {args.command}: {exc}", file=sys.stderr)
+        print(f"shmkv {args.command}: {_message(args, exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _message(args: argparse.Namespace, exc: BaseException) -> str:
+    """The error's line; a pool named on the command line that does not exist is said the
+    same way by every command (``common.missing_pool_message``)."""
+    name = getattr(args, "name", None)
+    if isinstance(exc, SegmentNotFoundError) and isinstance(name, str):
+        from shmkv.pool import layout as L
+
+        try:
+            missing = not os.path.exists(f"/dev/shm{L.segment_name(name)}")
+        except ShmKVError:  # not a valid pool name: the error says so
+            missing = False
+        if missing:
+            return missing_pool_message(name)
+    return str(exc)
 
