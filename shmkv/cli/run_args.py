@@ -120,7 +120,7 @@ def check_fits(workload, max_model_len: int, block_size: int, capacities: list[i
             f"tokens it generates) is {need} tokens; use --max-model-len {need} or more")
     per_request = -(-max_model_len // block_size) * num_groups + 1  # + the null block
     for cap in capacities:
-        for pool in pools:
+        for pool in sorted(set(pools), key=lambda p: p != "private"):  # the tighter first
             per = cap // (num_schedulers if pool == "private" else 1)
             if per < per_request:
                 where = (f"{num_schedulers} private pools of {per}" if pool == "private"
