@@ -71,7 +71,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _sweep(args, cfg, workload, caps, configs, trace, progress, stop)
     if not compare:
         return _single(args, cfg, workload, trace, progress, stop)
-    print(_intro(args, cfg, workload, trace_info, len(configs)), flush=True)
+    print(report.intro_text({
+        "model_free": replay, "requests_total": len(workload), "schedulers": cfg.num_schedulers,
+        "num_blocks": cfg.num_blocks, "kv_cache_groups": len(model.group_windows()),
+        "trace": trace}, configs), flush=True)
     results, _ = _runs(args, cfg, workload, [(caps[0], p, r) for p, r in configs],
                        progress, stop, first_as_asked=True)
     figs = [r.figures for r in results]
@@ -85,21 +88,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.verbose:
         print("  (--verbose: every run's full report; --no-compare: one configuration)")
     return _exit_code(results, stop)
-
-
-def _intro(args, cfg, workload, trace_info, n: int) -> str:
-    """What is about to run, in one paragraph."""
-    groups = len(cfg.model.group_windows())
-    what = (f"the trace {trace_info.text()}" if trace_info is not None else
-            f"the built-in chat workload ({len(workload)} requests, {args.conversations} "
-            "conversations sharing system prompts)")
-    who = ("no model (the KV-cache layer alone)" if cfg.model_free else
-           "each with a rank process running the tiny model")
-    per_group = (f" ({cfg.num_blocks // groups:,} per KV-cache group)" if groups > 1 else "")
-    return (f"{'shmkv replay' if cfg.model_free else 'shmkv run'}: {what}; "
-            f"{cfg.num_schedulers} schedulers, {who}; {cfg.num_blocks:,} blocks in all"
-            f"{per_group}; {n} runs: one shared pool, then private pools of 1/"
-            f"{cfg.num_schedulers} each")
 
 
 def _runs(args, cfg, workload, plan, progress: bool, stop,

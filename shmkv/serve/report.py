@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["comparison_text", "figures", "plot_timeline", "pool_text", "report_text",
-           "run_line", "write_json"]
+__all__ = ["comparison_text", "figures", "intro_text", "plot_timeline", "pool_text",
+           "report_text", "run_line", "timeline_title", "write_json"]
 
 
 def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_checks: list[dict],
@@ -239,6 +239,25 @@ def _label(f: dict) -> str:
                                                if f["schedulers"] != 4 else "")
 
 
+def intro_text(f: dict, configs: list[tuple[str, str]]) -> str:
+    """What a comparison is about to run, from the keys of a run's figures it has already
+    (``model_free``, ``requests_total``, ``schedulers``, ``num_blocks``, ``kv_cache_groups``,
+    ``trace``) and its ``(pool, routing)`` configurations."""
+    trace = f.get("trace")
+    what = (f"the trace {trace['summary']}" if trace else
+            f"the built-in chat workload ({f['requests_total']} requests; conversations "
+            "that share system prompts)")
+    who = ("no model: the KV-cache layer alone" if f.get("model_free") else
+           "each with a rank process running the tiny model")
+    g = f.get("kv_cache_groups", 1)
+    per_group = f" ({_int(f['num_blocks'] // g)} per KV-cache group)" if g > 1 else ""
+    runs = "; ".join(f"{'one shared pool' if pool == 'shared' else 'private pools'}, {routing}"
+                     for pool, routing in configs)
+    return (f"{_command(f)}: {what}, {f['schedulers']} schedulers, {who}; "
+            f"{_int(f['num_blocks'])} blocks in all{per_group}, private pools 1/"
+            f"{f['schedulers']} each; {len(configs)} runs: {runs}")
+
+
 def run_line(f: dict, k: int, n: int) -> str:
     """One run of several, on one line: ``run 2 of 3: 4 private pools of 128 blocks,
     round-robin: 224 of 224 requests, hit rate 33.2%, 3.7 s``."""
@@ -289,6 +308,17 @@ def comparison_text(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def timeline_title(runs: list[dict]) -> str:
+    """The title of :func:`plot_timeline`'s chart: the command (run or replay) and what
+    it compared."""
+    first = runs[0]
+    if len(runs) == 1:
+        return (f"{_command(first)}: {first['pool']} pool, {first['schedulers']} schedulers, "
+                f"{first['routing']} routing")
+    return (f"{_command(first)}: shared and private pools, {first['schedulers']} schedulers, "
+            f"{first['num_blocks']:,} blocks in all")
+
+
 def plot_timeline(runs: dict | list[dict], path: str) -> None:
     """Hit rate (so far, solid) and pool usage (dashed) over the run, in percent; several
     runs (``--compare``) share the chart, one colour each. Raises
@@ -296,12 +326,7 @@ def plot_timeline(runs: dict | list[dict], path: str) -> None:
     from shmkv.plot import draw_lines, figure, save
 
     runs = [runs] if isinstance(runs, dict) else runs
-    first = runs[0]
-    title = (f"{_command(first)}: {first['pool']} pool, {first['schedulers']} schedulers, "
-             f"{first['routing']} routing" if len(runs) == 1 else
-             f"{_command(first)}: shared and private pools, {first['schedulers']} "
-             f"schedulers, {first['num_blocks']:,} blocks in all")
-    fig, (ax,) = figure(title=title)
+    fig, (ax,) = figure(title=timeline_title(runs))
     series = {}
     for f in runs:
         t = [p["t_s"] for p in f["timeline"]] or [0.0]
