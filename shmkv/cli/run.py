@@ -27,7 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_ERROR
     from shmkv.serve import report, sweep
     from shmkv.serve.config import TinyModelConfig
-    from shmkv.serve.runner import RunConfig
+    from shmkv.serve.runner import RunConfig, check_arrivals
     from shmkv.serve.trace import load_trace
     from shmkv.serve.workload import ChatWorkloadConfig, chat_workload, write_trace
 
@@ -61,6 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for c in caps:  # refuse a configuration the runner would, before anything starts
         for pool, routing in configs:
             sweep.with_capacity(cfg, pool, routing, c).validate()
+    check_arrivals(workload, cfg.time_scale)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     trace = None if trace_info is None else dict(trace_info.to_dict(),
                                                  summary=trace_info.text())

@@ -223,7 +223,7 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _check_arrivals(workload: list[TraceRequest], time_scale: float) -> None:
+def check_arrivals(workload: list[TraceRequest], time_scale: float) -> None:
     """Refuses a workload whose last arrival, scaled, is more than ``MAX_ARRIVAL_WAIT_S``
     away: the run would wait that long for it (a timestamp of 1e308 ms is 3e297 years).
 
@@ -260,7 +260,7 @@ class Runner:
                                  f"vocabulary [0, {vocab})")
         if not workload:
             raise UsageError("the workload has no requests")
-        _check_arrivals(workload, cfg.time_scale)
+        check_arrivals(workload, cfg.time_scale)
         self.cfg = cfg
         self.workload = workload
         self.log = log or (lambda text: print(text, file=sys.stderr))
