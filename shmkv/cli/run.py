@@ -87,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         f["trace"] = trace
     _write_outputs(args, f, lambda path: report.plot_timeline(figs, path))
     if not args.verbose:
-        print("  (--verbose: every run's full report; --no-compare: one configuration)")
+        print(report.COMPARE_HINT)
     return _exit_code(results, stop)
 
 
@@ -113,12 +113,7 @@ def _runs(args, cfg, workload, plan, progress: bool, stop,
             print(f"\nrun {k} of {len(plan)}:")
             print(report.report_text(result.figures), flush=True)
         else:
-            print(report.run_line(result.figures, k, len(plan)), flush=True)
-            for p in result.figures["problems"][:3]:
-                print(f"    problem: {p}")
-            more = len(result.figures["problems"]) - 3
-            if more > 0:
-                print(f"    ... and {more} more problem(s) (--verbose or --json: all)")
+            print(report.run_summary(result.figures, k, len(plan)), flush=True)
         if result.interrupted or stop.stopped:
             stop.ignore()  # on its way out: the table and the code are not cut short
             break

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["comparison_text", "figures", "intro_text", "plot_timeline", "pool_text",
-           "report_text", "run_line", "timeline_title", "write_json"]
+__all__ = ["COMPARE_HINT", "comparison_output", "comparison_text", "figures", "intro_text",
+           "plot_timeline", "pool_text", "report_text", "run_line", "run_summary",
+           "timeline_title", "write_json"]
 
 
 def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_checks: list[dict],
@@ -242,30 +243,59 @@ def _label(f: dict) -> str:
 def intro_text(f: dict, configs: list[tuple[str, str]]) -> str:
     """What a comparison is about to run, from the keys of a run's figures it has already
     (``model_free``, ``requests_total``, ``schedulers``, ``num_blocks``, ``kv_cache_groups``,
-    ``trace``) and its ``(pool, routing)`` configurations."""
+    ``trace``) and its ``(pool, routing)`` configurations (one line each follows)."""
     trace = f.get("trace")
     what = (f"the trace {trace['summary']}" if trace else
-            f"the built-in chat workload ({f['requests_total']} requests; conversations "
-            "that share system prompts)")
-    who = ("no model: the KV-cache layer alone" if f.get("model_free") else
+            f"the built-in chat workload ({f['requests_total']} requests)")
+    who = ("no model (the KV-cache layer alone)" if f.get("model_free") else
            "each with a rank process running the tiny model")
     g = f.get("kv_cache_groups", 1)
     per_group = f" ({_int(f['num_blocks'] // g)} per KV-cache group)" if g > 1 else ""
-    runs = "; ".join(f"{'one shared pool' if pool == 'shared' else 'private pools'}, {routing}"
-                     for pool, routing in configs)
-    return (f"{_command(f)}: {what}, {f['schedulers']} schedulers, {who}; "
-            f"{_int(f['num_blocks'])} blocks in all{per_group}, private pools 1/"
-            f"{f['schedulers']} each; {len(configs)} runs: {runs}")
+    return _wrap(f"{_command(f)}: {what}; {f['schedulers']} schedulers, {who}; "
+                 f"{_int(f['num_blocks'])} blocks in all{per_group}; {len(configs)} runs:",
+                 "")
+
+
+def _wrap(text: str, indent: str) -> str:
+    """``text`` in lines of at most 100 characters, the later ones indented."""
+    import textwrap
+
+    return textwrap.fill(text, width=100, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def run_line(f: dict, k: int, n: int) -> str:
     """One run of several, on one line: ``run 2 of 3: 4 private pools of 128 blocks,
-    round-robin: 224 of 224 requests, hit rate 33.2%, 3.7 s``."""
-    cap = f" ({_int(f['num_blocks'])} in all)" if f["pool"] == "private" else ""
+    round-robin: 224/224 requests, hit rate 33.2%, 3.7 s``."""
     failed = f", {f['requests_failed']} not served" if f["requests_failed"] else ""
-    return (f"  run {k} of {n}: {pool_text(f)}{cap}, {f['routing']}: {f['requests']} of "
+    return (f"  run {k} of {n}: {pool_text(f)}, {f['routing']}: {f['requests']}/"
             f"{f['requests_total']} requests{failed}, hit rate {f['prefix_hit_rate']:.1%}, "
             f"{f['wall_s']:.1f} s")
+
+
+def run_summary(f: dict, k: int, n: int) -> str:
+    """:func:`run_line` and, under it, the run's first three problems (if any)."""
+    lines = [run_line(f, k, n)]
+    lines += [f"    problem: {p}" for p in f["problems"][:3]]
+    if len(f["problems"]) > 3:
+        lines.append(f"    ... and {len(f['problems']) - 3} more problem(s) (--verbose or "
+                     "--json: all)")
+    return "\n".join(lines)
+
+
+COMPARE_HINT = "  (--verbose: every run's full report; --no-compare: one configuration)"
+
+
+def comparison_output(f: dict, outputs: list[str]) -> str:
+    """What ``shmkv run`` / ``shmkv replay`` print (without ``--verbose``) for the figures
+    of a comparison (``f``, its ``--json``: the first run's figures with ``compare``, the
+    others'), followed by ``outputs`` (the lines naming the JSON and plot files). The
+    command prints the same lines as its runs end; docs/ samples are rendered with it."""
+    runs = [f, *f.get("compare", [])]
+    configs = [(r["pool"], r["routing"]) for r in runs]
+    lines = [intro_text(f, configs)]
+    lines += [run_summary(r, k, len(runs)) for k, r in enumerate(runs, 1)]
+    lines += ["", comparison_text(runs), *outputs, COMPARE_HINT]
+    return "\n".join(lines) + "\n"
 
 
 def comparison_text(runs: list[dict]) -> str:
@@ -293,8 +323,8 @@ def comparison_text(runs: list[dict]) -> str:
                   f"those of private pools, {f['routing']}"
                   for f in runs if f["pool"] == "private" and f["prefill_tokens_saved"]]
         if ratios:
-            lines.append(f"  prefill tokens saved by the shared pool ({shared['routing']}): "
-                         + "; ".join(ratios))
+            lines.append(_wrap(f"  prefill tokens saved by the shared pool "
+                               f"({shared['routing']}): " + "; ".join(ratios), "    "))
     if not first.get("model_free"):
         checked = sum(f["tokens_checked"] for f in runs)
         wrong = sum(f["token_mismatches"] for f in runs)

@@ -172,11 +172,17 @@ def test_run_without_matplotlib_says_so_and_finishes(tmp_path):
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("  run ")] == [
         "  run 1 of 3", "  run 2 of 3", "  run 3 of 3"]
-    assert lines[1] == ("  run 1 of 3: one shared pool of 128 blocks, round-robin: 2 of 2 "
-                        f"requests, hit rate {f['prefix_hit_rate']:.1%}, {f['wall_s']:.1f} s")
+    assert ("  run 1 of 3: one shared pool of 128 blocks, round-robin: 2/2 requests, hit rate "
+            f"{f['prefix_hit_rate']:.1%}, {f['wall_s']:.1f} s") in lines
     assert "same workload, 128 blocks in all (64 per KV-cache group), 2 schedulers:" in lines
     assert not any(line.startswith("shmkv run: 2 schedulers") for line in lines)
     assert lines[-1] == "  (--verbose: every run's full report; --no-compare: one configuration)"
+    # what the command printed is what docs/ samples are rendered with, from its JSON
+    from shmkv.serve.report import comparison_output
+
+    assert done.stdout == comparison_output(f, [
+        f"  figures: {tmp_path / 'run.json'}",
+        "  plot: matplotlib is not installed, no plot written (pip install 'shmkv[plot]')"])
     _check_clean(f, pid)
     for c in f["compare"]:
         _check_clean(c, pid)
