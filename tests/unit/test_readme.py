@@ -199,7 +199,7 @@ def test_readme_says_what_skipped_tests_need():
     skipped = {m.split(".")[0] for f in (ROOT / "tests").rglob("*.py")
                for m in re.findall(r"importorskip\(\s*[\"']([\w.]+)", f.read_text())}
     text = README.read_text()
-    section = text[text.index("Some tests skip when"):text.index("**What it is.**")]
+    section = text[text.index("Tests skip, each with its reason"):text.index("**What it is.**")]
     missing = [m for m in sorted(skipped - installed) if m.lower() not in section.lower()]
     assert missing == []
     for need in ("CUDA", "redis-server", "SGLang", "vLLM 0.33.0"):
