@@ -1,15 +1,17 @@
 """The ``shmkv`` command (``shmkv --help``, ``shmkv COMMAND --help``).
 
-    shmkv run [--pool shared|private] [--routing R] [--schedulers N] [--trace PATH] ...
+    shmkv run [--no-compare] [--schedulers N] [--trace PATH] [--verbose] ...
                                                 serve a chat workload with N scheduler
-                                                processes (and their model ranks) on one pool
+                                                processes (and their model ranks) on one
+                                                shared pool, then on private pools: compared
     shmkv replay --trace PATH [--blocks A,B,C]  the same without a model: the KV-cache layer
                                                 alone; several capacities: a sweep
     shmkv demo [--processes N] [--requests R]   several schedulers share one pool
     shmkv create NAME --blocks N [--events]     create a pool and leave it in /dev/shm
-    shmkv inspect NAME                          a live pool: header, usage, processes, invariants
+    shmkv inspect NAME [--keys]                 a live pool: header, usage, processes,
+                                                invariants; --keys: the cached blocks
     shmkv stats NAME [--interval S]             live figures, refreshed, with rates
-    shmkv events NAME [-f] [-n N] [--json]      print / follow the global event log
+    shmkv events NAME [-f] [-n N] [--json]      print / follow the global event log (ISO times)
     shmkv publish NAME --endpoint ADDR          KV events over ZMQ, vLLM's wire format
     shmkv metrics NAME --port P                 Prometheus metrics over HTTP
     shmkv recover NAME [--reclaim PID]          take over from the dead, repair, report
@@ -21,9 +23,12 @@
     shmkv index --redis URL --source SPEC...    a cluster-wide prefix index in Redis
     shmkv route --redis URL --tokens IDS        how much of a prompt each pool has cached
 
-Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, nothing to
-unlink, a demo process failed, a run with unfinished requests or wrong tokens); 2 bad usage
-or an error (message on stderr, no traceback unless ``--debug``). Long-running commands
+``shmkv --version``: the package's version and its layout version.
+
+Exit codes: 0 success; 1 the command ran and found a problem (broken invariants, a demo
+process failed, a run with unfinished requests or wrong tokens); 2 bad usage or an error
+(message on stderr naming the argument, the value and the rule, no traceback unless
+``--debug``; a pool that does not exist is one message for every command). Long-running commands
 (publish, metrics, index, stats, events -f) stop on SIGTERM or Ctrl-C between two steps,
 detach from the pool and exit 143 (SIGTERM) or 130 (Ctrl-C); ``run`` stops its processes,
 removes its segments, reports and exits the same way. A second signal during the stop
@@ -31,9 +36,10 @@ changes nothing.
 
 One module per command group: ``run``; ``pool`` (create, inspect, stats, recover, unlink,
 ls, cleanup, demo, bench); ``events`` (events, publish, metrics); ``index`` (index, route);
-``common`` (exit codes, the stop on signals). Each module's ``COMMANDS`` maps its commands
-to the functions that add their parsers; handlers import anything heavy when they run, so
-``import shmkv.cli`` and ``shmkv --help`` stay fast and never import torch.
+``common`` (exit codes, the stop on signals, the missing-pool error); ``run_args`` (run's
+and replay's argument checks); ``keys`` (``inspect --keys``). Each module's ``COMMANDS``
+maps its commands to the functions that add their parsers; handlers import anything heavy
+when they run, so ``import shmkv.cli`` and ``shmkv --help`` stay fast and never import torch.
 """
 
 from __future__ import annotations
@@ -64,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shmkv", description="One KV-cache block pool shared by every scheduler process "
         "on a node.", epilog="Exit codes: 0 success; 1 the command ran and found a problem "
-        "(broken invariants, nothing to unlink, a demo process failed); 2 bad usage or an "
-        "error (one line on stderr; --debug shows the traceback). publish, metrics, stats "
+        "(broken invariants, a demo process failed, a run with a request not served); 2 bad "
+        "usage or an error, a missing pool included (one line on stderr; --debug shows the "
+        "traceback). publish, metrics, stats "
         "and events --follow run until SIGTERM or Ctrl-C, then detach and exit 143 (SIGTERM) "
         "or 130 (Ctrl-C); so does run, once it has removed everything it made.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
