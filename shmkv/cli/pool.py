@@ -125,7 +125,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"{len({e.slot for e in events})} processes, {lost} lost")
         pool.check_invariants()
         print(f"invariants: OK; blocks free: {pool.get_num_free_blocks()} of "
-              f"{pool.num_gpu_blocks - 1}")
+              f"{pool.num_gpu_blocks - 1} usable")
     finally:
         for p in procs:
             if p.is_alive():
@@ -454,7 +454,8 @@ def cmd_create(args: argparse.Namespace) -> int:
                             enable_kv_cache_events=args.events, label="shmkv-create",
                             **kwargs)
     try:
-        print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens, "
+        print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens "
+              f"({args.blocks - 1} usable: block 0 is the null block), "
               f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool.segment_name}, "
               f"events {'on' if args.events else 'off'}, "
               f"{pool.layout.config.max_processes} process slots")

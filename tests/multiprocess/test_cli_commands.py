@@ -68,7 +68,8 @@ def test_debug_shows_the_traceback(pool_name):
 def test_create_inspect_unlink(pool_name):
     out = shmkv("create", pool_name, "--blocks", "64", "--events", "--max-processes", "4")
     assert out.returncode == 0, out.stderr
-    assert f"created pool {pool_name}: 64 blocks" in out.stdout
+    assert f"created pool {pool_name}: 64 blocks of 16 tokens (63 usable: block 0 is the " \
+        "null block)" in out.stdout
     pool = BlockPool.attach(pool_name)
     try:
         assert pool.num_gpu_blocks == 64 and pool.enable_kv_cache_events

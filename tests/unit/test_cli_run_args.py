@@ -190,3 +190,17 @@ def test_plot_file_mode_is_that_of_a_json_file_beside_it(tmp_path, umask, mode):
         os.umask(old)
     assert os.stat(tmp_path / "p.png").st_mode & 0o777 == mode
     assert os.stat(tmp_path / "p.json").st_mode & 0o777 == mode
+
+
+def test_progress_bar_says_which_run(capsys):
+    """On a terminal the progress bar of a sweep's or a comparison's run starts with
+    "run k of n"."""
+    from shmkv.serve.runner import _Progress
+
+    bar = _Progress(10, True, "run 3 of 9")
+    bar.update(5, 0.5, 0.25, 1.0, force=True)
+    bar.finish()
+    err = capsys.readouterr().err
+    assert err.startswith("\r  run 3 of 9 [") and "5/10 requests" in err
+    _Progress(10, False, "run 1 of 1").update(1, 0.0, 0.0, 0.1, force=True)
+    assert capsys.readouterr().err == ""

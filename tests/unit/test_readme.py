@@ -158,6 +158,9 @@ def test_readme_first_screen_shows_the_comparison():
     the table comparing them."""
     lines = README.read_text().splitlines()[:50]
     assert "    pip install '.[torch]' && shmkv run" in lines
+    # the torch advice comes before the command it is about
+    text = "\n".join(lines)
+    assert text.index("torch==2.13.0") < text.index("pip install '.[torch]' && shmkv run")
     start = lines.index("<!-- sample: shmkv-run -->")
     end = lines.index("<!-- end sample -->")
     shown = "\n".join(lines[start:end])
