@@ -273,12 +273,14 @@ def run_line(f: dict, k: int, n: int) -> str:
 
 
 def run_summary(f: dict, k: int, n: int) -> str:
-    """:func:`run_line` and, under it, the run's first three problems (if any)."""
+    """:func:`run_line` and, under it, the run's first three notes and problems (if any),
+    saying how many more there are."""
     lines = [run_line(f, k, n)]
-    lines += [f"    problem: {p}" for p in f["problems"][:3]]
-    if len(f["problems"]) > 3:
-        lines.append(f"    ... and {len(f['problems']) - 3} more problem(s) (--verbose or "
-                     "--json: all)")
+    for kind, items in (("note", f.get("notes", [])), ("problem", f["problems"])):
+        lines += [f"    {kind}: {p}" for p in items[:3]]
+        if len(items) > 3:
+            lines.append(f"    ... and {len(items) - 3} more {kind}(s) (--verbose or "
+                         "--json: all)")
     return "\n".join(lines)
 
 

@@ -116,8 +116,8 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     assert ("2 private pools of 128 blocks (16 tokens each; 2 KV-cache groups, so each "
             "prompt block takes 2: 64 per group in each private pool)") in done.stdout
     ratio = f["prefill_tokens_saved"] / f["compare"][0]["prefill_tokens_saved"]
-    assert (f"  prefill tokens saved by the shared pool (round-robin): {ratio:.2f}x those of "
-            "private pools, round-robin; ") in done.stdout
+    assert (f"prefill tokens saved by the shared pool (round-robin): {ratio:.2f}x those of "
+            "private pools, round-robin; ") in " ".join(done.stdout.split())
     assert (f"checked against the model's no-cache reference: "
             f"{3 * f['tokens_checked']:,}, 0 different") in done.stdout
     assert os.stat(tmp_path / "run.png").st_mode & 0o777 == 0o644  # as the JSON

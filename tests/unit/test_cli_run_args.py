@@ -204,3 +204,10 @@ def test_progress_bar_says_which_run(capsys):
     assert err.startswith("\r  run 3 of 9 [") and "5/10 requests" in err
     _Progress(10, False, "run 1 of 1").update(1, 0.0, 0.0, 0.1, force=True)
     assert capsys.readouterr().err == ""
+
+
+def test_run_summary_shows_three_notes_and_problems_and_counts_the_rest():
+    f = _figures(notes=["n1"], problems=[f"p{k}" for k in range(5)])
+    assert report.run_summary(f, 1, 1).splitlines()[1:] == [
+        "    note: n1", "    problem: p0", "    problem: p1", "    problem: p2",
+        "    ... and 2 more problem(s) (--verbose or --json: all)"]
