@@ -91,12 +91,13 @@ def open_block_tables(cfg) -> BlockTablesWriter:
     return BlockTablesWriter(SharedBlockTables.attach(cfg.block_tables_name))
 
 
-def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank_name: str,
+def rank_main(tables_name: str, kv_store_name, to_rank_name: str, from_rank_name: str,
               model: dict, front_end_pid: int | None = None, nice: int = 0) -> None:
     """Entry point of a rank process of ``shmkv run``: the run's child set-up, ``nice``
     steps nicer than the front end (``RunConfig.rank_nice``), then
     ``shmkv.serve.rank.rank_main`` (which answers ``ExecuteModel`` steps until
-    ``Shutdown``, dropping bad frames)."""
+    ``Shutdown``, dropping bad frames). ``kv_store_name``: its pool's
+    ``shmkv.serve.placement.KVPlacement`` (or a CPU KV store's name)."""
     child_setup(front_end_pid)
     if nice:
         os.nice(nice)

@@ -1,6 +1,8 @@
 """A tiny decoder-only transformer whose attention reads and writes K/V through block tables.
 
-Random weights from a fixed seed (no download), float32 on CPU. Two forward passes:
+Random weights from a fixed seed (no download), made on the CPU and then moved to the run's
+device and dtype (float32 on the CPU by default; ``--model small`` is the same class at a
+Llama-like size, ``shmkv/serve/small_model.py``). Two forward passes:
 - ``forward_paged``: a batch of requests, each scheduling some new tokens at some start
   position; every layer writes the new tokens' K/V into the ``KVStore`` at their slots
   (``slot_mappings[group]``) and attends over K/V gathered from the store through the
@@ -35,15 +37,17 @@ __all__ = ["TinyModelConfig", "TinyTransformer", "make_kv_cache_config"]
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (the half-split variant) of ``x`` ``[T, heads, head_size]``."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(half, dtype=torch.float32) / half))
+    inv_freq = 1.0 / (theta ** (torch.arange(half, dtype=torch.float32, device=x.device)
+                                / half))
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    xf = x.float()  # the statistics in float32 whatever the model's dtype
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 class _Layer(nn.Module):
@@ -62,23 +66,27 @@ class _Layer(nn.Module):
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
             k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Attention of queries ``[Tq, H, D]`` over keys/values ``[Tk, Hkv, D]`` with a causal
-    (and window) mask from the positions. Returns ``[Tq, H * D]``."""
+    (and window) mask from the positions (``scaled_dot_product_attention`` with a boolean
+    mask, on whatever device the tensors are). Returns ``[Tq, H * D]``."""
     reps = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(reps, dim=1)
     v = v.repeat_interleave(reps, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     allowed = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out.reshape(q.shape[0], -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed[None],
+        scale=1.0 / math.sqrt(q.shape[-1]))
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
 class TinyTransformer(nn.Module):
-    """The tiny model; ``TinyTransformer(config)`` is deterministic in ``config.seed``."""
+    """The tiny model; ``TinyTransformer(config)`` is deterministic in ``config.seed``: the
+    weights are drawn on the CPU, then moved to ``device`` in ``dtype`` (float32, cpu by
+    default), so every process and device starts from the same numbers."""
 
-    def __init__(self, config: TinyModelConfig) -> None:
+    def __init__(self, config: TinyModelConfig, device: object = "cpu",
+                 dtype: object = None) -> None:
         super().__init__()
         self.config = config
         gen_state = torch.random.get_rng_state()
@@ -95,6 +103,11 @@ class TinyTransformer(nn.Module):
         self.layer_groups = config.layer_groups()
         self.requires_grad_(False)
         self.eval()
+        self.to(device=torch.device(device), dtype=dtype or torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
         c = self.config
@@ -109,15 +122,15 @@ class TinyTransformer(nn.Module):
         return h + layer.down(torch.nn.functional.silu(gate) * up)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_norm(h, self.final_norm))
+        return self.lm_head(_rms_norm(h, self.final_norm)).float()
 
     # ------------------------------------------------------------------ no cache
 
     @torch.no_grad()
     def forward_reference(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Logits ``[T, vocab]`` of one sequence, computed afresh (no cache)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        positions = torch.arange(ids.numel())
+        """Logits ``[T, vocab]`` (float32) of one sequence, computed afresh (no cache)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).to(self.device)
+        positions = torch.arange(ids.numel(), device=self.device)
         h = self.embed(ids)
         for layer, window in zip(self.layers, self.config.sliding_window, strict=True):
             q, k, v = self._qkv(layer, h, positions)
@@ -152,14 +165,21 @@ class TinyTransformer(nn.Module):
             seq_lens: ``[num_reqs]``: tokens of each request once this step's are in.
             block_tables: per KV-cache group, int32 ``[num_reqs, width]``.
             slot_mappings: per group, int64 ``[T]`` (``compute_slot_mapping``).
-            kv_store: the ``KVStore`` (``key_cache[l]``, ``value_cache[l]``).
+            kv_store: anything with ``key_cache[l]``, ``value_cache[l]`` (on the model's
+                device, in its dtype) and ``block_size``: the ``KVStore``, or a placement's
+                view (``shmkv/serve/placement.py``).
+
+        The index arithmetic runs on the CPU (the tables are a CPU snapshot); the indices
+        then move to the model's device once per step.
 
         Raises:
             UsageError: a gathered block is the null block (a read outside the window).
         """
         c = self.config
         num_reqs = seq_lens.numel()
-        h = self.embed(token_ids)
+        dev = self.device
+        positions = positions.cpu()
+        h = self.embed(token_ids.to(dev))
         qsl = query_start_loc.tolist()
         lens = seq_lens.tolist()
         # Per group and request: key positions to read and their slots (shared by layers).
@@ -177,8 +197,10 @@ class TinyTransformer(nn.Module):
                     raise UsageError(
                         f"request {r}, group {g}: positions {lo}..{lens[r] - 1} reach the null "
                         f"block (row {table[r].tolist()})")
-                per_req.append((k_pos, block_ids * bs + k_pos % bs))
+                per_req.append((k_pos.to(dev), (block_ids * bs + k_pos % bs).to(dev)))
             gathers.append(per_req)
+        slot_mappings = [s.to(dev) for s in slot_mappings]
+        positions = positions.to(dev)
         for i, layer in enumerate(self.layers):
             g = self.layer_groups[i]
             window = c.sliding_window[i]
@@ -195,5 +217,5 @@ class TinyTransformer(nn.Module):
                                     vc.index_select(0, slots), positions[a:b], k_pos, window))
             h = h + layer.o(torch.cat(outs))
             h = self._mlp(layer, h)
-        last = query_start_loc[1:] - 1
+        last = (query_start_loc[1:] - 1).to(dev)
         return self._logits(h.index_select(0, last))

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from shmkv.errors import ProtocolError, UsageError
 from shmkv.messages import Channel, ExecuteModel, ModelOutput, ScheduledRequest, Shutdown
-from shmkv.ranks.block_table import KVStore, SharedBlockTables, batch_token_indices
+from shmkv.ranks.block_table import SharedBlockTables, batch_token_indices
 from shmkv.serve.config import TinyModelConfig
 from shmkv.serve.stopping import EXIT_TERMINATED, TERM_POLL_S, terminated
 
@@ -66,20 +66,24 @@ def unlink_rank_channels(name: str) -> None:
 # --------------------------------------------------------------------------- the runner
 
 class ModelRunner:
-    """Maps one scheduler's block tables and the KV store, and executes its steps."""
+    """Maps one scheduler's block tables and its pool's KV (``kv``: a
+    ``shmkv.serve.placement.KVPlacement``, or the name of a CPU ``KVStore`` attended in
+    place), and executes its steps on the placement's device."""
 
-    def __init__(self, tables_name: str, kv_store_name: str, model_config: TinyModelConfig):
+    def __init__(self, tables_name: str, kv, model_config: TinyModelConfig):
         import torch
 
         from shmkv.serve.model import TinyTransformer
+        from shmkv.serve.placement import open_rank_kv
 
         self.tables = SharedBlockTables.attach(tables_name)
         try:
-            self.kv_store = KVStore.attach(kv_store_name)
+            self.kv_store = open_rank_kv(kv, self.tables)
         except BaseException:
             self.tables.close()
             raise
-        self.model = TinyTransformer(model_config)
+        kv = self.kv_store
+        self.model = TinyTransformer(model_config, device=kv.kv.device, dtype=kv.dtype)
         num_groups = len(model_config.group_windows())
         if num_groups != self.tables.num_groups:
             self.close()
@@ -91,14 +95,13 @@ class ModelRunner:
             raise UsageError(
                 f"block tables' block sizes {self.tables.block_sizes} differ from the KV "
                 f"store's {self.kv_store.block_size}")
-        kv = self.kv_store
         want = (model_config.num_layers, model_config.num_kv_heads, model_config.head_size)
         found = (kv.num_layers, kv.num_kv_heads, kv.head_size)
-        if want != found or kv.dtype != torch.float32:
+        if want != found or kv.dtype not in (torch.float32, torch.bfloat16):
             self.close()
             raise UsageError(
                 f"the KV store has (layers, kv heads, head size, dtype) = {found + (kv.dtype,)}; "
-                f"the model needs {want + (torch.float32,)}")
+                f"the model needs {want + ('float32 or bfloat16',)}")
 
     def execute(self, step: ExecuteModel) -> list[int]:
         """Greedy next token of every scheduled request (in the step's order).
@@ -124,17 +127,19 @@ class ModelRunner:
         torch.cumsum(counts_t, 0, out=query_start_loc[1:])
         seq_lens = torch.tensor(starts, dtype=torch.int64) + counts_t
         token_ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.int64)
-        logits = self.model.forward_paged(
-            token_ids, positions, query_start_loc, seq_lens, snap.block_tables,
-            snap.slot_mappings(req_indices, positions), self.kv_store)
-        return logits.argmax(-1).tolist()
+        kv, tables, slots = self.kv_store.prepare(reqs, snap, req_indices, positions)
+        logits = self.model.forward_paged(token_ids, positions, query_start_loc, seq_lens,
+                                          tables, slots, kv)
+        tokens = logits.argmax(-1).tolist()
+        self.kv_store.finish()  # the blocks it completed are where others can hit them
+        return tokens
 
     def close(self) -> None:
         self.tables.close()
         self.kv_store.close()
 
 
-def rank_main(tables_name: str, kv_store_name: str, to_rank_name: str, from_rank_name: str,
+def rank_main(tables_name: str, kv_store_name, to_rank_name: str, from_rank_name: str,
               model_config: TinyModelConfig, recv_timeout_s: float | None = None,
               num_threads: int | None = 1) -> None:
     """Process entry point: attach, then answer every ``ExecuteModel`` on ``to_rank_name``

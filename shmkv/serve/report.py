@@ -21,7 +21,15 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
   model-free replay, where seconds measure only the KV-cache layer);
 - ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
   no-cache greedy reference, and how many differed (counting from the first wrong token
-  of each request).
+  of each request). ``exact_tokens``: whether a mismatch fails the run (float32) or is
+  only reported (bfloat16, where a greedy choice between near-equal logits may flip):
+  ``divergences`` lists the first wrong token of (up to 5) requests, its position among
+  the generated tokens and ``logit_gap``, the reference's logit of its own choice there
+  minus its logit of the served token; ``max_logit_gap`` is the largest of all requests';
+- ``device``, ``kv``, ``dtype``: where the ranks computed and the KV cache lived
+  (``shmkv/serve/device.py``); ``prefill_tokens_computed`` = prompt tokens - saved;
+  ``peak_device_memory_bytes``: the most GPU memory in use (every process) the samples
+  saw, None on the CPU.
 """
 
 from __future__ import annotations
@@ -66,9 +74,11 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "prefill_tokens_saved": saved,
         "prefix_hit_rate": saved / prompt if prompt else 0.0,
         "generated_tokens": generated,
+        "prefill_tokens_computed": prompt - saved,
         "tokens_checked": tokens_checked,
         "token_mismatches": mismatches,
         "requests_mismatched": sum(1 for r in checked if r.mismatch >= 0),
+        **_device_figures(cfg, checked, timeline),
         "requests_failed": sum(1 for r in records.values() if r.failed),
         "requests_resent": sum(1 for r in finished if r.num_sends > 1),
         "wall_s": wall_s,
@@ -105,6 +115,24 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     }
 
 
+def _device_figures(cfg, checked: list, timeline: list[dict]) -> dict:
+    """Where the run computed, the token check's strictness and its divergences."""
+    run = cfg.run_device
+    wrong = sorted((r for r in checked if r.mismatch >= 0), key=lambda r: r.mismatch)
+    gaps = [r.logit_gap for r in wrong if r.logit_gap is not None]
+    memory = [p["device_memory_bytes"] for p in timeline if p.get("device_memory_bytes")]
+    return {
+        "device": run.device if run else "cpu",
+        "kv": run.kv if run else "device",
+        "dtype": run.dtype if run else "float32",
+        "exact_tokens": run.exact_tokens if run else True,
+        "divergences": [{"request_id": r.trace.request_id, "position": r.mismatch,
+                         "logit_gap": r.logit_gap} for r in wrong[:5]],
+        "max_logit_gap": max(gaps) if gaps else None,
+        "peak_device_memory_bytes": max(memory) if memory else None,
+    }
+
+
 def _scheduler_figures(runner, i: int, finished: list, st) -> dict:
     """Scheduler ``i``'s line of ``per_scheduler``; ``st``: its last ``SchedulerStats``."""
     mine = [r for r in finished if r.result.scheduler == i]
@@ -127,6 +155,22 @@ def _scheduler_figures(runner, i: int, finished: list, st) -> dict:
         "lock_acquired": st.num_lock_acquired if st else 0,
         "model_s": st.model_s if st else 0.0,
     }
+
+
+def _divergence_text(f: dict) -> str:
+    """The device line, and in bfloat16 where the greedy tokens left the reference's."""
+    if "device" not in f:
+        return ""
+    text = f"\n  device             {f['device']}, KV cache {f['kv']} placement, {f['dtype']}"
+    if f["device"].startswith("cuda") and f.get("peak_device_memory_bytes"):
+        text += f", GPU memory in use at most {f['peak_device_memory_bytes'] / 2**30:.1f} GiB"
+    if not f["exact_tokens"] and f["divergences"]:
+        first = f["divergences"][0]
+        text += (f"\n  {f['dtype']} flips     {f['requests_mismatched']} requests left the "
+                 f"reference's greedy tokens (reported, not failed); the earliest at generated "
+                 f"token {first['position']} of {first['request_id']}; largest logit gap "
+                 f"there {f['max_logit_gap']:.3g}")
+    return text
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -183,7 +227,8 @@ def report_text(f: dict) -> str:
         (f"  generated tokens   {_int(f['generated_tokens'])}; model-free replay (no model, "
          "tokens not checked)" if f.get("model_free") else
          f"  generated tokens   {_int(f['generated_tokens'])}; checked against the no-cache "
-         f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}"),
+         f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}"
+         + _divergence_text(f)),
         f"  latency            first token p50 {f['ttft_p50_s'] * 1e3:.0f} ms, p99 "
         f"{f['ttft_p99_s'] * 1e3:.0f} ms; request p50 {f['latency_p50_s'] * 1e3:.0f} ms; "
         f"steps waited for the first token mean {f.get('ttft_steps_mean', 0.0):.1f}, p99 "
@@ -248,7 +293,7 @@ def intro_text(f: dict, configs: list[tuple[str, str]]) -> str:
     what = (f"the trace {trace['summary']}" if trace else
             f"the built-in chat workload ({f['requests_total']} requests)")
     who = ("no model (the KV-cache layer alone)" if f.get("model_free") else
-           "each with a rank process running the tiny model")
+           f"each with a rank process running the {f.get('model_name') or 'tiny'} model")
     g = f.get("kv_cache_groups", 1)
     per_group = f" ({_int(f['num_blocks'] // g)} per KV-cache group)" if g > 1 else ""
     return _wrap(f"{_command(f)}: {what}; {f['schedulers']} schedulers, {who}; "

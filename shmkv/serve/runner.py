@@ -63,6 +63,7 @@ from shmkv.serve.messages import (
     TokensGenerated,
 )
 from shmkv.serve.routing import PrivatePoolsView, SharedPoolView, make_router
+from shmkv.serve.token_check import _check_tokens, reference_tokens  # noqa: F401 (re-export)
 from shmkv.serve.workload import TraceRequest
 
 __all__ = ["RunConfig", "RunResult", "Runner"]
@@ -111,6 +112,9 @@ class RunConfig:
     # > 0: a request with an arrival_s is sent no sooner than arrival_s * time_scale after
     # the first (0: as fast as the concurrency allows).
     time_scale: float = 0.0
+    # Where the ranks compute and the KV cache lives (shmkv/serve/device.py): a RunDevice
+    # (default: cpu, the device placement, float32).
+    run_device: object = None
 
     def validate(self) -> None:
         if self.pool not in ("shared", "private"):
@@ -133,6 +137,10 @@ class RunConfig:
                              f"{self.time_scale}")
         if not 0 <= self.rank_nice <= 19:
             raise UsageError(f"--rank-nice must be between 0 and 19, got {self.rank_nice}")
+        if self.model_free and self.run_device is not None and (
+                self.run_device != type(self.run_device)()):
+            raise UsageError("a replay (--model none) runs no model: --device, --kv and "
+                             "--dtype do not apply")
 
 
 @dataclass
@@ -146,6 +154,7 @@ class RequestRecord:
     failed: str = ""  # why it was not served
     mismatch: int = -1  # index of the first wrong token (-1: none / not checked)
     checked: int | None = None
+    logit_gap: float | None = None  # at the first wrong token (see _check_tokens)
 
 
 @dataclass
@@ -248,8 +257,10 @@ class Runner:
     def __init__(self, cfg: RunConfig, workload: list[TraceRequest], *,
                  progress: bool = False, log=None, progress_label: str = "") -> None:
         from shmkv.serve.config import TinyModelConfig
+        from shmkv.serve.device import RunDevice
 
         cfg.model = cfg.model or TinyModelConfig()
+        cfg.run_device = cfg.run_device or RunDevice()
         if cfg.model_free:
             cfg.check_tokens = False
         cfg.validate()
@@ -280,7 +291,6 @@ class Runner:
         # Everything made, for the finally.
         self.pools: list[BlockPool] = []
         self.kv_stores: list = []
-        self.kv_store_names: list[str] = []
         self.tables: list = []
         self.table_names: list[str] = []
         self.channel_names: list[str] = []
@@ -310,16 +320,18 @@ class Runner:
                 enable_kv_cache_events=True, max_processes=n + 4, label="front-end"))
             if cfg.model_free:
                 continue
-            self.kv_store_names.append(pool_name)
-            self.kv_stores.append(engine.create_kv_store(pool_name, model, per_pool,
-                                                         cfg.block_size, pool=pool_name))
+            from shmkv.serve.placement import PoolKV
+
+            self.kv_stores.append(PoolKV(pool_name, model, per_pool, cfg.block_size,
+                                         cfg.run_device, pool=pool_name))
         self.front_bell = self._doorbell(f"{self.name}-fe")
         self.outboxes, self.inboxes = [], []
         ctx = self.ctx
         self.model_dict = engine.model_config_to_dict(model)
         for i in range(n):
             bell = self._doorbell(f"{self.name}-s{i}")
-            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
+            p_of_i = 0 if cfg.pool == "shared" else i
+            pool_name = self._pool_name(p_of_i)
             names = {
                 "inbox": self._channel(f"{self.name}-s{i}-in", bell, pool_name),
                 "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell, pool_name),
@@ -336,7 +348,8 @@ class Runner:
                     pool=pool_name))
                 self.ranks.append(ctx.Process(
                     target=engine.rank_main, name=f"rank-{i}", daemon=True,
-                    args=(tables_name, pool_name, names["to_rank"], names["from_rank"],
+                    args=(tables_name, self.kv_stores[p_of_i].placement, names["to_rank"],
+                          names["from_rank"],
                           self.model_dict, os.getpid(), cfg.rank_nice)))
             sched = ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}", daemon=True,
                                 args=(i, names, os.getpid()))
@@ -372,16 +385,14 @@ class Runner:
             if p.is_alive():
                 p.kill()
             p.join(JOIN_TIMEOUT_S)
-        from shmkv.ranks.block_table import KVStore, SharedBlockTables
+        from shmkv.ranks.block_table import SharedBlockTables
 
         for t in self.tables:
             t.close()
         for name in self.table_names:
             SharedBlockTables.unlink(name)
         for store in self.kv_stores:
-            store.close()
-        for name in self.kv_store_names:
-            KVStore.unlink(name)
+            store.close()  # and removes it
         for pool in self.pools:
             name = pool.pool_name
             pool.close()
@@ -503,6 +514,7 @@ class Runner:
         cfg = self.cfg
         live = set(range(cfg.num_schedulers))
         t_start = self.t_setup
+        self.reference = self._reference_model()
         self._wait_attached(live)
         t_serve = time.monotonic()
         if self.interrupted:
@@ -529,24 +541,32 @@ class Runner:
             if now >= next_sample:  # the pool's lock is the schedulers': look rarely
                 usage = self._pool_usage()
                 st.timeline.append({"t_s": now - t_serve, "requests_done": st.done,
-                                    "prefix_hit_rate": st.hit_rate, "pool_usage": usage})
+                                    "prefix_hit_rate": st.hit_rate, "pool_usage": usage,
+                                    **self._device_sample()})
                 next_sample = now + cfg.sample_interval_s
                 self.progress.update(st.done, st.hit_rate, usage, now - t_serve)
         t_end = self._end_serving(st, live)
         self.records = st.records
         return self._finish(live, t_start, t_serve, st.timeline, st.stats, t_end)
 
+    def _reference_model(self):
+        """The no-cache reference (``check_tokens``) on the run's device, in its dtype: made
+        while the ranks start, so that a big model's making is not in the serving time."""
+        if not self.cfg.check_tokens:
+            return None
+        import torch
+
+        from shmkv.serve.model import TinyTransformer
+
+        torch.set_num_threads(1)
+        run = self.cfg.run_device
+        return TinyTransformer(self.cfg.model, device=run.device,
+                               dtype=getattr(torch, run.dtype))
+
     def _start_serving(self, t_serve: float) -> _Serving:
-        """The reference model (``check_tokens``), the pool view, the router, the records."""
+        """The pool view, the router, the records."""
         cfg = self.cfg
-        model = None
-        if cfg.check_tokens:
-            import torch
-
-            from shmkv.serve.model import TinyTransformer
-
-            torch.set_num_threads(1)
-            model = TinyTransformer(cfg.model)
+        model = self.reference
         if cfg.pool == "shared":
             view = SharedPoolView(self.pools[0])
         else:
@@ -698,6 +718,14 @@ class Runner:
                             "prefix_hit_rate": st.hit_rate, "pool_usage": self._pool_usage()})
         return t_end
 
+    def _device_sample(self) -> dict:
+        """The GPU memory every process uses (a timeline point's), on a GPU run."""
+        from shmkv.serve.device import device_memory_used_bytes
+
+        run = self.cfg.run_device
+        used = None if self.cfg.model_free else device_memory_used_bytes(run.device)
+        return {} if used is None else {"device_memory_bytes": used}
+
     def _pool_usage(self) -> float:
         total = sum(p.num_gpu_blocks - 1 for p in self.pools)
         free = sum(p.get_num_free_blocks() for p in self.pools)
@@ -797,28 +825,6 @@ class Runner:
             elif isinstance(msg, SchedulerStats):
                 stats[msg.scheduler] = msg
         return len(results) == len(targets) and all(results.values())
-
-
-def reference_tokens(model, prompt_token_ids: list[int], output_token_ids: list[int]) -> list[int]:
-    """The no-cache reference's greedy token after each prefix ``prompt + output[:k]``, from
-    one causal ``forward_reference`` over ``prompt + output[:-1]``.
-
-    It is ``reference_generate(prompt, len(output))`` whenever ``output`` is right, and its
-    first difference from ``output`` is at the same index as ``reference_generate``'s
-    otherwise: the logits at a position depend only on the tokens up to it, and up to the
-    first wrong token both runs feed the same tokens. One forward instead of one per token.
-    """
-    seq = list(prompt_token_ids) + list(output_token_ids[:-1])
-    logits = model.forward_reference(seq)[len(prompt_token_ids) - 1:]
-    return logits.argmax(-1).tolist()
-
-
-def _check_tokens(model, rec: RequestRecord) -> None:
-    out = list(rec.result.output_token_ids)
-    ref = reference_tokens(model, rec.prompt_token_ids, out)
-    rec.mismatch = next((k for k, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b),
-                        -1)
-    rec.checked = len(out)
 
 
 def _context(model_free: bool = False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
@@ -224,6 +225,101 @@ def test_a_waiter_takes_the_lock_over_from_a_holder_killed_inside_it(spawn_ctx, 
         if holder.is_alive():
             holder.kill()
             holder.join(10)
+        BlockPool.unlink(name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_waiter_of_many_takes_over_from_a_dead_holder(spawn_ctx, kernel):
+    """Three processes wait on a holder that is then SIGKILLed: exactly one takes the lock
+    over (the arbiter byte picks one winner, who re-reads the holder under it), the others
+    are served after it, the take-over is counted once and the semaphore ends at 1 (a
+    second take-over would post a unit nobody took, letting two processes hold the lock)."""
+    import posix_ipc
+
+    from shmkv.pool.lock import lock_name
+
+    name = unique_pool_name("onewinner")
+    pool = BlockPool.create(name, 32, kernel=kernel, lock_timeout_s=10)
+    ready = [spawn_ctx.Event() for _ in range(3)]
+    go, held, result = spawn_ctx.Event(), spawn_ctx.Event(), spawn_ctx.Queue()
+    waiters = [spawn_ctx.Process(target=workers.wait_for_a_dead_holder,
+                                 args=(name, kernel, r, go, result)) for r in ready]
+    holder = spawn_ctx.Process(target=workers.hold_lock_forever, args=(name, held))
+    procs = [*waiters, holder]
+    try:
+        for w in waiters:
+            w.start()
+        assert all(r.wait(60) for r in ready)
+        holder.start()
+        assert held.wait(60)
+        go.set()
+        deadline = time.monotonic() + 30  # every waiter is inside its lock wait
+        while int((pool._procs["lock_phase"] == L.PHASE_ACQUIRING).sum()) < 3:
+            assert time.monotonic() < deadline, pool._procs["lock_phase"]
+            time.sleep(0.01)
+        holder.kill()
+        holder.join(30)
+        assert holder.exitcode == -9
+        answers = [result.get(timeout=60) for _ in waiters]
+        for w in waiters:
+            w.join(30)
+        assert [w.exitcode for w in waiters] == [0, 0, 0]
+        assert sorted(took for _, took in answers) == [False, False, True]
+        assert pool._hdr64[L.H_NUM_TAKEOVERS] == 1
+        sem = posix_ipc.Semaphore(lock_name(pool._segment.shm_name))
+        try:
+            assert sem.value == 1
+        finally:
+            sem.close()
+        assert pool.get_num_free_blocks() == 31  # the holder's 4 and the waiters' 3 are back
+        pool.check_invariants()
+        pool.close()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        BlockPool.unlink(name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_waiter_that_loses_the_race_to_take_over_backs_off(spawn_ctx, kernel):
+    """The worst interleaving of two waiters, forced: waiter B has read the dead holder's
+    word and judged it dead when waiter A takes the lock over; B, now at the arbiter, must
+    re-read the holder word under it and back off, or two processes hold the lock."""
+    name = unique_pool_name("takerace")
+    a = BlockPool.create(name, 16, kernel=kernel, lock_timeout_s=5)
+    b = BlockPool.attach(name, kernel=kernel)
+    held = spawn_ctx.Event()
+    holder = spawn_ctx.Process(target=workers.hold_lock_forever, args=(name, held))
+    holder.start()
+    try:
+        assert held.wait(60)
+        holder.kill()
+        holder.join(30)
+        assert holder.exitcode == -9
+        dead_word = int(a._hdr64[L.H_HOLDER])
+        b_judges = b._takeover._holder_dead
+
+        def a_wins_while_b_judges(word):
+            assert a._takeover.on_stall()  # A takes over between B's read and its arbiter
+            return b_judges(word)
+
+        b._takeover._holder_dead = a_wins_while_b_judges
+        assert b._takeover.on_stall() is False
+        assert int(a._hdr64[L.H_HOLDER]) == a._takeover._my_word()
+        # Put the dead holder back and let the real path take over once, for the clean-up.
+        a._hdr64[L.H_HOLDER] = dead_word
+        b._takeover._holder_dead = b_judges
+        assert len(a.get_new_blocks(1)) == 1 and a.last_repair.took_over
+        assert b.get_num_free_blocks() == 14
+        b.check_invariants()
+    finally:
+        if holder.is_alive():
+            holder.kill()
+            holder.join(10)
+        b.close()
+        a.close()
         BlockPool.unlink(name)
 
 

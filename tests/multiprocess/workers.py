@@ -199,3 +199,16 @@ def take_blocks_then_sigkill(name: str, kernel: str, num_blocks: int, ready) -> 
     pool.get_new_blocks(num_blocks)
     ready.set()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_for_a_dead_holder(name: str, kernel: str, ready, go, result) -> None:
+    """Attach; once told, take one block (waiting on a holder the parent then kills) and
+    report whether this process's acquire was the one that took the lock over."""
+    pool = BlockPool.attach(name, kernel=kernel, label="waiter")
+    ready.set()
+    if not go.wait(60):
+        raise SystemExit(2)
+    pool.get_new_blocks(1)
+    report = pool.last_repair
+    result.put((os.getpid(), bool(report is not None and report.took_over)))
+    pool.close()

@@ -583,3 +583,37 @@ def test_a_hold_that_finds_the_journal_non_empty_rolls_it_back(scene):
     assert pool.last_repair.journal_entries_undone == left
     assert not pool.last_repair.took_over
     pool.check_invariants()
+
+
+def test_a_repair_cut_short_at_any_word_is_finished_by_the_next_hold(scene):
+    """A repairer killed half way through its undo has written back some of the words the
+    dead hold changed, in whatever order, and left ``journal_len`` as it was. The next hold
+    must end where a whole repair would: the undo restores each word's value from before the
+    hold (its earliest entry), not a change relative to what is there now."""
+    import numpy as np
+
+    pool = scene.pool
+    rng = np.random.default_rng(7)
+    queue = pool.get_free_block_ids()
+    blocks, ledger = pool._blocks.tobytes(), pool._ledger.copy()
+    seg32 = np.frombuffer(pool._segment.buf, dtype="<i4")
+    seg64 = np.frombuffer(pool._segment.buf, dtype="<i8")
+    for _ in range(20):
+        with pool.lock():
+            pool.free_blocks(pool.get_new_blocks(3)[1:])
+            pool.get_new_blocks(2)
+            left = int(pool._hdr64[L.H_JOURNAL_LEN])
+        pool._hdr64[L.H_JOURNAL_LEN] = left  # the dead hold, uncommitted
+        entries = pool.layout.view(pool._segment.buf, "journal")[:left]
+        where, first = np.unique(entries["where"], return_index=True)
+        done = rng.permutation(len(where))[:rng.integers(0, len(where) + 1)]
+        for i in done:  # what the first repairer wrote back before it died
+            offset, width, old = int(where[i] >> 4), int(where[i] & 15), entries["old"][first[i]]
+            if width == 4:
+                seg32[offset >> 2] = old
+            else:
+                seg64[offset >> 3] = old
+        assert pool.get_free_block_ids() == queue  # this acquire finished the repair
+        assert pool._blocks.tobytes() == blocks and (pool._ledger == ledger).all()
+        assert pool.last_repair.journal_entries_undone == left
+        pool.check_invariants()
