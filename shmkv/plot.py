@@ -125,11 +125,26 @@ def _finish(ax, x_label, y_label, title, y_lim, legend: bool = True,
         ax.legend(loc="best", fontsize="small", framealpha=0.9)
 
 
+def _file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file (0666 less the umask, 0644 under the
+    usual umask 022): a plot is as readable as the JSON beside it, not mkstemp's 0600."""
+    try:
+        with open("/proc/self/status") as status:  # the umask, without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
+
+
 def save(fig, path) -> None:
-    """Write ``fig`` as a PNG at ``path``, atomically."""
+    """Write ``fig`` as a PNG at ``path``, atomically, mode 0666 less the umask (as a
+    JSON file written beside it)."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".png.tmp")
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as out:
             fig.savefig(out, format="png", dpi=DPI)
         os.replace(tmp, path)

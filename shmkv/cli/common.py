@@ -49,3 +49,29 @@ class StopOnSignals:
         end = time.monotonic() + seconds
         while not self.stopped and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, 0.05))
+
+
+def missing_pool_message(name: str) -> str:
+    """The one message every command gives for a pool that does not exist."""
+    from shmkv.pool import layout as L
+
+    return (f"no pool named {name} (no /dev/shm{L.segment_name(name)}; `shmkv ls` lists "
+            "the pools)")
+
+
+def attach_pool(name: str, **kwargs):
+    """``BlockPool.attach(name, **kwargs)`` for a command: a pool that does not exist is
+    :func:`missing_pool_message` (exit 2, as every error), the same for every command.
+
+    Raises:
+        SegmentNotFoundError: no such pool, with that message.
+    """
+    from shmkv.errors import SegmentNotFoundError
+    from shmkv.pool import layout as L
+    from shmkv.pool.block_pool import BlockPool
+
+    L.validate_pool_name(name)
+    try:
+        return BlockPool.attach(name, **kwargs)
+    except SegmentNotFoundError as exc:
+        raise SegmentNotFoundError(missing_pool_message(name)) from exc

@@ -8,12 +8,21 @@ import argparse
 import sys
 import time
 
-from shmkv.cli.common import EXIT_ERROR, StopOnSignals
-from shmkv.pool.block_pool import BlockPool
+from shmkv.cli.common import EXIT_ERROR, StopOnSignals, attach_pool
+from shmkv.errors import UsageError
 
 # ---------------------------------------------------------------------------- events
 
-def _event_line(logged, labels: dict[int, tuple[str, int]]) -> str:
+MIN_EVENTS_INTERVAL_S = 0.01  # a poll takes the pool lock: at most 100 a second
+
+def iso_time(ts: float) -> str:
+    """An event's time as ``events`` prints it: ISO 8601, UTC, to the microsecond."""
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="microseconds")
+
+
+def _event_line(logged, labels: dict[int, tuple[str, int]], epoch: bool = False) -> str:
     from shmkv.events import BlockRemoved, BlockStored
 
     e = logged.event
@@ -21,7 +30,8 @@ def _event_line(logged, labels: dict[int, tuple[str, int]]) -> str:
     # a slot's label now is that of the process attached now: it names the event's
     # process only if that one attached before the event
     who = label if since_ns <= logged.ts * 1e9 else ""
-    head = f"{logged.seq:>8}  {logged.ts:.6f}  slot {logged.slot:>3} {who:<14}"
+    when = f"{logged.ts:.6f}" if epoch else iso_time(logged.ts)
+    head = f"{logged.seq:>8}  {when}  slot {logged.slot:>3} {who:<14}"
 
     def h(x) -> str:
         return f"{x:016x}" if isinstance(x, int) else bytes(x).hex()[:16]
@@ -43,7 +53,10 @@ def cmd_events(args: argparse.Namespace) -> int:
 
     from shmkv.pool.event_log import LoggedEvent, decode_event
 
-    pool = BlockPool.attach(args.name, label="shmkv-events")
+    if not args.interval >= MIN_EVENTS_INTERVAL_S:  # NaN too
+        raise UsageError(f"--interval {args.interval!r}: must be at least "
+                         f"{MIN_EVENTS_INTERVAL_S} s (each poll takes the pool lock)")
+    pool = attach_pool(args.name, label="shmkv-events")
     try:
         if not pool.event_log.capacity:
             print(f"shmkv events: pool {args.name} has no event log (created without "
@@ -72,9 +85,10 @@ def cmd_events(args: argparse.Namespace) -> int:
                 if args.json:
                     print(msgspec.json.encode({
                         "seq": logged.seq, "slot": logged.slot, "ts": logged.ts,
+                        "time": iso_time(logged.ts),
                         "event": logged.event}).decode())
                 else:
-                    print(_event_line(logged, labels))
+                    print(_event_line(logged, labels, args.epoch))
                 printed += 1
             sys.stdout.flush()
             if not args.follow and not events:
@@ -89,16 +103,20 @@ def cmd_events(args: argparse.Namespace) -> int:
 def add_events_parser(sub) -> None:
     p = sub.add_parser("events", help="print (and follow) the pool's global event log",
                        description="Prints the events of every process from the pool's "
-                       "global log, in order, one line each (seq, time, process slot and "
-                       "label, event), or as JSON lines; with --follow, waits for new ones "
-                       "until Ctrl-C. Exit 2 if the pool has no log.")
+                       "global log, in order, one line each (seq, time in ISO 8601 UTC, "
+                       "process slot and label, event), or as JSON lines; with --follow, "
+                       "waits for new ones until Ctrl-C. Exit 2 if the pool has no log.")
     p.add_argument("name", help="pool name")
     p.add_argument("--from", dest="start", choices=("oldest", "end"), default="oldest",
                    help="the oldest event still in the log, or only new ones (oldest)")
     p.add_argument("-f", "--follow", action="store_true", help="keep waiting for events")
     p.add_argument("-n", "--count", type=int, help="stop after this many events")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.add_argument("--interval", type=float, default=0.1, help="poll interval with --follow")
+    p.add_argument("--epoch", action="store_true",
+                   help="print times as seconds since the epoch, not ISO 8601")
+    p.add_argument("--interval", type=float, default=0.1,
+                   help=f"poll interval with --follow, at least {MIN_EVENTS_INTERVAL_S} s "
+                   "(0.1)")
     p.set_defaults(func=cmd_events)
 
 
@@ -107,7 +125,7 @@ def add_events_parser(sub) -> None:
 def cmd_metrics(args: argparse.Namespace) -> int:
     from shmkv.metrics import serve
 
-    pool = BlockPool.attach(args.name, label="shmkv-metrics")
+    pool = attach_pool(args.name, label="shmkv-metrics")
     try:
         try:
             server, thread, _ = serve(pool, args.port, args.addr)

@@ -11,8 +11,15 @@ import random
 import sys
 import time
 
-from shmkv.cli.common import EXIT_ERROR, EXIT_OK, EXIT_PROBLEM, StopOnSignals
-from shmkv.errors import ShmKVError
+from shmkv.cli.common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    StopOnSignals,
+    attach_pool,
+    missing_pool_message,
+)
+from shmkv.errors import ShmKVError, UsageError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import decode_holder
@@ -118,7 +125,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"{len({e.slot for e in events})} processes, {lost} lost")
         pool.check_invariants()
         print(f"invariants: OK; blocks free: {pool.get_num_free_blocks()} of "
-              f"{pool.num_gpu_blocks - 1}")
+              f"{pool.num_gpu_blocks - 1} usable")
     finally:
         for p in procs:
             if p.is_alive():
@@ -143,13 +150,26 @@ def add_demo_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- inspect
 
+def blocks_text(num_gpu_blocks: int) -> str:
+    """A pool's size, said the same way by every command (and counted as ``shmkv_blocks
+    {state="total"}`` of the metrics): the usable blocks, the null block apart."""
+    return (f"{num_gpu_blocks - 1} usable (of {num_gpu_blocks}: block 0 is the null block, "
+            "never handed out)")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    pool = BlockPool.attach(args.name, label="shmkv-inspect")
+    pool = attach_pool(args.name, label="shmkv-inspect")
     try:
+        # The holder as it stands before this command takes the lock (inside its own hold
+        # the header would name the inspect itself).
+        holder = pool.holder()
         with pool.lock():
             hdr = pool.header_snapshot()  # as of this hold
-            holder = decode_holder(int(hdr["holder"]))
             violations = collect_violations(pool)
+        if getattr(args, "keys", False):
+            from shmkv.cli.keys import print_keys
+
+            return print_keys(pool, args)
         print(f"pool {args.name}  segment {pool.segment_name}  "
               f"({pool.layout.total_bytes:,} bytes, layout v{L.LAYOUT_VERSION})")
         for field in L.HEADER_DTYPE.names:
@@ -162,7 +182,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 value = bytes(value).decode(errors="replace")
             elif field == "none_hash":
                 value = bytes(value).hex()[:16] + "..."
-            elif field == "holder":
+            elif field == "holder":  # read before this command's own hold
                 value = "free" if holder is None else f"slot {holder[0]}, pid {holder[1]}"
             print(f"  {field:<20} {value}")
         print("regions:")
@@ -172,7 +192,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         n = pool.num_gpu_blocks
         free = pool.get_num_free_blocks()
         cached = len(pool.cached_block_hash_to_block)
-        print(f"blocks: {n} total, {free} free, {n - 1 - free} in use, "
+        print(f"blocks: {blocks_text(n)}, {free} free, {n - 1 - free} in use, "
               f"{cached} cached keys, usage {pool.get_usage():.1%}")
         print("processes:")
         for proc in pool.processes():
@@ -208,10 +228,20 @@ def _print_siblings(name: str) -> None:
 
 
 def add_inspect_parser(sub) -> None:
-    inspect = sub.add_parser("inspect", help="print a live pool's state",
+    inspect = sub.add_parser("inspect", help="print a live pool's state (--keys: its cache)",
                              description="Header, regions, usage, processes and invariant "
-                             "status of a live pool. Exit 1 if an invariant is broken.")
+                             "status of a live pool. Exit 1 if an invariant is broken. "
+                             "--keys lists the cached blocks instead: KV-cache group, hash, "
+                             "tokens, reference count, place in the eviction (LRU) order, "
+                             "the process that cached it (from the event log, if the pool "
+                             "keeps one) and the processes holding it.")
     inspect.add_argument("name", help="pool name")
+    inspect.add_argument("--keys", action="store_true",
+                         help="list the cached blocks (evictable ones in eviction order, "
+                         "then the held ones)")
+    inspect.add_argument("--limit", type=int, default=100,
+                         help="--keys: list at most this many blocks (100)")
+    inspect.add_argument("--json", action="store_true", help="--keys: as JSON")
     inspect.set_defaults(func=cmd_inspect)
 
 
@@ -268,7 +298,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
               "from the dead process, rolls its hold back and frees its slot.",
               file=sys.stderr)
         return EXIT_ERROR
-    pool = BlockPool.attach(args.name, label="shmkv-recover", lock_timeout_s=args.timeout,
+    pool = attach_pool(args.name, label="shmkv-recover", lock_timeout_s=args.timeout,
                             stuck_after_s=args.stuck_after, _recovering=True)
     try:
         print(f"pool {args.name}: attached as slot {pool.slot} (pid {pool.pid})")
@@ -348,8 +378,8 @@ def cmd_unlink(args: argparse.Namespace) -> int:
     if extras:
         print(f"no pool named {args.name}; removed its leftover {', '.join(extras)}")
         return EXIT_OK
-    print(f"no pool named {args.name}", file=sys.stderr)
-    return EXIT_PROBLEM
+    print(f"shmkv unlink: {missing_pool_message(args.name)}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def add_unlink_parser(sub) -> None:
@@ -359,7 +389,7 @@ def add_unlink_parser(sub) -> None:
                             "own named <name>.host stays), and what is named after the pool "
                             "alone (publisher position, stats, the vLLM offload tier's table "
                             "and data region). Processes that have it mapped keep working. "
-                            "Exit 1 if none.")
+                            "Exit 2 if there is no such pool (as every command).")
     unlink.add_argument("name", help="pool name")
     unlink.set_defaults(func=cmd_unlink)
 
@@ -424,7 +454,8 @@ def cmd_create(args: argparse.Namespace) -> int:
                             enable_kv_cache_events=args.events, label="shmkv-create",
                             **kwargs)
     try:
-        print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens, "
+        print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens "
+              f"({args.blocks - 1} usable: block 0 is the null block), "
               f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool.segment_name}, "
               f"events {'on' if args.events else 'off'}, "
               f"{pool.layout.config.max_processes} process slots")
@@ -453,6 +484,9 @@ def add_create_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- stats
 
+# Each refresh takes the pool lock once: ten a second at most is nothing to the schedulers.
+MIN_STATS_INTERVAL_S = 0.1
+
 def _format_snapshot(s, prev, dt: float) -> list[str]:
     def rate(now: int, before: int | None) -> str:
         return "" if before is None or dt <= 0 else f" ({(now - before) / dt:,.0f}/s)"
@@ -460,8 +494,8 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
     hit = s.hits / s.queries if s.queries else 0.0
     lines = [
         f"pool {s.pool}  {time.strftime('%H:%M:%S')}",
-        f"  blocks   {s.num_blocks} total, {s.free} free, {s.in_use} in use, {s.cached} "
-        f"cached keys, usage {s.usage:.1%}",
+        f"  blocks   {blocks_text(s.num_blocks + 1)}, {s.free} free, {s.in_use} in use, "
+        f"{s.cached} cached keys, usage {s.usage:.1%}",
         f"  procs    {s.alive} alive, {s.dead} dead (not reaped); {s.reaped} reaped, "
         f"{s.repairs} repairs, {s.takeovers} lock take-overs",
         f"  lock     {s.lock_acquisitions:,} holds"
@@ -485,7 +519,13 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
 def cmd_stats(args: argparse.Namespace) -> int:
     from shmkv.metrics import PoolMetrics
 
-    pool = BlockPool.attach(args.name, label="shmkv-stats")
+    if not args.interval >= MIN_STATS_INTERVAL_S:  # NaN too
+        raise UsageError(f"--interval {args.interval!r}: must be at least "
+                         f"{MIN_STATS_INTERVAL_S} s (each refresh takes the pool lock that "
+                         "the live schedulers share)")
+    if args.count is not None and args.count < 1:
+        raise UsageError(f"--count {args.count}: must be a whole number >= 1")
+    pool = attach_pool(args.name, label="shmkv-stats")
     try:
         metrics = PoolMetrics(pool)
         prev, t_prev = None, time.monotonic()
@@ -514,7 +554,8 @@ def add_stats_parser(sub) -> None:
                        "shmkv.stats.PoolStats) and evictions, every --interval seconds "
                        "with rates, until Ctrl-C or --count refreshes.")
     p.add_argument("name", help="pool name")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (1)")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help=f"seconds between refreshes, at least {MIN_STATS_INTERVAL_S} (1)")
     p.add_argument("--count", type=int, help="stop after this many refreshes")
     p.add_argument("--no-clear", action="store_true", help="do not clear the terminal")
     p.set_defaults(func=cmd_stats)

@@ -1017,6 +1017,24 @@ class BlockPool:
         with self._lock:
             return self.process_table.rows()
 
+    def cached_blocks(self, limit: int = 1000):
+        """What the prefix cache holds, block by block, read in one hold of the lock: the
+        first ``limit`` cached blocks, evictable ones in eviction order (``lru_position``
+        0 is evicted first), then those requests hold (with the holders' slots, pids and
+        references). O(num_blocks) vectorised plus O(limit x max_processes); writes
+        nothing (``shmkv/pool/cache_listing.py``).
+
+        Returns:
+            ``CachedBlocks(blocks, num_cached, num_free)``.
+
+        Raises:
+            UsageError: ``limit`` is not an int >= 0.
+        """
+        from shmkv.pool.cache_listing import list_cached_blocks
+
+        return list_cached_blocks(self._segment_views, self._lock, self.num_gpu_blocks,
+                                  limit)
+
     @property
     def last_repair(self) -> RepairReport | None:
         """What the last repair at the start of one of this process's holds did (a dead

@@ -7,6 +7,10 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
   (a conversation turn's prompt includes the history it resends);
 - ``prefill_tokens_saved``: of those, the tokens its prefix-cache hit covered (the model
   did not compute them); ``prefix_hit_rate`` = saved / prompt tokens;
+- ``kv_cache_groups`` / ``blocks_per_group``: the model's KV-cache groups (the tiny model
+  has two: full attention and a sliding window) and the blocks each gets of a pool: every
+  cached block of a prompt takes one pool block in each group, so a pool of N blocks
+  caches as much as an LRU cache of N / groups blocks would;
 - ``evictions``: prefix-cache keys that allocations evicted; ``lock_wait_s``: time the
   schedulers spent waiting for their pool's lock, ``lock_hold_s`` holding it, and
   ``lock_wait_share`` = lock_wait_s / (schedulers x wall_s);
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["comparison_text", "figures", "plot_timeline", "report_text", "write_json"]
+__all__ = ["COMPARE_HINT", "comparison_output", "comparison_text", "figures", "intro_text",
+           "plot_timeline", "pool_text", "report_text", "run_line", "run_summary",
+           "timeline_title", "write_json"]
 
 
 def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_checks: list[dict],
@@ -51,6 +57,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     ttft = sorted(r.result.first_token_s for r in finished)
     ttft_steps = sorted(r.result.first_token_steps for r in finished)
     latency = sorted(r.result.finished_s for r in finished)
+    groups = len(cfg.model.group_windows()) if cfg.model is not None else 1
     return {
         "pool": cfg.pool,
         "model_free": cfg.model_free,
@@ -58,6 +65,8 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "routing": cfg.routing,
         "num_blocks": cfg.num_blocks,
         "blocks_per_pool": cfg.num_blocks // (n if cfg.pool == "private" else 1),
+        "kv_cache_groups": groups,
+        "blocks_per_group": cfg.num_blocks // (n if cfg.pool == "private" else 1) // groups,
         "block_size": cfg.block_size,
         "requests": len(finished),
         "requests_total": len(records) if records else len(runner.workload),
@@ -174,12 +183,41 @@ def _int(n: float) -> str:
     return f"{int(n):,}"
 
 
-def report_text(f: dict) -> str:
-    pool = (f"one shared pool of {_int(f['num_blocks'])} blocks" if f["pool"] == "shared"
+def _command(f: dict) -> str:
+    return "shmkv replay" if f.get("model_free") else "shmkv run"
+
+
+def pool_text(f: dict) -> str:
+    """"one shared pool of 512 blocks" / "4 private pools of 128 blocks"."""
+    return (f"one shared pool of {_int(f['num_blocks'])} blocks" if f["pool"] == "shared"
             else f"{f['schedulers']} private pools of {_int(f['blocks_per_pool'])} blocks")
+
+
+def groups_text(f: dict) -> str:
+    """How many blocks each KV-cache group gets, in words."""
+    g = f.get("kv_cache_groups", 1)
+    if g == 1:
+        return f"{f['block_size']} tokens each"
+    each = "pool" if f["pool"] == "shared" else "private pool"
+    return (f"{f['block_size']} tokens each; {g} KV-cache groups, so each prompt block "
+            f"takes {g}: {_int(f['blocks_per_group'])} per group in each {each}")
+
+
+def lock_wait_text(f: dict) -> str:
+    """Why the lock wait is what it is (a replay's is high on a shared pool)."""
+    if not f.get("model_free"):
+        return ""
+    if f["pool"] != "shared":
+        return ("each private pool has a lock of its own: no scheduler waits for another")
+    return ("a replay has no model step between the KV-cache calls, so its schedulers do "
+            "little else than take the one pool lock and queue for it; with a model "
+            "step between them (shmkv run) the share is a small one")
+
+
+def report_text(f: dict) -> str:
     lines = [
-        f"shmkv {'replay' if f.get('model_free') else 'run'}: {f['schedulers']} schedulers, "
-        f"{pool} ({f['block_size']} tokens each), routing {f['routing']}",
+        f"{_command(f)}: {f['schedulers']} schedulers, {pool_text(f)} ({groups_text(f)}), "
+        f"routing {f['routing']}",
         f"  requests           {f['requests']} of {f['requests_total']} finished in "
         f"{f['wall_s']:.1f} s ({f['requests_per_s']:.1f}/s; start-up {f['startup_s']:.1f} s)"
         + (f", {f['requests_failed']} not served" if f["requests_failed"] else ""),
@@ -201,6 +239,8 @@ def report_text(f: dict) -> str:
         f"schedulers' {f['schedulers'] * f['wall_s']:.1f} s; held "
         f"{f.get('lock_hold_s', 0.0) * 1e3:.1f} ms)",
     ]
+    if lock_wait_text(f):
+        lines.append(f"  lock wait          {lock_wait_text(f)}")
     if f.get("trace"):
         lines.insert(1, f"  trace              {f['trace']['summary']}")
     if f["killed_scheduler"]:
@@ -245,21 +285,115 @@ def _label(f: dict) -> str:
                                                if f["schedulers"] != 4 else "")
 
 
+def intro_text(f: dict, configs: list[tuple[str, str]]) -> str:
+    """What a comparison is about to run, from the keys of a run's figures it has already
+    (``model_free``, ``requests_total``, ``schedulers``, ``num_blocks``, ``kv_cache_groups``,
+    ``trace``) and its ``(pool, routing)`` configurations (one line each follows)."""
+    trace = f.get("trace")
+    what = (f"the trace {trace['summary']}" if trace else
+            f"the built-in chat workload ({f['requests_total']} requests)")
+    who = ("no model (the KV-cache layer alone)" if f.get("model_free") else
+           f"each with a rank process running the {f.get('model_name') or 'tiny'} model")
+    g = f.get("kv_cache_groups", 1)
+    per_group = f" ({_int(f['num_blocks'] // g)} per KV-cache group)" if g > 1 else ""
+    return _wrap(f"{_command(f)}: {what}; {f['schedulers']} schedulers, {who}; "
+                 f"{_int(f['num_blocks'])} blocks in all{per_group}; {len(configs)} runs:",
+                 "")
+
+
+def _wrap(text: str, indent: str) -> str:
+    """``text`` in lines of at most 100 characters, the later ones indented."""
+    import textwrap
+
+    return textwrap.fill(text, width=100, subsequent_indent=indent, break_on_hyphens=False)
+
+
+def run_line(f: dict, k: int, n: int) -> str:
+    """One run of several, on one line: ``run 2 of 3: 4 private pools of 128 blocks,
+    round-robin: 224/224 requests, hit rate 33.2%, 3.7 s``."""
+    failed = f", {f['requests_failed']} not served" if f["requests_failed"] else ""
+    return (f"  run {k} of {n}: {pool_text(f)}, {f['routing']}: {f['requests']}/"
+            f"{f['requests_total']} requests{failed}, hit rate {f['prefix_hit_rate']:.1%}, "
+            f"{f['wall_s']:.1f} s")
+
+
+def run_summary(f: dict, k: int, n: int) -> str:
+    """:func:`run_line` and, under it, the run's first three notes and problems (if any),
+    saying how many more there are."""
+    lines = [run_line(f, k, n)]
+    for kind, items in (("note", f.get("notes", [])), ("problem", f["problems"])):
+        lines += [f"    {kind}: {p}" for p in items[:3]]
+        if len(items) > 3:
+            lines.append(f"    ... and {len(items) - 3} more {kind}(s) (--verbose or "
+                         "--json: all)")
+    return "\n".join(lines)
+
+
+COMPARE_HINT = "  (--verbose: every run's full report; --no-compare: one configuration)"
+
+
+def comparison_output(f: dict, outputs: list[str]) -> str:
+    """What ``shmkv run`` / ``shmkv replay`` print (without ``--verbose``) for the figures
+    of a comparison (``f``, its ``--json``: the first run's figures with ``compare``, the
+    others'), followed by ``outputs`` (the lines naming the JSON and plot files). The
+    command prints the same lines as its runs end; docs/ samples are rendered with it."""
+    runs = [f, *f.get("compare", [])]
+    configs = [(r["pool"], r["routing"]) for r in runs]
+    lines = [intro_text(f, configs)]
+    lines += [run_summary(r, k, len(runs)) for k, r in enumerate(runs, 1)]
+    lines += ["", comparison_text(runs), *outputs, COMPARE_HINT]
+    return "\n".join(lines) + "\n"
+
+
 def comparison_text(runs: list[dict]) -> str:
-    """One line per run: hit rate, prefill tokens saved, evictions, checks."""
+    """One line per run (hit rate, prefill tokens saved, evictions, checks), then what the
+    shared pool saves against each private configuration and whether everything checked."""
+    first = runs[0]
     header = ["pool, routing", "hit rate", "prefill tokens saved", "evictions",
               "mismatches", "wall s"]
     body = [[_label(f), f"{f['prefix_hit_rate']:.1%}",
              f"{_int(f['prefill_tokens_saved'])} of {_int(f['prompt_tokens'])}",
-             _int(f["evictions"]), str(f["token_mismatches"]), f"{f['wall_s']:.1f}"]
+             _int(f["evictions"]),
+             "-" if f.get("model_free") else str(f["token_mismatches"]), f"{f['wall_s']:.1f}"]
             for f in runs]
     widths = [max(len(r[k]) for r in [header, *body]) for k in range(len(header))]
-    lines = [f"same workload, {runs[0]['num_blocks']:,} blocks in all, "
-             f"{runs[0]['schedulers']} schedulers:"]
+    g = first.get("kv_cache_groups", 1)
+    per_group = (f" ({_int(first['num_blocks'] // g)} per KV-cache group)" if g > 1 else "")
+    lines = [f"same workload, {first['num_blocks']:,} blocks in all{per_group}, "
+             f"{first['schedulers']} schedulers:"]
     for r in [header, *body]:
         lines.append("  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
                                       for k, (c, w) in enumerate(zip(r, widths, strict=True))))
+    shared = next((f for f in runs if f["pool"] == "shared"), None)
+    if shared is not None and len(runs) > 1:
+        ratios = [f"{shared['prefill_tokens_saved'] / f['prefill_tokens_saved']:.2f}x "
+                  f"those of private pools, {f['routing']}"
+                  for f in runs if f["pool"] == "private" and f["prefill_tokens_saved"]]
+        if ratios:
+            lines.append(_wrap(f"  prefill tokens saved by the shared pool "
+                               f"({shared['routing']}): " + "; ".join(ratios), "    "))
+    if not first.get("model_free"):
+        checked = sum(f["tokens_checked"] for f in runs)
+        wrong = sum(f["token_mismatches"] for f in runs)
+        lines.append(f"  generated tokens checked against the model's no-cache reference: "
+                     f"{_int(checked)}, {wrong} different")
+    valid = all(f["pool_valid"] for f in runs)
+    finished = all(f["requests"] == f["requests_total"] for f in runs)
+    lines.append(f"  every request {'finished' if finished else 'did NOT finish'}; every "
+                 f"pool {'valid' if valid else 'NOT valid'} after its run (invariants "
+                 "checked, no block left in use)")
     return "\n".join(lines)
+
+
+def timeline_title(runs: list[dict]) -> str:
+    """The title of :func:`plot_timeline`'s chart: the command (run or replay) and what
+    it compared."""
+    first = runs[0]
+    if len(runs) == 1:
+        return (f"{_command(first)}: {first['pool']} pool, {first['schedulers']} schedulers, "
+                f"{first['routing']} routing")
+    return (f"{_command(first)}: shared and private pools, {first['schedulers']} schedulers, "
+            f"{first['num_blocks']:,} blocks in all")
 
 
 def plot_timeline(runs: dict | list[dict], path: str) -> None:
@@ -269,12 +403,7 @@ def plot_timeline(runs: dict | list[dict], path: str) -> None:
     from shmkv.plot import draw_lines, figure, save
 
     runs = [runs] if isinstance(runs, dict) else runs
-    first = runs[0]
-    title = (f"shmkv run: {first['pool']} pool, {first['schedulers']} schedulers, "
-             f"{first['routing']} routing" if len(runs) == 1 else
-             f"shmkv run --compare: {first['schedulers']} schedulers, "
-             f"{first['num_blocks']:,} blocks in all")
-    fig, (ax,) = figure(title=title)
+    fig, (ax,) = figure(title=timeline_title(runs))
     series = {}
     for f in runs:
         t = [p["t_s"] for p in f["timeline"]] or [0.0]

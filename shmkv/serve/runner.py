@@ -205,9 +205,10 @@ class _Serving:
 class _Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, label: str = "") -> None:
         self.total = total
         self.enabled = enabled
+        self.label = f"{label} " if label else ""  # "run 3 of 9" in a sweep
         self.last = 0.0
 
     def update(self, done: int, hit_rate: float, usage: float, elapsed: float,
@@ -221,7 +222,7 @@ class _Progress:
         width = 30
         filled = int(width * done / max(self.total, 1))
         bar = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
-        sys.stderr.write(f"\r  [{bar[:width]}] {done}/{self.total} requests  "
+        sys.stderr.write(f"\r  {self.label}[{bar[:width]}] {done}/{self.total} requests  "
                          f"hit {hit_rate:5.1%}  pool {usage:5.1%}  {elapsed:5.1f} s ")
         sys.stderr.flush()
 
@@ -231,7 +232,7 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _check_arrivals(workload: list[TraceRequest], time_scale: float) -> None:
+def check_arrivals(workload: list[TraceRequest], time_scale: float) -> None:
     """Refuses a workload whose last arrival, scaled, is more than ``MAX_ARRIVAL_WAIT_S``
     away: the run would wait that long for it (a timestamp of 1e308 ms is 3e297 years).
 
@@ -254,7 +255,7 @@ class Runner:
     """One run: sets up, serves the workload, tears down (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, workload: list[TraceRequest], *,
-                 progress: bool = False, log=None) -> None:
+                 progress: bool = False, log=None, progress_label: str = "") -> None:
         from shmkv.serve.config import TinyModelConfig
         from shmkv.serve.device import RunDevice
 
@@ -270,13 +271,13 @@ class Runner:
                                  f"vocabulary [0, {vocab})")
         if not workload:
             raise UsageError("the workload has no requests")
-        _check_arrivals(workload, cfg.time_scale)
+        check_arrivals(workload, cfg.time_scale)
         self.cfg = cfg
         self.workload = workload
         self.log = log or (lambda text: print(text, file=sys.stderr))
         self.name = f"run{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.max_in_flight = cfg.concurrency
-        self.progress = _Progress(len(workload), progress)
+        self.progress = _Progress(len(workload), progress, progress_label)
         self.interrupted: str | None = None
         self.problems: list[str] = []  # what went wrong (exit code 1)
         self.notes: list[str] = []  # what happened on purpose (--kill-one)

@@ -20,7 +20,8 @@ from shmkv.serve.trace import infinite_cache_bound
 __all__ = ["ROW_FIELDS", "bound_for", "configurations", "plot_sweep", "row", "sweep_json",
            "sweep_table"]
 
-ROW_FIELDS = ("pool", "routing", "schedulers", "num_blocks", "blocks_per_pool", "block_size",
+ROW_FIELDS = ("pool", "routing", "schedulers", "num_blocks", "blocks_per_pool",
+              "kv_cache_groups", "blocks_per_group", "block_size",
               "model_free", "requests", "requests_total", "prompt_tokens",
               "prefill_tokens_saved", "prefix_hit_rate", "evictions", "preemptions",
               "ttft_steps_mean", "ttft_steps_p50", "ttft_steps_p99", "wall_s",
@@ -71,9 +72,11 @@ def _int(n) -> str:
 
 def sweep_table(rows: list[dict], bound: dict) -> str:
     """One line per configuration and capacity, then the bound."""
-    header = ["pool, routing", "blocks", "hit rate", "prefill tokens saved", "evictions",
-              "steps to 1st token (mean / p99)", "wall s"]
-    body = [[f"{r['pool']}, {r['routing']}", _int(r["num_blocks"]),
+    groups = rows[0].get("kv_cache_groups") or 1
+    header = ["pool, routing", "blocks (per group)" if groups > 1 else "blocks", "hit rate",
+              "prefill tokens saved", "evictions", "steps to 1st token (mean / p99)", "wall s"]
+    body = [[f"{r['pool']}, {r['routing']}", _int(r["num_blocks"]) + (
+                f" ({_int(r['num_blocks'] // groups)})" if groups > 1 else ""),
              f"{r['prefix_hit_rate']:.1%}",
              f"{_int(r['prefill_tokens_saved'])} of {_int(r['prompt_tokens'])}",
              _int(r["evictions"]), f"{r['ttft_steps_mean']:.1f} / {r['ttft_steps_p99']}",
@@ -84,7 +87,10 @@ def sweep_table(rows: list[dict], bound: dict) -> str:
     widths = [max(len(r[k]) for r in [header, *body]) for k in range(len(header))]
     first = rows[0]
     lines = [f"capacity sweep: {first['schedulers']} schedulers, {first['block_size']}-token "
-             "blocks, blocks in all (split evenly between private pools):"]
+             "blocks, blocks in all (split evenly between private pools)"
+             + (f"; {groups} KV-cache groups: every cached prompt block takes one pool "
+                f"block in each, so each group gets 1/{groups} of the blocks (in brackets)"
+                if groups > 1 else "") + ":"]
     for r in [header, *body]:
         lines.append("  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
                                       for k, (c, w) in enumerate(zip(r, widths, strict=True))))

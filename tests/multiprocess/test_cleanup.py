@@ -390,7 +390,7 @@ def test_unlink_removes_everything_named_after_the_pool(name):
         assert _objects(name) == sorted(e for e in _objects(name) if other in e)
         assert all(os.path.exists(p) for p in others)
         again = shmkv("unlink", name)
-        assert again.returncode == 1 and "no pool named" in again.stderr
+        assert again.returncode == 2 and "no pool named" in again.stderr
     finally:
         BlockPool.unlink(other)
         _remove_all(other)

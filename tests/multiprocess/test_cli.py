@@ -44,19 +44,21 @@ def test_inspect_lists_processes_and_invariants(make_pool):
     pool.get_new_blocks(3)
     out = shmkv("inspect", pool.pool_name)
     assert out.returncode == 0, out.stderr
-    assert "blocks: 32 total, 28 free, 3 in use" in out.stdout
+    assert ("31 usable (of 32: block 0 is the null block, never handed out), 28 free, "
+            "3 in use") in out.stdout
     assert "refs       3  creator" in out.stdout
     assert "invariants: OK" in out.stdout
 
 
 def test_unlink_and_error_exit_codes(pool_name):
-    """unlink: 0 when removed, 1 when there was nothing; errors exit 2 without traceback."""
+    """unlink: 0 when removed, 2 (as every command for a missing pool) when there was
+    nothing; errors exit 2 without traceback."""
     BlockPool.create(pool_name, 8).close()
     assert shmkv("unlink", pool_name).returncode == 0
-    assert shmkv("unlink", pool_name).returncode == 1
+    assert shmkv("unlink", pool_name).returncode == 2
     missing = shmkv("inspect", pool_name)
     assert missing.returncode == 2
-    assert "no shared-memory segment" in missing.stderr and "Traceback" not in missing.stderr
+    assert f"no pool named {pool_name}" in missing.stderr and "Traceback" not in missing.stderr
     bad = shmkv("inspect", "a/b")
     assert bad.returncode == 2 and "contains '/'" in bad.stderr
 

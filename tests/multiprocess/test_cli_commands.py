@@ -68,7 +68,8 @@ def test_debug_shows_the_traceback(pool_name):
 def test_create_inspect_unlink(pool_name):
     out = shmkv("create", pool_name, "--blocks", "64", "--events", "--max-processes", "4")
     assert out.returncode == 0, out.stderr
-    assert f"created pool {pool_name}: 64 blocks" in out.stdout
+    assert f"created pool {pool_name}: 64 blocks of 16 tokens (63 usable: block 0 is the " \
+        "null block)" in out.stdout
     pool = BlockPool.attach(pool_name)
     try:
         assert pool.num_gpu_blocks == 64 and pool.enable_kv_cache_events
@@ -80,7 +81,8 @@ def test_create_inspect_unlink(pool_name):
     missing_blocks = shmkv("create", pool_name)
     assert missing_blocks.returncode == 2 and "--blocks" in missing_blocks.stderr
     inspect = shmkv("inspect", pool_name)
-    assert inspect.returncode == 0 and "blocks: 64 total, 63 free" in inspect.stdout
+    assert inspect.returncode == 0 and "blocks: 63 usable (of 64: block 0 is the null " \
+        "block, never handed out), 63 free" in inspect.stdout
     assert "publisher:" not in inspect.stdout and "stats:" not in inspect.stdout
     from shmkv.publisher import KVEventPublisher, unlink_state
     from shmkv.stats import PoolStats
@@ -102,7 +104,7 @@ def test_create_inspect_unlink(pool_name):
     assert too_small.returncode == 2 and too_small.stderr.startswith("shmkv create:")
     bad_name = shmkv("create", "a/b", "--blocks", "8")
     assert bad_name.returncode == 2 and "contains '/'" in bad_name.stderr
-    assert shmkv("unlink", pool_name).returncode == 1
+    assert shmkv("unlink", pool_name).returncode == 2
     no_traceback(again, missing_blocks, too_small, bad_name)
 
 
@@ -127,7 +129,7 @@ def test_stats(pool_name):
         unlink_stats(pool_name)
     missing = shmkv("stats", f"{pool_name}-x", "--count", "1")
     bad = shmkv("stats", pool_name, "--count", "one")
-    assert missing.returncode == 2 and "no shared-memory segment" in missing.stderr
+    assert missing.returncode == 2 and f"no pool named {pool_name}-x" in missing.stderr
     assert bad.returncode == 2 and "invalid int value" in bad.stderr
     no_traceback(missing, bad)
 
@@ -186,7 +188,7 @@ def test_events_print_follow_and_json(pool_name):
         BlockPool.unlink(other)
     missing = shmkv("events", f"{pool_name}-x")
     assert nolog.returncode == 2 and "no event log" in nolog.stderr
-    assert missing.returncode == 2 and "no shared-memory segment" in missing.stderr
+    assert missing.returncode == 2 and f"no pool named {pool_name}-x" in missing.stderr
     no_traceback(nolog, missing)
 
 
@@ -261,7 +263,7 @@ def test_unlink_removes_the_siblings_and_cleanup_the_orphaned_ones(pool_name):
 
 def test_recover_and_demo_errors(pool_name):
     missing = shmkv("recover", pool_name)
-    assert missing.returncode == 2 and "no shared-memory segment" in missing.stderr
+    assert missing.returncode == 2 and f"no pool named {pool_name}" in missing.stderr
     BlockPool.create(pool_name, 8).close()
     ok = shmkv("recover", pool_name)
     assert ok.returncode == 0 and "invariants: OK" in ok.stdout

@@ -189,7 +189,7 @@ def test_stats_rows_are_per_slot_and_monotonic(metrics_pool):
 def test_shmkv_metrics_errors(pool_name):
     """Missing pool, a port in use, bad arguments: exit 2, no traceback."""
     missing = shmkv("metrics", pool_name, "--port", "0")
-    assert missing.returncode == 2 and "no shared-memory segment" in missing.stderr
+    assert missing.returncode == 2 and f"no pool named {pool_name}" in missing.stderr
     no_port = shmkv("metrics", pool_name)
     assert no_port.returncode == 2 and "--port" in no_port.stderr
     bad_port = shmkv("metrics", pool_name, "--port", "x")

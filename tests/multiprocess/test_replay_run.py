@@ -85,6 +85,18 @@ def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
         assert r["ttft_steps_mean"] >= 1
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert "infinite cache (bound)" in done.stdout
+    # one line per run, "run k of n", then one table (no full report without --verbose);
+    # the capacity is in blocks in all, with each KV-cache group's share beside it
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("  run ")] == [
+        f"  run {k} of 6" for k in range(1, 7)]
+    assert "  run 2 of 6: 3 private pools of 64 blocks, round-robin: 3/3 requests, hit " \
+        "rate 0.0%" in done.stdout
+    assert not any(line.startswith("shmkv replay: 3 schedulers") for line in lines)
+    assert sum(line.startswith("capacity sweep:") for line in lines) == 1
+    assert "2 KV-cache groups: every cached prompt block takes one pool block in each" \
+        in done.stdout
+    assert "blocks (per group)" in done.stdout and "  192 (96)" in done.stdout
     assert run_leftovers(pid) == []
 
 
@@ -102,8 +114,16 @@ def test_shmkv_trace_with_conversations_replay_meets_the_bound(tmp_path):
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--schedulers", "2",
                        "--concurrency", "1", "--blocks", "512,1024", "--json", "s.json",
-                       "--plot", "")
+                       "--plot", "", "--verbose")
     assert done.returncode == 0, done.stdout + done.stderr
+    # --verbose: every run's full report (a replay's explains its lock wait), one table
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("shmkv replay: 2 schedulers") for line in lines) == 6
+    assert sum(line.startswith("capacity sweep:") for line in lines) == 1
+    assert sum("lock wait          a replay has no model step" in line
+               for line in lines) == 2  # the shared pool's runs
+    assert sum("lock wait          each private pool has a lock of its own" in line
+               for line in lines) == 4
     got = json.loads((tmp_path / "s.json").read_text())
     bound = got["infinite_cache_bound"]["prefill_tokens_saved"]
     assert bound > 0
@@ -172,11 +192,12 @@ def test_time_scale_honours_timestamps(tmp_path):
     trace = _mooncake(tmp_path / "t.jsonl", [([1], 1, 0), ([2], 1, 0), ([3], 1, 3000)])
     done, _ = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens", "16",
                      "--schedulers", "1", "--blocks", "256", "--time-scale", "0.4",
-                     "--json", "t.json", "--plot", "")
+                     "--json", "t.json", "--plot", "", "--no-compare")
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((tmp_path / "t.json").read_text())["wall_s"] >= 1.2
     done, _ = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens", "16",
-                     "--schedulers", "1", "--blocks", "256", "--json", "t.json", "--plot", "")
+                     "--schedulers", "1", "--blocks", "256", "--json", "t.json", "--plot", "",
+                     "--no-compare")
     assert json.loads((tmp_path / "t.json").read_text())["wall_s"] < 1.2
 
 

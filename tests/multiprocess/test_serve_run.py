@@ -73,9 +73,10 @@ def _check_clean(figures: dict, pid: int) -> None:
 def test_run_shared_pool_json_report_and_plot(tmp_path):
     """Two schedulers on one shared pool serve the chat workload: every request finishes,
     every token equals the no-cache reference, conversations hit their history, and the
-    run leaves nothing behind. --compare then runs the same workload on private pools
-    (round robin, then prefix-aware) and prints the three side by side."""
-    done, f, pid = run_shmkv(tmp_path, *SMALL, "--compare")
+    run leaves nothing behind. The same workload then runs on private pools (round robin,
+    then prefix-aware), by default, and one table puts the three side by side; --verbose
+    prints each run's full report, which says how many blocks each KV-cache group gets."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL, "--verbose")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert f["pool"] == "shared" and f["schedulers"] == 2 and f["routing"] == "round-robin"
@@ -106,7 +107,21 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
         assert c["pool_valid"] and c["prefix_cache_reset"] is True
         assert [p["cached_blocks_after"] for p in c["pools_after"]] == [0, 0]
         _check_clean(c, pid)
-    assert "same workload, 256 blocks in all" in done.stdout
+    assert "same workload, 256 blocks in all (128 per KV-cache group)" in done.stdout
+    assert [line for line in done.stdout.splitlines() if line.startswith("run ")] == [
+        "run 1 of 3:", "run 2 of 3:", "run 3 of 3:"]
+    assert f["kv_cache_groups"] == 2 and f["blocks_per_group"] == 128
+    assert ("one shared pool of 256 blocks (16 tokens each; 2 KV-cache groups, so each "
+            "prompt block takes 2: 128 per group in each pool)") in done.stdout
+    assert ("2 private pools of 128 blocks (16 tokens each; 2 KV-cache groups, so each "
+            "prompt block takes 2: 64 per group in each private pool)") in done.stdout
+    ratio = f["prefill_tokens_saved"] / f["compare"][0]["prefill_tokens_saved"]
+    assert (f"prefill tokens saved by the shared pool (round-robin): {ratio:.2f}x those of "
+            "private pools, round-robin; ") in " ".join(done.stdout.split())
+    assert (f"checked against the model's no-cache reference: "
+            f"{3 * f['tokens_checked']:,}, 0 different") in done.stdout
+    assert os.stat(tmp_path / "run.png").st_mode & 0o777 == 0o644  # as the JSON
+    assert os.stat(tmp_path / "run.json").st_mode & 0o777 == 0o644
     _check_clean(f, pid)
 
 
@@ -126,8 +141,10 @@ def test_run_private_pools_prefix_aware_on_a_trace(tmp_path):
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     done, f, pid = run_shmkv(tmp_path, "--trace", str(trace), "--pool", "private",
                              "--routing", "prefix-aware", "--schedulers", "2",
-                             "--blocks", "256", "--max-model-len", "512")
+                             "--blocks", "256", "--max-model-len", "512", "--no-compare")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("shmkv run: 2 schedulers, 2 private pools of 128 blocks")
+    assert "run 1 of" not in done.stdout and "compare" not in f
     assert f["pool"] == "private" and f["requests"] == 4 and f["token_mismatches"] == 0
     # The first turns share no blocks (different salts); each second turn hits the three
     # system-prompt blocks of its history at least.
@@ -137,7 +154,8 @@ def test_run_private_pools_prefix_aware_on_a_trace(tmp_path):
 
 def test_run_without_matplotlib_says_so_and_finishes(tmp_path):
     """Without matplotlib the run serves, reports, writes its JSON and exits 0; in place of
-    the plot's path one line says no plot was written."""
+    the plot's path one line says no plot was written. By default three runs compare
+    shared and private pools: one line each, then one table, no full report."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"request_id": f"r{i}", "prompt_token_ids":
                                          list(range(1, 40)), "max_tokens": 3}) + "\n"
@@ -151,14 +169,31 @@ def test_run_without_matplotlib_says_so_and_finishes(tmp_path):
     assert ("  plot: matplotlib is not installed, no plot written (pip install "
             "'shmkv[plot]')") in done.stdout.splitlines()
     assert not (tmp_path / "run.png").exists()
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("  run ")] == [
+        "  run 1 of 3", "  run 2 of 3", "  run 3 of 3"]
+    assert ("  run 1 of 3: one shared pool of 128 blocks, round-robin: 2/2 requests, hit rate "
+            f"{f['prefix_hit_rate']:.1%}, {f['wall_s']:.1f} s") in lines
+    assert "same workload, 128 blocks in all (64 per KV-cache group), 2 schedulers:" in lines
+    assert not any(line.startswith("shmkv run: 2 schedulers") for line in lines)
+    assert lines[-1] == "  (--verbose: every run's full report; --no-compare: one configuration)"
+    # what the command printed is what docs/ samples are rendered with, from its JSON
+    from shmkv.serve.report import comparison_output
+
+    assert done.stdout == comparison_output(f, [
+        f"  figures: {tmp_path / 'run.json'}",
+        "  plot: matplotlib is not installed, no plot written (pip install 'shmkv[plot]')"])
     _check_clean(f, pid)
+    for c in f["compare"]:
+        _check_clean(c, pid)
 
 
 def test_kill_one_scheduler_the_others_finish(tmp_path):
     """--kill-one SIGKILLs a scheduler half way: its requests in flight go to the others,
     every request finishes with the right tokens, and the shared pool is valid afterwards
     with no block left in use (the dead process's references were reaped)."""
-    done, f, pid = run_shmkv(tmp_path, *SMALL[:1], "3", *SMALL[2:], "--kill-one")
+    done, f, pid = run_shmkv(tmp_path, *SMALL[:1], "3", *SMALL[2:], "--kill-one",
+                             "--no-compare")
     assert done.returncode == 0, done.stdout + done.stderr
     assert f["killed_scheduler"]["scheduler"] == 2
     assert f["requests"] == f["requests_total"] and f["token_mismatches"] == 0
@@ -195,8 +230,10 @@ def test_bad_arguments_exit_2_without_traceback(tmp_path):
     bad.write_text('{"request_id": "a", "prompt_token_ids": [1], "tokens": 3}\n')
     for args, needle in [(["--trace", str(bad)], "bad.jsonl:1"),
                          (["--schedulers", "0"], "--schedulers"),
-                         (["--rank-nice", "20"], "--rank-nice 0 to 19"),
-                         (["--pool", "private", "--blocks", "64"], "blocks per pool"),
+                         (["--rank-nice", "20"], "--rank-nice 20: must be a whole number "
+                          "from 0 to 19"),
+                         (["--pool", "private", "--blocks", "64"],
+                          "--blocks 64: 4 private pools of 16 blocks cannot hold"),
                          (["--trace", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
         out = subprocess.run([sys.executable, "-m", "shmkv.cli", "run", *args],
                              capture_output=True, text=True, env=_env(), cwd=tmp_path,

@@ -117,3 +117,93 @@ def test_readme_links_every_doc():
     """Each docs/*.md page is reachable from the README."""
     linked = {Path(t.partition("#")[0]).name for t in _relative_links(README)}
     assert [d.name for d in DOCS if d.name not in linked] == []
+
+
+# ---------------------------------------------------------------------------- generated parts
+
+def _update_docs():
+    """scripts/update_docs.py, imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("update_docs", ROOT / "scripts" /
+                                                  "update_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_docs_are_current():
+    """docs/layout.md (rendered from shmkv/pool/layout.py) and the sample outputs of README.md
+    and docs/serving.md (rendered from a real run's JSON with the functions the command
+    prints with) are what `python scripts/update_docs.py` writes now."""
+    stale = [p.relative_to(ROOT).as_posix() for p, text in _update_docs().expected_files().items()
+             if p.read_text() != text]
+    assert stale == [], f"run python scripts/update_docs.py: {stale} are stale"
+
+
+def test_layout_doc_has_every_region_and_field():
+    """The generated page names every region and every field of the record dtypes."""
+    from shmkv.pool import layout as L
+
+    text = (ROOT / "docs" / "layout.md").read_text()
+    names = [r.name for r in L.REGIONS] + [
+        f for dt in (L.HEADER_DTYPE, L.BLOCK_DTYPE, L.PROC_DTYPE, L.JOURNAL_DTYPE)
+        for f in dt.names]
+    assert [n for n in names if f"`{n}`" not in text] == []
+    assert f"Layout version {L.LAYOUT_VERSION}," in text
+
+
+def test_readme_first_screen_shows_the_comparison():
+    """The first screen (50 lines) has the main command and its output: the three runs and
+    the table comparing them."""
+    lines = README.read_text().splitlines()[:50]
+    assert "    pip install '.[torch]' && shmkv run" in lines
+    # the torch advice comes before the command it is about
+    text = "\n".join(lines)
+    assert text.index("torch==2.13.0") < text.index("pip install '.[torch]' && shmkv run")
+    start = lines.index("<!-- sample: shmkv-run -->")
+    end = lines.index("<!-- end sample -->")
+    shown = "\n".join(lines[start:end])
+    for needle in ("run 1 of 3: one shared pool", "run 3 of 3: 4 private pools",
+                   "pool, routing", "prefill tokens saved by the shared pool"):
+        assert needle in shown, needle
+
+
+_ISSUE_TALK = re.compile(r"\bissues? ?-?\d+|\bissue's\b|\bitem \d+ of\b|\(issue\b", re.I)
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_speak_of_features_not_issues(doc):
+    """A reader cannot follow "issue 16's figures" or "item 8 of issue 20": the docs name
+    features and figures."""
+    assert _ISSUE_TALK.findall(doc.read_text()) == []
+
+
+def test_dev_extra_has_what_the_tests_import():
+    """cbor2 (the sha256_cbor cross-checks) is in the dev extra, with the others."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    dev = {re.split(r"[<>=]", d)[0] for d in extras["dev"]}
+    assert {"cbor2", "pytest", "hypothesis", "redis", "pyzmq", "matplotlib"} <= dev
+
+
+def test_readme_says_what_skipped_tests_need():
+    """Every module a test skips without, that the dev and torch extras do not install, is
+    named in the README's paragraph on skips, with CUDA, redis-server and SGLang."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    installed = {re.split(r"[<>=]", d)[0].replace("-", "_").lower()
+                 for d in extras["dev"] + extras["torch"]}
+    installed |= {"zmq", "numpy", "msgspec"}  # pyzmq's module; the runtime dependencies
+    skipped = {m.split(".")[0] for f in (ROOT / "tests").rglob("*.py")
+               for m in re.findall(r"importorskip\(\s*[\"']([\w.]+)", f.read_text())}
+    text = README.read_text()
+    section = text[text.index("Tests skip, each with its reason"):text.index("**What it is.**")]
+    missing = [m for m in sorted(skipped - installed) if m.lower() not in section.lower()]
+    assert missing == []
+    for need in ("CUDA", "redis-server", "SGLang", "vLLM 0.33.0"):
+        assert need in section, need

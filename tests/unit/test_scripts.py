@@ -27,7 +27,8 @@ def test_inspect_reports_counts_and_healthy_invariants(make_pool):
     pool.cache_full_blocks(make_request(64), blocks, 0, 4, 16, 0)
     out = _inspect(pool.pool_name)
     assert out.returncode == 0, out.stderr
-    assert "blocks: 20 total, 14 free, 5 in use, 4 cached keys" in out.stdout
+    assert ("blocks: 19 usable (of 20: block 0 is the null block, never handed out), 14 free, "
+            "5 in use, 4 cached keys") in out.stdout
     assert "invariants: OK" in out.stdout
 
 
@@ -44,4 +45,4 @@ def test_inspect_missing_pool_exits_2_without_traceback(pool_name):
     """A missing pool gives a one-line error and exit code 2."""
     out = _inspect(pool_name)
     assert out.returncode == 2
-    assert "no shared-memory segment" in out.stderr and "Traceback" not in out.stderr
+    assert f"no pool named {pool_name}" in out.stderr and "Traceback" not in out.stderr
