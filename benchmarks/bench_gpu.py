@@ -271,7 +271,27 @@ def _transfer_table(rows: list[dict]) -> None:
 
 # --------------------------------------------------------------------------- main
 
-PARTS = {"transfers": run_transfers}  # a part: run_<part>(args) -> its rows
+def run_serve(args) -> list[dict]:
+    """``shmkv run`` on the device (benchmarks/bench_gpu_serve.py): the shared device
+    placement against private pools, and the host placement."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_gpu_serve
+
+    device = _device(args.device)
+    if args.quick:
+        argv = ["--quick"]
+    else:  # the small model on a GPU; on the CPU the tiny one (0.6 B parameters per
+        # rank process would take minutes to serve there)
+        argv = ["--device", device] + ([] if device != "cpu" else ["--model", "tiny"])
+    if args.json:
+        argv += ["--json", str(Path(args.json).with_suffix(".serve.jsonl"))]
+    code = bench_gpu_serve.main(argv)
+    if code:
+        raise SystemExit(f"bench_gpu_serve exited with {code}")
+    return []
+
+
+PARTS = {"transfers": run_transfers, "serve": run_serve}  # run_<part>(args) -> its rows
 
 
 def _emit(args, rows: list[dict]) -> None:

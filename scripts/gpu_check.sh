@@ -2,9 +2,12 @@
 # Every CUDA test of the project, on a machine with a GPU (under 8 minutes): the pytest
 # `gpu` marker (the KV store's copies to and from a GPU against their CPU twin, CUDA IPC,
 # GPU block tables, and the shared offload tier's worker-side transfers through vLLM's
-# CPUOffloadingWorker), then the GPU benchmark's transfer table (benchmarks/bench_gpu.py:
-# its JSON lines also go to benchmarks/results/gpu_transfers.jsonl). Builds the C kernel
-# first so the checkout's code is what runs.
+# CPUOffloadingWorker), the GPU benchmark's transfer table (benchmarks/bench_gpu.py: its
+# JSON lines also go to benchmarks/results/gpu_transfers.jsonl), `shmkv run` of the small
+# model in float32 on the GPU (0 token mismatches or a red run), and the benchmark's serve
+# part (shared device placement vs private pools vs the host placement). Each step has its
+# own time limit (240 + 90 + 60 + 90 s). Builds the C kernel first so the checkout's code
+# is what runs.
 #
 #   bash scripts/gpu_check.sh [PYTHON] [PYTEST ARGS...]      # default: python
 set -euo pipefail
@@ -14,10 +17,17 @@ PY="${1:-python}"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
 "$PY" setup.py build_ext --inplace -q
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 120 tests "$@"
+timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 120 tests "$@"
 mkdir -p benchmarks/results
 echo "== benchmarks/bench_gpu.py --part transfers"
 rm -f benchmarks/results/gpu_transfers.jsonl
-timeout 150 "$PY" benchmarks/bench_gpu.py --part transfers --layouts block_major,layer_major \
+timeout 90 "$PY" benchmarks/bench_gpu.py --part transfers --layouts block_major,layer_major \
     --json benchmarks/results/gpu_transfers.jsonl | grep -v '^{'
 
+echo "== shmkv run --device cuda --model small --dtype float32 (0 token mismatches)"
+timeout 60 "$PY" -m shmkv run --device cuda --model small --dtype float32 --no-compare \
+    --plot '' --json benchmarks/results/gpu_run_fp32.json
+echo "== benchmarks/bench_gpu.py --part serve"
+rm -f benchmarks/results/gpu_transfers.serve.jsonl
+timeout 90 "$PY" benchmarks/bench_gpu.py --part serve --json benchmarks/results/gpu_transfers.jsonl \
+    | grep -v '^{'

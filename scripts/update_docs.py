@@ -140,6 +140,15 @@ offload tier tables) carries an owner record (its creator and its pool), laid ou
 same file ("Sibling segments"); `shmkv cleanup` reads only that to decide what may go
 ([cli.md](cli.md#cleanup-what-goes-and-what-stays)).
 
+A KV store (`shmkv/ranks/kv_store.py`, whose docstring is its layout) is a 4 KiB header,
+then K and V in one of two byte orders, named by the header's `layout` field: layer-major
+(`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`: each layer's K, then its
+V, over every block, so a model on the CPU attends over a layer in place) or block-major
+(`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]`: each block's K and V of
+every layer in one contiguous range, so a set of blocks moves to or from a GPU in one copy
+per run of consecutive ids). A store of another layout version is refused at attach,
+naming `layout_version`.
+
 To look at a live pool: `shmkv inspect NAME` or `python scripts/shmkv_inspect.py NAME` prints
 its header, regions, counts and invariant status, `shmkv inspect NAME --keys` its cached
 blocks one by one; `shmkv ls` lists every shmkv segment on the machine. How the journal, the
