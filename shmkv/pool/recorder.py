@@ -224,6 +224,7 @@ class RecordingMixin:
             "all_token_ids": (list(request.all_token_ids)
                               if self.enable_kv_cache_events else None),
             "cache_salt": getattr(request, "cache_salt", None),
+            "session_id": getattr(request, "session_id", None),
             "lora": None if lora is None else [lora.lora_name, lora.lora_int_id,
                                                getattr(lora, "lora_path", "")],
         }
