@@ -57,12 +57,14 @@ class FinalState:
 
     free_ids: list[int]
     blocks: list[tuple[int, bytes | None, int | None]]
+    seq: int  # the hold it was read in: compared after every hold up to this one
 
     @classmethod
     def of(cls, pool: Any) -> FinalState:
         with pool.lock():
             return cls(pool.get_free_block_ids(),
-                       [(b.ref_cnt, b.block_hash, b.block_hash_num_tokens) for b in pool.blocks])
+                       [(b.ref_cnt, b.block_hash, b.block_hash_num_tokens) for b in pool.blocks],
+                       int(pool.header_snapshot()["lock_seq"]))
 
 
 @dataclass(eq=False)
@@ -81,11 +83,16 @@ class _Request:
 @dataclass
 class Step:
     seq: int
-    pid: int
+    proc: int  # the history's index
+    who: tuple[int, int]  # (pid, slot) of its pool handle
     n: int
     rec: Enter | Released
     exit: Exit | None = None
-    key: tuple[int, int, int] = (0, 0, 0)  # replay order: (hold, call, 0 if a release)
+    # Replay order: (hold, call, 0 if a release inside that call); key for pool calls (a
+    # release comes before the innermost call it ran in), outer_key for calls made around
+    # pool calls (before the outermost).
+    key: tuple[int, int, int] = (0, 0, 0)
+    outer_key: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -107,40 +114,41 @@ class _Mismatch(Exception):
 
 
 def load(paths: list[str]) -> tuple[list[Step], dict[int, bool], list[str]]:
-    """Every step of every history; per pid, whether it closed; differences found reading."""
+    """Every step of every history (``Step.proc``: the history's index); per history, whether
+    its process closed the pool; differences found reading."""
     steps: list[Step] = []
     closed: dict[int, bool] = {}
     problems: list[str] = []
-    for path in paths:
+    for proc, path in enumerate(paths):
         records, _cut = read_history(path)
-        pid = next((r.pid for r in records if isinstance(r, Opened)), None)
-        if pid is None:
-            pid = next((r.pid for r in records if isinstance(r, Released) and r.own), None)
-        if pid is None:  # died attaching: only what it reaped, under the lock
-            pid = -len(closed) - 1
-        closed[pid] = any(isinstance(r, Closed) for r in records)
+        opened = next((r for r in records if isinstance(r, Opened)), None)
+        who = (-1, -1) if opened is None else (opened.pid, opened.slot)
+        closed[proc] = any(isinstance(r, Closed) for r in records)
         by_n: dict[int, Step] = {}
-        running: Step | None = None  # the call whose Enter came last, until its Exit
+        running: list[Step] = []  # the calls entered and not exited, outermost first
         for r in records:
             if isinstance(r, (Enter, Released)):
-                by_n[r.n] = step = Step(r.seq, pid, r.n, r, key=(r.seq, r.n, 1))
+                by_n[r.n] = step = Step(r.seq, proc, who, r.n, r, key=(r.seq, r.n, 1),
+                                        outer_key=(r.seq, r.n, 1))
                 if isinstance(r, Enter):
-                    running = step
-                elif running is not None:
+                    running.append(step)
+                elif running:
                     # A release inside a call (a reap when short of blocks) came before it.
-                    step.key = (r.seq, running.n, 0)
+                    step.key = (r.seq, running[-1].n, 0)
+                    step.outer_key = (r.seq, running[0].n, 0)
                 steps.append(step)
             elif isinstance(r, Exit):
                 by_n[r.n].exit = r
-                running = None
+                if running and running[-1].n == r.n:
+                    running.pop()
         seqs = [s.seq for s in by_n.values()]
         if seqs != sorted(seqs):
             problems.append(f"{path}: hold numbers go back within one process")
     owner: dict[int, int] = {}
     for s in steps:
-        if owner.setdefault(s.seq, s.pid) != s.pid:
-            problems.append(f"hold {s.seq} ran in two processes at once ({owner[s.seq]} and "
-                            f"{s.pid}): the lock did not exclude them")
+        if owner.setdefault(s.seq, s.proc) != s.proc:
+            problems.append(f"hold {s.seq} ran in two processes at once (histories "
+                            f"{owner[s.seq]} and {s.proc}): the lock did not exclude them")
     return steps, closed, problems
 
 
@@ -148,8 +156,8 @@ def _settle(steps: list[Step], closed: dict[int, bool]) -> tuple[set[int], list[
     """(holds rolled back, holds that may or may not have committed)."""
     rolled_back: set[int] = set()
     ambiguous: list[int] = []
-    for pid, did_close in closed.items():
-        mine = [s for s in steps if s.pid == pid]
+    for proc, did_close in closed.items():
+        mine = [s for s in steps if s.proc == proc]
         if did_close or not mine:
             continue
         last = max(s.seq for s in mine)
@@ -177,17 +185,17 @@ class Replayer:
         self.pool = VllmBlockPool(config.num_blocks, config.enable_caching,
                                   config.hash_block_size, config.enable_kv_cache_events)
         self.events = config.enable_kv_cache_events
-        self.held: dict[int, Counter] = {}
+        self.held: dict[tuple[int, int], Counter] = {}  # (pid, slot) -> references
 
     def blocks(self, ids: list[int]) -> list[Any]:
         return [self.pool.blocks[i] for i in ids]
 
     def step(self, s: Step) -> None:
-        where = f"hold {s.seq}, pid {s.pid}, call {s.n}"
-        held = self.held.setdefault(s.pid, Counter())
+        where = f"hold {s.seq}, pid {s.who[0]}, call {s.n}"
+        held = self.held.setdefault(s.who, Counter())
         if isinstance(s.rec, Released):
-            refs = Counter({b: c for b, c in s.rec.blocks})
-            mine = self.held.setdefault(s.rec.pid, Counter())
+            refs = Counter(dict(s.rec.blocks))
+            mine = self.held.setdefault((s.rec.pid, s.rec.slot), Counter())
             if +mine != refs:
                 raise _Mismatch(f"{where}: released slot {s.rec.slot} (pid {s.rec.pid}) gave back "
                                 f"{sorted(refs.items())}; the replay says it held "
@@ -290,16 +298,20 @@ def check(paths: list[str] | str, final: FinalState | None = None) -> Report:
     steps.sort(key=lambda s: s.key)
     first_failure = None
     for drop in itertools.product((False, True), repeat=len(ambiguous)):
-        dropped = rolled_back | {seq for seq, d in zip(ambiguous, drop) if d}
+        dropped = rolled_back | {seq for seq, d in zip(ambiguous, drop, strict=True) if d}
         replayer = Replayer(config)
         report.replays += 1
         done = 0
+        compared = final is None
         try:
             for s in steps:
+                if not compared and s.seq > final.seq:
+                    replayer.compare_final(final)
+                    compared = True
                 if s.seq not in dropped:
                     replayer.step(s)
                     done += 1
-            if final is not None:
+            if not compared:
                 replayer.compare_final(final)
         except _Mismatch as exc:
             first_failure = first_failure or str(exc)
