@@ -309,7 +309,13 @@ def check(paths: list[str] | str, final: FinalState | None = None) -> Report:
                     replayer.compare_final(final)
                     compared = True
                 if s.seq not in dropped:
-                    replayer.step(s)
+                    try:
+                        replayer.step(s)
+                    except _Mismatch:
+                        raise
+                    except Exception as exc:  # vLLM refused the call (an assert...)
+                        raise _Mismatch(f"hold {s.seq}: vLLM raised {exc!r} replaying "
+                                        f"{getattr(s.rec, 'op', 'a release')}") from exc
                     done += 1
             if not compared:
                 replayer.compare_final(final)

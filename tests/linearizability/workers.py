@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import sys
+import time
 import traceback
 
 from shmkv import BlockPool
@@ -72,6 +74,7 @@ def churn(name: str, kernel: str, seed: int, shared_seed: int, num_ops: int, rec
           lock_enabled: bool, ready, go, progress) -> None:
     """Attach recording, say ``ready``, wait for ``go`` (every process starts at once), run
     the churn, free part of what is held, close (which gives back the rest)."""
+    logging.disable(logging.WARNING)  # failed resets log a line each
     try:
         pool = BlockPool.attach(name, kernel=kernel, label=f"churn-{seed}", record=record,
                                 stuck_after_s=0.5, _lock_enabled=lock_enabled)
@@ -87,3 +90,28 @@ def churn(name: str, kernel: str, seed: int, shared_seed: int, num_ops: int, rec
     except BaseException:  # noqa: BLE001  (report anything, then fail)
         traceback.print_exc()
         sys.exit(1)
+
+
+def soak_worker(tasks, done, progress, start) -> None:
+    """Runs churn tasks until told to stop (None): attach recording, wait until ``start``
+    reaches the task's generation (all workers of a history begin together), churn, close."""
+    logging.disable(logging.WARNING)  # failed resets log a line each
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        name, kernel, seed, shared_seed, num_ops, record, generation = task
+        try:
+            pool = BlockPool.attach(name, kernel=kernel, record=record, stuck_after_s=0.5)
+            done.put(("ready", seed))
+            while start.value < generation:
+                time.sleep(0.0002)
+            rng = random.Random(seed)
+            held = churn_steps(pool, rng, prompts(shared_seed), num_ops, progress)
+            for _, blocks in held[: len(held) // 2]:
+                pool.free_blocks(list(reversed(blocks)))
+            pool.close()
+            done.put(("done", seed))
+        except BaseException:  # noqa: BLE001  (reported to the driver, which fails)
+            done.put(("error", traceback.format_exc()))
+            return
