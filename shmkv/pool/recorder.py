@@ -61,6 +61,7 @@ class Opened(msgspec.Struct, tag="open"):
     hash_block_size: int
     enable_kv_cache_events: bool
     label: str = ""
+    none_hash: bytes = b""  # the pool's NONE_HASH: a checker hashes requests as its processes
 
 
 class Enter(msgspec.Struct, tag="enter"):
@@ -149,6 +150,7 @@ class RecordingMixin:
             num_blocks=self.num_gpu_blocks, enable_caching=self.enable_caching,
             hash_block_size=self.hash_block_size,
             enable_kv_cache_events=self.enable_kv_cache_events, label=kwargs.get("label", ""),
+            none_hash=self.none_hash,
         ))
 
     # ------------------------------------------------------------------ writing
@@ -196,6 +198,13 @@ class RecordingMixin:
             self._rec_write(Exit(n=n, result=None if answer is None else answer(result),
                                  events=_events(self._event_queue[queued:])))
         return result
+
+    def record_call(self, op: str, args: dict[str, Any], fn, *call_args: Any,
+                    answer=None) -> Any:
+        """Records a call of a layer above the pool (a ``KVCacheManager`` call...) as one
+        hold: ``fn(*call_args)`` runs inside it, its pool calls recorded within; ``answer``
+        turns the result into what the history keeps (None: nothing)."""
+        return self._rec_call(op, args, fn, *call_args, answer=answer)
 
     # ------------------------------------------------------------------ vLLM's calls
 

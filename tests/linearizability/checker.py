@@ -279,8 +279,13 @@ def _short(args: dict[str, Any]) -> str:
                      if k not in ("block_hashes", "all_token_ids"))
 
 
-def check(paths: list[str] | str, final: FinalState | None = None) -> Report:
-    """Checks the histories (files, or a folder of ``*.history`` files) of one pool."""
+def check(paths: list[str] | str, final: FinalState | None = None, *,
+          level: str = "pool") -> Report:
+    """Checks the histories (files, or a folder of ``*.history`` files) of one pool:
+    ``level`` "pool" replays its pool calls through one vLLM ``BlockPool``; "manager"
+    replays its ``mgr.*`` calls (``KVCacheManager`` calls recorded around the pool calls
+    they made) through one vLLM ``KVCacheManager`` per process, all over ONE vLLM
+    ``BlockPool`` (``ManagerReplayer``)."""
     if isinstance(paths, str):
         paths = sorted(glob.glob(os.path.join(paths, "*.history")))
     report = Report(histories=len(paths))
@@ -295,11 +300,19 @@ def check(paths: list[str] | str, final: FinalState | None = None) -> Report:
     if len(ambiguous) > MAX_AMBIGUOUS:
         report.differences = [f"{len(ambiguous)} holds of unknown outcome: too many to try"]
         return report
-    steps.sort(key=lambda s: s.key)
+    if level == "pool":
+        steps = [s for s in steps if not getattr(s.rec, "op", "").startswith("mgr.")]
+        steps.sort(key=lambda s: s.key)
+        make = Replayer
+    else:
+        from tests.linearizability.manager_replay import ManagerReplayer as make
+
+        steps = [s for s in steps if isinstance(s.rec, Released) or s.rec.op.startswith("mgr.")]
+        steps.sort(key=lambda s: s.outer_key)
     first_failure = None
     for drop in itertools.product((False, True), repeat=len(ambiguous)):
         dropped = rolled_back | {seq for seq, d in zip(ambiguous, drop, strict=True) if d}
-        replayer = Replayer(config)
+        replayer = make(config)
         report.replays += 1
         done = 0
         compared = final is None

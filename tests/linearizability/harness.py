@@ -12,7 +12,7 @@ import time
 from shmkv import BlockPool
 from shmkv.errors import ShmKVError
 from tests.conftest import unique_pool_name
-from tests.linearizability import workers
+from tests.linearizability import manager_workers, workers
 from tests.linearizability.checker import FinalState, Report, check
 from tests.multiprocess.conftest import join_processes
 
@@ -20,11 +20,13 @@ NUM_BLOCKS = 40  # small: allocations evict, and run short of blocks now and the
 
 
 def run_history(kernel: str, num_procs: int, seed: int, *, num_ops: int = 60,
-                num_kills: int = 0, lock_enabled: bool = True,
-                events: bool = True) -> tuple[Report, list[int | None]]:
+                num_kills: int = 0, lock_enabled: bool = True, events: bool = True,
+                managers: bool = False) -> tuple[Report, list[int | None]]:
     """Spawns ``num_procs`` churn processes on a new recorded pool (``num_kills`` of them
-    SIGKILLed at random moments), reaps, takes the final state, and checks every history.
-    Returns the checker's report and the exit codes (-9 for the killed)."""
+    SIGKILLed at random steps), reaps, takes the final state, and checks every history.
+    ``managers``: the processes drive ``KVCacheManager``s (``manager_workers.py``), and the
+    histories are checked at both levels (the report is the manager level's, after the pool
+    level passed). Returns the checker's report and the exit codes (-9 for the killed)."""
     rng = random.Random(seed)
     ctx = mp.get_context("spawn")
     name = unique_pool_name("lin")
@@ -36,9 +38,14 @@ def run_history(kernel: str, num_procs: int, seed: int, *, num_ops: int = 60,
             ready = [ctx.Event() for _ in range(num_procs)]
             go = ctx.Event()
             progress = [ctx.Value("i", -1, lock=False) for _ in range(num_procs)]
-            procs = [ctx.Process(target=workers.churn, args=(
+            if managers:
+                target = manager_workers.manager_churn
+                extra: tuple = ()
+            else:
+                target, extra = workers.churn, (lock_enabled,)
+            procs = [ctx.Process(target=target, args=(
                 name, kernel, seed * 1000 + i, seed, num_ops,
-                os.path.join(folder, f"w{i}.history"), lock_enabled, ready[i], go,
+                os.path.join(folder, f"w{i}.history"), *extra, ready[i], go,
                 progress[i])) for i in range(num_procs)]
             for p in procs:
                 p.start()
@@ -70,4 +77,6 @@ def run_history(kernel: str, num_procs: int, seed: int, *, num_ops: int = 60,
             pool.close()
             BlockPool.unlink(name)
         report = check(folder, final)
+        if managers and report:
+            report = check(folder, final, level="manager")
     return report, codes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import random
 import signal
 import tempfile
@@ -42,7 +43,15 @@ class _Worker:
         self.proc.start()
 
     def expect(self, what: str) -> None:
-        kind, detail = self.done.get(timeout=TASK_TIMEOUT_S)
+        deadline = time.monotonic() + TASK_TIMEOUT_S
+        while True:
+            try:
+                kind, detail = self.done.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive() or time.monotonic() > deadline:
+                    raise AssertionError(f"soak worker: no {what} (exit code "
+                                         f"{self.proc.exitcode})") from None
         if kind != what:
             raise AssertionError(f"soak worker: expected {what}, got {kind}: {detail}")
 
