@@ -115,3 +115,20 @@ def soak_worker(tasks, done, progress, start) -> None:
         except BaseException:  # noqa: BLE001  (reported to the driver, which fails)
             done.put(("error", traceback.format_exc()))
             return
+
+
+def die_in_allocation(name: str, kernel: str, record: str, store: int) -> None:
+    """Allocates and frees a little, then is SIGKILLed before the ``store``-th store of an
+    allocation (``shmkv/pool/fault.py``); exits 0 if the allocation completed first."""
+    from shmkv.pool import fault
+
+    try:
+        pool = BlockPool.attach(name, kernel=kernel, record=record)
+        blocks = pool.get_new_blocks(3)
+        pool.free_blocks(blocks[:1])
+        fault.arm("allocate", store)
+        pool.get_new_blocks(2)
+        pool.close()
+    except BaseException:  # noqa: BLE001  (report anything, then fail)
+        traceback.print_exc()
+        sys.exit(1)
