@@ -97,9 +97,15 @@ class Step:
 
 @dataclass
 class Report:
+    """``calls_replayed``: the calls and releases replayed in the accepted replay;
+    ``switches``: how often consecutive holds of it belong to different processes (how
+    much the processes interleaved); ``replays``: how many ways of settling the holds of
+    unknown outcome were tried."""
+
     histories: int = 0
     processes: int = 0
     calls_replayed: int = 0
+    switches: int = 0
     holds_rolled_back: int = 0
     holds_ambiguous: int = 0
     replays: int = 0
@@ -286,6 +292,8 @@ def check(paths: list[str] | str, final: FinalState | None = None, *,
     replays its ``mgr.*`` calls (``KVCacheManager`` calls recorded around the pool calls
     they made) through one vLLM ``KVCacheManager`` per process, all over ONE vLLM
     ``BlockPool`` (``ManagerReplayer``)."""
+    if level not in ("pool", "manager"):
+        raise ValueError(f"check(): level must be 'pool' or 'manager', got {level!r}")
     if isinstance(paths, str):
         paths = sorted(glob.glob(os.path.join(paths, "*.history")))
     report = Report(histories=len(paths))
@@ -314,7 +322,8 @@ def check(paths: list[str] | str, final: FinalState | None = None, *,
         dropped = rolled_back | {seq for seq, d in zip(ambiguous, drop, strict=True) if d}
         replayer = make(config)
         report.replays += 1
-        done = 0
+        done = switches = 0
+        last_proc = None
         compared = final is None
         try:
             for s in steps:
@@ -330,12 +339,14 @@ def check(paths: list[str] | str, final: FinalState | None = None, *,
                         raise _Mismatch(f"hold {s.seq}: vLLM raised {exc!r} replaying "
                                         f"{getattr(s.rec, 'op', 'a release')}") from exc
                     done += 1
+                    switches += last_proc is not None and s.proc != last_proc
+                    last_proc = s.proc
             if not compared:
                 replayer.compare_final(final)
         except _Mismatch as exc:
             first_failure = first_failure or str(exc)
             continue
-        report.calls_replayed = done
+        report.calls_replayed, report.switches = done, switches
         return report
     report.differences = [first_failure]
     return report

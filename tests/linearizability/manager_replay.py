@@ -13,7 +13,6 @@ from collections import Counter
 from typing import Any
 
 from vllm.v1.core import kv_cache_manager as vllm_manager
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: F401  (specs module below)
 from vllm.v1.request import RequestStatus
 
 from shmkv import Request as ShmRequest

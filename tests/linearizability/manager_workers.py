@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import time
 import traceback
 
 from shmkv import BlockPool, KVCacheManager
@@ -57,6 +58,8 @@ def manager_churn(name: str, kernel: str, seed: int, shared_seed: int, num_ops: 
             raise TimeoutError("no go from the test within 60 s")
         for step in range(num_ops):
             progress.value = step
+            if rng.random() < 0.7:  # let the others run: the processes' holds interleave
+                time.sleep(rng.uniform(0, 0.0003))
             roll = rng.random()
             if roll < 0.45 or not running:
                 rid = f"{seed}-{step}"

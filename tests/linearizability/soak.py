@@ -27,6 +27,7 @@ TASK_TIMEOUT_S = 60
 class SoakResult:
     histories: int = 0
     calls_replayed: int = 0
+    switches: int = 0
     kills: int = 0
     rolled_back: int = 0
     ambiguous: int = 0
@@ -107,6 +108,7 @@ def soak(num_histories: int, seed: int, *, num_workers: int = 4, num_ops: int = 
                 report = check(folder, final)
             result.histories += 1
             result.calls_replayed += report.calls_replayed
+            result.switches += report.switches
             result.rolled_back += report.holds_rolled_back
             result.ambiguous += report.holds_ambiguous
             if not report:

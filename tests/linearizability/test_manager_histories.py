@@ -45,6 +45,7 @@ def test_manager_histories_replay_through_vllm_managers(kernel, num_procs, num_k
                                 managers=True)
     assert sorted(codes)[num_kills:] == [0] * (num_procs - num_kills), f"seed={seed}: {codes}"
     assert report.calls_replayed > 40 * (num_procs - num_kills), f"seed={seed}: {report}"
+    assert report.switches > 5 * num_procs, f"seed={seed}: the processes did not interleave"
     assert report, f"seed={seed}: {report}"
 
 

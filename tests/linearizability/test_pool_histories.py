@@ -43,6 +43,7 @@ def test_churn_histories_replay_through_vllm(kernel, num_procs):
     report, codes = run_history(kernel, num_procs, seed, num_ops=60)
     assert codes == [0] * num_procs, f"seed={seed}: exit codes {codes}"
     assert report.histories == num_procs + 1 and report.calls_replayed > 60 * num_procs
+    assert report.switches > 5 * num_procs, f"seed={seed}: the processes did not interleave"
     assert report, f"seed={seed}: {report}"
 
 
@@ -53,6 +54,7 @@ def test_churn_with_sigkills_replays_through_vllm(kernel, num_procs):
     report, codes = run_history(kernel, num_procs, seed, num_ops=80, num_kills=num_kills)
     assert sorted(codes)[num_kills:] == [0] * (num_procs - num_kills), f"seed={seed}: {codes}"
     assert codes.count(-9) >= 1, f"seed={seed}: nobody was killed ({codes})"
+    assert report.switches > 5 * num_procs, f"seed={seed}: the processes did not interleave"
     assert report, f"seed={seed}: {report}"
 
 

@@ -23,8 +23,10 @@ def test_thousand_histories_replay_through_vllm():
     finally:
         logging.disable(logging.NOTSET)
     print(f"soak seed={SEED}: {result.histories} histories, {result.calls_replayed} calls "
-          f"replayed, {result.kills} SIGKILLs ({result.rolled_back} holds rolled back, "
+          f"replayed ({result.switches} switches between processes), {result.kills} "
+          f"SIGKILLs ({result.rolled_back} holds rolled back, "
           f"{result.ambiguous} of unknown outcome tried both ways), "
           f"{len(result.differences)} differences")
     assert result.histories == 1000 and result.kills >= 100
+    assert result.switches > 10 * result.histories  # the processes' calls interleaved
     assert not result.differences, result.differences[:5]

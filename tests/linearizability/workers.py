@@ -25,12 +25,15 @@ def prompts(shared_seed: int) -> list[list[int]]:
 def churn_steps(pool: BlockPool, rng: random.Random, shared: list[list[int]],
                 num_ops: int, progress=None) -> list[tuple[FakeRequest, list]]:
     """``num_ops`` random steps: admit (prefix lookup, touch, allocate, cache: in one hold
-    or call by call), finish (free), lookup, evict, reset. Returns what is still held;
-    ``progress.value`` (a shared int, if given) counts the steps begun."""
+    or call by call), finish (free), lookup, evict, reset, most after a short sleep (so the
+    processes' calls interleave, not run one process after another). Returns what is still
+    held; ``progress.value`` (a shared int, if given) counts the steps begun."""
     running: list[tuple[FakeRequest, list]] = []
     for step in range(num_ops):
         if progress is not None:
             progress.value = step
+        if rng.random() < 0.7:  # let the others run: the processes' holds interleave
+            time.sleep(rng.uniform(0, 0.0003))
         roll = rng.random()
         if roll < 0.45 or not running:
             prompt = rng.choice(shared)[: rng.choice([16, 32, 48, 64])]
