@@ -26,6 +26,7 @@ wrong width...) raises ``UsageError`` before it changes anything.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import operator
@@ -86,6 +87,7 @@ from shmkv.pool.lock import (
 )
 from shmkv.pool.prefix_index import BlockHashToBlockMap
 from shmkv.pool.process_table import ProcessTable
+from shmkv.pool.recorder import RECORD_ENV, record_path, recording_class
 from shmkv.pool.recovery import SegmentViews, check_invariants, rebuild
 from shmkv.pool.repair import Repairer, RepairReport
 from shmkv.pool.segment import Segment, read_config, write_header
@@ -118,6 +120,15 @@ _HASH_BYTES = L.BLOCK_HASH_BYTES
 _NO_BLOCK = L.NO_BLOCK
 _NO_HASH_TOKENS = L.NO_HASH_TOKENS
 _H_NUM_FREE = L.H_NUM_FREE
+
+
+def _opener(cls: type, record: str | None, name: str) -> Callable[..., BlockPool]:
+    """``cls``, or its recording subclass bound to the history file (``recorder.py``)
+    when ``record`` or ``$SHMKV_RECORD_DIR`` asks for one."""
+    if record is None and not os.environ.get(RECORD_ENV):
+        return cls
+    path = record_path(record, name)
+    return functools.partial(recording_class(cls), record=path)
 
 
 class _Closed:
@@ -468,6 +479,7 @@ class BlockPool:
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         partial_keys: bool = False,
         num_hash_lookahead_tokens: int = 0,
+        record: str | None = None,
         _tier_of: bytes | None = None,
     ) -> BlockPool:
         """Creates a pool in a new shared-memory segment and attaches this process to it.
@@ -503,6 +515,9 @@ class BlockPool:
                 after its block (speculative decoding, whose drafter's KV at a block's last
                 position depends on them). Kept in the segment, so every process hashes the
                 same way; the KV events carry those tokens (``lookahead_token_ids``).
+            record: a file to record this process's calls to, for the linearizability
+                checker (``shmkv/pool/recorder.py``); default ``$SHMKV_RECORD_DIR``, else
+                none. A pool that records nothing runs no recording code.
 
         Raises:
             UsageError: a bad name or config value.
@@ -547,8 +562,9 @@ class BlockPool:
             del header
             create_semaphore(shm_name)
             AliveLocks(alive_path(shm_name), create=True).close()
-            pool = cls(segment, layout, owner=True, kernel=kernel, label=label,
-                       lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s)
+            pool = _opener(cls, record, name)(
+                segment, layout, owner=True, kernel=kernel, label=label,
+                lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s)
             pool._initialize()
         except BaseException:
             segment.close()
@@ -584,11 +600,12 @@ class BlockPool:
         label: str = "",
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        record: str | None = None,
         _lock_enabled: bool = True,
         _recovering: bool = False,
     ) -> BlockPool:
         """Attaches this process to an existing pool, taking a process-table slot. Any
-        config value given must match the segment's.
+        config value given must match the segment's. ``record``: as in :meth:`create`.
 
         Raises:
             UsageError: a bad name or argument.
@@ -610,9 +627,10 @@ class BlockPool:
         }
         try:
             layout = read_config(segment, expected, allow_poisoned=_recovering)
-            return cls(segment, layout, owner=False, kernel=kernel, label=label,
-                       lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s,
-                       _lock_enabled=_lock_enabled)
+            return _opener(cls, record, name)(
+                segment, layout, owner=False, kernel=kernel, label=label,
+                lock_timeout_s=lock_timeout_s, stuck_after_s=stuck_after_s,
+                _lock_enabled=_lock_enabled)
         except BaseException:
             segment.close()
             raise
