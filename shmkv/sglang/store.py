@@ -1,0 +1,233 @@
+"""The node-wide page store: page metadata in a shmkv pool, page bytes in its region.
+
+One pool block per page slot (block 0 is the pool's null block). A page's key is a 32-byte
+digest of SGLang's page hash and the rank part that owns it (backend.py). Its states:
+
+    free        no key, ref_cnt 0, in the pool's free queue
+    storing     key under group PENDING_GROUP, ref_cnt 1 held by the storing process
+    complete    key under group 0; ref_cnt = the readers pinning it; in the LRU queue
+                (the pool's free queue, hashed blocks at its tail) when nobody does
+
+- ``exists`` and lookups see group 0 only, so never a page whose bytes are being written;
+- a store finds the key ``storing`` in another process and does not store it again;
+- a read pins (``touch``) before copying and unpins after, so the pool's eviction, which
+  takes ref-0 blocks only, never hands the slot to a writer mid-copy;
+- a SIGKILLed process's holds are given back by the pool's reaping (its ledger row); a
+  ``storing`` block left with ref_cnt 0 is a half-written page: survivors drop its key
+  (:meth:`PageStore.discard_orphans`, run whenever the pool's reap count moves, and by a
+  store that meets it), so it is never read and its slot is reused.
+
+Eviction, pins, the lock and crash recovery are the pool's: nothing here keeps a second
+copy of any of them. Every store and eviction is a KV event in the pool's event log
+(group 0 for complete pages, PENDING_GROUP while one is being written).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from shmkv.errors import (
+    LayoutMismatchError,
+    SegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    UsageError,
+)
+from shmkv.pool import layout as L
+from shmkv.pool.block_pool import BlockPool, KVCacheBlock
+from shmkv.sglang import identity as ident
+from shmkv.sglang.region import PageRegion, open_region
+
+PENDING_GROUP = 1 << 30
+MEDIUM = "L3"
+ATTACH_TIMEOUT_S = 10.0
+
+
+class _Keys:
+    """What ``cache_full_blocks`` reads of a request: its hashes (one per page)."""
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.block_hashes = hashes
+        self.all_token_ids: list[int] = []
+
+
+def open_pool(pool: str, num_pages: int, max_processes: int, label: str) -> BlockPool:
+    """Creates the store's pool (``num_pages + 1`` blocks, medium L3) or attaches to it.
+
+    Raises:
+        LayoutMismatchError: the pool is not an SGLang store, or of another size (named).
+        SegmentError: the pool is another user's, or not READY in time.
+    """
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    while True:
+        try:
+            return BlockPool.create(pool, num_pages + 1, enable_caching=True, hash_block_size=1,
+                                    enable_kv_cache_events=True, medium=MEDIUM,
+                                    max_processes=max_processes, label=label)
+        except SegmentExistsError:
+            pass
+        try:
+            bp = BlockPool.attach(pool, label=label)
+        except SegmentNotFoundError:
+            continue
+        except SegmentError as exc:
+            text = str(exc)
+            if time.monotonic() < deadline and (
+                    "INITIALIZING" in text or "smaller than a shmkv header" in text
+                    or "header field magic is '0x0'" in text):
+                time.sleep(0.01)
+                continue
+            raise
+        if bp.medium != MEDIUM or bp.hash_block_size != 1 or bp.num_gpu_blocks != num_pages + 1:
+            found = (bp.medium, bp.hash_block_size, bp.num_gpu_blocks - 1)
+            bp.close()
+            raise LayoutMismatchError(
+                f"pool {pool!r} (medium, tokens per hash, pages) = {found}, an SGLang store "
+                f"of this instance needs ({MEDIUM!r}, 1, {num_pages}): field bytes or "
+                f"page_bytes differs, or the pool is not an SGLang store")
+        return bp
+
+
+class PageStore:
+    """One process's handle on the node-wide page store."""
+
+    def __init__(self, pool_name: str, store_bytes: int, page_bytes: int,
+                 identity: dict[str, Any], max_processes: int, label: str = "sglang") -> None:
+        num_pages = store_bytes // page_bytes
+        if num_pages < 1:
+            raise UsageError(
+                f"extra_config: bytes {store_bytes} hold no page of {page_bytes} bytes")
+        self.pool_name = pool_name
+        self.pool = open_pool(pool_name, num_pages, max_processes, label)
+        try:
+            self.region: PageRegion = open_region(
+                self.pool, pool_name, page_bytes, ident.encode(identity),
+                lambda found: ident.compare(found, identity, pool_name))
+        except BaseException:
+            self.pool.close()
+            raise
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self._reaped_seen = -1
+        self.discard_orphans()
+
+    # ------------------------------------------------------------------ lookups
+
+    def prefix(self, hashes: list[bytes]) -> int:
+        """How many leading pages of ``hashes`` are complete."""
+        self._maybe_discard()
+        return len(self.pool.get_cached_prefix(hashes, 0))
+
+    def pin(self, hashes: list[bytes]) -> list[KVCacheBlock | None]:
+        """Pins each complete page (None for a miss); the caller copies, then unpins."""
+        pool = self.pool
+        out: list[KVCacheBlock | None] = []
+        with pool.lock():
+            for h in hashes:
+                hit = pool.get_cached_block(h, (0,))
+                out.append(hit[0] if hit else None)
+            pool.touch([b for b in out if b is not None])
+        return out
+
+    def unpin(self, blocks: list[KVCacheBlock]) -> None:
+        if blocks:
+            self.pool.free_blocks(blocks)
+            self.pool.take_events()
+
+    # ------------------------------------------------------------------ stores
+
+    def begin_store(self, hashes: list[bytes]
+                    ) -> tuple[list[int], list[KVCacheBlock], list[int]]:
+        """Reserves a slot for each page of ``hashes`` not yet complete nor being stored.
+
+        Returns:
+            (indices into ``hashes`` to write, their blocks in the same order, indices
+            that found no room: the pool had too few unpinned slots).
+        """
+        self._maybe_discard()
+        pool = self.pool
+        todo: list[int] = []
+        with pool.lock():
+            seen: set[bytes] = set()
+            reaped = False
+            for i, h in enumerate(hashes):
+                if h in seen or pool.get_cached_block(h, (0,)):
+                    continue
+                seen.add(h)
+                busy = pool.get_cached_block(h, (PENDING_GROUP,))
+                if busy and busy[0].ref_cnt > 0 and not reaped:
+                    pool.reap_dead()  # its writer may be dead: its hold is then released
+                    reaped = True
+                if busy and busy[0].ref_cnt > 0:
+                    continue  # another process is storing it right now
+                if busy:  # a half page of a dead writer: discarded, stored afresh
+                    pool.evict_blocks([busy[0].block_id])
+                todo.append(i)
+            room = min(len(todo), pool.get_num_free_blocks())
+            todo, no_room = todo[:room], todo[room:]
+            blocks = pool.get_new_blocks(room) if room else []
+            if blocks:
+                pool.cache_full_blocks(_Keys([hashes[i] for i in todo]), blocks, 0, room, 1,
+                                       PENDING_GROUP)
+        pool.take_events()
+        return todo, blocks, no_room
+
+    def finish_store(self, hashes: list[bytes], blocks: list[KVCacheBlock],
+                     ok: bool = True) -> None:
+        """Completes (``ok``) or abandons the stores begun for ``blocks``."""
+        if not blocks:
+            return
+        pool = self.pool
+        with pool.lock():
+            pool.evict_blocks([b.block_id for b in blocks])
+            if ok:
+                pool.cache_full_blocks(_Keys(hashes), blocks, 0, len(blocks), 1, 0)
+            pool.free_blocks(blocks)
+        pool.take_events()
+
+    # ------------------------------------------------------------------ upkeep
+
+    def _maybe_discard(self) -> None:
+        if self.pool.num_reaped() != self._reaped_seen:
+            self.discard_orphans()
+
+    def discard_orphans(self) -> int:
+        """Drops the key of every page left ``storing`` by a dead writer; returns how many."""
+        pool = self.pool
+        with pool.lock():
+            self._reaped_seen = pool.num_reaped()
+            rows = pool.block_rows()
+            orphan = np.flatnonzero((rows["ref_cnt"] == 0) & (rows["group_id"] == PENDING_GROUP)
+                                    & (rows["hash_num_tokens"] != L.NO_HASH_TOKENS))
+            del rows
+            ids = [int(b) for b in orphan if b > 0]
+            if ids:
+                pool.evict_blocks(ids)
+        pool.take_events()
+        return len(ids)
+
+    def slot_range(self, block_id: int) -> tuple[int, int]:
+        start = (block_id - 1) * self.page_bytes
+        return start, start + self.page_bytes
+
+    def clear(self) -> bool:
+        """Drops every complete page nobody pins (SGLang's ``clear``); True if all went."""
+        pool = self.pool
+        with pool.lock():
+            rows = pool.block_rows()
+            done = (rows["group_id"] == 0) & (rows["hash_num_tokens"] != L.NO_HASH_TOKENS)
+            idle = np.flatnonzero(done & (rows["ref_cnt"] == 0))
+            pinned = int(np.count_nonzero(done & (rows["ref_cnt"] > 0)))
+            del rows, done
+            ids = [int(b) for b in idle if b > 0]
+            if ids:
+                pool.evict_blocks(ids)
+        pool.take_events()
+        return pinned == 0
+
+    def close(self) -> None:
+        self.region.close()
+        self.pool.close()
