@@ -55,10 +55,11 @@ class _Keys:
 
 
 def open_pool(pool: str, num_pages: int, max_processes: int, label: str) -> BlockPool:
-    """Creates the store's pool (``num_pages + 1`` blocks, medium L3) or attaches to it.
+    """Creates the store's pool (``num_pages + 1`` blocks, medium L3) or attaches to it,
+    whatever its size: the identity check (region.py) names what differs.
 
     Raises:
-        LayoutMismatchError: the pool is not an SGLang store, or of another size (named).
+        LayoutMismatchError: the pool is not an SGLang store.
         SegmentError: the pool is another user's, or not READY in time.
     """
     deadline = time.monotonic() + ATTACH_TIMEOUT_S
@@ -81,13 +82,12 @@ def open_pool(pool: str, num_pages: int, max_processes: int, label: str) -> Bloc
                 time.sleep(0.01)
                 continue
             raise
-        if bp.medium != MEDIUM or bp.hash_block_size != 1 or bp.num_gpu_blocks != num_pages + 1:
-            found = (bp.medium, bp.hash_block_size, bp.num_gpu_blocks - 1)
+        if bp.medium != MEDIUM or bp.hash_block_size != 1:
+            found = (bp.medium, bp.hash_block_size)
             bp.close()
             raise LayoutMismatchError(
-                f"pool {pool!r} (medium, tokens per hash, pages) = {found}, an SGLang store "
-                f"of this instance needs ({MEDIUM!r}, 1, {num_pages}): field bytes or "
-                f"page_bytes differs, or the pool is not an SGLang store")
+                f"pool {pool!r} (medium, tokens per hash) = {found} is not an SGLang store "
+                f"(({MEDIUM!r}, 1)); pick another shmkv_pool")
         return bp
 
 
@@ -106,7 +106,13 @@ class PageStore:
             self.region: PageRegion = open_region(
                 self.pool, pool_name, page_bytes, ident.encode(identity),
                 lambda found: ident.compare(found, identity, pool_name))
+            if self.pool.num_gpu_blocks - 1 != num_pages:
+                raise LayoutMismatchError(
+                    f"store {pool_name!r} holds {self.pool.num_gpu_blocks - 1} pages, this "
+                    f"instance's bytes give {num_pages}")
         except BaseException:
+            if hasattr(self, "region"):
+                self.region.close()
             self.pool.close()
             raise
         self.page_bytes = page_bytes
