@@ -8,8 +8,15 @@ import json
 
 import pytest
 
-from tests.conftest import unique_pool_name
-from tests.sglang_helpers import (
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+import torch  # noqa: E402
+
+from shmkv.errors import LayoutMismatchError, UsageError  # noqa: E402
+from shmkv.sglang import SharedHostStorage  # noqa: E402
+from shmkv.sglang.pages import runs  # noqa: E402
+from tests.conftest import unique_pool_name  # noqa: E402
+from tests.sglang_helpers import (  # noqa: E402
     CLI_EXTRA,
     HostBuffer,
     make_backend,
@@ -19,12 +26,6 @@ from tests.sglang_helpers import (
     sgl_factory,
     sgl_storage,
 )
-
-import torch  # noqa: E402, I001
-
-from shmkv.errors import LayoutMismatchError, UsageError  # noqa: E402
-from shmkv.sglang import SharedHostStorage  # noqa: E402
-from shmkv.sglang.pages import runs  # noqa: E402
 
 
 @pytest.fixture
