@@ -28,5 +28,5 @@ def test_bench_sglang_l3_quick_runs():
     l2, l3 = rows
     assert l2["pages"] == l3["pages"] and l3["l3_hits"] > 0
     assert l3["recomputed"] == l2["recomputed"] - l3["l3_hits"]
-    assert l3["stored_pages"] == l3["recomputed"]
+    assert 0 < l3["stored_pages"] <= l3["recomputed"]  # a page two recompute is stored once
     assert not [e for e in os.listdir("/dev/shm") if "bench-sgl-" in e]
