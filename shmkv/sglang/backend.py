@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -89,6 +90,11 @@ class SharedHostStorage(HiCacheStorage):
         self._page_size = int(mem_pool_host.page_size)
         region = torch.from_numpy(self.store.region.pages)
         self._slots = region.view(view.dtype).view(self.store.num_pages, *view.shape[1:])
+        # NOTE: the copies go through numpy (one single-threaded memcpy-like loop per run):
+        # torch's copy_ splits each copy over its intra-op threads, and on a loaded host a
+        # few pages then wait for a descheduled thread far longer than the copy takes.
+        self._host_np = _np_view(view)
+        self._slots_np = _np_view(self._slots)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         raise UsageError(
@@ -134,10 +140,10 @@ class SharedHostStorage(HiCacheStorage):
                              f"{num_keys} keys of page {ps} need {num_keys * ps}")
         if num_keys == 0:
             return []
-        idx = host_indices.to("cpu", torch.int64).view(num_keys, ps)
+        idx = host_indices.cpu().numpy().astype(np.int64, copy=False).reshape(num_keys, ps)
         first = idx[:, 0]
         limit = self._view.shape[0] * ps
-        if bool((first % ps != 0).any()) or bool((idx - first[:, None] != torch.arange(ps)).any()) \
+        if (first % ps).any() or (idx != first[:, None] + np.arange(ps)).any() \
                 or int(first.min()) < 0 or int(idx.max()) >= limit:
             raise UsageError(f"{call}(): host_indices must be whole pages of {ps} consecutive "
                              f"tokens, page-aligned, in [0, {limit})")
@@ -164,9 +170,10 @@ class SharedHostStorage(HiCacheStorage):
         held = [b for b in blocks if b is not None]
         try:
             hit = [i for i, b in enumerate(blocks) if b is not None]
+            host, slots = self._host_np, self._slots_np
             for slot, page, n in runs([blocks[i].block_id - 1 for i in hit],
                                       [pages[i] for i in hit]):
-                self._view[page:page + n].copy_(self._slots[slot:slot + n])
+                np.copyto(host[page:page + n], slots[slot:slot + n])
         finally:
             store.unpin(held)
         self.num_get_pages += len(keys)
@@ -185,8 +192,9 @@ class SharedHostStorage(HiCacheStorage):
         todo, blocks, failed = store.begin_store(hashes)
         ok = False
         try:
+            host, slots = self._host_np, self._slots_np
             for slot, page, n in runs([b.block_id - 1 for b in blocks], [pages[i] for i in todo]):
-                self._slots[slot:slot + n].copy_(self._view[page:page + n])
+                np.copyto(slots[slot:slot + n], host[page:page + n])
             ok = True
         finally:
             store.finish_store([hashes[i] for i in todo], blocks, ok)
@@ -225,8 +233,8 @@ class SharedHostStorage(HiCacheStorage):
                 if b is None:
                     out.append(None)
                     continue
-                t.view(-1).view(torch.uint8).copy_(self._slots[b.block_id - 1].reshape(-1)
-                                                   .view(torch.uint8))
+                np.copyto(_np_view(t.view(-1).view(torch.uint8)),
+                          self._slots_np[b.block_id - 1].reshape(-1).view(np.uint8))
                 out.append(t)
         finally:
             store.unpin(held)
@@ -252,8 +260,8 @@ class SharedHostStorage(HiCacheStorage):
         ok = False
         try:
             for i, b in zip(todo, blocks, strict=True):
-                self._slots[b.block_id - 1].view(-1).view(torch.uint8).copy_(
-                    values[i].contiguous().view(-1).view(torch.uint8))
+                np.copyto(self._slots_np[b.block_id - 1].reshape(-1).view(np.uint8),
+                          _np_view(values[i].contiguous().view(-1).view(torch.uint8)))
             ok = True
         finally:
             store.finish_store([hashes[i] for i in todo], blocks, ok)
@@ -282,6 +290,15 @@ class SharedHostStorage(HiCacheStorage):
 
     def close(self) -> None:
         if self.store is not None:
-            self._slots = None
+            self._slots = self._slots_np = self._host_np = None
             self.store.close()
             self.store = None
+
+
+_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _np_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy) of a CPU tensor's bytes, as unsigned ints of its element size
+    (numpy has no bfloat16/fp8)."""
+    return t.view(_UINT[t.element_size()]).numpy()

@@ -29,4 +29,7 @@ def test_bench_sglang_l3_quick_runs():
     assert l2["pages"] == l3["pages"] and l3["l3_hits"] > 0
     assert l3["recomputed"] == l2["recomputed"] - l3["l3_hits"]
     assert 0 < l3["stored_pages"] <= l3["recomputed"]  # a page two recompute is stored once
+    # the same-process memcpy baseline and both ratios are measured, with the load beside
+    assert l3["memcpy_gbps"] > 0 and l3["get_vs_memcpy"] > 0 and l3["set_vs_memcpy"] > 0
+    assert l3["loadavg_1m"] >= 0
     assert not [e for e in os.listdir("/dev/shm") if "bench-sgl-" in e]
