@@ -36,6 +36,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, pool_identity, write_owner
+from shmkv.sglang.events import complete_keys, log_removed
 
 HEADER_BYTES = 4096
 IDENTITY_OFFSET = 64
@@ -106,12 +107,14 @@ def _belongs(seg: Segment, pool_name: str) -> bool:
 
 
 def _forget_pages(pool: BlockPool) -> None:
-    """Drops every key the pool holds: the bytes they named are gone (pool lock held)."""
+    """Drops every key the pool holds: the bytes they named are gone (pool lock held). The
+    complete pages among them are logged removed."""
     rows = pool.block_rows()
     keyed = np.flatnonzero(rows["hash_num_tokens"] != L.NO_HASH_TOKENS)
     del rows
     keyed = keyed[keyed > 0].tolist()
     if keyed:
+        log_removed(pool, complete_keys(pool, keyed))
         pool.evict_blocks(keyed)
 
 

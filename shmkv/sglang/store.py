@@ -18,13 +18,19 @@ digest of SGLang's page hash and the rank part that owns it (backend.py). Its st
   store that meets it), so it is never read and its slot is reused.
 
 Eviction, pins, the lock and crash recovery are the pool's: nothing here keeps a second
-copy of any of them. Every store and eviction is a KV event in the pool's event log
-(group 0 for complete pages, PENDING_GROUP while one is being written).
+copy of any of them.
+
+Events: the pool is made with its own KV events off and an event log on, and the store logs
+what a subscriber (``shmkv publish``, the Redis index) may believe, in the same lock hold as
+the change: a ``BlockStored`` (group 0) once a page is complete, a ``BlockRemoved`` when a
+complete page's key goes (evicted for room, ``clear``, its region replaced). A page being
+written, or a dead writer's half page, never appears in the log.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -39,10 +45,10 @@ from shmkv.errors import (
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool, KVCacheBlock
 from shmkv.sglang import identity as ident
+from shmkv.sglang.events import MEDIUM, complete_keys, log_removed, log_stored
 from shmkv.sglang.region import PageRegion, open_region
 
 PENDING_GROUP = 1 << 30
-MEDIUM = "L3"
 ATTACH_TIMEOUT_S = 10.0
 
 
@@ -66,7 +72,8 @@ def open_pool(pool: str, num_pages: int, max_processes: int, label: str) -> Bloc
     while True:
         try:
             return BlockPool.create(pool, num_pages + 1, enable_caching=True, hash_block_size=1,
-                                    enable_kv_cache_events=True, medium=MEDIUM,
+                                    enable_kv_cache_events=False,
+                                    event_log_bytes=L.DEFAULT_EVENT_LOG_BYTES, medium=MEDIUM,
                                     max_processes=max_processes, label=label)
         except SegmentExistsError:
             pass
@@ -82,12 +89,12 @@ def open_pool(pool: str, num_pages: int, max_processes: int, label: str) -> Bloc
                 time.sleep(0.01)
                 continue
             raise
-        if bp.medium != MEDIUM or bp.hash_block_size != 1:
-            found = (bp.medium, bp.hash_block_size)
+        if bp.medium != MEDIUM or bp.hash_block_size != 1 or bp.enable_kv_cache_events:
+            found = (bp.medium, bp.hash_block_size, bp.enable_kv_cache_events)
             bp.close()
             raise LayoutMismatchError(
-                f"pool {pool!r} (medium, tokens per hash) = {found} is not an SGLang store "
-                f"(({MEDIUM!r}, 1)); pick another shmkv_pool")
+                f"pool {pool!r} (medium, tokens per hash, pool events) = {found} is not an "
+                f"SGLang store (({MEDIUM!r}, 1, False)); pick another shmkv_pool")
         return bp
 
 
@@ -141,7 +148,6 @@ class PageStore:
     def unpin(self, blocks: list[KVCacheBlock]) -> None:
         if blocks:
             self.pool.free_blocks(blocks)
-            self.pool.take_events()
 
     # ------------------------------------------------------------------ stores
 
@@ -174,11 +180,14 @@ class PageStore:
                 todo.append(i)
             room = min(len(todo), pool.get_num_free_blocks())
             todo, no_room = todo[:room], todo[room:]
+            if room:
+                victims = [b.block_id for b in
+                           islice(pool.free_block_queue.iter_blocks_after(None), room)]
+                log_removed(pool, complete_keys(pool, victims))
             blocks = pool.get_new_blocks(room) if room else []
             if blocks:
                 pool.cache_full_blocks(_Keys([hashes[i] for i in todo]), blocks, 0, room, 1,
                                        PENDING_GROUP)
-        pool.take_events()
         return todo, blocks, no_room
 
     def finish_store(self, hashes: list[bytes], blocks: list[KVCacheBlock],
@@ -191,8 +200,8 @@ class PageStore:
             pool.evict_blocks([b.block_id for b in blocks])
             if ok:
                 pool.cache_full_blocks(_Keys(hashes), blocks, 0, len(blocks), 1, 0)
+                log_stored(pool, hashes)
             pool.free_blocks(blocks)
-        pool.take_events()
 
     # ------------------------------------------------------------------ upkeep
 
@@ -212,7 +221,6 @@ class PageStore:
             ids = [int(b) for b in orphan if b > 0]
             if ids:
                 pool.evict_blocks(ids)
-        pool.take_events()
         return len(ids)
 
     def slot_range(self, block_id: int) -> tuple[int, int]:
@@ -230,10 +238,11 @@ class PageStore:
             del rows, done
             ids = [int(b) for b in idle if b > 0]
             if ids:
+                log_removed(pool, complete_keys(pool, ids))
                 pool.evict_blocks(ids)
-        pool.take_events()
         return pinned == 0
 
     def close(self) -> None:
         self.region.close()
         self.pool.close()
+
