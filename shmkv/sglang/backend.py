@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from shmkv.errors import UsageError
 from shmkv.sglang import identity as ident
-from shmkv.sglang.pages import page_bytes_of, page_view, runs
+from shmkv.sglang.pages import page_bytes_of, page_view
 from shmkv.sglang.store import PageStore
 
 _CONFIG_FIELDS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size",
@@ -90,10 +90,7 @@ class SharedHostStorage(HiCacheStorage):
         self._page_size = int(mem_pool_host.page_size)
         region = torch.from_numpy(self.store.region.pages)
         self._slots = region.view(view.dtype).view(self.store.num_pages, *view.shape[1:])
-        # NOTE: the copies go through numpy (one single-threaded memcpy-like loop per run):
-        # torch's copy_ splits each copy over its intra-op threads, and on a loaded host a
-        # few pages then wait for a descheduled thread far longer than the copy takes.
-        self._host_np = _np_view(view)
+        self._host_np = _np_view(view)  # the copies are numpy's (store.copy_runs)
         self._slots_np = _np_view(self._slots)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -166,19 +163,10 @@ class SharedHostStorage(HiCacheStorage):
         store = self._ready("batch_get_v1")
         hashes = self._hashes("batch_get_v1", keys)
         pages = self._host_pages("batch_get_v1", len(keys), host_indices)
-        blocks = store.pin(hashes)
-        held = [b for b in blocks if b is not None]
-        try:
-            hit = [i for i, b in enumerate(blocks) if b is not None]
-            host, slots = self._host_np, self._slots_np
-            for slot, page, n in runs([blocks[i].block_id - 1 for i in hit],
-                                      [pages[i] for i in hit]):
-                np.copyto(host[page:page + n], slots[slot:slot + n])
-        finally:
-            store.unpin(held)
+        got = store.load(hashes, self._host_np, pages, self._slots_np)
         self.num_get_pages += len(keys)
-        self.num_hit_pages += len(held)
-        return [b is not None for b in blocks]
+        self.num_hit_pages += sum(got)
+        return got
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
@@ -189,16 +177,8 @@ class SharedHostStorage(HiCacheStorage):
         pages = self._host_pages("batch_set_v1", len(keys), host_indices)
         if not self.is_writer:
             return [True] * len(keys)
-        todo, blocks, failed = store.begin_store(hashes)
-        ok = False
-        try:
-            host, slots = self._host_np, self._slots_np
-            for slot, page, n in runs([b.block_id - 1 for b in blocks], [pages[i] for i in todo]):
-                np.copyto(slots[slot:slot + n], host[page:page + n])
-            ok = True
-        finally:
-            store.finish_store([hashes[i] for i in todo], blocks, ok)
-        self._count_set(len(keys), len(blocks))
+        stored, failed = store.save(hashes, self._host_np, pages, self._slots_np)
+        self._count_set(len(keys), stored)
         bad = set(failed)
         return [i not in bad for i in range(len(keys))]
 

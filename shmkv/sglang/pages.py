@@ -60,16 +60,3 @@ def page_view(host_pool: Any, is_mla: bool) -> torch.Tensor:
 
 def page_bytes_of(view: torch.Tensor) -> int:
     return int(view[0].numel()) * view.element_size()
-
-
-def runs(first: list[int], second: list[int]) -> list[tuple[int, int, int]]:
-    """Splits paired indices into maximal runs consecutive in both: (start of first,
-    start of second, length)."""
-    out: list[tuple[int, int, int]] = []
-    for a, b in zip(first, second, strict=True):
-        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
-            s, t, n = out[-1]
-            out[-1] = (s, t, n + 1)
-        else:
-            out.append((a, b, 1))
-    return out

@@ -223,6 +223,53 @@ class PageStore:
                 pool.evict_blocks(ids)
         return len(ids)
 
+    # ------------------------------------------------------------------ page copies
+
+    def slots(self, like: np.ndarray) -> np.ndarray:
+        """The region's page slots viewed as ``like``'s pages: ``[num_pages, *like.shape[1:]]``
+        of its dtype (slot ``s`` is block ``s + 1``'s page); ``like`` is
+        ``[num_host_pages, *page_shape]`` and its pages are ``page_bytes`` each."""
+        return self.region.pages.view(like.dtype).reshape((self.num_pages,) + like.shape[1:])
+
+    def load(self, hashes: list[bytes], host: np.ndarray, host_pages: list[int],
+             slots: np.ndarray | None = None) -> list[bool]:
+        """Copies each complete page of ``hashes`` into ``host[host_pages[i]]``, one copy per
+        run of pages consecutive in both; its pages are pinned while they are copied, so no
+        eviction hands their slots to a writer. Returns whether each page was copied.
+
+        ``host``: ``[num_host_pages, *page_shape]`` (a view: it may be strided); ``slots``:
+        ``self.slots(host)``, if the caller keeps it."""
+        slots = self.slots(host) if slots is None else slots
+        blocks = self.pin(hashes)
+        held = [b for b in blocks if b is not None]
+        try:
+            hit = [i for i, b in enumerate(blocks) if b is not None]
+            copy_runs(host, [host_pages[i] for i in hit], slots,
+                      [blocks[i].block_id - 1 for i in hit])
+        finally:
+            self.unpin(held)
+        return [b is not None for b in blocks]
+
+    def save(self, hashes: list[bytes], host: np.ndarray, host_pages: list[int],
+             slots: np.ndarray | None = None) -> tuple[int, list[int]]:
+        """Stores ``host[host_pages[i]]`` as the page of ``hashes[i]``, for each page neither
+        complete nor being stored by another process (``begin_store``), one copy per run;
+        the pages complete together, or none does if the copy fails.
+
+        Returns:
+            (pages stored, indices into ``hashes`` that found no room).
+        """
+        slots = self.slots(host) if slots is None else slots
+        todo, blocks, no_room = self.begin_store(hashes)
+        ok = False
+        try:
+            copy_runs(slots, [b.block_id - 1 for b in blocks], host,
+                      [host_pages[i] for i in todo])
+            ok = True
+        finally:
+            self.finish_store([hashes[i] for i in todo], blocks, ok)
+        return len(blocks), no_room
+
     def slot_range(self, block_id: int) -> tuple[int, int]:
         start = (block_id - 1) * self.page_bytes
         return start, start + self.page_bytes
@@ -246,3 +293,27 @@ class PageStore:
         self.region.close()
         self.pool.close()
 
+
+def runs(first: list[int], second: list[int]) -> list[tuple[int, int, int]]:
+    """Splits paired indices into maximal runs consecutive in both: (start of first,
+    start of second, length)."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(first, second, strict=True):
+        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+            s, t, n = out[-1]
+            out[-1] = (s, t, n + 1)
+        else:
+            out.append((a, b, 1))
+    return out
+
+
+def copy_runs(dst: np.ndarray, dst_pages: list[int], src: np.ndarray,
+              src_pages: list[int]) -> None:
+    """``dst[dst_pages[i]] = src[src_pages[i]]`` for every i, one ``np.copyto`` per run.
+
+    NOTE: numpy, not torch: ``copy_`` splits each copy over torch's intra-op threads, and on
+    a loaded host a few pages then wait for a descheduled thread far longer than the copy
+    takes (measured: ~0.2 GB/s against ~20 GB/s); ``np.copyto`` is one memcpy-like loop per
+    run, with the GIL released."""
+    for d, s, n in runs(dst_pages, src_pages):
+        np.copyto(dst[d:d + n], src[s:s + n])

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from shmkv.errors import LayoutMismatchError, UsageError  # noqa: E402
 from shmkv.sglang import SharedHostStorage  # noqa: E402
-from shmkv.sglang.pages import runs  # noqa: E402
+from shmkv.sglang.store import runs  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.sglang_helpers import (  # noqa: E402
     CLI_EXTRA,

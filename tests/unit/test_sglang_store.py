@@ -10,14 +10,19 @@ import os
 import numpy as np
 import pytest
 
-from shmkv import BlockPool
+from shmkv import BlockPool, SegmentError
+from shmkv.errors import NoSpaceError
 from shmkv.events import BlockRemoved, BlockStored, external_block_hash
 from shmkv.pool import layout as L
+from shmkv.pool.liveness import alive_path
+from shmkv.pool.lock import lock_name
+from shmkv.sglang.region import HEADER_BYTES, region_path
 from shmkv.sglang.store import PENDING_GROUP, PageStore
 from tests.conftest import unique_pool_name
 from tests.sglang_host import remove_store
 
 PAGE_BYTES = 64 << 10
+NOBODY = 65534
 IDENTITY = {"model": "org/model", "page_bytes": PAGE_BYTES}
 
 
@@ -157,6 +162,78 @@ def test_subscriber_sees_complete_pages_only_and_each_eviction(store_name):
     finally:
         sub.pool.close()
         store.close()
+
+
+def test_files_are_0600_whatever_the_umask(store_name):
+    """Made under umask 0277, the region and the pool's files are 0600, this user's; a
+    second store handle opens them."""
+    old = os.umask(0o277)
+    try:
+        store = make_store(store_name)
+    finally:
+        os.umask(old)
+    try:
+        seg = L.segment_name(store_name)
+        paths = [region_path(store_name), "/dev/shm" + seg, alive_path(seg),
+                 "/dev/shm/sem." + lock_name(seg).lstrip("/")]
+        for path in paths:
+            st = os.lstat(path)
+            assert (oct(st.st_mode & 0o7777), st.st_uid) == (oct(0o600), os.geteuid()), path
+        assert os.path.getsize(region_path(store_name)) == HEADER_BYTES + 8 * PAGE_BYTES
+        make_store(store_name).close()
+        store.pool.check_invariants()
+    finally:
+        store.close()
+
+
+def _plant(path: str, how: str, tmp_path) -> None:
+    if how == "symlink":
+        target = tmp_path / "target"
+        target.write_bytes(b"")
+        os.symlink(target, path)
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, HEADER_BYTES + 8 * PAGE_BYTES)
+    os.fchmod(fd, 0o644 if how == "mode" else 0o600)
+    if how == "user":
+        os.fchown(fd, NOBODY, NOBODY)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("how,match", [
+    ("symlink", "is a symbolic link"), ("mode", "mode 0644, not 0600"),
+    pytest.param("user", f"owned by uid {NOBODY}", marks=pytest.mark.skipif(
+        os.geteuid() != 0, reason="chown to another uid needs root")),
+])
+def test_a_planted_region_is_refused(store_name, tmp_path, how, match):
+    """A file planted at the region's name (a link, another mode, another user's) is never
+    used, written or replaced: opening the store refuses it, naming it."""
+    path = region_path(store_name)
+    _plant(path, how, tmp_path)
+    before = os.lstat(path)
+    with pytest.raises(SegmentError, match=f"data region {path}: .*{match}|{path} {match}"):
+        make_store(store_name)
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode, after.st_uid) == (
+        before.st_ino, before.st_mode, before.st_uid)
+    if how == "symlink":
+        assert (tmp_path / "target").read_bytes() == b""
+    os.unlink(path)
+    with BlockPool.attach(store_name) as pool:
+        pool.check_invariants()
+
+
+def test_no_room_is_a_clear_error_and_leaves_nothing(store_name):
+    """A region larger than /dev/shm's free space is refused before any page is reserved,
+    naming the region and its size; no file of it is left."""
+    page_bytes = 1 << 34
+    store_bytes = (os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+                   // page_bytes + 2) * page_bytes
+    with pytest.raises(NoSpaceError, match=f"data region {region_path(store_name)}: no room"):
+        PageStore(store_name, store_bytes, page_bytes, dict(IDENTITY), 8)
+    assert not os.path.exists(region_path(store_name))
+    with BlockPool.attach(store_name) as pool:
+        pool.check_invariants()
 
 
 assert np
