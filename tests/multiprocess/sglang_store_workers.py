@@ -34,14 +34,15 @@ def open_store(pool: str, store_bytes: int) -> PageStore:
 
 
 def store_and_report(pool: str, seed: int, names: list[str], store_bytes: int,
-                     start_at: float, out) -> None:
-    """Stores ``names`` from host pages 0..n-1 (every worker at ``start_at``), then reports
-    (seed, pages stored, indices that found no room, complete prefix length)."""
+                     barrier, out) -> None:
+    """Stores ``names`` from host pages 0..n-1 (every worker at once, past ``barrier`` if
+    given), then reports (seed, pages stored, indices that found no room, prefix length)."""
     store = open_store(pool, store_bytes)
     try:
         host = host_pages(seed)
         keys = [key(n) for n in names]
-        time.sleep(max(0.0, start_at - time.time()))
+        if barrier is not None:
+            barrier.wait(60)
         stored, no_room = store.save(keys, host, list(range(len(keys))))
         out.put((seed, stored, no_room, store.prefix(keys)))
     finally:

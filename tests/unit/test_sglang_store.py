@@ -19,7 +19,6 @@ from shmkv.pool.lock import lock_name
 from shmkv.sglang.region import HEADER_BYTES, region_path
 from shmkv.sglang.store import PENDING_GROUP, PageStore
 from tests.conftest import unique_pool_name
-from tests.sglang_host import remove_store
 
 PAGE_BYTES = 64 << 10
 NOBODY = 65534
@@ -30,7 +29,7 @@ IDENTITY = {"model": "org/model", "page_bytes": PAGE_BYTES}
 def store_name():
     name = unique_pool_name("sgls")
     yield name
-    remove_store(name)
+    BlockPool.unlink(name)  # and its siblings: the region
     assert not [e for e in os.listdir("/dev/shm") if name in e]
 
 
