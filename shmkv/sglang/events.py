@@ -33,8 +33,11 @@ def log_stored(pool: BlockPool, hashes: list[bytes]) -> None:
 
 
 def log_removed(pool: BlockPool, hashes: list[bytes]) -> None:
-    """One ``BlockRemoved`` per key of a complete page that goes."""
+    """One ``BlockRemoved`` listing the keys of the complete pages that go in this hold, in
+    the order they go (one event per batch, not per key: each logged event costs a journal
+    record under the lock; subscribers read every hash of the list)."""
     if hashes:
         as_int = use_int_block_hashes()
-        pool.log_events([BlockRemoved(block_hashes=[external_block_hash(h, as_int)],
-                                      medium=MEDIUM, group_idx=0) for h in hashes])
+        pool.log_events([BlockRemoved(
+            block_hashes=[external_block_hash(h, as_int) for h in hashes], medium=MEDIUM,
+            group_idx=0)])
