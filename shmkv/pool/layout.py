@@ -783,6 +783,9 @@ OFFLOAD_TIER_VERSION = 2  # the vLLM offload tier's table (shmkv/vllm/tier.py); 
 # rows, per-chunk job bits, the data region's tag and the replica identity
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
 OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
+SGLANG_STORE_VERSION = 1  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages
+SGLANG_STORE_MAGIC = 0x5C1A_46E5_70A6_E301
+SGLANG_STORE_OWNER_OFFSET = 3968  # in its 4 KiB header, after the store's identity
 
 
 @dataclass(frozen=True)
@@ -807,13 +810,15 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
                     PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET),
         SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
                     OFFLOAD_TIER_OWNER_OFFSET),
+        SiblingKind("sglang", "SGLang page store", SGLANG_STORE_VERSION, SGLANG_STORE_MAGIC,
+                    SGLANG_STORE_OWNER_OFFSET),
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"
 # Siblings named after their pool alone (``/shmkv_<kind>-<pool>-v<version>``): they go
 # with the pool on ``shmkv unlink``. Channels, block tables and KV stores carry a rank or
 # replica suffix and belong to a serving run, which removes them itself.
-POOL_NAMED_SIBLINGS = ("pub", "stats", "offload")
+POOL_NAMED_SIBLINGS = ("pub", "stats", "offload", "sglang")
 # The vLLM offload tier's data region is vLLM's own file (its CPU worker names it
 # ``/dev/shm/vllm_offload_<engine_id>.mmap``, plus a suffix per rank); shmkv picks the
 # engine id, ``shmkv_offload_data-<pool>``, so every replica maps the same bytes.

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ranks", ("shmkv.ranks", "shmkv.messages")),
     ("serve", ("shmkv.serve",)),
     ("integrations", ("shmkv.publisher", "shmkv.metrics", "shmkv.stats",
-                      "shmkv.cluster_index", "shmkv.vllm")),
+                      "shmkv.cluster_index", "shmkv.vllm", "shmkv.sglang")),
     ("cli", ("shmkv.cli", "shmkv.__main__", "shmkv")),  # the command, and the facade
 ]
 

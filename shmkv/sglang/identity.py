@@ -1,0 +1,90 @@
+"""One identity per node-wide store, and the extra_config SGLang hands the backend.
+
+Every instance sharing a store must produce the same bytes for the same page key: the same
+model, parallel layout (TP/PP/attention-CP/DCP sizes, which ranks write: with MLA only the
+first rank of each DCP group, as SGLang's ``is_storage_writer``), tokens per page, KV dtype,
+host-pool layout and page bytes. The first instance records its identity in the store's
+region (region.py); a later one that differs is refused at start, every differing field
+named with both values.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shmkv.errors import LayoutMismatchError, UsageError
+
+# What StorageBackendFactory's ``dynamic`` config and SGLang's controller put there.
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
+               "prefetch_threshold", "prefetch_timeout_base")
+SHMKV_KEYS = ("shmkv_pool", "bytes", "max_processes")
+DEFAULT_MAX_PROCESSES = 64
+
+
+def parse_extra_config(extra: Any) -> dict[str, Any]:
+    """The store's settings from SGLang's extra_config: ``shmkv_pool`` (the pool's name,
+    required), ``bytes`` (the store's page bytes, required, > 0), ``max_processes``.
+
+    Raises:
+        UsageError: not a dict, an unknown key, a missing or bad value (all named).
+    """
+    if not isinstance(extra, dict):
+        raise UsageError(
+            f"extra_config must be a dict (--hicache-storage-backend-extra-config JSON), got "
+            f"{type(extra).__name__}")
+    unknown = sorted(k for k in extra if k not in SGLANG_KEYS + SHMKV_KEYS)
+    if unknown:
+        raise UsageError(
+            f"extra_config: unknown key(s) {unknown}; shmkv takes {list(SHMKV_KEYS)} besides "
+            f"SGLang's {list(SGLANG_KEYS)}")
+    pool = extra.get("shmkv_pool")
+    if not isinstance(pool, str) or not pool:
+        raise UsageError(f"extra_config: shmkv_pool must be a pool name (str), got {pool!r}")
+    size = extra.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise UsageError(f"extra_config: bytes must be an int > 0, got {size!r}")
+    procs = extra.get("max_processes", DEFAULT_MAX_PROCESSES)
+    if isinstance(procs, bool) or not isinstance(procs, int) or not 1 <= procs <= 1024:
+        raise UsageError(f"extra_config: max_processes must be an int in [1, 1024], got {procs!r}")
+    return {"pool": pool, "bytes": size, "max_processes": procs}
+
+
+def store_identity(config: Any, page_size: int, dtype: str, layout: str,
+                   page_bytes: int, store_bytes: int) -> dict[str, Any]:
+    """The fields that decide a page's bytes (``config``: SGLang's HiCacheStorageConfig)."""
+    return {
+        "model": config.model_name or "",
+        "tp_size": int(config.tp_size),
+        "pp_size": int(config.pp_size),
+        "attn_cp_size": int(config.attn_cp_size),
+        "dcp_size": int(getattr(config, "dcp_size", 1)),
+        "mla_writer": "first rank of each DCP group" if config.is_mla_model else "every rank",
+        "page_size": int(page_size),
+        "kv_dtype": dtype,
+        "layout": layout,
+        "page_bytes": int(page_bytes),
+        "bytes": int(store_bytes),
+    }
+
+
+def encode(identity: dict[str, Any]) -> bytes:
+    return json.dumps(identity, sort_keys=True).encode()
+
+
+def compare(found: bytes, mine: dict[str, Any], store: str) -> None:
+    """Refuses an instance whose identity differs from the one the store recorded.
+
+    Raises:
+        LayoutMismatchError: naming every differing field, the store's value and this
+            instance's.
+    """
+    recorded = json.loads(found.decode()) if found else {}
+    diffs = [f"{k}: the store has {recorded.get(k)!r}, this instance {mine.get(k)!r}"
+             for k in sorted(set(recorded) | set(mine)) if recorded.get(k) != mine.get(k)]
+    if diffs:
+        raise LayoutMismatchError(
+            f"SGLang store {store!r} belongs to instances of another identity; field "
+            + "; field ".join(diffs)
+            + f". Every instance sharing it must match; to start afresh, stop them all and "
+              f"run `shmkv unlink {store}`")
