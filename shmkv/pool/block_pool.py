@@ -242,6 +242,12 @@ SNAPSHOT_CHUNK_BLOCKS = 32_768
 SNAPSHOT_ATTEMPTS = 3
 
 
+def _published(rows: np.ndarray) -> np.ndarray:
+    """The rows whose key a subscriber may see: cached, and not a store still in flight."""
+    return ((rows["hash_num_tokens"] != L.NO_HASH_TOKENS)
+            & ((rows["group_id"] & L.PENDING_GROUP_BIT) == 0))
+
+
 @dataclass(frozen=True)
 class KeySnapshot:
     """``BlockPool.cached_key_snapshot``'s answer: the group ids and hashes of every cached
@@ -1808,13 +1814,14 @@ class BlockPool:
         return self._segment_views
 
     def cached_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(group ids, hashes)`` of every cached block, in block-id order: numpy copies
+        """``(group ids, hashes)`` of every cached block, in block-id order (not the keys of
+        blocks still being written, whose group has ``L.PENDING_GROUP_BIT``): numpy copies
         made in one short hold of the lock (a mask and a copy of the cached rows' two key
         fields; the conversion to Python objects is the caller's, after the hold). On a
         large pool prefer ``cached_key_snapshot``, whose holds are bounded."""
         with self._lock:
             rows = self._blocks[1:self.num_gpu_blocks]
-            mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+            mask = _published(rows)
             return rows["group_id"][mask], rows["block_hash"][mask]
 
     def cached_key_snapshot(self, chunk_blocks: int = SNAPSHOT_CHUNK_BLOCKS,
@@ -1851,7 +1858,7 @@ class BlockPool:
                         break  # the cache changed between two holds: start again
                     stamp = now
                     rows = self._blocks[lo:min(lo + chunk_blocks, n)]
-                    mask = rows["hash_num_tokens"] != L.NO_HASH_TOKENS
+                    mask = _published(rows)
                     groups.append(rows["group_id"][mask])
                     hashes.append(rows["block_hash"][mask])
             else:

@@ -349,6 +349,11 @@ FLAG_PARTIAL_KEYS = 1 << 2
 NULL_BLOCK_ID = 0
 NO_BLOCK = -1
 NO_HASH_TOKENS = 0
+# A group id with this bit set keys a block whose bytes are still being written: the
+# offload tiers (shmkv.vllm, shmkv.sglang) key an in-flight store so that no other process
+# stores it again, and turn it into the real group once the bytes are there. Such keys are
+# never a hit for a real group and never reach a subscriber (cached_key_snapshot).
+PENDING_GROUP_BIT = 1 << 30
 GROUP_MIX = 0x9E37_79B9_7F4A_7C15
 MAX_POOL_NAME_CHARS = 64
 MAX_NUM_BLOCKS = (1 << 31) - 3  # row indices, sentinels included, must fit an int32

@@ -48,7 +48,7 @@ from shmkv.sglang import identity as ident
 from shmkv.sglang.events import MEDIUM, complete_keys, log_removed, log_stored
 from shmkv.sglang.region import PageRegion, open_region
 
-PENDING_GROUP = 1 << 30
+PENDING_GROUP = L.PENDING_GROUP_BIT  # a page being written (never a hit, never published)
 ATTACH_TIMEOUT_S = 10.0
 
 

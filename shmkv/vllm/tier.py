@@ -56,7 +56,7 @@ MAX_REPLICAS = 64  # one job bit per replica row in a uint64
 
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
 W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
-PENDING_BIT = 1 << 30  # the pool group-id bit of a chunk whose store is in flight
+PENDING_BIT = L.PENDING_GROUP_BIT  # the group-id bit of a chunk whose store is in flight
 W_REPLICA_KEYS = 16
 W_REPLICA_REGION = W_REPLICA_KEYS + MAX_REPLICAS
 IDENTITY_OFFSET = 8 * (W_REPLICA_REGION + MAX_REPLICAS)

@@ -173,3 +173,34 @@ def test_a_snapshot_in_chunks_under_churn_is_the_state_at_its_seq(pool_name):
         assert proc.exitcode == 0
         pool.check_invariants()
         pool.close()
+
+
+def test_a_snapshot_leaves_out_stores_still_in_flight(pool_name):
+    """The offload tiers key a block whose bytes are still being written under a group with
+    PENDING_GROUP_BIT (so no other process stores it again); a subscriber must not be told
+    it is cached until it is: the snapshot, and the publisher's batch made from it, leave
+    such keys out."""
+    from shmkv.pool import layout as L
+
+    pool = BlockPool.create(pool_name, 16, enable_kv_cache_events=True)
+    try:
+        done, writing = make_request(48), make_request(32, first_token=1000)
+        pool.cache_full_blocks(done, pool.get_new_blocks(3), 0, 3, 16, 0)
+        pool.cache_full_blocks(writing, pool.get_new_blocks(2), 0, 2, 16,
+                               L.PENDING_GROUP_BIT)
+        snap = pool.cached_key_snapshot()
+        assert snap.group_ids.tolist() == [0, 0, 0]
+        assert [bytes(h) for h in snap.hashes] == [bytes(h) for h in done.block_hashes]
+        groups, _ = pool.cached_key_arrays()
+        assert groups.tolist() == [0, 0, 0]
+        pub = KVEventPublisher(pool, "tcp://127.0.0.1:0")
+        try:
+            batch = decode_batch(pub.snapshot()[1])
+        finally:
+            pub.close()
+        stored = batch.events[1:]
+        assert [e.group_idx for e in stored] == [0]
+        assert len(stored[0].block_hashes) == 3
+        pool.check_invariants()
+    finally:
+        pool.close()
