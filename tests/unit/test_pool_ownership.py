@@ -47,7 +47,7 @@ def test_a_pool_named_like_a_tier_survives_the_other_pool(kernel):
             pool.check_invariants()
         assert not BlockPool.unlink(name)
         run = _shmkv_unlink(name)
-        assert run.returncode == 1 and f"no pool named {name}" in run.stderr, run
+        assert run.returncode == 2 and f"no pool named {name}" in run.stderr, run
         witness = BlockPool.attach(f"{name}.host", kernel=kernel)
         assert witness.get_num_free_blocks() == 8 - 1 - 3
         witness.check_invariants()
