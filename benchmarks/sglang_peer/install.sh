@@ -11,5 +11,7 @@ PY="${1:-python}"
 pip_install() { "$PY" -m pip install --no-deps --disable-pip-version-check -q "$@"; }
 "$PY" -c "import torch" >/dev/null 2>&1 || pip_install "torch==2.13.0"
 pip_install "sglang==0.5.23"
-pip_install -r "$HERE/requirements.txt"
+# The few packages SGLang's storage layer imports, with their own (small, pure-Python)
+# dependencies: IPython needs pygments, jedi, prompt_toolkit, ... and none pulls torch.
+"$PY" -m pip install --disable-pip-version-check -q -r "$HERE/requirements.txt"
 "$PY" -W ignore "$HERE/check_imports.py"
