@@ -6,7 +6,9 @@ arguments, answer and KV events, and the number of the lock hold it ran in (the 
 ``lock_seq``, bumped inside every hold), plus every slot release (a dead process reaped, a
 process's own references given back at ``close``) with its hold. The checker
 
-1. reads every history; a hold number seen in two processes is a difference at once (two
+1. reads every history; one without an ``Opened`` record (emptied by a recorder that
+   stopped, or not a history) is a difference, and so are histories of different pools
+   (name or config); a hold number seen in two processes is a difference at once (two
    processes in one hold: the lock did not exclude them);
 2. settles which holds took effect. A hold of a process followed by another hold of the
    same process committed (the commit is the release). A process that never wrote
@@ -128,7 +130,11 @@ def load(paths: list[str]) -> tuple[list[Step], dict[int, bool], list[str]]:
     for proc, path in enumerate(paths):
         records, _cut = read_history(path)
         opened = next((r for r in records if isinstance(r, Opened)), None)
-        who = (-1, -1) if opened is None else (opened.pid, opened.slot)
+        if opened is None:  # (a reap at attach may come before it)
+            problems.append(f"{path}: has no Opened record: not a whole history (its "
+                            "recorder stopped, or it is none)")
+            continue
+        who = (opened.pid, opened.slot)
         closed[proc] = any(isinstance(r, Closed) for r in records)
         by_n: dict[int, Step] = {}
         running: list[Step] = []  # the calls entered and not exited, outermost first
@@ -280,6 +286,11 @@ class Replayer:
                 raise _Mismatch(f"end: block {i}: shmkv {mine}, vLLM {theirs}")
 
 
+def _pool_of(opened: Opened) -> tuple[Any, ...]:
+    return (opened.pool, opened.num_blocks, opened.enable_caching, opened.hash_block_size,
+            opened.enable_kv_cache_events, opened.none_hash)
+
+
 def _short(args: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}"[:80] for k, v in args.items()
                      if k not in ("block_hashes", "all_token_ids"))
@@ -302,7 +313,13 @@ def check(paths: list[str] | str, final: FinalState | None = None, *,
     if problems:
         report.differences = problems
         return report
-    config = next(r for p in paths for r in read_history(p)[0] if isinstance(r, Opened))
+    configs = [next(r for r in read_history(p)[0] if isinstance(r, Opened)) for p in paths]
+    config = configs[0]
+    kinds = {_pool_of(c) for c in configs}
+    if len(kinds) > 1:
+        report.differences = [f"the histories are of {len(kinds)} pools (name, blocks, caching, "
+                              f"tokens per hash, events, NONE_HASH): {sorted(kinds)}"]
+        return report
     rolled_back, ambiguous = _settle(steps, closed)
     report.holds_rolled_back, report.holds_ambiguous = len(rolled_back), len(ambiguous)
     if len(ambiguous) > MAX_AMBIGUOUS:
