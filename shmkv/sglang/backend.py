@@ -205,6 +205,11 @@ class SharedHostStorage(HiCacheStorage):
                 raise UsageError(f"batch_get(): target_locations must be a list of "
                                  f"{len(keys)} tensors, got {type(target_locations).__name__}")
             targets = [self._flat("batch_get", "target_location", t) for t in target_locations]
+            for t in targets:  # each is filled in place, as one run of bytes
+                if not t.is_contiguous():
+                    raise UsageError(
+                        f"batch_get(): target_location must be a contiguous tensor (a page is "
+                        f"copied into it in place), got strides {tuple(t.stride())}")
         blocks = store.pin(hashes)
         held = [b for b in blocks if b is not None]
         try:
