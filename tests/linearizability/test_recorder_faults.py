@@ -12,8 +12,9 @@ import uuid
 import pytest
 
 from shmkv import BlockPool
+from shmkv.errors import UsageError
 from shmkv.pool import recorder
-from shmkv.pool.recorder import RECORD_ENV, Opened, read_history
+from shmkv.pool.recorder import RECORD_ENV, Enter, Exit, Opened, read_history
 from tests.conftest import unique_pool_name
 from tests.linearizability.checker import FinalState, check
 from tests.linearizability.recordings import rewrite_history
@@ -141,3 +142,35 @@ def test_the_checker_refuses_histories_of_two_pools(kernel, tmp_path):
     assert check([one]) and check([two])
     report = check([one, two])
     assert not report and "2 pools" in report.differences[0], report
+
+
+def test_the_checker_refuses_a_valid_call_recorded_as_refused(kernel, tmp_path):
+    """A lookup shmkv answered, recorded instead as refused for bad input (UsageError), is a
+    difference: vLLM accepts that call. A call vLLM refuses too (freeing a block nobody
+    holds) stays skipped. (Before: every UsageError was skipped unseen.)"""
+    name = unique_pool_name("linc")
+    path = str(tmp_path / "a.history")
+    pool = BlockPool.create(name, 9, kernel=kernel, record=path)
+    try:
+        blocks = pool.get_new_blocks(2)
+        assert pool.get_cached_block(b"\x01" * 32, [0]) is None
+        with pytest.raises(UsageError):
+            pool.free_blocks([pool.blocks[5]])  # held by nobody: refused
+        pool.free_blocks(blocks)
+        final = FinalState.of(pool)
+    finally:
+        pool.close()
+        BlockPool.unlink(name)
+    assert check([path], final), "the history as recorded is accepted"
+
+    def refuse_lookup(rec):
+        if isinstance(rec, Exit) and rec.result is None and rec.error_type is None and (
+                lookup_n == rec.n):
+            return Exit(n=rec.n, error_type="UsageError", error="made up")
+        return rec
+
+    lookup_n = next(r.n for r in read_history(path)[0]
+                    if isinstance(r, Enter) and r.op == "get_cached_block")
+    rewrite_history(path, refuse_lookup)
+    report = check([path], final)
+    assert not report and "vLLM accepts it" in report.differences[0], report
