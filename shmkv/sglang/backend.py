@@ -163,6 +163,10 @@ class SharedHostStorage(HiCacheStorage):
         store = self._ready("batch_get_v1")
         hashes = self._hashes("batch_get_v1", keys)
         pages = self._host_pages("batch_get_v1", len(keys), host_indices)
+        if len(set(pages)) != len(pages):
+            twice = next(p for p in pages if pages.count(p) > 1)
+            raise UsageError(f"batch_get_v1(): host_indices name host page {twice} twice: each "
+                             "page is copied into one host page of its own")
         got = store.load(hashes, self._host_np, pages, self._slots_np)
         self.num_get_pages += len(keys)
         self.num_hit_pages += sum(got)

@@ -1,5 +1,5 @@
-"""The generic ``batch_get`` with a target that cannot take a page in place: refused before
-anything is pinned or copied, naming the argument."""
+"""Gets whose destinations cannot take the pages as asked (a strided target, one host page
+named twice): refused before anything is pinned or copied, naming the argument."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch  # noqa: E402
 from shmkv.errors import UsageError  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.sglang_helpers import HostBuffer, make_backend, remove_store  # noqa: E402
+from tests.sglang_host import page_indices  # noqa: E402
 
 
 @pytest.fixture
@@ -40,6 +41,25 @@ def test_a_strided_target_is_refused_and_no_target_is_written(store_name):
         assert not good.any()
         assert backend.store.pool.get_num_free_blocks() == backend.store.num_pages
         assert torch.equal(backend.get("k", good), page)  # a contiguous one is served
+        backend.store.pool.check_invariants()
+    finally:
+        backend.close()
+
+
+def test_a_host_page_named_twice_in_one_get_is_refused(store_name):
+    """batch_get_v1 with two keys landing in one host page would answer True for both while
+    the page holds one of them: a UsageError naming host_indices, nothing copied. (Before:
+    both pages were copied into host page 3, and both reported loaded.)"""
+    host = HostBuffer("page_first")
+    backend = make_backend(store_name, host)
+    try:
+        assert backend.batch_set_v1(["a", "b"], page_indices([0, 1], host.page_size)) == [
+            True, True]
+        before = host.kv_buffer.clone()
+        with pytest.raises(UsageError, match="host_indices.*page 3 twice"):
+            backend.batch_get_v1(["a", "b"], page_indices([3, 3], host.page_size))
+        assert torch.equal(host.kv_buffer, before)
+        assert backend.store.pool.get_num_free_blocks() == backend.store.num_pages
         backend.store.pool.check_invariants()
     finally:
         backend.close()
