@@ -89,8 +89,10 @@ class PageRegion:
     """One process's mapping of the page store: the header fields and a uint8 view of the
     page slots."""
 
-    def __init__(self, seg: Segment, num_pages: int, page_bytes: int) -> None:
+    def __init__(self, seg: Segment, num_pages: int, page_bytes: int, path: str = "",
+                 ino: int = -1) -> None:
         self._seg = seg
+        self.path, self.ino = path, ino  # the file mapped, and its inode
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.pages = np.frombuffer(seg.buf, np.uint8, num_pages * page_bytes, HEADER_BYTES)
@@ -99,6 +101,20 @@ class PageRegion:
     @property
     def name(self) -> str:
         return self._seg.shm_name
+
+    def check_current(self) -> None:
+        """Raises SegmentError if the region's file is no longer the one mapped here (it was
+        removed, and another process made a new one and dropped the pool's keys: the keys
+        now name the new file's bytes). While this process maps the old file its inode
+        lives, so a new file never has its number."""
+        try:
+            ino = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            ino = -1
+        if ino != self.ino:
+            raise SegmentError(
+                f"{WHAT} {self.path} was replaced (or removed) since this process mapped it: "
+                "its pages are not the pool's any more; open the store again")
 
     def identity(self) -> bytes:
         size = _FIELDS.unpack_from(self._seg.buf, 0)[4]
@@ -293,10 +309,11 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
                 f"store {pool_name!r}: field page_bytes differs: the store has "
                 f"{found_bytes}, this instance {page_bytes}")
         seg = Segment(name, mmap.mmap(fd, size))
+        ino = os.fstat(fd).st_ino
     finally:
         os.close(fd)
     try:
-        return PageRegion(seg, num_pages, page_bytes)
+        return PageRegion(seg, num_pages, page_bytes, path, ino)
     except BaseException:
         seg.close()
         raise

@@ -99,3 +99,40 @@ def test_a_process_of_a_replaced_pool_never_makes_a_region_for_the_new_pool(stor
         late.check_invariants()
     finally:
         late.close()
+
+
+def test_a_process_whose_region_was_replaced_under_a_live_pool_serves_nothing(store_name):
+    """The region file is removed while the pool lives (an operator's ``rm``); the next
+    process makes a new one and drops the pool's keys. The process still mapping the old
+    region neither completes a page there (another process would read the new region's
+    slot), not even one begun before, nor serves from it: its calls raise naming the
+    region, and the page another
+    process stores is read back right. (Before: the old process stored "c" into the old
+    region, and the new one's hit on "c" read zeros.)"""
+    old = _store(store_name)
+    try:
+        assert old.save([_key("a")], _page(0xAA), [0]) == (1, [])
+        todo, blocks, _ = old.begin_store([_key("d")])  # a store in flight meanwhile
+        assert todo == [0]
+        os.unlink(region_path(store_name))
+        new = _store(store_name)
+        try:
+            with pytest.raises(SegmentError, match="replaced"):
+                old.finish_store([_key("d")], blocks)
+            assert new.prefix([_key("d")]) == 0
+            out = np.zeros((1, PAGE_BYTES), np.uint8)
+            assert new.load([_key("a")], out, [0]) == [False]  # its bytes went with the file
+            with pytest.raises(SegmentError, match="replaced"):
+                old.save([_key("c")], _page(0xCC), [0])
+            with pytest.raises(SegmentError, match="replaced"):
+                old.load([_key("a")], out, [0])
+            with pytest.raises(SegmentError, match="replaced"):
+                old.prefix([_key("a")])
+            assert new.load([_key("c")], out, [0]) == [False]
+            assert new.save([_key("c")], _page(0xCD), [0]) == (1, [])
+            assert new.load([_key("c")], out, [0]) == [True] and (out == 0xCD).all()
+            new.pool.check_invariants()
+        finally:
+            new.close()
+    finally:
+        old.close()
