@@ -102,16 +102,18 @@ class PageRegion:
     def name(self) -> str:
         return self._seg.shm_name
 
-    def check_current(self) -> None:
-        """Raises SegmentError if the region's file is no longer the one mapped here (it was
-        removed, and another process made a new one and dropped the pool's keys: the keys
-        now name the new file's bytes). While this process maps the old file its inode
-        lives, so a new file never has its number."""
+    def check_current(self, pool: BlockPool, pool_name: str) -> None:
+        """Raises SegmentError if another file is the region of ``pool`` (this process's
+        pool) now: this one was removed, and another process made a new one and dropped the
+        pool's keys, which then name the new file's bytes. While this process maps the old
+        file its inode lives, so a new file never has its number. A process whose pool was
+        replaced too (unlinked, made again) shares its pool and region with no newcomer, and
+        goes on. Pool lock held."""
         try:
             ino = os.stat(self.path).st_ino
         except FileNotFoundError:
-            ino = -1
-        if ino != self.ino:
+            return  # whoever makes one drops the pool's keys first, under the lock
+        if ino != self.ino and (pool_identity(pool_name) or (0, 0, b""))[2] == _pool_id(pool):
             raise SegmentError(
                 f"{WHAT} {self.path} was replaced (or removed) since this process mapped it: "
                 "its pages are not the pool's any more; open the store again")

@@ -136,3 +136,27 @@ def test_a_process_whose_region_was_replaced_under_a_live_pool_serves_nothing(st
             new.close()
     finally:
         old.close()
+
+
+def test_a_process_whose_pool_was_replaced_too_goes_on_with_its_own_pages(store_name):
+    """Pool and region unlinked and made again: the process still on the old pair shares
+    them with no newcomer, so it goes on storing and serving its own pages, and the new
+    pool never sees them."""
+    old = _store(store_name)
+    try:
+        assert old.save([_key("a")], _page(0xAA), [0]) == (1, [])
+        BlockPool.unlink(store_name)
+        new = _store(store_name)
+        try:
+            assert old.save([_key("c")], _page(0xCC), [0]) == (1, [])
+            out = np.zeros((1, PAGE_BYTES), np.uint8)
+            assert old.load([_key("a"), _key("c")], np.zeros((2, PAGE_BYTES), np.uint8),
+                            [0, 1]) == [True, True]
+            assert old.load([_key("c")], out, [0]) == [True] and (out == 0xCC).all()
+            assert new.prefix([_key("a"), _key("c")]) == 0
+            new.pool.check_invariants()
+        finally:
+            new.close()
+        old.pool.check_invariants()
+    finally:
+        old.close()
