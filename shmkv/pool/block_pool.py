@@ -128,7 +128,7 @@ def _opener(cls: type, record: str | None, name: str) -> Callable[..., BlockPool
     if record is None and not os.environ.get(RECORD_ENV):
         return cls
     path = record_path(record, name)
-    return functools.partial(recording_class(cls), record=path)
+    return functools.partial(recording_class(cls), record=path, fresh=record is None)
 
 
 class _Closed:

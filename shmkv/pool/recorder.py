@@ -29,6 +29,14 @@ a process but its last committed, and a process that died in a hold whose call h
 holder (``shmkv/pool/repair.py``), and it had no effect. A dead process's last hold with
 every ``Exit`` written may have committed or not: the checker tries both.
 
+Writing the history never fails nor changes a pool call. A file in ``$SHMKV_RECORD_DIR``
+is a new one (``O_EXCL | O_NOFOLLOW``: never a planted file or link). If a record cannot be
+written whole (a full disk, a file size limit), recording stops and the file is emptied,
+since a history missing its later records would tell the checker the process stopped calling
+where it did not; ``pool.record_error`` says why, and a ``RuntimeWarning`` is issued. If not
+even the first record (``Opened``) can be written, ``create``/``attach`` raise OSError
+naming the file, and leave nothing (the handle's slot given back).
+
 Calls that are not recorded (``unpin_blocks``, ``cache_partial_block``,
 ``move_block_hashes``...) write an ``Enter``/``Exit`` pair with ``op`` set to their name
 and no arguments, so a checker can refuse a history that used them.
@@ -39,6 +47,7 @@ from __future__ import annotations
 import os
 import struct
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -137,9 +146,14 @@ def _events(events: list[Any]) -> list[Any]:
 class RecordingMixin:
     """Put before ``BlockPool`` in a subclass (``recording_class``): records every call."""
 
-    def __init__(self, *args: Any, record: str, **kwargs: Any) -> None:
-        self._rec_fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    def __init__(self, *args: Any, record: str, fresh: bool = False, **kwargs: Any) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        if fresh:  # a name this process made up: a new file, never a planted one or a link
+            flags |= os.O_EXCL | os.O_NOFOLLOW
+        self._rec_fd = os.open(record, flags, 0o600)
+        self._rec_path = str(record)
         self._rec_n = 0
+        self.record_error: str | None = None
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -152,12 +166,43 @@ class RecordingMixin:
             enable_kv_cache_events=self.enable_kv_cache_events, label=kwargs.get("label", ""),
             none_hash=self.none_hash,
         ))
+        if self.record_error is not None:  # not even the first record: refuse the handle
+            error = self.record_error
+            self.close()
+            raise OSError(f"record: cannot write the history file: {error}")
 
     # ------------------------------------------------------------------ writing
 
     def _rec_write(self, rec: Record) -> None:
-        payload = _encoder.encode(rec)
-        os.write(self._rec_fd, _FRAME.pack(len(payload)) + payload)
+        """Appends one whole frame, or stops recording (``_rec_stop``): a pool call never
+        fails, nor changes, because its history could not be written."""
+        if self._rec_fd < 0:
+            return
+        frame = _encoder.encode(rec)
+        frame = _FRAME.pack(len(frame)) + frame
+        try:
+            written = os.write(self._rec_fd, frame)
+        except OSError as exc:
+            self._rec_stop(str(exc))
+            return
+        if written != len(frame):  # a full disk or a file size limit: cut short
+            self._rec_stop(f"wrote {written} of a {len(frame)}-byte record")
+
+    def _rec_stop(self, why: str) -> None:
+        """Recording cannot go on (a full disk, a file size limit...): the history is emptied,
+        since one missing its later records would tell the checker this process stopped
+        calling (or died) where it did not, and recording stops; the pool runs on as one that
+        never recorded. ``record_error`` says why."""
+        fd, self._rec_fd = self._rec_fd, -1
+        self.record_error = f"{self._rec_path}: {why}"
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass  # not a regular file (a device...): nothing to empty
+        os.close(fd)
+        if self._rec_n:  # a handle open already (the first record failing refuses it)
+            warnings.warn(f"shmkv: recording this pool's history stopped ({self.record_error});"
+                          " the history file was emptied", RuntimeWarning, stacklevel=3)
 
     def _rec_next(self) -> int:
         self._rec_n += 1
@@ -293,7 +338,9 @@ class RecordingMixin:
             super().close()
             self._rec_write(Closed(n=self._rec_next()))
         finally:
-            os.close(self._rec_fd)
+            if self._rec_fd >= 0:
+                os.close(self._rec_fd)
+                self._rec_fd = -1
 
 
 _classes: dict[type, type] = {}

@@ -303,9 +303,10 @@ class KVStore:
         see the rows, the host must synchronize before reading them itself.
 
         Raises:
-            UsageError: ``device_kv`` not a tensor of that shape and dtype, ids that are
-                not ints, out of range, of different lengths, or a repeated row; nothing is
-                copied then.
+            UsageError: ``device_kv`` not a tensor of that shape and dtype, or one whose
+                elements share memory (a stride 0: an expanded tensor), ids that are not a
+                1-d sequence of ints, out of range, of different lengths, or a repeated row;
+                nothing is copied then.
         """
         plan = self._plan(device_kv, block_ids, device_block_ids, unique="device")
         self._copy(device_kv, plan, to_device=True)
@@ -337,6 +338,12 @@ class KVStore:
         if device_kv.dtype != self.dtype:
             raise UsageError(f"device_kv has dtype {device_kv.dtype}; the store holds "
                              f"{self.dtype} (bytes are copied, never converted)")
+        aliased = [d for d, (n, st) in enumerate(zip(got, device_kv.stride(), strict=True))
+                   if n > 1 and st == 0]
+        if aliased:  # an expanded tensor: its layers (rows...) are one memory
+            raise UsageError(f"device_kv has overlapping memory: dim {aliased[0]} has stride 0 "
+                             f"(an expanded tensor); a cache needs memory of its own per "
+                             f"element")
         return transfer.plan_transfer(block_ids, device_block_ids, self.num_blocks, got[2],
                                       unique=unique)
 

@@ -86,7 +86,7 @@ def _ids(what: str, ids: object) -> np.ndarray:
         raise UsageError(f"{what} must be a 1-d sequence of ints: {exc}") from None
     if arr.size == 0:
         return np.zeros(0, np.int64)
-    if arr.dtype.kind not in "iu" or arr.ndim > 1:
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
         sample = arr.reshape(-1)[:4].tolist()
         raise UsageError(f"{what} must be a 1-d sequence of ints, got {arr.ndim}-d "
                          f"{arr.dtype} values {sample}...")

@@ -31,7 +31,11 @@ node) holds every block; each rank keeps a cache on its device for the requests 
 
 A request whose table row is taken by another was finished or preempted: its rows are
 freed. Rows never move while a request runs (``shmkv/serve/scheduler.py``); a preempted
-request comes back with its context as prefix hits, which step 1 checks block by block.
+request comes back with its context as prefix hits, starting before where its last step
+ended: its rows are freed then, and the hits are copied in like any request's. (Kept, the
+rank's copy of the hit holding the last prompt token, which a request whose every prompt
+block hits computes again, would be stored again: a cached block written while other ranks
+may be copying it in.)
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ class _Entry:
 class _Held:
     table_row: int
     groups: list[dict[int, _Entry]] = field(default_factory=list)
+    end: int = 0  # the positions its last step ran up to
 
 
 class HostCache(DeviceKV):
@@ -186,6 +191,14 @@ class HostCache(DeviceKV):
         if self._row_owner.get(held.table_row) == req_id:
             del self._row_owner[held.table_row]
 
+    def _forget(self, held: _Held) -> None:
+        """Frees the rows a preempted request held: back, it loads its prefix hits from the
+        store (cached blocks, which it must never write again) like any other request."""
+        for group in held.groups:
+            for entry in group.values():
+                self._release(entry)
+            group.clear()
+
     def _own(self, req_id: str, table_row: int) -> _Held:
         owner = self._row_owner.get(table_row)
         if owner is not None and owner != req_id:
@@ -215,6 +228,9 @@ class HostCache(DeviceKV):
         for i, r in enumerate(requests):
             held = self._own(r.req_id, r.row)
             start, end = r.start_position, r.start_position + len(r.token_ids)
+            if start < held.end:  # preempted and back: what it holds is from before
+                self._forget(held)
+            held.end = end
             num_table_blocks = -(-end // bs)
             for g, table in enumerate(snap.block_tables):
                 if num_table_blocks > table.shape[1]:

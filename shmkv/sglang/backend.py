@@ -163,6 +163,10 @@ class SharedHostStorage(HiCacheStorage):
         store = self._ready("batch_get_v1")
         hashes = self._hashes("batch_get_v1", keys)
         pages = self._host_pages("batch_get_v1", len(keys), host_indices)
+        if len(set(pages)) != len(pages):
+            twice = next(p for p in pages if pages.count(p) > 1)
+            raise UsageError(f"batch_get_v1(): host_indices name host page {twice} twice: each "
+                             "page is copied into one host page of its own")
         got = store.load(hashes, self._host_np, pages, self._slots_np)
         self.num_get_pages += len(keys)
         self.num_hit_pages += sum(got)
@@ -205,6 +209,11 @@ class SharedHostStorage(HiCacheStorage):
                 raise UsageError(f"batch_get(): target_locations must be a list of "
                                  f"{len(keys)} tensors, got {type(target_locations).__name__}")
             targets = [self._flat("batch_get", "target_location", t) for t in target_locations]
+            for t in targets:  # each is filled in place, as one run of bytes
+                if not t.is_contiguous():
+                    raise UsageError(
+                        f"batch_get(): target_location must be a contiguous tensor (a page is "
+                        f"copied into it in place), got strides {tuple(t.stride())}")
         blocks = store.pin(hashes)
         held = [b for b in blocks if b is not None]
         try:

@@ -18,7 +18,9 @@ Layout (little-endian):
 
 A region whose owner record names another ``pool_id`` was left by an earlier pool of the
 name: it is never believed, but replaced, and the keys the pool held are dropped, since
-their bytes are gone.
+their bytes are gone. A process maps only a region that names the pool it attached, and
+makes one only for that pool: if the pool was replaced (unlinked, made again) since it
+attached, opening the region is a SegmentError and the new pool's region is left alone.
 
 Making it (``open_region``): one process makes the region, the others wait for it. Under
 the pool lock the maker creates the file exclusively (``O_EXCL | O_NOFOLLOW``, mode 0600
@@ -87,8 +89,10 @@ class PageRegion:
     """One process's mapping of the page store: the header fields and a uint8 view of the
     page slots."""
 
-    def __init__(self, seg: Segment, num_pages: int, page_bytes: int) -> None:
+    def __init__(self, seg: Segment, num_pages: int, page_bytes: int, path: str = "",
+                 ino: int = -1) -> None:
         self._seg = seg
+        self.path, self.ino = path, ino  # the file mapped, and its inode
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.pages = np.frombuffer(seg.buf, np.uint8, num_pages * page_bytes, HEADER_BYTES)
@@ -97,6 +101,22 @@ class PageRegion:
     @property
     def name(self) -> str:
         return self._seg.shm_name
+
+    def check_current(self, pool: BlockPool, pool_name: str) -> None:
+        """Raises SegmentError if another file is the region of ``pool`` (this process's
+        pool) now: this one was removed, and another process made a new one and dropped the
+        pool's keys, which then name the new file's bytes. While this process maps the old
+        file its inode lives, so a new file never has its number. A process whose pool was
+        replaced too (unlinked, made again) shares its pool and region with no newcomer, and
+        goes on. Pool lock held."""
+        try:
+            ino = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return  # whoever makes one drops the pool's keys first, under the lock
+        if ino != self.ino and (pool_identity(pool_name) or (0, 0, b""))[2] == _pool_id(pool):
+            raise SegmentError(
+                f"{WHAT} {self.path} was replaced (or removed) since this process mapped it: "
+                "its pages are not the pool's any more; open the store again")
 
     def identity(self) -> bytes:
         size = _FIELDS.unpack_from(self._seg.buf, 0)[4]
@@ -117,14 +137,31 @@ def _maker_alive(fd: int) -> bool:
     return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
-def _belongs(head: bytes, pool_name: str) -> bool:
-    """Whether the region's owner record names the pool of this name as it is now."""
+def _pool_id(pool: BlockPool) -> bytes:
+    """The ``pool_id`` of the pool segment this process has attached (not the name's now)."""
+    return bytes(pool.header_snapshot()["pool_id"])
+
+
+def _belongs(head: bytes, pool_id: bytes) -> bool:
+    """Whether the region's owner record names the pool whose ``pool_id`` is given."""
     if len(head) < HEADER_BYTES:
         return False
     rec = np.frombuffer(head, L.OWNER_DTYPE, 1, L.SGLANG_STORE_OWNER_OFFSET)[0]
+    return int(rec["owner_magic"]) == L.OWNER_MAGIC and bytes(rec["pool_id"]) == pool_id
+
+
+def _check_current(pool_name: str, pool_id: bytes) -> None:
+    """Raises SegmentError unless the pool named ``pool_name`` now is the one attached."""
     now = pool_identity(pool_name)
-    return now is not None and int(rec["owner_magic"]) == L.OWNER_MAGIC and (
-        bytes(rec["pool_id"]) == now[2])
+    if now is None or now[2] != pool_id:
+        raise _replaced(pool_name)
+
+
+def _replaced(pool_name: str) -> SegmentError:
+    return SegmentError(
+            f"pool {pool_name!r} was replaced (unlinked, and made again or not) after this "
+            f"process attached to it: {WHAT} {region_path(pool_name)} is not the attached "
+            "pool's; open the store again")
 
 
 def _forget_pages(pool: BlockPool) -> None:
@@ -148,15 +185,19 @@ def _unlink_if(path: str, fd: int) -> None:
         pass
 
 
-def _find_or_claim(path: str, pool_name: str) -> tuple[int, bool] | None:
+def _find_or_claim(path: str, pool: BlockPool, pool_name: str) -> tuple[int, bool] | None:
     """Under the pool lock: (descriptor, True) of a new file this process now makes,
     (descriptor, False) of a complete region, or None while another process makes it.
-    A region of an earlier pool, or one whose maker died, is unlinked and claimed.
+    A region of an earlier pool, or one whose maker died, is unlinked and claimed. A process
+    whose pool was replaced since it attached maps, unlinks and makes nothing.
 
     Raises:
-        SegmentError: the file is a link, another user's, or not mode 0600.
+        SegmentError: the file is a link, another user's, or not mode 0600; the attached
+            pool is no longer the one of its name.
         LayoutMismatchError: a header of another magic (named).
     """
+    mine = _pool_id(pool)
+    _check_current(pool_name, mine)
     try:
         fd = open_checked(path, os.O_RDWR, WHAT)
     except FileNotFoundError:
@@ -170,7 +211,7 @@ def _find_or_claim(path: str, pool_name: str) -> tuple[int, bool] | None:
                 raise LayoutMismatchError(
                     f"{path}: magic {magic:#x}, expected {L.SGLANG_STORE_MAGIC:#x}: not a "
                     "shmkv SGLang page store")
-            ready = magic != 0 and _belongs(head, pool_name)
+            ready = magic != 0 and _belongs(head, mine)
             if ready:
                 return fd, False
             if magic == 0 and _maker_alive(fd):
@@ -201,7 +242,11 @@ def _make(pool: BlockPool, fd: int, path: str, pool_name: str, num_pages: int,
             raise no_space(f"{WHAT} {path}", size, errno.ENOSPC)
         reserve(fd, size, f"{WHAT} {path}")
         head = bytearray(HEADER_BYTES)
-        write_owner(head, L.SGLANG_STORE_OWNER_OFFSET, owner_record(pool_name, creator=False))
+        # the owner is the pool attached, never whatever pool bears the name now
+        owner = owner_record(pool_name, creator=False) if pool_identity(pool_name) else None
+        if owner is None or bytes(owner[0]["pool_id"]) != _pool_id(pool):
+            raise _replaced(pool_name)
+        write_owner(head, L.SGLANG_STORE_OWNER_OFFSET, owner)
         head[IDENTITY_OFFSET:IDENTITY_OFFSET + len(identity)] = identity
         _FIELDS.pack_into(head, 0, 0, L.SGLANG_STORE_VERSION, num_pages, page_bytes,
                           len(identity))
@@ -238,7 +283,7 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
     deadline = time.monotonic() + MAKER_WAIT_S
     while True:
         with pool.lock():
-            found = _find_or_claim(path, pool_name)
+            found = _find_or_claim(path, pool, pool_name)
         if found is not None:
             break
         if time.monotonic() > deadline:
@@ -266,10 +311,11 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
                 f"store {pool_name!r}: field page_bytes differs: the store has "
                 f"{found_bytes}, this instance {page_bytes}")
         seg = Segment(name, mmap.mmap(fd, size))
+        ino = os.fstat(fd).st_ino
     finally:
         os.close(fd)
     try:
-        return PageRegion(seg, num_pages, page_bytes)
+        return PageRegion(seg, num_pages, page_bytes, path, ino)
     except BaseException:
         seg.close()
         raise

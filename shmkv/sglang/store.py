@@ -12,6 +12,10 @@ digest of SGLang's page hash and the rank part that owns it (backend.py). Its st
 - a store finds the key ``storing`` in another process and does not store it again;
 - a read pins (``touch``) before copying and unpins after, so the pool's eviction, which
   takes ref-0 blocks only, never hands the slot to a writer mid-copy;
+- every call checks, under the pool lock, that no other file is the pool's region now
+  (``PageRegion.check_current``): one removed and made again by another process, which
+  dropped the pool's keys, is a SegmentError, so no page completes in, nor is served from,
+  a file the pool's other processes do not read;
 - a SIGKILLed process's holds are given back by the pool's reaping (its ledger row); a
   ``storing`` block left with ref_cnt 0 is a half-written page: survivors drop its key
   (:meth:`PageStore.discard_orphans`, run whenever the pool's reap count moves, and by a
@@ -132,13 +136,17 @@ class PageStore:
     def prefix(self, hashes: list[bytes]) -> int:
         """How many leading pages of ``hashes`` are complete."""
         self._maybe_discard()
-        return len(self.pool.get_cached_prefix(hashes, 0))
+        pool = self.pool
+        with pool.lock():
+            self.region.check_current(pool, self.pool_name)
+            return len(pool.get_cached_prefix(hashes, 0))
 
     def pin(self, hashes: list[bytes]) -> list[KVCacheBlock | None]:
         """Pins each complete page (None for a miss); the caller copies, then unpins."""
         pool = self.pool
         out: list[KVCacheBlock | None] = []
         with pool.lock():
+            self.region.check_current(pool, self.pool_name)
             for h in hashes:
                 hit = pool.get_cached_block(h, (0,))
                 out.append(hit[0] if hit else None)
@@ -163,6 +171,7 @@ class PageStore:
         pool = self.pool
         todo: list[int] = []
         with pool.lock():
+            self.region.check_current(pool, self.pool_name)
             seen: set[bytes] = set()
             reaped = False
             for i, h in enumerate(hashes):
@@ -192,16 +201,28 @@ class PageStore:
 
     def finish_store(self, hashes: list[bytes], blocks: list[KVCacheBlock],
                      ok: bool = True) -> None:
-        """Completes (``ok``) or abandons the stores begun for ``blocks``."""
+        """Completes (``ok``) or abandons the stores begun for ``blocks``.
+
+        Raises:
+            SegmentError: the region was replaced since this process mapped it; the stores
+                are abandoned."""
         if not blocks:
             return
         pool = self.pool
         with pool.lock():
             pool.evict_blocks([b.block_id for b in blocks])
+            stale: SegmentError | None = None
             if ok:
+                try:  # else the bytes would be in a file the others do not read
+                    self.region.check_current(pool, self.pool_name)
+                except SegmentError as exc:
+                    stale = exc
+            if ok and stale is None:
                 pool.cache_full_blocks(_Keys(hashes), blocks, 0, len(blocks), 1, 0)
                 log_stored(pool, hashes)
             pool.free_blocks(blocks)
+        if stale is not None:
+            raise stale
 
     # ------------------------------------------------------------------ upkeep
 

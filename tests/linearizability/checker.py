@@ -6,7 +6,9 @@ arguments, answer and KV events, and the number of the lock hold it ran in (the 
 ``lock_seq``, bumped inside every hold), plus every slot release (a dead process reaped, a
 process's own references given back at ``close``) with its hold. The checker
 
-1. reads every history; a hold number seen in two processes is a difference at once (two
+1. reads every history; one without an ``Opened`` record (emptied by a recorder that
+   stopped, or not a history) is a difference, and so are histories of different pools
+   (name or config); a hold number seen in two processes is a difference at once (two
    processes in one hold: the lock did not exclude them);
 2. settles which holds took effect. A hold of a process followed by another hold of the
    same process committed (the commit is the release). A process that never wrote
@@ -29,12 +31,15 @@ process's own references given back at ``close``) with its hold. The checker
    ``free_blocks``, ``touch``, ``cache_full_blocks`` and ``evict_blocks`` return nothing;
    their effect is what the later answers and the end state check.
 
-A call that shmkv refused for bad input (``UsageError``) changed nothing and is skipped; a
+A call that shmkv refused for bad input (``UsageError``) changed nothing and is skipped, once
+vLLM, run on a copy of its pool, refuses it too (or the call lies outside the ordinary domain,
+where shmkv is stricter by design): a valid call shmkv refused is a difference. A
 call this checker does not model (``unpin_blocks``...) is a difference.
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import itertools
 import os
@@ -48,6 +53,7 @@ from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
 from shmkv.pool.recorder import Closed, Enter, Exit, Opened, Released, read_history
 
+_REFUSED = object()  # vLLM refused the call as shmkv did (the same capacity error)
 MAX_AMBIGUOUS = 10  # holds whose commit is unknown: 2**this replays at most
 
 
@@ -128,7 +134,11 @@ def load(paths: list[str]) -> tuple[list[Step], dict[int, bool], list[str]]:
     for proc, path in enumerate(paths):
         records, _cut = read_history(path)
         opened = next((r for r in records if isinstance(r, Opened)), None)
-        who = (-1, -1) if opened is None else (opened.pid, opened.slot)
+        if opened is None:  # (a reap at attach may come before it)
+            problems.append(f"{path}: has no Opened record: not a whole history (its "
+                            "recorder stopped, or it is none)")
+            continue
+        who = (opened.pid, opened.slot)
         closed[proc] = any(isinstance(r, Closed) for r in records)
         by_n: dict[int, Step] = {}
         running: list[Step] = []  # the calls entered and not exited, outermost first
@@ -192,13 +202,13 @@ class Replayer:
                                   config.hash_block_size, config.enable_kv_cache_events)
         self.events = config.enable_kv_cache_events
         self.held: dict[tuple[int, int], Counter] = {}  # (pid, slot) -> references
+        self.num_blocks = config.num_blocks
 
     def blocks(self, ids: list[int]) -> list[Any]:
         return [self.pool.blocks[i] for i in ids]
 
     def step(self, s: Step) -> None:
         where = f"hold {s.seq}, pid {s.who[0]}, call {s.n}"
-        held = self.held.setdefault(s.who, Counter())
         if isinstance(s.rec, Released):
             refs = Counter(dict(s.rec.blocks))
             mine = self.held.setdefault((s.rec.pid, s.rec.slot), Counter())
@@ -211,8 +221,47 @@ class Replayer:
             mine.clear()
             return
         op, a, ex = s.rec.op, s.rec.args, s.exit
-        if ex.error_type == "UsageError":
-            return  # refused for bad input: nothing changed
+        if ex.error_type == "UsageError":  # refused for bad input: nothing changed
+            self._check_refused(s, where)
+            return
+        got = self._apply(s, where)
+        if got is _REFUSED:
+            return
+        if ex.error_type is not None:
+            raise _Mismatch(f"{where}: {op} raised {ex.error_type}: {ex.error} in shmkv; vLLM "
+                            f"answered {got!r}")
+        if got != ex.result:
+            raise _Mismatch(f"{where}: {op}({_short(a)}): shmkv answered {ex.result!r}, vLLM "
+                            f"{got!r}")
+        if self.events:
+            mine_ev, theirs = _recorded_events(ex), _events(self.pool)
+            if mine_ev != theirs:
+                raise _Mismatch(f"{where}: {op} events: shmkv {mine_ev!r}, vLLM {theirs!r}")
+
+    def _check_refused(self, s: Step, where: str) -> None:
+        """A call shmkv refused for bad input must be one vLLM refuses too, or one outside
+        the ordinary domain (an id out of ``[0, num_blocks)``, a negative count: shmkv is
+        stricter there by design); tried on a copy, since vLLM may change its pool before
+        it refuses."""
+        a = s.rec.args
+        ids = a.get("block_ids", [])
+        ordinary = (isinstance(ids, list)
+                    and all(type(b) is int and 0 <= b < self.num_blocks for b in ids)
+                    and (type(a.get("num_blocks", 0)) is int and a.get("num_blocks", 0) >= 0))
+        if not ordinary:
+            return
+        try:
+            copy.deepcopy(self)._apply(s, where)
+        except Exception:  # noqa: BLE001  (vLLM, or the checker's ledger, refuses it too)
+            return
+        raise _Mismatch(f"{where}: shmkv refused {s.rec.op}({_short(a)}) as bad input "
+                        f"({s.exit.error}); vLLM accepts it")
+
+    def _apply(self, s: Step, where: str) -> Any:
+        """Runs the call on vLLM's pool: its answer (None for calls that answer nothing),
+        or _REFUSED for a capacity error equal to shmkv's."""
+        op, a, ex = s.rec.op, s.rec.args, s.exit
+        held = self.held.setdefault(s.who, Counter())
         got: Any = None
         if op == "get_new_blocks":
             try:
@@ -221,7 +270,7 @@ class Replayer:
                 if ex.error != str(exc):
                     raise _Mismatch(f"{where}: get_new_blocks({a['num_blocks']}): vLLM raised "
                                     f"{exc!s}; shmkv answered {ex.result} {ex.error}") from None
-                return
+                return _REFUSED
             held.update(got)
         elif op == "free_blocks":
             nonnull = [b for b in a["block_ids"] if b != 0]
@@ -259,16 +308,7 @@ class Replayer:
             got = self.pool.reset_prefix_cache()
         else:
             raise _Mismatch(f"{where}: {op} is not modelled by the checker")
-        if ex.error_type is not None:
-            raise _Mismatch(f"{where}: {op} raised {ex.error_type}: {ex.error} in shmkv; vLLM "
-                            f"answered {got!r}")
-        if got != ex.result:
-            raise _Mismatch(f"{where}: {op}({_short(a)}): shmkv answered {ex.result!r}, vLLM "
-                            f"{got!r}")
-        if self.events:
-            mine_ev, theirs = _recorded_events(ex), _events(self.pool)
-            if mine_ev != theirs:
-                raise _Mismatch(f"{where}: {op} events: shmkv {mine_ev!r}, vLLM {theirs!r}")
+        return got
 
     def compare_final(self, final: FinalState) -> None:
         free = [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
@@ -278,6 +318,11 @@ class Replayer:
             theirs = (b.ref_cnt, b.block_hash, b.block_hash_num_tokens)
             if i and mine != theirs:  # the null block's ref_cnt is not maintained
                 raise _Mismatch(f"end: block {i}: shmkv {mine}, vLLM {theirs}")
+
+
+def _pool_of(opened: Opened) -> tuple[Any, ...]:
+    return (opened.pool, opened.num_blocks, opened.enable_caching, opened.hash_block_size,
+            opened.enable_kv_cache_events, opened.none_hash)
 
 
 def _short(args: dict[str, Any]) -> str:
@@ -302,7 +347,13 @@ def check(paths: list[str] | str, final: FinalState | None = None, *,
     if problems:
         report.differences = problems
         return report
-    config = next(r for p in paths for r in read_history(p)[0] if isinstance(r, Opened))
+    configs = [next(r for r in read_history(p)[0] if isinstance(r, Opened)) for p in paths]
+    config = configs[0]
+    kinds = {_pool_of(c) for c in configs}
+    if len(kinds) > 1:
+        report.differences = [f"the histories are of {len(kinds)} pools (name, blocks, caching, "
+                              f"tokens per hash, events, NONE_HASH): {sorted(kinds)}"]
+        return report
     rolled_back, ambiguous = _settle(steps, closed)
     report.holds_rolled_back, report.holds_ambiguous = len(rolled_back), len(ambiguous)
     if len(ambiguous) > MAX_AMBIGUOUS:

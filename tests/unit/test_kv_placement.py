@@ -191,3 +191,25 @@ def test_the_pool_store_is_block_major_for_the_host_tier_only(kv, layout):
         assert KVStore.attach(name).layout == layout
     finally:
         pool_kv.close()
+
+
+def test_a_preempted_request_back_never_writes_a_cached_block_again(rig):
+    """x's prompt fills blocks 1 and 2, which are stored (and so cached by its scheduler);
+    x is preempted and comes back with both as hits, computing its last prompt token again
+    (start 7). The rank copies both hits in and stores nothing: a cached block's bytes never
+    change while another rank may be copying them in. (Before: the rank kept its own copies
+    from before the preemption and stored block 2 a second time.)"""
+    r = rig()
+    model = TinyTransformer(FULL)
+    host = r.runner("host")
+    cache: HostCache = host.kv_store
+    prompt = [5, 9, 14, 3, 77, 21, 8, 60]
+    first = r.step(host, [("x", 0, ([1, 2],), prompt, 0)])
+    assert cache.num_stored_blocks == 2 and cache.num_loaded_blocks == 0
+    stored = r.store.kv[:, :, 1:3].clone()
+    again = r.step(host, [("x", 0, ([1, 2],), prompt[7:], 7)])  # back after a preemption
+    assert again == first == model.reference_generate(prompt, 1)
+    assert cache.num_stored_blocks == 2, "a cached block was stored again"
+    assert cache.num_loaded_blocks == 2
+    assert torch.equal(r.store.kv[:, :, 1:3], stored)
+    assert cache.num_rows_in_use == 2

@@ -246,6 +246,9 @@ BAD_CALLS = [
     ("store", [1], None, "device_kv has dtype torch.float32; the store holds torch.bfloat16",
      "dtype"),
     ("load", [1], None, "device_kv must be a torch.Tensor, got ndarray", "numpy"),
+    ("load", 3, None, "block_ids must be a 1-d sequence of ints, got 0-d"),
+    ("load", [1, 2], [3, 4], "device_kv has overlapping memory: dim 0 has stride 0",
+     "expanded"),
 ]
 
 
@@ -262,6 +265,8 @@ def test_bad_input_is_refused_and_changes_nothing(name, layout, call):
             dev = torch.zeros((3, 2, ROWS, 4, 2, 8), dtype=torch.float32)
         elif cache == ["numpy"]:
             dev = np.zeros((3, 2, ROWS, 4, 2, 8))
+        elif cache == ["expanded"]:  # every layer one memory: a load would mix them
+            dev = dev[:1].clone().expand(3, 2, ROWS, 4, 2, 8)
         before_store, before_dev = _bytes(store.kv), (
             _bytes(dev) if isinstance(dev, torch.Tensor) else dev.copy())
         fn = store.load_blocks if op == "load" else store.store_blocks
