@@ -63,8 +63,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Collection, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -149,6 +149,9 @@ class _ClosedLock:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def acquire(self) -> None:
+        self.__enter__()
+
 
 class _StepRegion:
     """The manager's ``lock``, private to this process (re-entrant).
@@ -193,6 +196,40 @@ class _Hashes:
     def __init__(self, block_hashes: list[bytes]) -> None:
         self.block_hashes = block_hashes
 
+
+class _Hold:
+    """``SharedCPUOffloadingManager._hold()``: one hold of the node-wide pool lock in which
+    the tier's eviction heap and free stack may change (``lru.py``: marked dirty while
+    held, rebuilt first if their last writer died). One object per manager, reused: a
+    class costs less per call than a generator context manager. Not nested."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: SharedCPUOffloadingManager) -> None:
+        self._manager = manager
+
+    def __enter__(self) -> None:
+        manager = self._manager
+        lock = manager._lock
+        lock.acquire()
+        try:
+            manager._lru.begin()
+        except BaseException:
+            lock.release()
+            raise
+        manager._in_hold = True
+
+    def __exit__(self, *exc: object) -> None:
+        manager = self._manager
+        lock = manager._lock
+        try:
+            manager._in_hold = False
+            manager._lru.end()
+        finally:
+            lock.release()
+        record = lock.record
+        if record is not None and len(record) > LOCK_RECORD_FOLD:
+            manager._fold_lock_record()
 
 
 
@@ -303,12 +340,16 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         except BaseException:
             self._pool.close()
             raise
-        self._bit = np.uint64(1 << self._row)
+        self._bit = 1 << self._row
         self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set
         self._warned_region = False
         tier = self._tier
         self._thdr, self._ranks = tier.words, tier.rank_words
-        self._jobs, self._producer = tier.jobs, tier.producer
+        # memoryviews: a scalar read or write through one costs a fraction of numpy's, and
+        # the calls touch 16 or so words each
+        self._jobs, self._producer = tier.job_words, tier.producer_words
+        self._words = self._pool.block_words()  # the block rows' int32 words (read only)
+        self._has_log = bool(self._pool.event_log.capacity)
         self._cross_hits = 0  # chunks this process loaded that another replica stored
         self._gauges = (-GAUGE_INTERVAL_S, 0.0, 0.0)  # when counted, usage, write usage
         self._lock_totals = [0, 0, 0]  # holds, wait ns, hold ns, since the last get_stats
@@ -317,8 +358,9 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         if self._lock.record is None:  # time the pool lock for get_stats (unless in use)
             self._lock.record = []
         self._region = _StepRegion(self)
-        self._lru = TierLRU(tier, self._pool.block_rows)
+        self._lru = TierLRU(tier, self._pool.block_rows, self._words)
         self._in_hold = False  # inside _hold(): the LRU may change
+        self._hold_cm = _Hold(self)
         self._lookup_pins: dict[OffloadKey, int] = {}  # this step's HITs -> their blocks
 
     # ------------------------------------------------------------------ lifecycle
@@ -345,7 +387,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         except ShmKVError:
             pass  # the row is released by the next process short of chunks
         self._locks.close()
-        del self._thdr, self._ranks, self._jobs, self._producer, self._lru
+        del self._thdr, self._ranks, self._jobs, self._producer, self._lru, self._words
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
@@ -391,25 +433,26 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
     def _status(self, key: OffloadKey) -> tuple[int, int]:
         """(state, block id) of a key; drops the key of an orphan (caller holds the lock)."""
-        block_hash, gid = self._encode(key)
+        enc = self._encoded.get(key)
+        block_hash, gid = enc if enc is not None else self._encode(key)
         pool = self._pool
-        hit = pool.get_cached_block(block_hash, (gid,))
-        if hit is not None:
-            return READY, hit[0].block_id
-        hit = pool.get_cached_block(block_hash, (gid | PENDING_BIT,))
-        if hit is None:
+        block_id = pool.lookup_block_id(block_hash, gid)
+        if block_id >= 0:
+            return READY, block_id
+        block_id = pool.lookup_block_id(block_hash, gid | PENDING_BIT)
+        if block_id < 0:
             return MISS, 0
-        block = hit[0]
-        if block.ref_cnt == 0 or (self._maybe_reap() and block.ref_cnt == 0):
-            pool.evict_blocks([block.block_id])  # an orphan: its storer died
+        ref = block_id * L.ROW_I32 + L.F_REF
+        if self._words[ref] == 0 or (self._maybe_reap() and self._words[ref] == 0):
+            pool.evict_blocks([block_id])  # an orphan: its storer died
             if self._in_hold:
-                self._lru.push_free([block.block_id])
+                self._lru.push_free([block_id])
             else:  # a lookup, which holds the pool lock alone
                 self._lru.begin()
-                self._lru.push_free([block.block_id])
+                self._lru.push_free([block_id])
                 self._lru.end()
             return MISS, 0
-        return PENDING, block.block_id
+        return PENDING, block_id
 
     def _maybe_reap(self) -> bool:
         now = time.monotonic()
@@ -453,22 +496,10 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         its ``prepare_load`` or the region's end."""
         return self._region
 
-    @contextmanager
-    def _hold(self) -> Iterator[None]:
+    def _hold(self) -> _Hold:
         """One hold of the node-wide pool lock, in which the tier's eviction heap and free
         stack may change (``lru.py``: rebuilt first if their last writer died)."""
-        with self._lock:
-            lru = self._lru
-            lru.begin()
-            self._in_hold = True
-            try:
-                yield
-            finally:
-                self._in_hold = False
-                lru.end()
-        record = self._lock.record
-        if record is not None and len(record) > LOCK_RECORD_FOLD:
-            self._fold_lock_record()
+        return self._hold_cm
 
     def _fold_lock_record(self) -> None:
         """Adds the pool lock's record of (wait, hold) times to this process's totals."""
@@ -573,14 +604,17 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     )
                 block_ids.append(block_id)
             blocks, lookup_pins = self._blocks, self._lookup_pins
-            self._jobs[block_ids] |= self._bit  # before the hold: a kill between leaves a
-            to_hold = []  # bit, never a bare hold; a lookup's hold becomes the pin
+            jobs, bit = self._jobs, self._bit
+            for block_id in block_ids:  # before the hold: a kill between leaves a bit,
+                jobs[block_id] |= bit  # never a bare hold
+            to_hold = []  # a lookup's hold becomes the pin
             for key, block_id in zip(keys, block_ids, strict=True):
                 if lookup_pins.pop(key, None) is None:
                     to_hold.append(blocks[block_id])
             if to_hold:
                 self._pool.touch(to_hold)
-            self._cross_hits += int(np.count_nonzero(self._producer[block_ids] != self._row + 1))
+            producer, me = self._producer, self._row + 1
+            self._cross_hits += sum(producer[b] != me for b in block_ids)
             pins = self._pins
             for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
@@ -629,8 +663,9 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         those a reset cut a job off (``on_reset_flushed`` clears them)."""
         if self._unflushed:
             block_ids = [b for b in block_ids if b not in self._unflushed]
-        if block_ids:
-            self._jobs[block_ids] &= ~self._bit
+        jobs, keep = self._jobs, ~self._bit
+        for block_id in block_ids:
+            jobs[block_id] &= keep
 
     def _region_lost(self) -> bool:
         """Whether this replica's workers map another data region than the one the tier
@@ -739,22 +774,23 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
     def _choose_once(self, num: int, protected: set[int]
                      ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:
         lru, jobs, bit, own = self._lru, self._jobs, self._bit, self._unflushed
-        rows = self._pool.block_rows()
-        ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
+        words, row, f_ref, f_htok = self._words, L.ROW_I32, L.F_REF, L.F_HASH_TOKENS
+        no_key = L.NO_HASH_TOKENS
 
         def is_free(b: int) -> bool:  # no key, no hold, no bytes moving; this replica's
-            return (ref[b] == 0 and htok[b] == L.NO_HASH_TOKENS  # workers flush its own
-                    and (jobs[b] == 0 or (jobs[b] == bit and b in own)))  # reset's jobs in
-            # order, as vLLM's single tier relies on
+            at = b * row  # workers flush its own reset's jobs in order, as vLLM's single
+            return (words[at + f_ref] == 0 and words[at + f_htok] == no_key  # tier relies on
+                    and (jobs[b] == 0 or (jobs[b] == bit and b in own)))
 
         def evictable(b: int) -> bool:
-            return ref[b] == 0 and jobs[b] == 0 and b not in protected
+            return words[b * row + f_ref] == 0 and jobs[b] == 0 and b not in protected
 
         keys: dict[int, bytes] = {}
 
         def key_of(b: int) -> bytes:
             key = keys.get(b)
             if key is None:
+                rows = self._pool.block_rows()
                 keys[b] = key = self._decode(bytes(rows["block_hash"][b]),
                                              int(rows["group_id"][b]))
             return key
@@ -773,7 +809,9 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         under the new keys' PENDING form (caller holds the lock)."""
         pool, blocks = self._pool, self._blocks
         handles = [blocks[b] for b in block_ids]
-        self._jobs[block_ids] |= self._bit  # before the hold (see prepare_load)
+        jobs, bit = self._jobs, self._bit
+        for block_id in block_ids:  # before the hold (see prepare_load)
+            jobs[block_id] |= bit
         if self._unflushed:
             self._unflushed.difference_update(block_ids)
         pool.touch(handles)
@@ -824,7 +862,9 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 ranks = self._ranks
                 for block_id in block_ids:
                     self._lru.push(ranks[block_id], block_id)
-                self._producer[block_ids] = self._row + 1
+                producer, me = self._producer, self._row + 1
+                for block_id in block_ids:
+                    producer[block_id] = me
             else:
                 self._lru.push_free(block_ids)
             if success:
@@ -963,6 +1003,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         return by_group
 
     def _log_stored(self, keys: list[OffloadKey]) -> None:
+        if not self._has_log:  # a pool made without a global event log drops them
+            return
         self._pool.log_events([
             BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                         block_size=0, lora_id=None, medium=MEDIUM, lora_name=None,
@@ -971,6 +1013,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         ])
 
     def _log_removed(self, keys: list[OffloadKey]) -> None:
+        if not self._has_log:
+            return
         self._pool.log_events([
             BlockRemoved(block_hashes=[h], medium=MEDIUM, group_idx=group)
             for group, hashes in self._split(keys).items() for h in hashes
