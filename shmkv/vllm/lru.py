@@ -26,6 +26,12 @@ from collections.abc import Callable
 import numpy as np
 
 from shmkv.pool import layout as L
+
+try:  # the heap's sifts in C (the Python methods below are the reference)
+    from shmkv.pool._ckernel import heap_pop as _c_heap_pop
+    from shmkv.pool._ckernel import heap_push as _c_heap_push
+except ImportError:  # pragma: no cover - the extension is not built
+    _c_heap_pop = _c_heap_push = None
 from shmkv.vllm.tier import PENDING_BIT, W_FREE_TOP, W_HEAP_SIZE, W_LRU_DIRTY, TierTable
 
 
@@ -43,6 +49,7 @@ class TierLRU:
         self._hb = tier.heap_block_words
         self._free = tier.free_words
         self._cap = len(tier.heap_rank)
+        self._c_heap = _c_heap_pop is not None
 
     # ------------------------------------------------------------------ crash safety
 
@@ -85,6 +92,13 @@ class TierLRU:
             size = self._words[W_HEAP_SIZE]
             if size >= self._cap:
                 return  # every ready chunk is in it already
+        if self._c_heap:
+            _c_heap_push(self._hr, self._hb, size, rank, block)
+        else:
+            self._sift_up(size, rank, block)
+        self._words[W_HEAP_SIZE] = size + 1
+
+    def _sift_up(self, size: int, rank: int, block: int) -> None:
         hr, hb = self._hr, self._hb
         i = size
         while i:  # sift up: entries order by (rank, block)
@@ -97,9 +111,16 @@ class TierLRU:
             i = parent
         hr[i] = rank
         hb[i] = block
-        self._words[W_HEAP_SIZE] = size + 1
 
     def _pop(self) -> tuple[int, int]:
+        if self._c_heap:
+            size = self._words[W_HEAP_SIZE]
+            top = _c_heap_pop(self._hr, self._hb, size)
+            self._words[W_HEAP_SIZE] = size - 1
+            return top
+        return self._py_pop()
+
+    def _py_pop(self) -> tuple[int, int]:
         hr, hb = self._hr, self._hb
         size = self._words[W_HEAP_SIZE] - 1
         top = (hr[0], hb[0])
@@ -150,6 +171,9 @@ class TierLRU:
             seen.add(block)
             if not evictable(block):
                 aside.append((rank, block))
+                continue
+            if not (sizes[W_HEAP_SIZE] and hr[0] == rank):
+                victims.append(block)  # no tie (the usual case)
                 continue
             tied = [block]  # vLLM breaks rank ties by key bytes
             while sizes[W_HEAP_SIZE] and hr[0] == rank:

@@ -354,6 +354,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         self._gauges = (-GAUGE_INTERVAL_S, 0.0, 0.0)  # when counted, usage, write usage
         self._lock_totals = [0, 0, 0]  # holds, wait ns, hold ns, since the last get_stats
         self._blocks = self._pool.blocks
+        self._handle_cache: list = [None] * (num_chunks + 1)  # block id -> its handle
         self._lock = self._pool.lock()  # node-wide, per call
         if self._lock.record is None:  # time the pool lock for get_stats (unless in use)
             self._lock.record = []
@@ -430,6 +431,18 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         return self._num_chunks
 
     # ------------------------------------------------------------------ keys and state
+
+    def _handles(self, block_ids: Iterable[int]) -> list:
+        """The pool's handles of the blocks (one list index each once made)."""
+        cache = self._handle_cache
+        out = [cache[b] for b in block_ids]
+        if None in out:
+            blocks = self._blocks
+            for i, handle in enumerate(out):
+                if handle is None:
+                    b = block_ids[i]
+                    out[i] = cache[b] = blocks[b]
+        return out
 
     def _status(self, key: OffloadKey) -> tuple[int, int]:
         """(state, block id) of a key; drops the key of an orphan (caller holds the lock)."""
@@ -519,8 +532,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         if not self._lookup_pins or self._pool is None:
             return
         with self._hold():
-            blocks = self._blocks
-            held = [blocks[b] for b in self._lookup_pins.values()]
+            held = self._handles(list(self._lookup_pins.values()))
             self._lookup_pins.clear()
             self._pool.free_blocks(held)
 
@@ -563,7 +575,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 return LookupResult.MISS
             state, block_id = self._status(key)
             if state == READY and self._region.active and key not in self._lookup_pins:
-                self._pool.touch([self._blocks[block_id]])  # until prepare_load or step end
+                self._pool.touch(self._handles([block_id]))  # until prepare_load or step end
                 self._lookup_pins[key] = block_id
         if state == READY:
             return LookupResult.HIT
@@ -603,16 +615,16 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                         f"{'still being stored' if state == PENDING else 'not stored'}"
                     )
                 block_ids.append(block_id)
-            blocks, lookup_pins = self._blocks, self._lookup_pins
+            lookup_pins = self._lookup_pins
             jobs, bit = self._jobs, self._bit
             for block_id in block_ids:  # before the hold: a kill between leaves a bit,
                 jobs[block_id] |= bit  # never a bare hold
             to_hold = []  # a lookup's hold becomes the pin
             for key, block_id in zip(keys, block_ids, strict=True):
                 if lookup_pins.pop(key, None) is None:
-                    to_hold.append(blocks[block_id])
+                    to_hold.append(block_id)
             if to_hold:
-                self._pool.touch(to_hold)
+                self._pool.touch(self._handles(to_hold))
             producer, me = self._producer, self._row + 1
             self._cross_hits += sum(producer[b] != me for b in block_ids)
             pins = self._pins
@@ -647,8 +659,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                         f"complete_load(): key {key.hex()} is unpinned {count} times, this "
                         f"process pinned it {0 if pin is None else pin[1]} times"
                     )
-            blocks = self._blocks
-            self._pool.free_blocks([blocks[self._pins[key][0]] for key in keys])
+            pins = self._pins
+            self._pool.free_blocks(self._handles([pins[key][0] for key in keys]))
             done = []
             for key, count in need.items():
                 pin = self._pins[key]
@@ -787,12 +799,14 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
         keys: dict[int, bytes] = {}
 
+        hash_at, f_gid = L.HASH_BYTE_OFFSET // 4, L.F_GROUP
+
         def key_of(b: int) -> bytes:
             key = keys.get(b)
             if key is None:
-                rows = self._pool.block_rows()
-                keys[b] = key = self._decode(bytes(rows["block_hash"][b]),
-                                             int(rows["group_id"][b]))
+                at = b * row
+                keys[b] = key = self._decode(words[at + hash_at:at + hash_at + 8].tobytes(),
+                                             words[at + f_gid])
             return key
 
         free = lru.pop_free(num, is_free)
@@ -807,8 +821,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
     def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
         """Holds the blocks (this process's ledger), drops their old keys and caches them
         under the new keys' PENDING form (caller holds the lock)."""
-        pool, blocks = self._pool, self._blocks
-        handles = [blocks[b] for b in block_ids]
+        pool = self._pool
+        handles = self._handles(block_ids)
         jobs, bit = self._jobs, self._bit
         for block_id in block_ids:  # before the hold (see prepare_load)
             jobs[block_id] |= bit
@@ -850,7 +864,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 return
             done_keys = [key for key, _ in mine]
             block_ids = [b for _, b in mine]
-            handles = [self._blocks[b] for b in block_ids]
+            handles = self._handles(block_ids)
             pool = self._pool
             success = success and not self._region_lost()  # written to another region
             pool.evict_blocks(block_ids)
