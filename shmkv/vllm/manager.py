@@ -544,9 +544,13 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
         Returns:
             vLLM's default (chunk-level) ``RequestOffloadingContext``.
+
+        Takes no lock: the record is private to this process and notes the tier's
+        generation (one aligned word read), which every later call checks under the lock.
         """
-        with self._hold():
-            self._request_access(req_context)
+        if self._pool is None:
+            raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
+        self._request_access(req_context)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -745,7 +749,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             fresh, victims = chosen
             evicted_keys = [key for key, _ in victims]
             block_ids = fresh + [b for _, b in victims]
-            self._take_chunks(block_ids, keys_to_store)
+            self._take_chunks(block_ids, keys_to_store, len(fresh))
             ranks = self._ranks
             for key, block_id in zip(keys_to_store, block_ids, strict=True):
                 position = self._position(req_context, key)
@@ -818,9 +822,11 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             return None
         return free, [(key_of(b), b) for b in victims]
 
-    def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
+    def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey],
+                     num_fresh: int) -> None:
         """Holds the blocks (this process's ledger), drops their old keys and caches them
-        under the new keys' PENDING form (caller holds the lock)."""
+        under the new keys' PENDING form (caller holds the lock). The first ``num_fresh``
+        blocks are free ones, which hold no key."""
         pool = self._pool
         handles = self._handles(block_ids)
         jobs, bit = self._jobs, self._bit
@@ -829,7 +835,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         if self._unflushed:
             self._unflushed.difference_update(block_ids)
         pool.touch(handles)
-        pool.evict_blocks(block_ids)
+        if num_fresh < len(block_ids):
+            pool.evict_blocks(block_ids[num_fresh:])
         self._cache(handles, keys, PENDING_BIT)
 
     def _cache(self, handles: list, keys: list[OffloadKey], flag: int) -> None:
