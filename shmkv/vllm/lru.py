@@ -98,6 +98,20 @@ class TierLRU:
             self._sift_up(size, rank, block)
         self._words[W_HEAP_SIZE] = size + 1
 
+    def push_many(self, ranks, blocks: list[int]) -> None:
+        """``push(ranks[b], b)`` for each block (caller between begin and end)."""
+        words, cap = self._words, self._cap
+        if not self._c_heap or words[W_HEAP_SIZE] + len(blocks) > cap:
+            for block in blocks:
+                self.push(ranks[block], block)
+            return
+        hr, hb = self._hr, self._hb
+        size = words[W_HEAP_SIZE]
+        for block in blocks:
+            _c_heap_push(hr, hb, size, ranks[block], block)
+            size += 1
+        words[W_HEAP_SIZE] = size
+
     def _sift_up(self, size: int, rank: int, block: int) -> None:
         hr, hb = self._hr, self._hb
         i = size

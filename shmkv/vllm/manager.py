@@ -467,6 +467,24 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             return MISS, 0
         return PENDING, block_id
 
+    def _statuses(self, keys: list[OffloadKey]) -> list[tuple[int, int]]:
+        """``_status`` of each key (caller holds the lock); a READY or MISS key costs one
+        or two index lookups, a PENDING one goes through ``_status`` (orphans)."""
+        encoded, encode = self._encoded, self._encode
+        lookup = self._pool.lookup_block_id
+        out = []
+        for key in keys:
+            enc = encoded.get(key)
+            block_hash, gid = enc if enc is not None else encode(key)
+            block_id = lookup(block_hash, gid)
+            if block_id >= 0:
+                out.append((READY, block_id))
+            elif lookup(block_hash, gid | PENDING_BIT) < 0:
+                out.append((MISS, 0))
+            else:
+                out.append(self._status(key))
+        return out
+
     def _maybe_reap(self) -> bool:
         now = time.monotonic()
         if now - self._last_reap < REAP_INTERVAL_S:
@@ -610,9 +628,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         with self._hold():
             block_ids = []
             known: dict[OffloadKey, tuple[int, int]] = {}
-            for i, key in enumerate(keys):
-                state, block_id = self._status(key)
-                known[key] = (state, block_id)
+            for i, (key, status) in enumerate(zip(keys, self._statuses(keys), strict=True)):
+                state, block_id = known[key] = status
                 if state != READY:
                     raise UsageError(
                         f"prepare_load(): key {i} of {len(keys)} ({key.hex()}) is "
@@ -725,8 +742,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             ready_existing: list[OffloadKey] = []
             queued: set[OffloadKey] = set()
             known: dict[OffloadKey, tuple[int, int]] = {}
-            for key in keys:
-                state, _ = known[key] = self._status(key)
+            for key, status in zip(keys, self._statuses(keys), strict=True):
+                state, _ = known[key] = status
                 if state == MISS:
                     if key not in queued:
                         keys_to_store.append(key)
@@ -880,9 +897,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             pool.free_blocks(handles)
             self._end_jobs(block_ids)
             if success:
-                ranks = self._ranks
-                for block_id in block_ids:
-                    self._lru.push(ranks[block_id], block_id)
+                self._lru.push_many(self._ranks, block_ids)
                 producer, me = self._producer, self._row + 1
                 for block_id in block_ids:
                     producer[block_id] = me
