@@ -114,6 +114,7 @@ from shmkv.vllm.tier import (
     W_GENERATION,
     W_REAPED_SEEN,
     W_REGION_TAG,
+    W_REPLICA_REGION,
     open_pool,
     open_tier_table,
     tier_table_name,
@@ -704,7 +705,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         """Whether this replica's workers map another data region than the one the tier
         describes (it was replaced under them: ``region.py``); their bytes are not the
         tier's, so this replica gets no hit and stores nothing."""
-        mine = self._tier.replica_region[self._row]
+        mine = self._thdr[W_REPLICA_REGION + self._row]  # tier.replica_region[row]
         if not mine or mine == self._thdr[W_REGION_TAG]:
             return False
         if not self._warned_region:
