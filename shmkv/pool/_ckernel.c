@@ -2102,6 +2102,108 @@ fail:
     return result;
 }
 
+/* The offload tier's eviction heap (shmkv/vllm/lru.py, whose Python methods are the
+ * reference): entries (rank int64, block int32) in two arrays, a binary min-heap ordered by
+ * (rank, block). Derived data the caller writes under the pool lock inside its dirty flag. */
+static int heap_open(PyObject *const *args, Py_buffer *hr, Py_buffer *hb) {
+    if (PyObject_GetBuffer(args[0], hr, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return 0;
+    if (PyObject_GetBuffer(args[1], hb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(hr);
+        return 0;
+    }
+    if (hr->itemsize != 8 || hb->itemsize != 4 || hr->len / 8 != hb->len / 4) {
+        PyBuffer_Release(hr);
+        PyBuffer_Release(hb);
+        PyErr_SetString(PyExc_ValueError, "heap: ranks must be int64 and blocks int32, "
+                                          "of one length");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *heap_push(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "heap_push(ranks, blocks, size, rank, block)");
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    long long rank = PyLong_AsLongLong(args[3]);
+    long block = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer hrb, hbb;
+    if (!heap_open(args, &hrb, &hbb)) return NULL;
+    int64_t *hr = hrb.buf;
+    int32_t *hb = hbb.buf;
+    if (size < 0 || size >= hrb.len / 8) {
+        PyBuffer_Release(&hrb);
+        PyBuffer_Release(&hbb);
+        PyErr_Format(PyExc_ValueError, "heap_push: size %zd out of [0, %zd)", size, hrb.len / 8);
+        return NULL;
+    }
+    Py_ssize_t i = size;
+    while (i) { /* sift up */
+        Py_ssize_t parent = (i - 1) >> 1;
+        int64_t pr = hr[parent];
+        if (pr < rank || (pr == rank && hb[parent] <= block)) break;
+        hr[i] = pr;
+        hb[i] = hb[parent];
+        i = parent;
+    }
+    hr[i] = rank;
+    hb[i] = (int32_t)block;
+    PyBuffer_Release(&hrb);
+    PyBuffer_Release(&hbb);
+    Py_RETURN_NONE;
+}
+
+static PyObject *heap_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "heap_pop(ranks, blocks, size)");
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    if (size == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer hrb, hbb;
+    if (!heap_open(args, &hrb, &hbb)) return NULL;
+    int64_t *hr = hrb.buf;
+    int32_t *hb = hbb.buf;
+    if (size < 1 || size > hrb.len / 8) {
+        PyBuffer_Release(&hrb);
+        PyBuffer_Release(&hbb);
+        PyErr_Format(PyExc_ValueError, "heap_pop: size %zd out of [1, %zd]", size, hrb.len / 8);
+        return NULL;
+    }
+    int64_t top_rank = hr[0];
+    int32_t top_block = hb[0];
+    size -= 1;
+    int64_t rank = hr[size];
+    int32_t block = hb[size];
+    Py_ssize_t i = 0;
+    for (;;) { /* sift the last entry down from the root */
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= size) break;
+        int64_t cr = hr[child];
+        if (child + 1 < size) {
+            int64_t sr = hr[child + 1];
+            if (sr < cr || (sr == cr && hb[child + 1] < hb[child])) {
+                child += 1;
+                cr = sr;
+            }
+        }
+        if (rank < cr || (rank == cr && block <= hb[child])) break;
+        hr[i] = cr;
+        hb[i] = hb[child];
+        i = child;
+    }
+    if (size) {
+        hr[i] = rank;
+        hb[i] = block;
+    }
+    PyBuffer_Release(&hrb);
+    PyBuffer_Release(&hbb);
+    return Py_BuildValue("(Li)", (long long)top_rank, (int)top_block);
+}
+
 static PyMethodDef module_methods[] = {
     {"fence", mem_fence, METH_NOARGS,
      "fence(): a full memory barrier (__atomic_thread_fence(__ATOMIC_SEQ_CST))"},
@@ -2120,6 +2222,12 @@ static PyMethodDef module_methods[] = {
     {"scatter_rows", (PyCFunction)(void (*)(void))bt_scatter_rows, METH_FASTCALL,
      "scatter_rows(tables, num_blocks, rows, ids_per_row, appending, max_id, begin_write) "
      "-> taken; shmkv/ranks/block_table.py"},
+    {"heap_push", (PyCFunction)(void (*)(void))heap_push, METH_FASTCALL,
+     "heap_push(ranks, blocks, size, rank, block): sift (rank, block) up from slot size; "
+     "shmkv/vllm/lru.py"},
+    {"heap_pop", (PyCFunction)(void (*)(void))heap_pop, METH_FASTCALL,
+     "heap_pop(ranks, blocks, size) -> (rank, block) of the top; the last entry sifts down; "
+     "shmkv/vllm/lru.py"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},

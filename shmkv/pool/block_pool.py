@@ -1109,6 +1109,25 @@ class BlockPool:
         finally:
             lock.release()
 
+    def lookup_block_id(self, block_hash: bytes, group_id: int) -> int:
+        """The id of the block that holds (``block_hash``, ``group_id``) (the first cached
+        wins), or -1: ``get_cached_block`` of one group without making a handle. A shmkv
+        addition for layers that keep block ids (the offload tier).
+
+        Raises:
+            UsageError: the hash is not 32 bytes, or a bad group id.
+            InvariantViolation: the hash's index chain is corrupt (repaired as by a lookup).
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            return self._kernel.lookup(block_hash, group_id)
+        except InvariantViolation:
+            self._repairer.repair_corruption()
+            raise
+        finally:
+            lock.release()
+
     def get_cached_prefix(self, block_hashes: Sequence[bytes], kv_cache_group_id: int = 0,
                           max_num_blocks: int | None = None) -> list[KVCacheBlock]:
         """The longest run of leading ``block_hashes`` cached in one group: what a
@@ -1941,6 +1960,14 @@ class BlockPool:
         view = self._blocks[:self.num_gpu_blocks].view()
         view.flags.writeable = False
         return view
+
+    def block_words(self) -> memoryview:
+        """The block rows as one flat int32 memoryview, for single-field reads in hot paths
+        of the layers above (a numpy scalar costs several times more): block ``b``'s field
+        ``F`` is word ``b * layout.ROW_I32 + layout.F_<FIELD>`` (``F_REF``, ``F_GROUP``,
+        ``F_HASH_TOKENS``). Read it only, under ``pool.lock()``; it is released by ``close()``
+        (keep no slice or cast of it, which would keep the segment mapped)."""
+        return self._i32
 
     def log_events(self, events: Sequence[KVCacheEvent]) -> int:
         """Appends events made by a layer above the pool (the offload tier's stores and

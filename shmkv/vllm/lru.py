@@ -26,6 +26,12 @@ from collections.abc import Callable
 import numpy as np
 
 from shmkv.pool import layout as L
+
+try:  # the heap's sifts in C (the Python methods below are the reference)
+    from shmkv.pool._ckernel import heap_pop as _c_heap_pop
+    from shmkv.pool._ckernel import heap_push as _c_heap_push
+except ImportError:  # pragma: no cover - the extension is not built
+    _c_heap_pop = _c_heap_push = None
 from shmkv.vllm.tier import PENDING_BIT, W_FREE_TOP, W_HEAP_SIZE, W_LRU_DIRTY, TierTable
 
 
@@ -33,14 +39,17 @@ class TierLRU:
     """One process's handle on the tier's heap and free stack (caller holds the pool
     lock for every method)."""
 
-    def __init__(self, tier: TierTable, rows: Callable[[], np.ndarray]) -> None:
+    def __init__(self, tier: TierTable, rows: Callable[[], np.ndarray],
+                 words: memoryview) -> None:
         self._tier = tier
         self._rows = rows  # the pool's block rows (a view)
+        self._block_words = words  # the same rows as int32 words (BlockPool.block_words)
         self._words = tier.words
         self._hr = tier.heap_rank_words
         self._hb = tier.heap_block_words
         self._free = tier.free_words
         self._cap = len(tier.heap_rank)
+        self._c_heap = _c_heap_pop is not None
 
     # ------------------------------------------------------------------ crash safety
 
@@ -83,6 +92,27 @@ class TierLRU:
             size = self._words[W_HEAP_SIZE]
             if size >= self._cap:
                 return  # every ready chunk is in it already
+        if self._c_heap:
+            _c_heap_push(self._hr, self._hb, size, rank, block)
+        else:
+            self._sift_up(size, rank, block)
+        self._words[W_HEAP_SIZE] = size + 1
+
+    def push_many(self, ranks, blocks: list[int]) -> None:
+        """``push(ranks[b], b)`` for each block (caller between begin and end)."""
+        words, cap = self._words, self._cap
+        if not self._c_heap or words[W_HEAP_SIZE] + len(blocks) > cap:
+            for block in blocks:
+                self.push(ranks[block], block)
+            return
+        hr, hb = self._hr, self._hb
+        size = words[W_HEAP_SIZE]
+        for block in blocks:
+            _c_heap_push(hr, hb, size, ranks[block], block)
+            size += 1
+        words[W_HEAP_SIZE] = size
+
+    def _sift_up(self, size: int, rank: int, block: int) -> None:
         hr, hb = self._hr, self._hb
         i = size
         while i:  # sift up: entries order by (rank, block)
@@ -95,9 +125,16 @@ class TierLRU:
             i = parent
         hr[i] = rank
         hb[i] = block
-        self._words[W_HEAP_SIZE] = size + 1
 
     def _pop(self) -> tuple[int, int]:
+        if self._c_heap:
+            size = self._words[W_HEAP_SIZE]
+            top = _c_heap_pop(self._hr, self._hb, size)
+            self._words[W_HEAP_SIZE] = size - 1
+            return top
+        return self._py_pop()
+
+    def _py_pop(self) -> tuple[int, int]:
         hr, hb = self._hr, self._hb
         size = self._words[W_HEAP_SIZE] - 1
         top = (hr[0], hb[0])
@@ -129,32 +166,41 @@ class TierLRU:
         """The ``num`` evictable ready chunks of smallest (rank, key), in that order, taken
         out of the heap; None (nothing taken) if there are fewer. ``evictable(block)``:
         nobody holds it and the call may evict it."""
-        ranks, rows = self._tier.ranks, self._rows()
-        keyed, gids = rows["hash_num_tokens"], rows["group_id"]
+        ranks, words, hr = self._tier.rank_words, self._block_words, self._hr
+        row, f_htok, f_gid, no_key = L.ROW_I32, L.F_HASH_TOKENS, L.F_GROUP, L.NO_HASH_TOKENS
+
+        def stale(block: int, rank: int) -> bool:  # re-ranked, or no longer ready
+            at = block * row
+            return (ranks[block] != rank or words[at + f_htok] == no_key
+                    or words[at + f_gid] & PENDING_BIT)
+
         victims: list[int] = []
         aside: list[tuple[int, int]] = []
         seen: set[int] = set()
-        while len(victims) < num and self._words[W_HEAP_SIZE]:
+        sizes = self._words
+        while len(victims) < num and sizes[W_HEAP_SIZE]:
             rank, block = self._pop()
-            if (block in seen or ranks[block] != rank or keyed[block] == L.NO_HASH_TOKENS
-                    or gids[block] & PENDING_BIT):
-                continue  # stale: re-ranked, or no longer ready
+            if block in seen or stale(block, rank):
+                continue
             seen.add(block)
             if not evictable(block):
                 aside.append((rank, block))
                 continue
+            if not (sizes[W_HEAP_SIZE] and hr[0] == rank):
+                victims.append(block)  # no tie (the usual case)
+                continue
             tied = [block]  # vLLM breaks rank ties by key bytes
-            while self._words[W_HEAP_SIZE] and self._hr[0] == rank:
+            while sizes[W_HEAP_SIZE] and hr[0] == rank:
                 _, other = self._pop()
-                if (other in seen or ranks[other] != rank
-                        or keyed[other] == L.NO_HASH_TOKENS or gids[other] & PENDING_BIT):
+                if other in seen or stale(other, rank):
                     continue
                 seen.add(other)
                 if evictable(other):
                     tied.append(other)
                 else:
                     aside.append((rank, other))
-            tied.sort(key=key_of)
+            if len(tied) > 1:
+                tied.sort(key=key_of)
             take = tied[:num - len(victims)]
             victims.extend(take)
             aside.extend((rank, b) for b in tied[len(take):])
@@ -162,7 +208,7 @@ class TierLRU:
             self.push(rank, block)
         if len(victims) < num:
             for block in victims:
-                self.push(int(ranks[block]), block)
+                self.push(ranks[block], block)
             return None
         return victims
 

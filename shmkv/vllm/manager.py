@@ -63,8 +63,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Collection, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -114,6 +114,7 @@ from shmkv.vllm.tier import (
     W_GENERATION,
     W_REAPED_SEEN,
     W_REGION_TAG,
+    W_REPLICA_REGION,
     open_pool,
     open_tier_table,
     tier_table_name,
@@ -148,6 +149,9 @@ class _ClosedLock:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+    def acquire(self) -> None:
+        self.__enter__()
 
 
 class _StepRegion:
@@ -193,6 +197,40 @@ class _Hashes:
     def __init__(self, block_hashes: list[bytes]) -> None:
         self.block_hashes = block_hashes
 
+
+class _Hold:
+    """``SharedCPUOffloadingManager._hold()``: one hold of the node-wide pool lock in which
+    the tier's eviction heap and free stack may change (``lru.py``: marked dirty while
+    held, rebuilt first if their last writer died). One object per manager, reused: a
+    class costs less per call than a generator context manager. Not nested."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: SharedCPUOffloadingManager) -> None:
+        self._manager = manager
+
+    def __enter__(self) -> None:
+        manager = self._manager
+        lock = manager._lock
+        lock.acquire()
+        try:
+            manager._lru.begin()
+        except BaseException:
+            lock.release()
+            raise
+        manager._in_hold = True
+
+    def __exit__(self, *exc: object) -> None:
+        manager = self._manager
+        lock = manager._lock
+        try:
+            manager._in_hold = False
+            manager._lru.end()
+        finally:
+            lock.release()
+        record = lock.record
+        if record is not None and len(record) > LOCK_RECORD_FOLD:
+            manager._fold_lock_record()
 
 
 
@@ -303,22 +341,28 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         except BaseException:
             self._pool.close()
             raise
-        self._bit = np.uint64(1 << self._row)
+        self._bit = 1 << self._row
         self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set
         self._warned_region = False
         tier = self._tier
         self._thdr, self._ranks = tier.words, tier.rank_words
-        self._jobs, self._producer = tier.jobs, tier.producer
+        # memoryviews: a scalar read or write through one costs a fraction of numpy's, and
+        # the calls touch 16 or so words each
+        self._jobs, self._producer = tier.job_words, tier.producer_words
+        self._words = self._pool.block_words()  # the block rows' int32 words (read only)
+        self._has_log = bool(self._pool.event_log.capacity)
         self._cross_hits = 0  # chunks this process loaded that another replica stored
         self._gauges = (-GAUGE_INTERVAL_S, 0.0, 0.0)  # when counted, usage, write usage
         self._lock_totals = [0, 0, 0]  # holds, wait ns, hold ns, since the last get_stats
         self._blocks = self._pool.blocks
+        self._handle_cache: list = [None] * (num_chunks + 1)  # block id -> its handle
         self._lock = self._pool.lock()  # node-wide, per call
         if self._lock.record is None:  # time the pool lock for get_stats (unless in use)
             self._lock.record = []
         self._region = _StepRegion(self)
-        self._lru = TierLRU(tier, self._pool.block_rows)
+        self._lru = TierLRU(tier, self._pool.block_rows, self._words)
         self._in_hold = False  # inside _hold(): the LRU may change
+        self._hold_cm = _Hold(self)
         self._lookup_pins: dict[OffloadKey, int] = {}  # this step's HITs -> their blocks
 
     # ------------------------------------------------------------------ lifecycle
@@ -345,7 +389,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         except ShmKVError:
             pass  # the row is released by the next process short of chunks
         self._locks.close()
-        del self._thdr, self._ranks, self._jobs, self._producer, self._lru
+        del self._thdr, self._ranks, self._jobs, self._producer, self._lru, self._words
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
@@ -389,27 +433,58 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
     # ------------------------------------------------------------------ keys and state
 
+    def _handles(self, block_ids: Iterable[int]) -> list:
+        """The pool's handles of the blocks (one list index each once made)."""
+        cache = self._handle_cache
+        out = [cache[b] for b in block_ids]
+        if None in out:
+            blocks = self._blocks
+            for i, handle in enumerate(out):
+                if handle is None:
+                    b = block_ids[i]
+                    out[i] = cache[b] = blocks[b]
+        return out
+
     def _status(self, key: OffloadKey) -> tuple[int, int]:
         """(state, block id) of a key; drops the key of an orphan (caller holds the lock)."""
-        block_hash, gid = self._encode(key)
+        enc = self._encoded.get(key)
+        block_hash, gid = enc if enc is not None else self._encode(key)
         pool = self._pool
-        hit = pool.get_cached_block(block_hash, (gid,))
-        if hit is not None:
-            return READY, hit[0].block_id
-        hit = pool.get_cached_block(block_hash, (gid | PENDING_BIT,))
-        if hit is None:
+        block_id = pool.lookup_block_id(block_hash, gid)
+        if block_id >= 0:
+            return READY, block_id
+        block_id = pool.lookup_block_id(block_hash, gid | PENDING_BIT)
+        if block_id < 0:
             return MISS, 0
-        block = hit[0]
-        if block.ref_cnt == 0 or (self._maybe_reap() and block.ref_cnt == 0):
-            pool.evict_blocks([block.block_id])  # an orphan: its storer died
+        ref = block_id * L.ROW_I32 + L.F_REF
+        if self._words[ref] == 0 or (self._maybe_reap() and self._words[ref] == 0):
+            pool.evict_blocks([block_id])  # an orphan: its storer died
             if self._in_hold:
-                self._lru.push_free([block.block_id])
+                self._lru.push_free([block_id])
             else:  # a lookup, which holds the pool lock alone
                 self._lru.begin()
-                self._lru.push_free([block.block_id])
+                self._lru.push_free([block_id])
                 self._lru.end()
             return MISS, 0
-        return PENDING, block.block_id
+        return PENDING, block_id
+
+    def _statuses(self, keys: list[OffloadKey]) -> list[tuple[int, int]]:
+        """``_status`` of each key (caller holds the lock); a READY or MISS key costs one
+        or two index lookups, a PENDING one goes through ``_status`` (orphans)."""
+        encoded, encode = self._encoded, self._encode
+        lookup = self._pool.lookup_block_id
+        out = []
+        for key in keys:
+            enc = encoded.get(key)
+            block_hash, gid = enc if enc is not None else encode(key)
+            block_id = lookup(block_hash, gid)
+            if block_id >= 0:
+                out.append((READY, block_id))
+            elif lookup(block_hash, gid | PENDING_BIT) < 0:
+                out.append((MISS, 0))
+            else:
+                out.append(self._status(key))
+        return out
 
     def _maybe_reap(self) -> bool:
         now = time.monotonic()
@@ -453,22 +528,10 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         its ``prepare_load`` or the region's end."""
         return self._region
 
-    @contextmanager
-    def _hold(self) -> Iterator[None]:
+    def _hold(self) -> _Hold:
         """One hold of the node-wide pool lock, in which the tier's eviction heap and free
         stack may change (``lru.py``: rebuilt first if their last writer died)."""
-        with self._lock:
-            lru = self._lru
-            lru.begin()
-            self._in_hold = True
-            try:
-                yield
-            finally:
-                self._in_hold = False
-                lru.end()
-        record = self._lock.record
-        if record is not None and len(record) > LOCK_RECORD_FOLD:
-            self._fold_lock_record()
+        return self._hold_cm
 
     def _fold_lock_record(self) -> None:
         """Adds the pool lock's record of (wait, hold) times to this process's totals."""
@@ -488,8 +551,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         if not self._lookup_pins or self._pool is None:
             return
         with self._hold():
-            blocks = self._blocks
-            held = [blocks[b] for b in self._lookup_pins.values()]
+            held = self._handles(list(self._lookup_pins.values()))
             self._lookup_pins.clear()
             self._pool.free_blocks(held)
 
@@ -501,9 +563,13 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
         Returns:
             vLLM's default (chunk-level) ``RequestOffloadingContext``.
+
+        Takes no lock: the record is private to this process and notes the tier's
+        generation (one aligned word read), which every later call checks under the lock.
         """
-        with self._hold():
-            self._request_access(req_context)
+        if self._pool is None:
+            raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
+        self._request_access(req_context)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -532,7 +598,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 return LookupResult.MISS
             state, block_id = self._status(key)
             if state == READY and self._region.active and key not in self._lookup_pins:
-                self._pool.touch([self._blocks[block_id]])  # until prepare_load or step end
+                self._pool.touch(self._handles([block_id]))  # until prepare_load or step end
                 self._lookup_pins[key] = block_id
         if state == READY:
             return LookupResult.HIT
@@ -563,24 +629,26 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         with self._hold():
             block_ids = []
             known: dict[OffloadKey, tuple[int, int]] = {}
-            for i, key in enumerate(keys):
-                state, block_id = self._status(key)
-                known[key] = (state, block_id)
+            for i, (key, status) in enumerate(zip(keys, self._statuses(keys), strict=True)):
+                state, block_id = known[key] = status
                 if state != READY:
                     raise UsageError(
                         f"prepare_load(): key {i} of {len(keys)} ({key.hex()}) is "
                         f"{'still being stored' if state == PENDING else 'not stored'}"
                     )
                 block_ids.append(block_id)
-            blocks, lookup_pins = self._blocks, self._lookup_pins
-            self._jobs[block_ids] |= self._bit  # before the hold: a kill between leaves a
-            to_hold = []  # bit, never a bare hold; a lookup's hold becomes the pin
+            lookup_pins = self._lookup_pins
+            jobs, bit = self._jobs, self._bit
+            for block_id in block_ids:  # before the hold: a kill between leaves a bit,
+                jobs[block_id] |= bit  # never a bare hold
+            to_hold = []  # a lookup's hold becomes the pin
             for key, block_id in zip(keys, block_ids, strict=True):
                 if lookup_pins.pop(key, None) is None:
-                    to_hold.append(blocks[block_id])
+                    to_hold.append(block_id)
             if to_hold:
-                self._pool.touch(to_hold)
-            self._cross_hits += int(np.count_nonzero(self._producer[block_ids] != self._row + 1))
+                self._pool.touch(self._handles(to_hold))
+            producer, me = self._producer, self._row + 1
+            self._cross_hits += sum(producer[b] != me for b in block_ids)
             pins = self._pins
             for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
@@ -613,8 +681,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                         f"complete_load(): key {key.hex()} is unpinned {count} times, this "
                         f"process pinned it {0 if pin is None else pin[1]} times"
                     )
-            blocks = self._blocks
-            self._pool.free_blocks([blocks[self._pins[key][0]] for key in keys])
+            pins = self._pins
+            self._pool.free_blocks(self._handles([pins[key][0] for key in keys]))
             done = []
             for key, count in need.items():
                 pin = self._pins[key]
@@ -629,14 +697,15 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         those a reset cut a job off (``on_reset_flushed`` clears them)."""
         if self._unflushed:
             block_ids = [b for b in block_ids if b not in self._unflushed]
-        if block_ids:
-            self._jobs[block_ids] &= ~self._bit
+        jobs, keep = self._jobs, ~self._bit
+        for block_id in block_ids:
+            jobs[block_id] &= keep
 
     def _region_lost(self) -> bool:
         """Whether this replica's workers map another data region than the one the tier
         describes (it was replaced under them: ``region.py``); their bytes are not the
         tier's, so this replica gets no hit and stores nothing."""
-        mine = self._tier.replica_region[self._row]
+        mine = self._thdr[W_REPLICA_REGION + self._row]  # tier.replica_region[row]
         if not mine or mine == self._thdr[W_REGION_TAG]:
             return False
         if not self._warned_region:
@@ -674,8 +743,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             ready_existing: list[OffloadKey] = []
             queued: set[OffloadKey] = set()
             known: dict[OffloadKey, tuple[int, int]] = {}
-            for key in keys:
-                state, _ = known[key] = self._status(key)
+            for key, status in zip(keys, self._statuses(keys), strict=True):
+                state, _ = known[key] = status
                 if state == MISS:
                     if key not in queued:
                         keys_to_store.append(key)
@@ -698,7 +767,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             fresh, victims = chosen
             evicted_keys = [key for key, _ in victims]
             block_ids = fresh + [b for _, b in victims]
-            self._take_chunks(block_ids, keys_to_store)
+            self._take_chunks(block_ids, keys_to_store, len(fresh))
             ranks = self._ranks
             for key, block_id in zip(keys_to_store, block_ids, strict=True):
                 position = self._position(req_context, key)
@@ -739,24 +808,27 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
     def _choose_once(self, num: int, protected: set[int]
                      ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:
         lru, jobs, bit, own = self._lru, self._jobs, self._bit, self._unflushed
-        rows = self._pool.block_rows()
-        ref, htok = rows["ref_cnt"], rows["hash_num_tokens"]
+        words, row, f_ref, f_htok = self._words, L.ROW_I32, L.F_REF, L.F_HASH_TOKENS
+        no_key = L.NO_HASH_TOKENS
 
         def is_free(b: int) -> bool:  # no key, no hold, no bytes moving; this replica's
-            return (ref[b] == 0 and htok[b] == L.NO_HASH_TOKENS  # workers flush its own
-                    and (jobs[b] == 0 or (jobs[b] == bit and b in own)))  # reset's jobs in
-            # order, as vLLM's single tier relies on
+            at = b * row  # workers flush its own reset's jobs in order, as vLLM's single
+            return (words[at + f_ref] == 0 and words[at + f_htok] == no_key  # tier relies on
+                    and (jobs[b] == 0 or (jobs[b] == bit and b in own)))
 
         def evictable(b: int) -> bool:
-            return ref[b] == 0 and jobs[b] == 0 and b not in protected
+            return words[b * row + f_ref] == 0 and jobs[b] == 0 and b not in protected
 
         keys: dict[int, bytes] = {}
+
+        hash_at, f_gid = L.HASH_BYTE_OFFSET // 4, L.F_GROUP
 
         def key_of(b: int) -> bytes:
             key = keys.get(b)
             if key is None:
-                keys[b] = key = self._decode(bytes(rows["block_hash"][b]),
-                                             int(rows["group_id"][b]))
+                at = b * row
+                keys[b] = key = self._decode(words[at + hash_at:at + hash_at + 8].tobytes(),
+                                             words[at + f_gid])
             return key
 
         free = lru.pop_free(num, is_free)
@@ -768,16 +840,21 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             return None
         return free, [(key_of(b), b) for b in victims]
 
-    def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey]) -> None:
+    def _take_chunks(self, block_ids: list[int], keys: list[OffloadKey],
+                     num_fresh: int) -> None:
         """Holds the blocks (this process's ledger), drops their old keys and caches them
-        under the new keys' PENDING form (caller holds the lock)."""
-        pool, blocks = self._pool, self._blocks
-        handles = [blocks[b] for b in block_ids]
-        self._jobs[block_ids] |= self._bit  # before the hold (see prepare_load)
+        under the new keys' PENDING form (caller holds the lock). The first ``num_fresh``
+        blocks are free ones, which hold no key."""
+        pool = self._pool
+        handles = self._handles(block_ids)
+        jobs, bit = self._jobs, self._bit
+        for block_id in block_ids:  # before the hold (see prepare_load)
+            jobs[block_id] |= bit
         if self._unflushed:
             self._unflushed.difference_update(block_ids)
         pool.touch(handles)
-        pool.evict_blocks(block_ids)
+        if num_fresh < len(block_ids):
+            pool.evict_blocks(block_ids[num_fresh:])
         self._cache(handles, keys, PENDING_BIT)
 
     def _cache(self, handles: list, keys: list[OffloadKey], flag: int) -> None:
@@ -812,7 +889,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 return
             done_keys = [key for key, _ in mine]
             block_ids = [b for _, b in mine]
-            handles = [self._blocks[b] for b in block_ids]
+            handles = self._handles(block_ids)
             pool = self._pool
             success = success and not self._region_lost()  # written to another region
             pool.evict_blocks(block_ids)
@@ -821,10 +898,10 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             pool.free_blocks(handles)
             self._end_jobs(block_ids)
             if success:
-                ranks = self._ranks
+                self._lru.push_many(self._ranks, block_ids)
+                producer, me = self._producer, self._row + 1
                 for block_id in block_ids:
-                    self._lru.push(ranks[block_id], block_id)
-                self._producer[block_ids] = self._row + 1
+                    producer[block_id] = me
             else:
                 self._lru.push_free(block_ids)
             if success:
@@ -963,6 +1040,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         return by_group
 
     def _log_stored(self, keys: list[OffloadKey]) -> None:
+        if not self._has_log:  # a pool made without a global event log drops them
+            return
         self._pool.log_events([
             BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                         block_size=0, lora_id=None, medium=MEDIUM, lora_name=None,
@@ -971,6 +1050,8 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         ])
 
     def _log_removed(self, keys: list[OffloadKey]) -> None:
+        if not self._has_log:
+            return
         self._pool.log_events([
             BlockRemoved(block_hashes=[h], medium=MEDIUM, group_idx=group)
             for group, hashes in self._split(keys).items() for h in hashes

@@ -101,10 +101,13 @@ class TierTable:
         self._mv = memoryview(buf)
         self.words = self._mv[:HEADER_BYTES].cast("q")
         self.rank_words = self._mv[HEADER_BYTES:HEADER_BYTES + 8 * n].cast("q")
+        self.job_words = self._mv[HEADER_BYTES + 8 * n:HEADER_BYTES + 16 * n].cast("Q")
         self.heap_rank_words = self._mv[heap_at:heap_at + 8 * cap].cast("q")
         self.heap_block_words = self._mv[heap_at + 8 * cap:heap_at + 12 * cap].cast("i")
         free_at = heap_at + 12 * cap
         self.free_words = self._mv[free_at:free_at + 4 * (n + 64)].cast("i")
+        producer_at = free_at + 4 * (n + 64)
+        self.producer_words = self._mv[producer_at:producer_at + 4 * n].cast("i")
 
     def read_identity(self) -> bytes:
         size = int(self.header[W_IDENTITY_LEN])
@@ -115,8 +118,8 @@ class TierTable:
         self.header[W_IDENTITY_LEN] = len(blob)
 
     def close(self) -> None:
-        for view in (self.words, self.rank_words, self.heap_rank_words,
-                     self.heap_block_words, self.free_words):
+        for view in (self.words, self.rank_words, self.job_words, self.heap_rank_words,
+                     self.heap_block_words, self.free_words, self.producer_words):
             view.release()
         self._mv.release()
         del self.header, self.ranks, self.jobs, self.replica_keys, self.replica_region

@@ -11,7 +11,7 @@ STUCK_AFTER_S = 0.1
 # The victim's calls in order, and the pool operations each one makes under its hold.
 STEPS = ("prepare_store", "complete_store", "fail_store", "prepare_load", "complete_load")
 STEP_OPS = {
-    "prepare_store": ("touch", "evict", "cache"),
+    "prepare_store": ("touch", "cache"),  # + "evict" when it evicts (not here: room)
     "complete_store": ("evict", "cache", "free"),
     "fail_store": ("evict", "free"),
     "prepare_load": ("touch",),

@@ -154,7 +154,7 @@ def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
     manager = SharedCPUOffloadingManager(pool, NUM_CHUNKS, replica_id=engine_id,
                                          max_processes=32)
     if guard_off:  # the race detector: this core ignores every replica's job bits
-        manager._jobs = np.zeros_like(manager._jobs)
+        manager._jobs = memoryview(bytearray(8 * len(manager._jobs))).cast("Q")
     assert acks.get(timeout=120) == "ready"
     jobs = _Jobs(manager, commands, acks, counters)
     ctx = ReqContext("")
