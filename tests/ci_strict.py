@@ -1,9 +1,9 @@
 """In CI (``SHMKV_CI_STRICT=1``, which ``.ci/run`` sets), a test skipped because something
 the suite needs is missing FAILS instead: the C kernel not built, redis-server or the redis
-client not installed, SGLang's storage layer not installed. A skip there would let a run pass
-while testing only half of what it claims (the C kernel's byte identity, its lock, the
-cluster index, the SGLang backend). Elsewhere (a developer machine without Redis) these stay
-skips.
+client not installed, vLLM's KV layer or SGLang's storage layer not installed. A skip there
+would let a run pass while testing only half of what it claims (the C kernel's byte
+identity, its lock, the cluster index, the tests against vLLM's and SGLang's own code).
+Elsewhere (a developer machine without Redis) these stay skips.
 
 ``tests/conftest.py`` installs the hooks for the suite; ``pytest -p tests.ci_strict`` for
 any other test file.
@@ -23,6 +23,7 @@ REQUIRED = (
     "the redis extra is not installed",
     "could not import 'redis'",
     "could not import 'sglang",  # SGLang's storage layer (benchmarks/sglang_peer/install.sh)
+    "could not import 'vllm",  # vLLM's KV layer (benchmarks/vllm_peer/install.sh)
 )
 
 
