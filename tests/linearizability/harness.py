@@ -80,3 +80,24 @@ def run_history(kernel: str, num_procs: int, seed: int, *, num_ops: int = 60,
         if managers and report:
             report = check(folder, final, level="manager")
     return report, codes
+
+
+def run_interleaved(kernel: str, num_procs: int, *, attempts: int = 3, num_kills: int = 0,
+                    **kwargs) -> Report:
+    """``run_history`` with a fresh seed until a history interleaves (more than five
+    switches between processes per process; an early kill or a slow start can leave fewer),
+    at most ``attempts`` runs. EVERY run must exit as planned (all but the killed with 0)
+    and replay as vLLM's; the test then has judged at least one well-interleaved history.
+    Returns the last report."""
+    import pytest
+
+    for _ in range(attempts):
+        seed = random.randrange(1 << 30)
+        report, codes = run_history(kernel, num_procs, seed, num_kills=num_kills, **kwargs)
+        assert sorted(codes)[num_kills:] == [0] * (num_procs - num_kills), f"seed={seed}: {codes}"
+        if num_kills:
+            assert codes.count(-9) >= 1, f"seed={seed}: nobody was killed ({codes})"
+        assert report, f"seed={seed}: {report}"
+        if report.switches > 5 * num_procs:
+            return report
+    pytest.fail(f"{attempts} histories did not interleave (last: seed={seed}, {report})")
