@@ -1,6 +1,7 @@
 """Verify that SGLang's real HiCache storage modules import (no stubs)."""
-import importlib
+import runpy
 import sys
+from pathlib import Path
 
 IMPORTS = [
     ("sglang.srt.mem_cache.hicache_storage",
@@ -9,20 +10,9 @@ IMPORTS = [
 ]
 
 
-def main() -> int:
-    ok = True
-    for mod, names in IMPORTS:
-        try:
-            m = importlib.import_module(mod)
-        except Exception as e:  # noqa: BLE001
-            print(f"FAIL import {mod}: {type(e).__name__}: {e}")
-            ok = False
-            continue
-        for n in names:
-            print(f"{'ok  ' if hasattr(m, n) else 'FAIL'} from {mod} import {n}")
-            ok = ok and hasattr(m, n)
-    return 0 if ok else 1
-
+# The same check as the vLLM recipe's (one line per name, exit 1 on anything missing).
+check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "vllm_peer"
+                           / "check_imports.py"))["check"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check(IMPORTS))
