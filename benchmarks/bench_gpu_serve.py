@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_serve import markdown_table  # noqa: E402
+
 from shmkv.serve.device import resolve_run_device  # noqa: E402
 from shmkv.serve.runner import RunConfig, Runner  # noqa: E402
 from shmkv.serve.small_model import model_config_for  # noqa: E402
@@ -72,13 +74,7 @@ def table(rows: list[dict]) -> str:
              f"{r['prefix_hit_rate']:.1%}", _gib(r["peak_device_memory_bytes"]),
              f"{r['token_mismatches']}" + ("" if r["exact_tokens"] else " (bf16, reported)"),
              f"{r['wall_s']:.1f}"] for r in rows]
-    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
-    lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths, strict=True))) + " |"
-             for row in [header, *body]]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":")
-                                   for i, w in enumerate(widths)) + "|")
-    return "\n".join(lines)
+    return markdown_table(header, body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,13 +53,8 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
-    header = ["pool, routing", "schedulers", "hit rate", "range", "prefill tokens saved",
-              "evictions", "mismatches", "wall s"]
-    body = [[r["row"], str(r["schedulers"]), f"{r['prefix_hit_rate']:.1%}",
-             "{:.1%}..{:.1%}".format(*r["hit_rate_range"]),
-             f"{r['prefill_tokens_saved']:,} of {r['prompt_tokens']:,}", f"{r['evictions']:,}",
-             str(r["token_mismatches_all"]), f"{r['wall_s']:.1f}"] for r in rows]
+def markdown_table(header: list[str], body: list[list[str]]) -> str:
+    """A Markdown table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))) + " |"
@@ -67,6 +62,16 @@ def table(rows: list[dict]) -> str:
     lines.insert(1, "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":")
                                    for i, w in enumerate(widths)) + "|")
     return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> str:
+    header = ["pool, routing", "schedulers", "hit rate", "range", "prefill tokens saved",
+              "evictions", "mismatches", "wall s"]
+    body = [[r["row"], str(r["schedulers"]), f"{r['prefix_hit_rate']:.1%}",
+             "{:.1%}..{:.1%}".format(*r["hit_rate_range"]),
+             f"{r['prefill_tokens_saved']:,} of {r['prompt_tokens']:,}", f"{r['evictions']:,}",
+             str(r["token_mismatches_all"]), f"{r['wall_s']:.1f}"] for r in rows]
+    return markdown_table(header, body)
 
 
 _SHORT = {"round-robin": "RR", "least-loaded": "LL", "prefix-aware": "PA"}
