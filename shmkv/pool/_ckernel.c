@@ -453,6 +453,63 @@ static PyObject *Kernel_lookup(Kernel *k, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromLong(found);
 }
 
+/* lookup_many(block_hashes, group_ids, fallback_bit) -> [int]: per key, the block holding
+ * (hash, group), else (fallback_bit != 0) -2 - the block holding (hash, group | fallback_bit),
+ * else -1. Every hash and group is checked before any lookup. */
+static PyObject *Kernel_lookup_many(Kernel *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "lookup_many(block_hashes, group_ids, fallback_bit)");
+        return NULL;
+    }
+    if (!kernel_alive(k)) return NULL;
+    if (!PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+            || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+        PyErr_SetString(UsageError, "lookup_many(): block_hashes and group_ids must be lists "
+                        "of one length");
+        return NULL;
+    }
+    uint32_t fallback;
+    if (!read_group(args[2], &fallback)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(args[0], i);
+        if (!PyBytes_CheckExact(h)) {
+            PyErr_Format(UsageError, "block hash must be bytes, got %.100s", Py_TYPE(h)->tp_name);
+            return NULL;
+        }
+        if (PyBytes_GET_SIZE(h) != HASH_BYTES) {
+            PyErr_Format(UsageError, "block hash must be %d bytes (sha256), got %zd", HASH_BYTES,
+                         PyBytes_GET_SIZE(h));
+            return NULL;
+        }
+        uint32_t group;
+        if (!read_group(PyList_GET_ITEM(args[1], i), &group)) return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *hash = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(args[0], i));
+        uint32_t group;
+        read_group(PyList_GET_ITEM(args[1], i), &group);
+        int32_t found = index_lookup(k, hash, group);
+        if (found == NO_BLOCK && fallback) {
+            int32_t other = index_lookup(k, hash, group | fallback);
+            found = other >= 0 ? -2 - other : other;
+        }
+        if (PyErr_Occurred()) {  /* a corrupt chain (InvariantViolation) */
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *v = PyLong_FromLong(found);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static inline PyObject *get_handle(PyObject *handles, PyObject *make, int32_t b) {
     PyObject *h = PyList_GET_ITEM(handles, b);
     if (h == Py_None) return PyObject_CallFunction(make, "i", b);
@@ -1069,6 +1126,8 @@ done:
 static PyMethodDef Kernel_methods[] = {
     {"lookup", (PyCFunction)(void (*)(void))Kernel_lookup, METH_FASTCALL,
      "lookup(block_hash, group_id) -> first-inserted block id holding the key, or -1"},
+    {"lookup_many", (PyCFunction)(void (*)(void))Kernel_lookup_many, METH_FASTCALL,
+     "lookup_many(block_hashes, group_ids, fallback_bit) -> [block id, -2 - fallback id, or -1]"},
     {"cache", (PyCFunction)(void (*)(void))Kernel_cache, METH_FASTCALL,
      "cache(blocks, fine_hashes, num_cached, ratio, block_size, group_id, block_mask, "
      "evicted_out) -> [(position, hash)]"},

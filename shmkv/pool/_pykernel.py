@@ -235,6 +235,30 @@ class PyKernel:
             )
         return self._index.get_one_block(block_hash, group_id)
 
+    def lookup_many(self, block_hashes: list, group_ids: list, fallback_bit: int) -> list[int]:
+        if (type(block_hashes) is not list or type(group_ids) is not list
+                or len(block_hashes) != len(group_ids)):
+            raise UsageError("lookup_many(): block_hashes and group_ids must be lists of one "
+                             "length")
+        check_group(fallback_bit)
+        for block_hash, group_id in zip(block_hashes, group_ids, strict=True):  # checked first
+            check_group(group_id)
+            if type(block_hash) is not bytes:
+                raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
+            if len(block_hash) != _HASH_BYTES:
+                raise UsageError(
+                    f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
+                )
+        get = self._index.get_one_block
+        out = []
+        for block_hash, group_id in zip(block_hashes, group_ids, strict=True):
+            found = get(block_hash, group_id)
+            if found < 0 and fallback_bit:
+                other = get(block_hash, group_id | fallback_bit)
+                found = -2 - other if other >= 0 else -1
+            out.append(found)
+        return out
+
     def get_cached(self, block_hash: bytes, group_ids, handles: list, make_handle) -> list | None:
         if type(block_hash) is not bytes:
             raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")

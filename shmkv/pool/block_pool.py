@@ -1128,6 +1128,29 @@ class BlockPool:
         finally:
             lock.release()
 
+    def lookup_block_ids(self, block_hashes: list[bytes], group_ids: list[int],
+                         fallback_bit: int = 0) -> list[int]:
+        """``lookup_block_id`` of each (hash, group) pair in one hold of the lock. With a
+        non-zero ``fallback_bit``, a pair not found is looked up again under
+        ``group | fallback_bit`` and a block found there is answered as ``-2 - id`` (block
+        0 holds no key, so every such answer is below -1). A shmkv addition for layers that
+        keep a second form of a key (the offload tiers' keys still being stored).
+
+        Raises:
+            UsageError: the arguments are not two lists of one length, a hash is not 32
+                bytes, or a group id or ``fallback_bit`` is bad; nothing is looked up.
+            InvariantViolation: an index chain is corrupt (repaired as by a lookup).
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            return self._kernel.lookup_many(block_hashes, group_ids, fallback_bit)
+        except InvariantViolation:
+            self._repairer.repair_corruption()
+            raise
+        finally:
+            lock.release()
+
     def get_cached_prefix(self, block_hashes: Sequence[bytes], kv_cache_group_id: int = 0,
                           max_num_blocks: int | None = None) -> list[KVCacheBlock]:
         """The longest run of leading ``block_hashes`` cached in one group: what a

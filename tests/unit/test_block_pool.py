@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shmkv import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVEventBatch
+from shmkv import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVEventBatch, UsageError
 from shmkv.events import decode_batch, encode_batch
 from tests.helpers import chain_hashes, free_ids, ids, make_request
 
@@ -430,3 +430,33 @@ def test_get_cached_prefix_equals_the_lookup_loop(make_checked_pool):
     assert pool.get_cached_prefix([]) == []
     with pytest.raises(ValueError, match="block hash 0 must be 32 bytes"):
         pool.get_cached_prefix([b"short"])
+
+
+def test_lookup_block_ids_answers_each_key_and_its_fallback_form(make_checked_pool):
+    """lookup_block_ids equals lookup_block_id key by key; a key missing in its group but
+    kept under group | fallback_bit is answered -2 - its block; bad input is refused before
+    any lookup, naming the problem."""
+    pool = make_checked_pool(16)
+    req = make_request(4 * BS)
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)  # keys 0, 1 in group 0
+    pool.cache_full_blocks(req, blocks, 2, 4, BS, 1 << 20)  # keys 2, 3 in group 2**20
+    hashes = list(req.block_hashes)
+    assert pool.lookup_block_ids(hashes, [0] * 4) == [
+        pool.lookup_block_id(h, 0) for h in hashes] == [1, 2, -1, -1]
+    assert pool.lookup_block_ids(hashes, [0] * 4, 1 << 20) == [1, 2, -2 - 3, -2 - 4]
+    assert pool.lookup_block_ids(hashes[2:], [1 << 20] * 2, 1 << 20) == [3, 4]
+    assert pool.lookup_block_ids([], []) == []
+    bad = [
+        ((hashes, [0]), "two lists of one length|lists of one length"),
+        ((tuple(hashes), [0] * 4), "lists of one length"),
+        (([b"short"], [0]), "must be 32 bytes"),
+        (([hashes[0]], [-1]), r"kv_cache_group_id -1 is not an int in \[0, 2\*\*31\)"),
+        (([hashes[0]], [2**31]), "is not an int"),
+        (([hashes[0], "x"], [0, 0]), "block hash must be bytes, got str"),
+        (([hashes[0]], [0], 2**40), "is not an int"),
+    ]
+    for args, message in bad:
+        with pytest.raises(UsageError, match=message):
+            pool.lookup_block_ids(*args)
+    pool.free_blocks(blocks)
