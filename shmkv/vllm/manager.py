@@ -469,18 +469,21 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         return PENDING, block_id
 
     def _statuses(self, keys: list[OffloadKey]) -> list[tuple[int, int]]:
-        """``_status`` of each key (caller holds the lock); a READY or MISS key costs one
-        or two index lookups, a PENDING one goes through ``_status`` (orphans)."""
+        """``_status`` of each key (caller holds the lock): the pool looks every key up in
+        one call; a PENDING one goes through ``_status`` (orphans)."""
         encoded, encode = self._encoded, self._encode
-        lookup = self._pool.lookup_block_id
-        out = []
+        hashes, gids = [], []
         for key in keys:
             enc = encoded.get(key)
             block_hash, gid = enc if enc is not None else encode(key)
-            block_id = lookup(block_hash, gid)
-            if block_id >= 0:
-                out.append((READY, block_id))
-            elif lookup(block_hash, gid | PENDING_BIT) < 0:
+            hashes.append(block_hash)
+            gids.append(gid)
+        out = []
+        for key, found in zip(keys, self._pool.lookup_block_ids(hashes, gids, PENDING_BIT),
+                              strict=True):
+            if found >= 0:
+                out.append((READY, found))
+            elif found == -1:
                 out.append((MISS, 0))
             else:
                 out.append(self._status(key))
