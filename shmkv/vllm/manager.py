@@ -861,14 +861,22 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         self._cache(handles, keys, PENDING_BIT)
 
     def _cache(self, handles: list, keys: list[OffloadKey], flag: int) -> None:
-        by_group: dict[int, tuple[list, list[bytes]]] = {}
-        for handle, key in zip(handles, keys, strict=True):
-            block_hash, gid = self._encode(key)
-            entry = by_group.setdefault(gid | flag, ([], []))
-            entry[0].append(handle)
-            entry[1].append(block_hash)
-        for gid, (group_handles, hashes) in by_group.items():
-            self._pool.cache_full_blocks(_Hashes(hashes), group_handles, 0, len(hashes), 1, gid)
+        """Caches the blocks under the keys' pool form, ``flag`` or-ed into the group id:
+        one ``cache_full_blocks`` per group (a call's keys are usually of one group)."""
+        encoded, encode = self._encoded, self._encode
+        encs = [encoded.get(key) or encode(key) for key in keys]
+        gid = encs[0][1] if encs else 0
+        if all(enc[1] == gid for enc in encs):
+            by_group = {gid | flag: (handles, [enc[0] for enc in encs])}
+        else:
+            by_group = {}
+            for handle, (block_hash, key_gid) in zip(handles, encs, strict=True):
+                entry = by_group.setdefault(key_gid | flag, ([], []))
+                entry[0].append(handle)
+                entry[1].append(block_hash)
+        for group, (group_handles, hashes) in by_group.items():
+            self._pool.cache_full_blocks(_Hashes(hashes), group_handles, 0, len(hashes), 1,
+                                         group)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

@@ -385,3 +385,39 @@ def test_get_stats_counts_cross_replica_hits_and_lock_holds(make_manager):
     assert all(isinstance(definitions[n], OffloadingCounterMetadata)
                for n in (SHMKV_CROSS_REPLICA_HITS, SHMKV_LOCK_HOLDS, SHMKV_LOCK_WAIT_S,
                          SHMKV_LOCK_HOLD_S))
+
+
+def test_a_call_mixing_groups_and_hash_lengths_matches_vllm(make_manager):
+    """One call's keys of several groups and hash lengths (a hybrid model's groups) are
+    stored, found, loaded and evicted as by vLLM's own CPUOffloadingManager, call for call,
+    and each key keeps its own chunk."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    ours, theirs = make_manager(6), CPUOffloadingManager(num_chunks=6, cache_policy="lru")
+
+    def key(i: int, group: int):
+        return make_offload_key(f"h{i}".encode() * (1 + group), group)
+
+    batches = [[key(1, 0), key(1, 1), key(2, 2)], [key(2, 0), key(1, 1), key(3, 1)],
+               [key(4, 0), key(4, 2), key(5, 7)]]
+    chunks = _Chunks()
+    for batch in batches:
+        out, expected = ours.prepare_store(batch, CTX), theirs.prepare_store(batch, CTX)
+        assert (out.keys_to_store, out.evicted_keys) == \
+            (expected.keys_to_store, expected.evicted_keys)
+        for evicted in out.evicted_keys:
+            chunks.chunk_of.pop(evicted)
+        chunks.chunk_of.update(zip(out.keys_to_store, out.store_spec.block_ids.tolist(),
+                                   strict=True))
+        assert len(set(chunks.chunk_of.values())) == len(chunks.chunk_of)
+        ours.complete_store(out.keys_to_store, CTX)
+        theirs.complete_store(expected.keys_to_store, CTX)
+        ours.pool.check_invariants()
+    every = [k for batch in batches for k in batch]
+    assert [ours.lookup(k, CTX) for k in every] == [theirs.lookup(k, CTX) for k in every]
+    held = [k for k in dict.fromkeys(every) if ours.lookup(k, CTX) == HIT]
+    assert len(held) == 6
+    spec = ours.prepare_load(held, CTX)
+    assert spec.block_ids.tolist() == [chunks.chunk_of[k] for k in held]
+    ours.complete_load(held, CTX)
+    ours.pool.check_invariants()
