@@ -11,7 +11,7 @@ import pytest
 from shmkv import BlockPool, InvariantViolation, OutOfBlocksError, UsageError
 from shmkv.pool.block_pool import _C_GEOMETRY, _ckernel
 from tests.conftest import unique_pool_name
-from tests.helpers import make_request
+from tests.helpers import make_request, segment_image
 
 needs_c = pytest.mark.skipif(_ckernel is None, reason="shmkv.pool._ckernel is not built")
 
@@ -333,7 +333,12 @@ def test_kernels_refuse_every_bad_argument_alike(value):
         pool = BlockPool.create(unique_pool_name(), 11, kernel=kernel)
         try:
             calls = _bad_argument_calls(pool, value)
-            outcomes[kernel] = {name: _outcome(call) for name, call in calls.items()}
+            outcomes[kernel] = {}
+            for name, call in calls.items():
+                before = segment_image(pool)
+                outcomes[kernel][name] = outcome = _outcome(call)
+                if outcome[0] != "returned":
+                    assert segment_image(pool) == before, (kernel, name, outcome)
             pool.check_invariants()
         finally:
             pool.close()
