@@ -468,19 +468,15 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             return MISS, 0
         return PENDING, block_id
 
-    def _statuses(self, keys: list[OffloadKey]) -> list[tuple[int, int]]:
-        """``_status`` of each key (caller holds the lock): the pool looks every key up in
-        one call; a PENDING one goes through ``_status`` (orphans)."""
-        encoded, encode = self._encoded, self._encode
-        hashes, gids = [], []
-        for key in keys:
-            enc = encoded.get(key)
-            block_hash, gid = enc if enc is not None else encode(key)
-            hashes.append(block_hash)
-            gids.append(gid)
+    def _statuses(self, keys: list[OffloadKey], encs: list[tuple[bytes, int]]
+                  ) -> list[tuple[int, int]]:
+        """``_status`` of each key (caller holds the lock), ``encs`` their pool forms: the
+        pool looks every key up in one call; a PENDING one goes through ``_status``
+        (orphans)."""
+        found_ids = self._pool.lookup_block_ids([enc[0] for enc in encs],
+                                                [enc[1] for enc in encs], PENDING_BIT)
         out = []
-        for key, found in zip(keys, self._pool.lookup_block_ids(hashes, gids, PENDING_BIT),
-                              strict=True):
+        for key, found in zip(keys, found_ids, strict=True):
             if found >= 0:
                 out.append((READY, found))
             elif found == -1:
@@ -628,11 +624,12 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 position; nothing is pinned.
         """
         keys = list(keys)
-        self._check_positions(keys, req_context)
+        encs, positions = self._check_positions(keys, req_context)
         with self._hold():
             block_ids = []
             known: dict[OffloadKey, tuple[int, int]] = {}
-            for i, (key, status) in enumerate(zip(keys, self._statuses(keys), strict=True)):
+            statuses = self._statuses(keys, encs)
+            for i, (key, status) in enumerate(zip(keys, statuses, strict=True)):
                 state, block_id = known[key] = status
                 if state != READY:
                     raise UsageError(
@@ -659,7 +656,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     pins[key] = [block_id, 1]
                 else:
                     pin[1] += 1
-            self._record_access(keys, req_context, known, reused_keys=keys)
+            self._record_access(keys, req_context, known, positions, reused_keys=keys)
         return CPULoadStoreSpec([b - 1 for b in block_ids])
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -738,7 +735,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 nothing changes.
         """
         keys = list(keys)
-        self._check_positions(keys, req_context)
+        encs, positions = self._check_positions(keys, req_context)
         with self._hold():
             if self._region_lost():
                 return None
@@ -746,7 +743,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             ready_existing: list[OffloadKey] = []
             queued: set[OffloadKey] = set()
             known: dict[OffloadKey, tuple[int, int]] = {}
-            for key, status in zip(keys, self._statuses(keys), strict=True):
+            for key, status in zip(keys, self._statuses(keys, encs), strict=True):
                 state, _ = known[key] = status
                 if state == MISS:
                     if key not in queued:
@@ -758,7 +755,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             access.store_miss_keys.update(keys_to_store)  # an LRU store miss moves no rank
             recorded = queued.union(ready_existing)
             self._record_access([k for k in keys if k in recorded], req_context, known,
-                                reused_keys=ready_existing)
+                                positions, reused_keys=ready_existing)
             if not keys_to_store:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]),
                                           evicted_keys=[])
@@ -773,7 +770,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             self._take_chunks(block_ids, keys_to_store, len(fresh))
             ranks = self._ranks
             for key, block_id in zip(keys_to_store, block_ids, strict=True):
-                position = self._position(req_context, key)
+                position = positions.get(key)
                 if position is None:
                     ranks[block_id] = self._new_rank()
                 else:

@@ -131,24 +131,35 @@ class RequestRecency:
             req_context.set_state(state)
         return state
 
-    @staticmethod
-    def _position(req_context: ReqContext, key: OffloadKey) -> int | None:
-        position = req_context.get_offload_key_position(key)
-        if position is not None and not 0 <= position <= MAX_POSITION:
-            raise UsageError(f"offload key position {position} is not in [0, {MAX_POSITION}]")
-        return position
+    def _check_positions(self, keys: Sequence[OffloadKey], req_context: ReqContext
+                         ) -> tuple[list[tuple[bytes, int]], dict[OffloadKey, int]]:
+        """The keys' pool forms (``_encode``) and the positions the request gives them
+        (keys without one left out), read once per call, before any lock is taken.
 
-    def _check_positions(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        Raises:
+            UsageError: a key the tier cannot hold, or a position out of range.
+        """
+        encoded, encode = self._encoded, self._encode
+        get_position = req_context.get_offload_key_position
+        encs, positions = [], {}
         for key in keys:
-            self._encode(key)
-            self._position(req_context, key)
+            enc = encoded.get(key)
+            encs.append(enc if enc is not None else encode(key))
+            position = get_position(key)
+            if position is not None:
+                if not 0 <= position <= MAX_POSITION:
+                    raise UsageError(
+                        f"offload key position {position} is not in [0, {MAX_POSITION}]")
+                positions[key] = position
+        return encs, positions
 
     def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext,
-                           known: dict[OffloadKey, tuple[int, int]]) -> None:
+                           known: dict[OffloadKey, tuple[int, int]],
+                           positions: dict[OffloadKey, int]) -> None:
         request_rank = self._request_rank(req_context)
         ranks = self._ranks
         for key in keys:
-            position = self._position(req_context, key)
+            position = positions.get(key)
             if position is None:
                 continue
             status = known.get(key)
@@ -164,9 +175,11 @@ class RequestRecency:
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
                        known: dict[OffloadKey, tuple[int, int]],
+                       positions: dict[OffloadKey, int],
                        reused_keys: Iterable[OffloadKey] = ()) -> None:
         """vLLM's request access record; ``known`` holds the (state, block) of keys this
-        call has just looked up (under the same hold of the lock)."""
+        call has just looked up (under the same hold of the lock), ``positions`` their
+        positions (``_check_positions``)."""
         state = self._request_access(req_context)
         new_keys = []
         for key in keys:
@@ -178,7 +191,7 @@ class RequestRecency:
             state.seen_keys.add(key)
             new_keys.append(key)
         if new_keys:
-            self._on_request_access(new_keys, req_context, known)
+            self._on_request_access(new_keys, req_context, known, positions)
         state.reused_keys.update(k for k in reused_keys if k not in state.inserted_keys)
 
     def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
