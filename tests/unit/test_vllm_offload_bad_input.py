@@ -469,3 +469,20 @@ except Exception as exc:
     assert out.startswith("UsageError the shared offload tier needs vLLM's shared offload "
                           "region, which vLLM does not use on ROCm"), out
     assert not SharedCPUOffloadingManager.unlink(spec_pool)
+
+
+def test_the_vllm_extra_pins_the_tested_versions():
+    """pyproject's ``vllm`` extra allows exactly the vLLM releases shmkv.vllm accepts at
+    import, and the vLLM recipe of the tests installs one of them."""
+    from pathlib import Path
+
+    import tomllib
+
+    from shmkv.vllm import TESTED_VLLM_VERSIONS
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["vllm"] == [f"vllm=={v}" for v in TESTED_VLLM_VERSIONS]
+    recipe = (root / "benchmarks" / "vllm_peer" / "install.sh").read_text()
+    assert any(f"vllm=={v}" in recipe for v in TESTED_VLLM_VERSIONS)
