@@ -77,6 +77,14 @@ def check_group(group_id) -> None:
         raise UsageError(f"kv_cache_group_id {group_id!r} is not an int in [0, 2**31)")
 
 
+def check_hash(block_hash) -> None:
+    """Refuses a block hash that is not 32 bytes of ``bytes``, with the C kernel's message."""
+    if type(block_hash) is not bytes:
+        raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
+    if len(block_hash) != _HASH_BYTES:
+        raise UsageError(f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}")
+
+
 _INT_ONLY = {int}
 
 
@@ -227,12 +235,7 @@ class PyKernel:
 
     def lookup(self, block_hash: bytes, group_id: int) -> int:
         check_group(group_id)
-        if type(block_hash) is not bytes:
-            raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
-        if len(block_hash) != _HASH_BYTES:
-            raise UsageError(
-                f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
-            )
+        check_hash(block_hash)
         return self._index.get_one_block(block_hash, group_id)
 
     def lookup_many(self, block_hashes: list, group_ids: list, fallback_bit: int) -> list[int]:
@@ -243,12 +246,7 @@ class PyKernel:
         check_group(fallback_bit)
         for block_hash, group_id in zip(block_hashes, group_ids, strict=True):  # checked first
             check_group(group_id)
-            if type(block_hash) is not bytes:
-                raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
-            if len(block_hash) != _HASH_BYTES:
-                raise UsageError(
-                    f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
-                )
+            check_hash(block_hash)
         get = self._index.get_one_block
         out = []
         for block_hash, group_id in zip(block_hashes, group_ids, strict=True):
@@ -260,12 +258,7 @@ class PyKernel:
         return out
 
     def get_cached(self, block_hash: bytes, group_ids, handles: list, make_handle) -> list | None:
-        if type(block_hash) is not bytes:
-            raise UsageError(f"block hash must be bytes, got {type(block_hash).__name__}")
-        if len(block_hash) != _HASH_BYTES:
-            raise UsageError(
-                f"block hash must be {_HASH_BYTES} bytes (sha256), got {len(block_hash)}"
-            )
+        check_hash(block_hash)
         word = _read_u64(block_hash)[0]
         found = []
         for group_id in group_ids:
