@@ -108,6 +108,7 @@ from shmkv.vllm.replicas import (
     replica_key,
     replica_locks_path,
 )
+from shmkv.vllm.step_lookup import StepLookups
 from shmkv.vllm.tier import (
     MEDIUM,
     PENDING_BIT,
@@ -133,6 +134,10 @@ SHMKV_LOCK_HOLDS = "shmkv_pool_lock_holds"
 SHMKV_LOCK_WAIT_S = "shmkv_pool_lock_wait_seconds"
 SHMKV_LOCK_HOLD_S = "shmkv_pool_lock_hold_seconds"
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
+
+
+_ANSWERS = {READY: LookupResult.HIT, PENDING: LookupResult.HIT_PENDING,
+            MISS: LookupResult.MISS}
 
 
 def data_region_engine_id(pool: str) -> str:
@@ -364,6 +369,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         self._in_hold = False  # inside _hold(): the LRU may change
         self._hold_cm = _Hold(self)
         self._lookup_pins: dict[OffloadKey, int] = {}  # this step's HITs -> their blocks
+        self._step = StepLookups()  # this step region's lookup answers (step_lookup.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -394,6 +400,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
         self._lookup_pins.clear()  # the pool gave their holds back
+        self._step.clear()
         self._lock = _ClosedLock()
 
     def __enter__(self) -> SharedCPUOffloadingManager:
@@ -546,7 +553,9 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         totals[2] += sum(h for _, h in done)
 
     def _end_step(self) -> None:
-        """Gives back the holds of the step's HITs no ``prepare_load`` took."""
+        """Gives back the holds of the step's HITs no ``prepare_load`` took, and forgets
+        the step's lookup answers."""
+        self._step.clear()
         if not self._lookup_pins or self._pool is None:
             return
         with self._hold():
@@ -580,10 +589,13 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
         Args:
             key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
-            req_context: the request's context (unused: a lookup changes no recency).
+            req_context: the request's context (a lookup changes no recency; inside the
+                step region, its key positions give the run looked up with the key).
 
         Inside the step region (``lock``), a HIT pins its chunk until the ``prepare_load``
-        that loads it, or the region's end.
+        that loads it, or the region's end; the key is looked up with the request's keys
+        that follow it, in one hold, and their answers serve the region's next lookups
+        without the lock (``step_lookup.py``).
 
         Returns:
             the ``LookupResult``.
@@ -592,16 +604,41 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             UsageError: a key the tier cannot hold (hash longer than 32 bytes).
             PoolClosedError: the manager is closed.
         """
+        if self._region.active:
+            answer = self._step.answers.get(key)
+            return answer if answer is not None else self._lookup_run(key, req_context)
         with self._lock:
             if self._region_lost():
                 return LookupResult.MISS
-            state, block_id = self._status(key)
-            if state == READY and self._region.active and key not in self._lookup_pins:
-                self._pool.touch(self._handles([block_id]))  # until prepare_load or step end
-                self._lookup_pins[key] = block_id
-        if state == READY:
-            return LookupResult.HIT
-        return LookupResult.HIT_PENDING if state == PENDING else LookupResult.MISS
+            state, _ = self._status(key)
+        return _ANSWERS[state]
+
+    def _lookup_run(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Looks ``key`` and the request's keys after it up in one hold, up to the first
+        MISS; pins the HITs and keeps every answer for the step region."""
+        run = self._step.run_from(key, req_context)
+        encs = [self._encode(key)]
+        for later in run[1:]:
+            try:
+                encs.append(self._encode(later))
+            except UsageError:  # a key the tier cannot hold: asked about alone, if at all
+                break
+        run = run[:len(encs)]
+        pins, found, to_hold = self._lookup_pins, {}, {}
+        with self._lock:
+            if self._region_lost():
+                return LookupResult.MISS
+            for run_key, (state, block_id) in zip(run, self._statuses(run, encs), strict=True):
+                found[run_key] = _ANSWERS[state]
+                if state == MISS:
+                    break
+                if state == READY and run_key not in pins:
+                    to_hold[run_key] = block_id
+            if to_hold:
+                self._pool.touch(self._handles(list(to_hold.values())))
+                pins.update(to_hold)  # until prepare_load or the step's end
+        self._step.answers.update(found)
+        return found[key]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """Hits of this tier come from host memory."""
@@ -691,6 +728,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     del self._pins[key]
                     done.append(pin[0])
             self._end_jobs(done)
+        self._step.forget(need)  # unpinned: a kept HIT answer may no longer hold
 
     def _end_jobs(self, block_ids: list[int]) -> None:
         """Clears this replica's job bit on blocks whose job it has reported done, except
@@ -777,6 +815,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     ranks[block_id] = pack_rank(self._request_rank(req_context), -position)
                 self._pending[key] = block_id
             access.inserted_keys.update(keys_to_store)
+            self._step.forget(keys_to_store)  # a kept MISS is in flight now
             if evicted_keys:
                 if self.events is not None:
                     self.events.append(OffloadingEvent(keys=evicted_keys, medium=self.medium,
@@ -895,6 +934,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     mine.append((key, block_id))
             if not mine:
                 return
+            self._step.forget(key for key, _ in mine)
             done_keys = [key for key, _ in mine]
             block_ids = [b for _, b in mine]
             handles = self._handles(block_ids)
@@ -937,6 +977,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 held.extend([blocks[block_id]] * count)
             held.extend(blocks[b] for b in self._lookup_pins.values())
             self._lookup_pins.clear()
+            self._step.clear()
             self._unflushed.update(pending_ids)
             self._unflushed.update(block_id for block_id, _ in self._pins.values())
             if pending_ids:

@@ -421,3 +421,85 @@ def test_a_call_mixing_groups_and_hash_lengths_matches_vllm(make_manager):
     assert spec.block_ids.tolist() == [chunks.chunk_of[k] for k in held]
     ours.complete_load(held, CTX)
     ours.pool.check_invariants()
+
+
+def _positioned(ints) -> ReqContext:
+    """A request context whose keys have the positions vLLM's scheduler gives them."""
+    ctx = ReqContext(f"positioned-{min(ints)}")
+    for i, key in enumerate(to_keys(ints)):
+        ctx.set_offload_key_position(key, (i + 1) * 16)
+    return ctx
+
+
+def _holds(manager) -> int:
+    from shmkv.vllm.manager import SHMKV_LOCK_HOLDS
+
+    return manager.get_stats().reduce()[SHMKV_LOCK_HOLDS]
+
+
+def _refs(manager, chunks: list[int]) -> list[int]:
+    """The pool's reference counts of the given chunks (block id = chunk + 1)."""
+    rows = manager.pool.block_rows()
+    return [int(rows["ref_cnt"][c + 1]) for c in chunks]
+
+
+def test_a_steps_lookups_of_a_request_take_one_hold_and_answer_as_vllm(make_manager):
+    """Inside the step region, a request's prefix walk (ten HITs, then a MISS) takes ONE
+    hold of the node-wide lock, answers as vLLM's own manager does, pins the ten HITs for
+    the region and gives them back at its end; the keys after the MISS are neither looked
+    up nor pinned. Outside a region every lookup is one hold and pins nothing."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager, theirs = make_manager(16), CPUOffloadingManager(num_chunks=16, cache_policy="lru")
+    stored = list(range(10)) + [11, 12]
+    for m in (manager, theirs):
+        out = m.prepare_store(to_keys(stored), CTX)
+        m.complete_store(out.keys_to_store, CTX)
+        if m is manager:
+            chunks = out.store_spec.block_ids.tolist()
+    first, after_miss = chunks[:10], chunks[10:]
+    ctx = _positioned(range(14))
+    walk = to_keys(range(11))  # keys 0-9 stored, 10 not: vLLM's walk stops there
+    _holds(manager)
+    with manager.lock:
+        answers = [manager.lookup(key, ctx) for key in walk]
+        assert _holds(manager) == 1
+        assert answers == [theirs.lookup(key, ctx) for key in walk] == [HIT] * 10 + [MISS]
+        assert _refs(manager, first) == [1] * 10
+        assert _refs(manager, after_miss) == [0, 0]  # after the MISS: untouched
+    assert _refs(manager, first) == [0] * 10
+    _holds(manager)
+    assert [manager.lookup(key, ctx) for key in walk] == answers
+    assert _holds(manager) == len(walk)
+    assert _refs(manager, first) == [0] * 10
+
+
+def test_a_kept_lookup_answer_never_outlives_its_truth(make_manager):
+    """A HIT kept for the step region is pinned, so another replica's store on a full
+    tier cannot evict it; once this replica loaded and unpinned it in the same region, the
+    other replica may evict it and the next lookup reads the tier again (a MISS, not the
+    kept HIT). A key this replica starts or completes storing in the region is read again
+    too, as vLLM's manager answers it (HIT_PENDING, then HIT)."""
+    a = make_manager(4, replica_id="A")
+    b = SharedCPUOffloadingManager(a.pool_name, 4, replica_id="B")
+    try:
+        a.complete_store(a.prepare_store(to_keys([0, 1, 2, 3]), CTX).keys_to_store, CTX)
+        ctx = _positioned(range(6))
+        with a.lock:
+            assert [a.lookup(k, ctx) for k in to_keys(range(5))] == [HIT] * 4 + [MISS]
+            assert b.prepare_store(to_keys([7]), CTX) is None  # every chunk pinned by A
+            a.prepare_load(to_keys([0]), ctx)
+            a.complete_load(to_keys([0]), ctx)
+            with a.lock:  # nested: the region goes on
+                pass
+            assert b.prepare_store(to_keys([7]), CTX) is not None  # evicts 0, now unpinned
+            assert a.lookup(to_key(0), ctx) == MISS
+            b.complete_store(to_keys([7]), CTX)
+            out = a.prepare_store(to_keys([4]), ctx)  # 4 was a kept MISS; evicts B's 7
+            assert (out.keys_to_store, out.evicted_keys) == (to_keys([4]), to_keys([7]))
+            assert a.lookup(to_key(4), ctx) == PENDING  # stored here: read again
+            a.complete_store(to_keys([4]), ctx)
+            assert a.lookup(to_key(4), ctx) == HIT  # completed here: read again
+        a.pool.check_invariants()
+    finally:
+        b.close()
