@@ -81,21 +81,53 @@ def _run(seed: int, num_chunks: int, num_ops: int, *, key_width: int = 32) -> No
         loads: list[list[bytes]] = []  # in-flight load jobs
         pending: set[bytes] = set()  # keys whose store is in flight
         seen: Counter[str] = Counter()  # what the sequence exercised
+        walks: dict[int, list[bytes]] = {}  # request -> its positioned keys, in order
         for step in range(num_ops):
             op = rng.random()
             label = f"seed {seed} step {step}"
             if not requests or op < 0.08:
                 pair = (ReqContext(f"r{step}"), ReqContext(f"r{step}"))
                 if rng.random() < 0.6:  # the connector records end-token positions
+                    placed = {}
                     for k in rng.sample(universe, rng.randint(1, 8)):
-                        position = rng.randint(1, 64) * 16
+                        placed[k] = position = rng.randint(1, 64) * 16
                         for ctx in pair:
                             ctx.set_offload_key_position(k, position)
+                    walks[id(pair[1])] = sorted(placed, key=placed.__getitem__)
                 assert ref.on_new_request(pair[0]) == ours.on_new_request(pair[1])
                 requests.append(pair)
                 continue
             pair = rng.choice(requests)
-            if op < 0.30:
+            walk = walks.get(id(pair[1]))
+            if op < 0.16 and walk:
+                # a scheduler step: the connector walks the request's keys of one group in
+                # position order, inside the manager's lock, up to the first MISS, and
+                # loads the leading HITs (only lookups and loads: vLLM's manager pins no
+                # lookup, so a store here could evict what shmkv's step still pins)
+                group = walk[rng.randrange(len(walk))][-4:]
+                walk = [k for k in walk if k[-4:] == group]
+                with ref.lock, ours.lock:
+                    answers = []
+                    for key in walk:
+                        answers.append(ref.lookup(key, pair[0]))
+                        assert answers[-1] == ours.lookup(key, pair[1]), label
+                        if answers[-1] == LookupResult.MISS:
+                            break
+                    for key in walk[:len(answers)]:  # asked again: the kept answers
+                        assert ref.lookup(key, pair[0]) == ours.lookup(key, pair[1]), label
+                    hits = []
+                    for key, answer in zip(walk, answers, strict=False):
+                        if answer != LookupResult.HIT:
+                            break
+                        hits.append(key)
+                    if hits and rng.random() < 0.7:
+                        spec_ref = ref.prepare_load(hits, pair[0])
+                        spec_ours = ours.prepare_load(hits, pair[1])
+                        chunks[0].loaded(hits, spec_ref)
+                        chunks[1].loaded(hits, spec_ours)
+                        loads.append(hits)
+                seen["step walk"] += 1
+            elif op < 0.30:
                 key = rng.choice(universe)
                 result = ref.lookup(key, pair[0])
                 assert result == ours.lookup(key, pair[1]), label
@@ -169,7 +201,8 @@ def _run(seed: int, num_chunks: int, num_ops: int, *, key_width: int = 32) -> No
                 ours.lookup(key, requests[0][1] if requests else ReqContext("x"))
         ours.pool.check_invariants()
         print(dict(seen))
-        for what in ("HIT", "HIT_PENDING", "MISS", "refused", "evicting", "failed store"):
+        for what in ("HIT", "HIT_PENDING", "MISS", "refused", "evicting", "failed store",
+                     "step walk"):
             assert seen[what], f"seed {seed}: the sequence never exercised {what}"
     finally:
         ours.close()
