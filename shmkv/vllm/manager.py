@@ -693,7 +693,10 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     pins[key] = [block_id, 1]
                 else:
                     pin[1] += 1
-            self._record_access(keys, req_context, known, positions, reused_keys=keys)
+            access = self._request_access(req_context)
+            new_keys = self._new_access_keys(access, keys)
+            self._on_request_access(new_keys, req_context, known, positions)
+        self._commit_access(access, new_keys, reused_keys=keys)
         return CPULoadStoreSpec([b - 1 for b in block_ids])
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -790,40 +793,52 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                 elif state == READY:
                     ready_existing.append(key)
             access = self._request_access(req_context)
-            access.store_miss_keys.update(keys_to_store)  # an LRU store miss moves no rank
             recorded = queued.union(ready_existing)
-            self._record_access([k for k in keys if k in recorded], req_context, known,
-                                positions, reused_keys=ready_existing)
-            if not keys_to_store:
-                return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec([]),
-                                          evicted_keys=[])
-            self._allocation_sizes.append(len(keys_to_store))
-            chosen = self._choose_chunks(len(keys_to_store),
-                                         [known[k][1] for k in ready_existing])
-            if chosen is None:
-                return None
-            fresh, victims = chosen
-            evicted_keys = [key for key, _ in victims]
-            block_ids = fresh + [b for _, b in victims]
-            self._take_chunks(block_ids, keys_to_store, len(fresh))
-            ranks = self._ranks
-            for key, block_id in zip(keys_to_store, block_ids, strict=True):
-                position = positions.get(key)
-                if position is None:
-                    ranks[block_id] = self._new_rank()
-                else:
-                    ranks[block_id] = pack_rank(self._request_rank(req_context), -position)
-                self._pending[key] = block_id
-            access.inserted_keys.update(keys_to_store)
-            self._step.forget(keys_to_store)  # a kept MISS is in flight now
-            if evicted_keys:
-                if self.events is not None:
-                    self.events.append(OffloadingEvent(keys=evicted_keys, medium=self.medium,
-                                                       removed=True))
-                self._log_removed(evicted_keys)
+            new_keys = self._new_access_keys(access, [k for k in keys if k in recorded])
+            self._on_request_access(new_keys, req_context, known, positions)
+            out = self._take_for(keys_to_store, ready_existing, known, positions, req_context)
+        access.store_miss_keys.update(keys_to_store)  # an LRU store miss moves no rank
+        self._commit_access(access, new_keys, reused_keys=ready_existing)
+        if out is None:
+            return None
+        block_ids, evicted_keys = out
+        access.inserted_keys.update(keys_to_store)
+        if evicted_keys and self.events is not None:
+            self.events.append(OffloadingEvent(keys=evicted_keys, medium=self.medium,
+                                               removed=True))
         return PrepareStoreOutput(keys_to_store=keys_to_store,
                                   store_spec=CPULoadStoreSpec([b - 1 for b in block_ids]),
                                   evicted_keys=evicted_keys)
+
+    def _take_for(self, keys_to_store: list[OffloadKey], ready_existing: list[OffloadKey],
+                  known: dict[OffloadKey, tuple[int, int]], positions: dict[OffloadKey, int],
+                  req_context: ReqContext) -> tuple[list[int], list[OffloadKey]] | None:
+        """``prepare_store``'s chunks (caller holds the lock): (block ids in the keys'
+        order, evicted keys), or None if too few chunks can be freed (nothing taken)."""
+        if not keys_to_store:
+            return [], []
+        self._allocation_sizes.append(len(keys_to_store))
+        chosen = self._choose_chunks(len(keys_to_store), [known[k][1] for k in ready_existing])
+        if chosen is None:
+            return None
+        fresh, victims = chosen
+        evicted_keys = [key for key, _ in victims]
+        block_ids = fresh + [b for _, b in victims]
+        self._take_chunks(block_ids, keys_to_store, len(fresh))
+        ranks, pending, request_rank = self._ranks, self._pending, None
+        for key, block_id in zip(keys_to_store, block_ids, strict=True):
+            position = positions.get(key)
+            if position is None:
+                ranks[block_id] = self._new_rank()
+            else:
+                if request_rank is None:
+                    request_rank = self._request_rank(req_context)
+                ranks[block_id] = pack_rank(request_rank, -position)
+            pending[key] = block_id
+        self._step.forget(keys_to_store)  # a kept MISS is in flight now
+        if evicted_keys:
+            self._log_removed(evicted_keys)
+        return block_ids, evicted_keys
 
     def _choose_chunks(self, num: int, protected_ids: list[int]
                        ) -> tuple[list[int], list[tuple[OffloadKey, int]]] | None:

@@ -156,8 +156,12 @@ class RequestRecency:
     def _on_request_access(self, keys: Sequence[OffloadKey], req_context: ReqContext,
                            known: dict[OffloadKey, tuple[int, int]],
                            positions: dict[OffloadKey, int]) -> None:
-        request_rank = self._request_rank(req_context)
-        ranks = self._ranks
+        """The shared part of vLLM's access record (caller holds the lock): the request
+        gets its rank, and each stored or in-flight key with a position gets that rank, if
+        it is newer."""
+        if not keys:
+            return
+        ranks, request_rank = self._ranks, self._request_rank(req_context)
         for key in keys:
             position = positions.get(key)
             if position is None:
@@ -173,26 +177,33 @@ class RequestRecency:
             if state == READY:
                 self._lru.push(rank, block_id)
 
-    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
-                       known: dict[OffloadKey, tuple[int, int]],
-                       positions: dict[OffloadKey, int],
-                       reused_keys: Iterable[OffloadKey] = ()) -> None:
-        """vLLM's request access record; ``known`` holds the (state, block) of keys this
-        call has just looked up (under the same hold of the lock), ``positions`` their
-        positions (``_check_positions``)."""
-        state = self._request_access(req_context)
-        new_keys = []
+    @staticmethod
+    def _new_access_keys(access: _RequestAccess, keys: Iterable[OffloadKey]
+                         ) -> list[OffloadKey]:
+        """The keys the request's access record has not seen (each once), changing
+        nothing.
+
+        Raises:
+            UsageError: a new key after the request finished.
+        """
+        seen, new_keys = access.seen_keys, {}
         for key in keys:
-            if key in state.seen_keys:
-                continue
-            if state.finished:
-                raise UsageError("new offload keys observed after the request finished")
-            state.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
-            state.seen_keys.add(key)
-            new_keys.append(key)
-        if new_keys:
-            self._on_request_access(new_keys, req_context, known, positions)
-        state.reused_keys.update(k for k in reused_keys if k not in state.inserted_keys)
+            if key not in seen:
+                new_keys[key] = None
+        if new_keys and access.finished:
+            raise UsageError("new offload keys observed after the request finished")
+        return list(new_keys)
+
+    @staticmethod
+    def _commit_access(access: _RequestAccess, new_keys: list[OffloadKey],
+                       reused_keys: Iterable[OffloadKey] = ()) -> None:
+        """The private part of the access record (no lock needed): the request's keys by
+        group, and those it reused."""
+        groups = access.key_groups
+        for key in new_keys:
+            groups.setdefault(get_offload_group_idx(key), []).append(key)
+        access.seen_keys.update(new_keys)
+        access.reused_keys.update(k for k in reused_keys if k not in access.inserted_keys)
 
     def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
         ranks = self._ranks
