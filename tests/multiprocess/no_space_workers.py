@@ -7,7 +7,9 @@
    allocated, cached, freed, with events), where a sparse segment would SIGBUS;
 3. with the tmpfs full, each sibling segment's create (block tables, KV store, channel,
    stats, publisher state, doorbell): its error, and what is left behind;
-4. room for a small pool's segment but not for its semaphore: the create's error.
+4. room for a small pool's segment but not for its semaphore: the create's error;
+5. three worker processes serving on one pool while the tmpfs fills: each goes on serving,
+   and exits 0 (a sparse segment killed all three with SIGBUS).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import mmap
+import multiprocessing as mp
 import os
 import sys
 from types import SimpleNamespace
@@ -81,6 +84,53 @@ def serve(pool: BlockPool) -> int:
     return taken
 
 
+def serve_some(pool: BlockPool, tag: bytes, num_blocks: int = 100) -> None:
+    """``num_blocks`` blocks allocated, cached under hashes of ``tag``, freed."""
+    blocks = pool.get_new_blocks(num_blocks)
+    hashes = [(tag + b"-%d" % i).ljust(32, b"\0") for i in range(num_blocks)]
+    request = SimpleNamespace(block_hashes=hashes, all_token_ids=[7] * (16 * num_blocks),
+                              lora_request=None)
+    pool.cache_full_blocks(request, blocks, 0, num_blocks, 16, 0)
+    pool.free_blocks(blocks)
+
+
+def worker(kernel: str, index: int, started, filled, rounds) -> None:
+    """Serves on the pool "fits" until the tmpfs is full, then 20 rounds more."""
+    pool = BlockPool.attach("fits", kernel=kernel)
+    round_ = 0
+    while not filled.is_set():
+        serve_some(pool, b"w%d-%d" % (index, round_))
+        round_ += 1
+        started.release()
+    for more in range(20):
+        serve_some(pool, b"w%d-%d" % (index, round_ + more))
+        rounds[index] += 1
+    pool.close()
+
+
+def three_workers_while_full(kernel: str) -> dict:
+    """Three spawned workers serve on one pool while this process fills the tmpfs."""
+    ctx = mp.get_context("spawn")
+    started, filled = ctx.Semaphore(0), ctx.Event()
+    rounds = ctx.Array("i", 3)
+    with BlockPool.create("fits", 2_000, kernel=kernel, event_log_bytes=1 << 20) as pool:
+        procs = [ctx.Process(target=worker, args=(kernel, i, started, filled, rounds))
+                 for i in range(3)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            started.acquire(timeout=60)  # every worker served at least once
+        out = {"filled": fill()}
+        filled.set()
+        for p in procs:
+            p.join(60)
+        out["exitcodes"] = [p.exitcode for p in procs]
+        out["rounds_after_fill"] = list(rounds)
+        pool.check_invariants()
+        os.unlink(f"{SHM}/filler")
+    return out
+
+
 def main(kernel: str) -> None:
     out: dict = {}
     out["too_big"] = attempt(lambda: BlockPool.create("big", 200_000, kernel=kernel))
@@ -109,6 +159,7 @@ def main(kernel: str) -> None:
     fill(leave_pages=pages)
     out["semaphore"] = attempt(lambda: BlockPool.create("tight", 2, kernel=kernel))
     os.unlink(f"{SHM}/filler")
+    out["three_workers"] = three_workers_while_full(kernel)
     out["end"] = state()["shm"]
     print(json.dumps(out))
 

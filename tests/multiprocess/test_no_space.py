@@ -56,7 +56,8 @@ def test_no_room_is_an_error_at_create_not_a_sigbus(small_shm, kernel):
     """A pool too big for /dev/shm fails to create, naming the size and the free space,
     leaving nothing; a pool that fits keeps serving once /dev/shm is full; every sibling
     made on a full /dev/shm fails the same way, and so does a pool whose segment fits but
-    whose semaphore does not."""
+    whose semaphore does not; three worker processes serving on one pool while /dev/shm
+    fills all go on serving and exit 0."""
     run = _in_small_shm(sys.executable, "-m", "tests.multiprocess.no_space_workers", kernel)
     assert run.returncode == 0, f"exit {run.returncode} (-7/135: SIGBUS)\n{run.stderr}"
     out = json.loads(run.stdout)
@@ -69,4 +70,8 @@ def test_no_room_is_an_error_at_create_not_a_sigbus(small_shm, kernel):
         assert "bytes (0 bytes free" in out[sibling]["error"], sibling
     _assert_nothing_left(out["semaphore"], "a pool whose semaphore has no room")
     assert out["semaphore"]["error"].startswith("the pool's semaphore /shmkv-tight-v")
+    three = out["three_workers"]
+    assert three["filled"] > 0
+    assert three["exitcodes"] == [0, 0, 0], three  # -7: SIGBUS
+    assert three["rounds_after_fill"] == [20, 20, 20], three
     assert out["end"] == []
