@@ -6,6 +6,9 @@ timed on its own (wall clock around the call, one process, the pool lock unconte
 with 16 keys per call as a scheduler step of one request would pass them:
 
 - ``lookup``: one key that is stored (the mean of 16 lookups);
+- ``lookup_walk``: a request's 16 stored keys looked up in order inside the manager's
+  ``lock``, as vLLM's connector walks them in a scheduler step (the keys carry the request's
+  positions; per key, the mean of the walk);
 - ``prepare_store``: 16 new keys on a full tier (16 evictions), then ``complete_store``;
 - ``prepare_load``: 16 stored keys, then ``complete_load``.
 
@@ -39,7 +42,8 @@ from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
 
 KEYS_PER_CALL = 16
 FILL_BATCH = 4096
-CALLS = ("lookup", "prepare_store", "complete_store", "prepare_load", "complete_load")
+CALLS = ("lookup", "lookup_walk", "prepare_store", "complete_store", "prepare_load",
+         "complete_load")
 
 
 def offload_key(i: int) -> bytes:
@@ -68,6 +72,15 @@ def measure(manager, num_chunks: int, reps: int) -> dict[str, list[float]]:
             t0 = time.perf_counter_ns()
             manager.lookup(key, ctx)
             times["lookup"].append((time.perf_counter_ns() - t0) / 1e3)
+        walker = ReqContext(f"walk-{rep}")
+        walk = probe[::-1]  # oldest first, as a prompt's chunks
+        for i, key in enumerate(walk):
+            walker.set_offload_key_position(key, (i + 1) * 16)
+        t0 = time.perf_counter_ns()
+        with manager.lock:
+            for key in walk:
+                manager.lookup(key, walker)
+        times["lookup_walk"].append((time.perf_counter_ns() - t0) / 1e3 / len(walk))
         t0 = time.perf_counter_ns()
         spec = manager.prepare_load(probe, ctx)
         times["prepare_load"].append((time.perf_counter_ns() - t0) / 1e3)
@@ -104,7 +117,7 @@ def run_size(num_chunks: int, reps: int) -> list[dict]:
             ours = statistics.median(results["shmkv"][0][call])
             theirs = statistics.median(results["vllm"][0][call])
             rows.append({"bench": "vllm_tier_scale", "num_chunks": num_chunks, "call": call,
-                         "keys_per_call": 1 if call == "lookup" else KEYS_PER_CALL,
+                         "keys_per_call": 1 if call.startswith("lookup") else KEYS_PER_CALL,
                          "vllm_us": round(theirs, 2), "shmkv_us": round(ours, 2),
                          "vllm_over_shmkv": round(theirs / ours, 3),
                          "fill_s": {k: round(v[1], 2) for k, v in results.items()}})
@@ -129,7 +142,8 @@ def main() -> None:
         for row in run_size(size, reps):
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"\nmedian per call, us ({KEYS_PER_CALL} keys; lookup: one key), tier full")
+    print(f"\nmedian per call, us ({KEYS_PER_CALL} keys; lookup: one key; lookup_walk: per key "
+          "of a step's walk), tier full")
     print(f"{'chunks':>8} {'call':<15} {'vLLM':>9} {'shmkv':>9} {'vLLM/shmkv':>11}")
     for r in rows:
         print(f"{r['num_chunks']:>8} {r['call']:<15} {r['vllm_us']:>9.1f} {r['shmkv_us']:>9.1f} "
