@@ -441,7 +441,9 @@ def test_a_platform_without_vllms_shared_region_is_refused(spec_pool, model_dir)
 
 def test_rocm_is_refused_at_start(spec_pool, model_dir):
     """Under vLLM's ROCm platform (a vLLM Platform whose enum is ROCM, installed as the
-    current platform the way an out-of-tree platform plugin is), the spec refuses to start."""
+    current platform the way an out-of-tree platform plugin is), a real vLLM Scheduler with
+    the shared tier, built in its own process, is refused at start: vLLM's workers would
+    keep private buffers there behind the shared manager."""
     code = f"""
 import vllm.platforms as platforms
 from vllm.platforms.interface import Platform, PlatformEnum
@@ -451,15 +453,17 @@ class RocmPlatform(Platform):
     device_name = "rocm"
     device_type = "cuda"
 
-from vllm.config import set_current_vllm_config
-from tests.multiprocess.vllm_scheduler_driver import make_vllm_config
-from tests.unit.test_vllm_offload_bad_input import make_config
-config = make_vllm_config("unused", {model_dir!r})  # built on this machine's platform
-platforms._current_platform = RocmPlatform()
-from shmkv.vllm.spec import SharedCPUOffloadingSpec
+from tests.multiprocess import vllm_scheduler_driver as driver
+build_config = driver.make_vllm_config
+
+def on_rocm(*args, **kwargs):
+    config = build_config(*args, **kwargs)  # built on this machine's platform
+    platforms._current_platform = RocmPlatform()
+    return config
+
+driver.make_vllm_config = on_rocm
 try:
-    with set_current_vllm_config(config):
-        SharedCPUOffloadingSpec(make_config({spec_pool!r}))
+    driver.make_scheduler({spec_pool!r}, {model_dir!r})
 except Exception as exc:
     print(type(exc).__name__, exc)
 """
