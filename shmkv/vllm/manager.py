@@ -61,7 +61,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -72,7 +71,6 @@ import numpy as np
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     LoadStoreSpec,
-    LookupResult,
     Medium,
     OffloadingEvent,
     OffloadingManager,
@@ -85,7 +83,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import (
     CPULoadStoreSpec,
     CPUOffloadingInfo,
-    CPUOffloadingMetrics,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -108,7 +105,15 @@ from shmkv.vllm.replicas import (
     replica_key,
     replica_locks_path,
 )
-from shmkv.vllm.step_lookup import StepLookups
+from shmkv.vllm.stats import (
+    GAUGE_INTERVAL_S,
+    SHMKV_CROSS_REPLICA_HITS,
+    SHMKV_LOCK_HOLD_S,
+    SHMKV_LOCK_HOLDS,
+    SHMKV_LOCK_WAIT_S,
+    TierStats,
+)
+from shmkv.vllm.step_lookup import StepLookupCalls, StepLookups, StepRegion
 from shmkv.vllm.tier import (
     MEDIUM,
     PENDING_BIT,
@@ -121,23 +126,14 @@ from shmkv.vllm.tier import (
     tier_table_name,
 )
 
-__all__ = ["SharedCPUOffloadingManager", "data_region_engine_id", "tier_table_name"]
+__all__ = ["SHMKV_CROSS_REPLICA_HITS", "SHMKV_LOCK_HOLDS", "SHMKV_LOCK_HOLD_S",
+           "SHMKV_LOCK_WAIT_S", "SharedCPUOffloadingManager", "data_region_engine_id",
+           "tier_table_name"]
 
 logger = logging.getLogger("shmkv.vllm")
 
 LOCK_RECORD_FOLD = 1024  # pool lock holds recorded before they are folded into totals
-GAUGE_INTERVAL_S = 1.0  # how often get_stats counts the held chunks (an O(chunks) pass)...
-GAUGE_EXACT_CHUNKS = 1 << 16  # ... of a tier larger than this; a smaller one, every call
-# get_stats' counters, beside vLLM's CPU-tier metrics (SharedCPUOffloadingSpec declares them)
-SHMKV_CROSS_REPLICA_HITS = "shmkv_cross_replica_hit_chunks"
-SHMKV_LOCK_HOLDS = "shmkv_pool_lock_holds"
-SHMKV_LOCK_WAIT_S = "shmkv_pool_lock_wait_seconds"
-SHMKV_LOCK_HOLD_S = "shmkv_pool_lock_hold_seconds"
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
-
-
-_ANSWERS = {READY: LookupResult.HIT, PENDING: LookupResult.HIT_PENDING,
-            MISS: LookupResult.MISS}
 
 
 def data_region_engine_id(pool: str) -> str:
@@ -157,41 +153,6 @@ class _ClosedLock:
 
     def acquire(self) -> None:
         self.__enter__()
-
-
-class _StepRegion:
-    """The manager's ``lock``, private to this process (re-entrant).
-
-    vLLM's connector holds ``manager.lock`` over the connector part of a scheduler step
-    (from the step's first lookup to its connector metadata). The node-wide pool lock is
-    taken per call inside it, never across it, so the replicas' steps run side by side.
-    What the step region promises vLLM (a lookup's HIT is still there at the
-    ``prepare_load`` that pins it, and no ``prepare_store`` of the step evicts it) is kept
-    by lookup pins: a HIT found inside the region takes a hold on its chunk, which
-    ``prepare_load`` turns into its pin; the holds left are given back when the region
-    closes.
-    """
-
-    def __init__(self, manager: SharedCPUOffloadingManager) -> None:
-        self._mutex = threading.RLock()
-        self._depth = 0
-        self._manager = manager
-
-    @property
-    def active(self) -> bool:
-        return self._depth > 0
-
-    def __enter__(self) -> None:
-        self._mutex.acquire()
-        self._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._depth -= 1
-            if not self._depth:
-                self._manager._end_step()
-        finally:
-            self._mutex.release()
 
 
 class _Hashes:
@@ -239,7 +200,8 @@ class _Hold:
 
 
 
-class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
+class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
+                                 OffloadingManager):
     """vLLM's CPU offloading manager (LRU) with its chunk metadata in a shmkv pool shared by
     every process that opens the same ``pool`` name: ONE cache for all of them.
 
@@ -364,7 +326,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         self._lock = self._pool.lock()  # node-wide, per call
         if self._lock.record is None:  # time the pool lock for get_stats (unless in use)
             self._lock.record = []
-        self._region = _StepRegion(self)
+        self._region = StepRegion(self)
         self._lru = TierLRU(tier, self._pool.block_rows, self._words)
         self._in_hold = False  # inside _hold(): the LRU may change
         self._hold_cm = _Hold(self)
@@ -529,7 +491,7 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
-        """The step region (:class:`_StepRegion`): private to this process; the node-wide
+        """The step region (``step_lookup.StepRegion``): private to this process; the node-wide
         pool lock is taken per call, and a lookup HIT inside the region stays pinned until
         its ``prepare_load`` or the region's end."""
         return self._region
@@ -538,30 +500,6 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
         """One hold of the node-wide pool lock, in which the tier's eviction heap and free
         stack may change (``lru.py``: rebuilt first if their last writer died)."""
         return self._hold_cm
-
-    def _fold_lock_record(self) -> None:
-        """Adds the pool lock's record of (wait, hold) times to this process's totals."""
-        record = self._lock.record
-        if not record:
-            return
-        keep = record[-1:] if record[-1][1] == 0 else []  # a hold still going on
-        done = record[:len(record) - len(keep)]
-        self._lock.record = keep
-        totals = self._lock_totals
-        totals[0] += len(done)
-        totals[1] += sum(w for w, _ in done)
-        totals[2] += sum(h for _, h in done)
-
-    def _end_step(self) -> None:
-        """Gives back the holds of the step's HITs no ``prepare_load`` took, and forgets
-        the step's lookup answers."""
-        self._step.clear()
-        if not self._lookup_pins or self._pool is None:
-            return
-        with self._hold():
-            held = self._handles(list(self._lookup_pins.values()))
-            self._lookup_pins.clear()
-            self._pool.free_blocks(held)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Starts the request's access record.
@@ -579,66 +517,6 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
             raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
         self._request_access(req_context)
         return RequestOffloadingContext()
-
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT if the key is stored and complete (by any process), HIT_PENDING if a
-        process is storing it, MISS otherwise. A store of a process that died reads
-        HIT_PENDING until this process next reaps the dead (at most ``REAP_INTERVAL_S``
-        later), then MISS. Every key is a MISS once this replica's workers map another data
-        region than the tier's (``region.py``).
-
-        Args:
-            key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
-            req_context: the request's context (a lookup changes no recency; inside the
-                step region, its key positions give the run looked up with the key).
-
-        Inside the step region (``lock``), a HIT pins its chunk until the ``prepare_load``
-        that loads it, or the region's end; the key is looked up with the request's keys
-        that follow it, in one hold, and their answers serve the region's next lookups
-        without the lock (``step_lookup.py``).
-
-        Returns:
-            the ``LookupResult``.
-
-        Raises:
-            UsageError: a key the tier cannot hold (hash longer than 32 bytes).
-            PoolClosedError: the manager is closed.
-        """
-        if self._region.active:
-            answer = self._step.answers.get(key)
-            return answer if answer is not None else self._lookup_run(key, req_context)
-        with self._lock:
-            if self._region_lost():
-                return LookupResult.MISS
-            state, _ = self._status(key)
-        return _ANSWERS[state]
-
-    def _lookup_run(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """Looks ``key`` and the request's keys after it up in one hold, up to the first
-        MISS; pins the HITs and keeps every answer for the step region."""
-        run = self._step.run_from(key, req_context)
-        encs = [self._encode(key)]
-        for later in run[1:]:
-            try:
-                encs.append(self._encode(later))
-            except UsageError:  # a key the tier cannot hold: asked about alone, if at all
-                break
-        run = run[:len(encs)]
-        pins, found, to_hold = self._lookup_pins, {}, {}
-        with self._lock:
-            if self._region_lost():
-                return LookupResult.MISS
-            for run_key, (state, block_id) in zip(run, self._statuses(run, encs), strict=True):
-                found[run_key] = _ANSWERS[state]
-                if state == MISS:
-                    break
-                if state == READY and run_key not in pins:
-                    to_hold[run_key] = block_id
-            if to_hold:
-                self._pool.touch(self._handles(list(to_hold.values())))
-                pins.update(to_hold)  # until prepare_load or the step's end
-        self._step.answers.update(found)
-        return found[key]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         """Hits of this tier come from host memory."""
@@ -1039,52 +917,6 @@ class SharedCPUOffloadingManager(RequestRecency, OffloadingManager):
                     continue
                 event = replace(event, keys=keys)
             yield event
-
-    def get_stats(self) -> OffloadingConnectorStats | None:  # noqa: F821
-        """vLLM's CPU-tier gauges, node-wide: the fraction of chunks held (pinned or being
-        stored) and of chunks being stored (an O(chunks) pass read without the lock: at most
-        every ``GAUGE_INTERVAL_S`` on a tier of more than ``GAUGE_EXACT_CHUNKS``); this
-        process's allocation sizes, the chunks it loaded that another replica stored, and
-        its holds of the node-wide pool lock (count, wait and hold seconds), since the last
-        call.
-
-        Returns:
-            an ``OffloadingConnectorStats``.
-        """
-        # NOTE: imported here: vllm.distributed costs a scheduler process seconds to import.
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
-        stats = OffloadingConnectorStats()
-        if self._pool is None:
-            raise PoolClosedError("the offload tier manager is closed; make a new one to attach")
-        now = time.monotonic()
-        if self._num_chunks <= GAUGE_EXACT_CHUNKS or now - self._gauges[0] >= GAUGE_INTERVAL_S:
-            rows = self._pool.block_rows()
-            held = rows["ref_cnt"][1:] > 0
-            num_held = int(held.sum())
-            num_pending = int((held & ((rows["group_id"][1:] & PENDING_BIT) != 0)
-                               & (rows["hash_num_tokens"][1:] != L.NO_HASH_TOKENS)).sum())
-            del rows, held
-            self._gauges = (now, num_held / self._num_chunks, num_pending / self._num_chunks)
-        _, usage, write_usage = self._gauges
-        self._fold_lock_record()
-        holds, wait_ns, hold_ns = self._lock_totals
-        self._lock_totals = [0, 0, 0]
-        stats.increase_counter(SHMKV_CROSS_REPLICA_HITS, self._cross_hits)
-        stats.increase_counter(SHMKV_LOCK_HOLDS, holds)
-        stats.increase_counter(SHMKV_LOCK_WAIT_S, wait_ns / 1e9)
-        stats.increase_counter(SHMKV_LOCK_HOLD_S, hold_ns / 1e9)
-        self._cross_hits = 0
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
-        for size in self._allocation_sizes:
-            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
-        self._allocation_sizes.clear()
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC,
-                        max(usage - write_usage, 0.0))
-        return stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         """The CPU-tier facts given as ``info`` (one series)."""

@@ -1,4 +1,5 @@
-"""A scheduler step's lookups of one request, answered from one hold of the node-wide lock.
+"""The manager's step region (its ``lock``) and its lookups: a scheduler step's lookups of
+one request, answered from one hold of the node-wide lock.
 
 vLLM's connector asks the manager about a request's keys one at a time, in order: its
 prefix lookup walks the request's chunks from the first one not computed, and stops at the
@@ -28,9 +29,18 @@ took.
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+import threading
+from typing import Any
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+
+from shmkv.errors import UsageError
+from shmkv.vllm.recency import MISS, PENDING, READY
 
 MAX_RUN = 64  # keys looked up in one hold
+
+_ANSWERS = {READY: LookupResult.HIT, PENDING: LookupResult.HIT_PENDING,
+            MISS: LookupResult.MISS}
 
 
 class StepLookups:
@@ -76,3 +86,115 @@ class StepLookups:
                 break
             run.append(later)
         return run
+
+
+class StepRegion:
+    """The manager's ``lock``, private to this process (re-entrant).
+
+    vLLM's connector holds ``manager.lock`` over the connector part of a scheduler step
+    (from the step's first lookup to its connector metadata). The node-wide pool lock is
+    taken per call inside it, never across it, so the replicas' steps run side by side.
+    What the step region promises vLLM (a lookup's HIT is still there at the
+    ``prepare_load`` that pins it, and no ``prepare_store`` of the step evicts it) is kept
+    by lookup pins: a HIT found inside the region takes a hold on its chunk, which
+    ``prepare_load`` turns into its pin; the holds left are given back when the region
+    closes.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self._mutex = threading.RLock()
+        self._depth = 0
+        self._manager = manager
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+    def __enter__(self) -> None:
+        self._mutex.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._depth -= 1
+            if not self._depth:
+                self._manager._end_step()
+        finally:
+            self._mutex.release()
+
+
+class StepLookupCalls:
+    """The manager's ``lookup`` and the end of its step region (a mixin of
+    ``SharedCPUOffloadingManager``: it uses the manager's pool, lock, hold, key states and
+    its ``_region``, ``_step`` and ``_lookup_pins``)."""
+
+    def _end_step(self) -> None:
+        """Gives back the holds of the step's HITs no ``prepare_load`` took, and forgets
+        the step's lookup answers."""
+        self._step.clear()
+        if not self._lookup_pins or self._pool is None:
+            return
+        with self._hold():
+            held = self._handles(list(self._lookup_pins.values()))
+            self._lookup_pins.clear()
+            self._pool.free_blocks(held)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT if the key is stored and complete (by any process), HIT_PENDING if a
+        process is storing it, MISS otherwise. A store of a process that died reads
+        HIT_PENDING until this process next reaps the dead (at most ``REAP_INTERVAL_S``
+        later), then MISS. Every key is a MISS once this replica's workers map another data
+        region than the tier's (``region.py``).
+
+        Args:
+            key: an offload key (a block hash of up to 32 bytes + a 4-byte group index).
+            req_context: the request's context (a lookup changes no recency; inside the
+                step region, its key positions give the run looked up with the key).
+
+        Inside the step region (``lock``), a HIT pins its chunk until the ``prepare_load``
+        that loads it, or the region's end; the key is looked up with the request's keys
+        that follow it, in one hold, and their answers serve the region's next lookups
+        without the lock (this module).
+
+        Returns:
+            the ``LookupResult``.
+
+        Raises:
+            UsageError: a key the tier cannot hold (hash longer than 32 bytes).
+            PoolClosedError: the manager is closed.
+        """
+        if self._region.active:
+            answer = self._step.answers.get(key)
+            return answer if answer is not None else self._lookup_run(key, req_context)
+        with self._lock:
+            if self._region_lost():
+                return LookupResult.MISS
+            state, _ = self._status(key)
+        return _ANSWERS[state]
+
+    def _lookup_run(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Looks ``key`` and the request's keys after it up in one hold, up to the first
+        MISS; pins the HITs and keeps every answer for the step region."""
+        run = self._step.run_from(key, req_context)
+        encs = [self._encode(key)]
+        for later in run[1:]:
+            try:
+                encs.append(self._encode(later))
+            except UsageError:  # a key the tier cannot hold: asked about alone, if at all
+                break
+        run = run[:len(encs)]
+        pins, found, to_hold = self._lookup_pins, {}, {}
+        with self._lock:
+            if self._region_lost():
+                return LookupResult.MISS
+            for run_key, (state, block_id) in zip(run, self._statuses(run, encs), strict=True):
+                found[run_key] = _ANSWERS[state]
+                if state == MISS:
+                    break
+                if state == READY and run_key not in pins:
+                    to_hold[run_key] = block_id
+            if to_hold:
+                self._pool.touch(self._handles(list(to_hold.values())))
+                pins.update(to_hold)  # until prepare_load or the step's end
+        self._step.answers.update(found)
+        return found[key]
