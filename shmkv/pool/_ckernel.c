@@ -2215,6 +2215,38 @@ static PyObject *heap_push(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* Takes the top entry off a heap of *size entries: the last entry sifts down from the root. */
+static void heap_take_top(int64_t *hr, int32_t *hb, Py_ssize_t *size, int64_t *top_rank,
+                          int32_t *top_block) {
+    *top_rank = hr[0];
+    *top_block = hb[0];
+    Py_ssize_t n = *size - 1;
+    int64_t rank = hr[n];
+    int32_t block = hb[n];
+    Py_ssize_t i = 0;
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= n) break;
+        int64_t cr = hr[child];
+        if (child + 1 < n) {
+            int64_t sr = hr[child + 1];
+            if (sr < cr || (sr == cr && hb[child + 1] < hb[child])) {
+                child += 1;
+                cr = sr;
+            }
+        }
+        if (rank < cr || (rank == cr && block <= hb[child])) break;
+        hr[i] = cr;
+        hb[i] = hb[child];
+        i = child;
+    }
+    if (n) {
+        hr[i] = rank;
+        hb[i] = block;
+    }
+    *size = n;
+}
+
 static PyObject *heap_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "heap_pop(ranks, blocks, size)");
@@ -2232,35 +2264,117 @@ static PyObject *heap_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_ValueError, "heap_pop: size %zd out of [1, %zd]", size, hrb.len / 8);
         return NULL;
     }
-    int64_t top_rank = hr[0];
-    int32_t top_block = hb[0];
-    size -= 1;
-    int64_t rank = hr[size];
-    int32_t block = hb[size];
-    Py_ssize_t i = 0;
-    for (;;) { /* sift the last entry down from the root */
-        Py_ssize_t child = 2 * i + 1;
-        if (child >= size) break;
-        int64_t cr = hr[child];
-        if (child + 1 < size) {
-            int64_t sr = hr[child + 1];
-            if (sr < cr || (sr == cr && hb[child + 1] < hb[child])) {
-                child += 1;
-                cr = sr;
-            }
-        }
-        if (rank < cr || (rank == cr && block <= hb[child])) break;
-        hr[i] = cr;
-        hb[i] = hb[child];
-        i = child;
-    }
-    if (size) {
-        hr[i] = rank;
-        hb[i] = block;
-    }
+    int64_t top_rank;
+    int32_t top_block;
+    heap_take_top(hr, hb, &size, &top_rank, &top_block);
     PyBuffer_Release(&hrb);
     PyBuffer_Release(&hbb);
     return Py_BuildValue("(Li)", (long long)top_rank, (int)top_block);
+}
+
+/* heap_victims(ranks_heap, blocks_heap, size, ranks, words, jobs, protected, num, layout)
+ *   -> (size, victims, aside, tied)
+ * LRUTier.pop_victims' loop (shmkv/vllm/lru.py, whose Python code is the reference) up to its
+ * first rank tie: pops entries until `num` victims. An entry is dropped when stale (its block's
+ * rank in `ranks` is another, its block holds no key or a key whose group has the pending bit)
+ * or when its block was met already; set aside (returned, not pushed back) when its block is
+ * held (ref_cnt > 0 or a job bit) or in the set `protected`; a victim otherwise. A victim
+ * candidate whose rank ties the new top is returned as `tied` (rank, block), not taken: the
+ * caller breaks the tie by key bytes. `words`: the pool's block rows as int32 words; `layout`:
+ * (row_words, f_ref, f_hash_tokens, f_group, no_key, pending_bit). */
+static PyObject *heap_victims(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "heap_victims(ranks_heap, blocks_heap, size, ranks, "
+                                         "words, jobs, protected, num, layout)");
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t num = PyLong_AsSsize_t(args[7]);
+    long long row, f_ref, f_htok, f_gid, no_key, pending;
+    if (PyErr_Occurred()) return NULL;
+    if (!PyAnySet_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "heap_victims: protected must be a set");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args[8], "LLLLLL", &row, &f_ref, &f_htok, &f_gid, &no_key, &pending))
+        return NULL;
+    Py_buffer hrb, hbb, rb = {0}, wb = {0}, jb = {0};
+    if (!heap_open(args, &hrb, &hbb)) return NULL;
+    PyObject *result = NULL, *victims = NULL, *aside = NULL, *tied = NULL;
+    int32_t *met = NULL;
+    Py_ssize_t num_met = 0;
+    if (PyObject_GetBuffer(args[3], &rb, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (PyObject_GetBuffer(args[4], &wb, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (PyObject_GetBuffer(args[5], &jb, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    int64_t *hr = hrb.buf, *ranks = rb.buf;
+    int32_t *hb = hbb.buf, *words = wb.buf;
+    uint64_t *jobs = jb.buf;
+    Py_ssize_t num_ranks = rb.len / 8, num_jobs = jb.len / 8, num_words = wb.len / 4;
+    if (rb.itemsize != 8 || jb.itemsize != 8 || wb.itemsize != 4 || size < 0
+            || size > hrb.len / 8 || row <= 0 || f_ref < 0 || f_htok < 0 || f_gid < 0
+            || f_ref >= row || f_htok >= row || f_gid >= row) {
+        PyErr_SetString(PyExc_ValueError, "heap_victims: bad buffers, size or layout");
+        goto done;
+    }
+    met = PyMem_Malloc(sizeof(int32_t) * (size_t)(size + 1));
+    victims = PyList_New(0);
+    aside = PyList_New(0);
+    if (met == NULL || victims == NULL || aside == NULL) {
+        if (met == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    while (PyList_GET_SIZE(victims) < num && size > 0) {
+        int64_t rank;
+        int32_t block;
+        heap_take_top(hr, hb, &size, &rank, &block);
+        if (block <= 0 || block >= num_ranks || block >= num_jobs
+                || ((long long)block + 1) * row > num_words) {
+            PyErr_Format(PyExc_ValueError, "heap_victims: block %d out of range", (int)block);
+            goto done;
+        }
+        int32_t *r = words + (Py_ssize_t)block * row;
+        int seen = 0;
+        for (Py_ssize_t i = 0; i < num_met && !seen; i++) seen = met[i] == block;
+        if (seen || ranks[block] != rank || r[f_htok] == no_key || (r[f_gid] & pending))
+            continue;  /* stale, or its block met already */
+        met[num_met++] = block;
+        PyObject *b = PyLong_FromLong(block);
+        if (b == NULL) goto done;
+        int held = PySet_Contains(args[6], b);
+        if (held < 0) {
+            Py_DECREF(b);
+            goto done;
+        }
+        if (held || r[f_ref] != 0 || jobs[block] != 0) {
+            PyObject *entry = Py_BuildValue("(LN)", (long long)rank, b);
+            if (entry == NULL || PyList_Append(aside, entry) < 0) {
+                Py_XDECREF(entry);
+                goto done;
+            }
+            Py_DECREF(entry);
+            continue;
+        }
+        if (size > 0 && hr[0] == rank) {  /* a tie: the caller orders it by key bytes */
+            tied = Py_BuildValue("(LN)", (long long)rank, b);
+            if (tied == NULL) goto done;
+            break;
+        }
+        int failed = PyList_Append(victims, b) < 0;
+        Py_DECREF(b);
+        if (failed) goto done;
+    }
+    result = Py_BuildValue("(nOOO)", size, victims, aside, tied ? tied : Py_None);
+done:
+    PyMem_Free(met);
+    Py_XDECREF(victims);
+    Py_XDECREF(aside);
+    Py_XDECREF(tied);
+    if (rb.obj) PyBuffer_Release(&rb);
+    if (wb.obj) PyBuffer_Release(&wb);
+    if (jb.obj) PyBuffer_Release(&jb);
+    PyBuffer_Release(&hrb);
+    PyBuffer_Release(&hbb);
+    return result;
 }
 
 static PyMethodDef module_methods[] = {
@@ -2287,6 +2401,9 @@ static PyMethodDef module_methods[] = {
     {"heap_pop", (PyCFunction)(void (*)(void))heap_pop, METH_FASTCALL,
      "heap_pop(ranks, blocks, size) -> (rank, block) of the top; the last entry sifts down; "
      "shmkv/vllm/lru.py"},
+    {"heap_victims", (PyCFunction)(void (*)(void))heap_victims, METH_FASTCALL,
+     "heap_victims(ranks_heap, blocks_heap, size, ranks, words, jobs, protected, num, layout) "
+     "-> (size, victims, aside, tied); shmkv/vllm/lru.py"},
     {"set_errors", set_errors, METH_VARARGS,
      "set_errors(UsageError, OutOfBlocksError, InvariantViolation, LockTimeoutError, "
      "FencedError): the classes to raise"},

@@ -27,11 +27,12 @@ import numpy as np
 
 from shmkv.pool import layout as L
 
-try:  # the heap's sifts in C (the Python methods below are the reference)
+try:  # the heap's sifts and the victims' loop in C (the Python below is the reference)
     from shmkv.pool._ckernel import heap_pop as _c_heap_pop
     from shmkv.pool._ckernel import heap_push as _c_heap_push
+    from shmkv.pool._ckernel import heap_victims as _c_heap_victims
 except ImportError:  # pragma: no cover - the extension is not built
-    _c_heap_pop = _c_heap_push = None
+    _c_heap_pop = _c_heap_push = _c_heap_victims = None
 from shmkv.vllm.tier import PENDING_BIT, W_FREE_TOP, W_HEAP_SIZE, W_LRU_DIRTY, TierTable
 
 
@@ -50,6 +51,8 @@ class TierLRU:
         self._free = tier.free_words
         self._cap = len(tier.heap_rank)
         self._c_heap = _c_heap_pop is not None
+        self._layout = (L.ROW_I32, L.F_REF, L.F_HASH_TOKENS, L.F_GROUP, L.NO_HASH_TOKENS,
+                        PENDING_BIT)
 
     # ------------------------------------------------------------------ crash safety
 
@@ -161,49 +164,68 @@ class TierLRU:
         self._words[W_HEAP_SIZE] = size
         return top
 
-    def pop_victims(self, num: int, evictable: Callable[[int], bool],
-                    key_of: Callable[[int], bytes]) -> list[int] | None:
+    def pop_victims(self, num: int, protected: set[int], key_of: Callable[[int], bytes],
+                    *, use_c: bool = True) -> list[int] | None:
         """The ``num`` evictable ready chunks of smallest (rank, key), in that order, taken
-        out of the heap; None (nothing taken) if there are fewer. ``evictable(block)``:
-        nobody holds it and the call may evict it."""
+        out of the heap; None (nothing taken) if there are fewer. A chunk is evictable when
+        nobody holds it (no reference, no job bit) and it is not in ``protected``. With the
+        C kernel, the loop runs in C up to its first rank tie (``_ckernel.heap_victims``);
+        this method's loop is the reference and goes on from there."""
         ranks, words, hr = self._tier.rank_words, self._block_words, self._hr
-        row, f_htok, f_gid, no_key = L.ROW_I32, L.F_HASH_TOKENS, L.F_GROUP, L.NO_HASH_TOKENS
+        jobs = self._tier.job_words
+        row, f_ref, f_htok, f_gid = L.ROW_I32, L.F_REF, L.F_HASH_TOKENS, L.F_GROUP
+        no_key = L.NO_HASH_TOKENS
 
         def stale(block: int, rank: int) -> bool:  # re-ranked, or no longer ready
             at = block * row
             return (ranks[block] != rank or words[at + f_htok] == no_key
                     or words[at + f_gid] & PENDING_BIT)
 
+        def evictable(block: int) -> bool:
+            return words[block * row + f_ref] == 0 and jobs[block] == 0 and block not in protected
+
+        sizes = self._words
         victims: list[int] = []
         aside: list[tuple[int, int]] = []
-        seen: set[int] = set()
-        sizes = self._words
-        while len(victims) < num and sizes[W_HEAP_SIZE]:
-            rank, block = self._pop()
-            if block in seen or stale(block, rank):
-                continue
-            seen.add(block)
-            if not evictable(block):
-                aside.append((rank, block))
-                continue
-            if not (sizes[W_HEAP_SIZE] and hr[0] == rank):
-                victims.append(block)  # no tie (the usual case)
-                continue
-            tied = [block]  # vLLM breaks rank ties by key bytes
+        tied = None
+        if use_c and _c_heap_victims is not None and self._c_heap:
+            size, victims, aside, tied = _c_heap_victims(
+                hr, self._hb, sizes[W_HEAP_SIZE], ranks, words, jobs, protected, num,
+                self._layout)
+            sizes[W_HEAP_SIZE] = size
+        seen = set(victims)
+        seen.update(block for _, block in aside)
+        if tied is not None:
+            seen.add(tied[1])
+        while len(victims) < num and (tied is not None or sizes[W_HEAP_SIZE]):
+            if tied is not None:
+                (rank, block), tied = tied, None  # evictable, and the top ties its rank
+            else:
+                rank, block = self._pop()
+                if block in seen or stale(block, rank):
+                    continue
+                seen.add(block)
+                if not evictable(block):
+                    aside.append((rank, block))
+                    continue
+                if not (sizes[W_HEAP_SIZE] and hr[0] == rank):
+                    victims.append(block)  # no tie (the usual case)
+                    continue
+            ties = [block]  # vLLM breaks rank ties by key bytes
             while sizes[W_HEAP_SIZE] and hr[0] == rank:
                 _, other = self._pop()
                 if other in seen or stale(other, rank):
                     continue
                 seen.add(other)
                 if evictable(other):
-                    tied.append(other)
+                    ties.append(other)
                 else:
                     aside.append((rank, other))
-            if len(tied) > 1:
-                tied.sort(key=key_of)
-            take = tied[:num - len(victims)]
+            if len(ties) > 1:
+                ties.sort(key=key_of)
+            take = ties[:num - len(victims)]
             victims.extend(take)
-            aside.extend((rank, b) for b in tied[len(take):])
+            aside.extend((rank, b) for b in ties[len(take):])
         for rank, block in aside:
             self.push(rank, block)
         if len(victims) < num:

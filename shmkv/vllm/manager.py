@@ -748,9 +748,6 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
             return (words[at + f_ref] == 0 and words[at + f_htok] == no_key  # tier relies on
                     and (jobs[b] == 0 or (jobs[b] == bit and b in own)))
 
-        def evictable(b: int) -> bool:
-            return words[b * row + f_ref] == 0 and jobs[b] == 0 and b not in protected
-
         keys: dict[int, bytes] = {}
 
         hash_at, f_gid = L.HASH_BYTE_OFFSET // 4, L.F_GROUP
@@ -766,7 +763,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         free = lru.pop_free(num, is_free)
         victims: list[int] | None = []
         if len(free) < num:
-            victims = lru.pop_victims(num - len(free), evictable, key_of)
+            victims = lru.pop_victims(num - len(free), protected, key_of)
         if victims is None:
             lru.push_free(free[::-1])  # back, lowest on top again
             return None

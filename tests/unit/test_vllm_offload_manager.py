@@ -319,12 +319,19 @@ def test_an_lru_left_half_changed_is_rebuilt(make_manager, damage):
     assert out.evicted_keys == to_keys([5, 1])
 
 
-def test_calls_do_not_scan_the_tier(make_manager):
+@pytest.mark.parametrize("victims_in_c", [True, False])
+def test_calls_do_not_scan_the_tier(make_manager, monkeypatch, victims_in_c):
     """prepare_store on a full tier reads O(keys x log chunks) entries, not every block:
     the free stack and the eviction heap answer it, so a tier of 65,536 chunks and one of
-    64 evict the same way with the same number of heap pops."""
+    64 evict the same way, taking the same 16 entries off the heap (the victims' loop in C,
+    and its Python reference)."""
     from shmkv.vllm import lru
+    from shmkv.vllm.tier import W_HEAP_SIZE
 
+    if not victims_in_c:
+        monkeypatch.setattr(lru, "_c_heap_victims", None)
+    elif lru._c_heap_victims is None:
+        pytest.skip("shmkv.pool._ckernel is not built (pip install -e . builds it)")
     pops = []
     original = lru.TierLRU._pop
 
@@ -339,13 +346,14 @@ def test_calls_do_not_scan_the_tier(make_manager):
             keys = to_keys(range(start, min(start + batch, num_chunks)))
             manager.prepare_store(keys, CTX)
             manager.complete_store(keys, CTX)
-        lru.TierLRU._pop = counting
-        try:
-            out = manager.prepare_store(to_keys(range(-16, 0)), CTX)
-        finally:
-            lru.TierLRU._pop = original
+        heap = manager._lru._words
+        before = heap[W_HEAP_SIZE]
+        monkeypatch.setattr(lru.TierLRU, "_pop", counting)
+        out = manager.prepare_store(to_keys(range(-16, 0)), CTX)
+        monkeypatch.setattr(lru.TierLRU, "_pop", original)
         assert out.evicted_keys == to_keys(range(16))
-        assert len(pops) == 16, (num_chunks, len(pops))
+        assert before - heap[W_HEAP_SIZE] == 16, num_chunks
+        assert len(pops) == (0 if victims_in_c else 16), (num_chunks, len(pops))
         pops.clear()
 
 
