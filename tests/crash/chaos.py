@@ -228,6 +228,7 @@ def _reap_children(children: dict, hb, base: int, wait_s: float = 0.0) -> None:
 def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> None:
     """One serving process (see the module docstring). ``hb``/``ctl``: the shared heartbeat
     and control arrays; ``w``: the workload settings made by :func:`run_chaos`."""
+    os.setpgid(0, 0)  # its own group: the driver ends whatever this process forked
     rng = random.Random(seed)
     base = index * NF
     hb[base + F_PID] = os.getpid()
@@ -478,6 +479,7 @@ class ChaosReport:
     publisher_reads: int = 0  # event-log reads of the workers' publisher threads
     forks: int = 0  # forked children that exited (those of killed workers not counted)
     fork_failures: int = 0  # ...that used the parent's handle, or hung
+    orphans_ended: int = 0  # a killed worker's children left at the end (_end_groups)
     corruptions_injected: int = 0
     corruptions_met_by_workers: int = 0  # InvariantViolation (chain) answered in a worker
     corruptions_met_by_driver: int = 0  # ...left for the driver's own walk to find
@@ -512,6 +514,7 @@ class ChaosReport:
              f"{self.steps} ({self.out_of_blocks}, {self.reattaches})"),
             ("publisher-thread reads", self.publisher_reads),
             ("forked children (failures)", f"{self.forks} ({self.fork_failures})"),
+            ("children of killed workers ended at the end", self.orphans_ended),
             ("chain loops injected (met by workers, by the driver, morphed)",
              f"{self.corruptions_injected} ({self.corruptions_met_by_workers}, "
              f"{self.corruptions_met_by_driver}, {self.corruptions_morphed})"),
@@ -521,6 +524,22 @@ class ChaosReport:
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
         lines += [f"error: {e}" for e in self.errors]
         return "\n".join(lines)
+
+
+def _group_members(pgids: set[int]) -> list[int]:
+    """The live (not zombie) processes whose process group is one of ``pgids``."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z" and int(fields[2]) in pgids:
+            live.append(int(entry))
+    return live
 
 
 def _proc_state(pid: int) -> str:
@@ -560,6 +579,7 @@ class _Driver:
         self.hb = self.ctx.RawArray("d", n * NF)
         self.ctl = self.ctx.RawArray("d", 1)
         self.procs: list = [None] * n
+        self.groups: set[int] = set()  # every worker's process group (its pid)
         self.generation = 0
         self.name = f"chaos-{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self.kernel = cfg.kernel
@@ -590,6 +610,7 @@ class _Driver:
         )
         p.start()
         self.procs[i] = p
+        self.groups.add(p.pid)
 
     def fold(self, i: int) -> None:
         """Adds a finished worker's figures to the totals."""
@@ -717,10 +738,33 @@ class _Driver:
                     p.kill()
                     p.join(10)
                     report.errors.append(f"worker {i} (pid {p.pid}) had to be killed")
+            report.orphans_ended = self._end_groups()
             pool.close()
             BlockPool.unlink(self.name)
         report.wall_s = time.monotonic() - t_start
         return report
+
+    def _end_groups(self) -> int:
+        """SIGKILLs what is left in the workers' process groups once they are gone, and
+        returns how many groups still had a process. A child a worker forked with libc's
+        fork() can hang before its PR_SET_PDEATHSIG: the eval loop hands the GIL to the
+        publisher thread, which the child does not have, so a victim's child may outlive it
+        (it then holds the victim's liveness lock, as a live forked child would)."""
+        ended = 0
+        for pgid in sorted(self.groups):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                continue
+            ended += 1
+        deadline = time.monotonic() + 5.0
+        while _group_members(self.groups) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = _group_members(self.groups)
+        self.groups.clear()
+        if left:
+            raise AssertionError(f"processes of the workers' groups outlived SIGKILL: {left}")
+        return ended
 
     def wait_attached(self, timeout_s: float, report: ChaosReport) -> bool:
         deadline = time.monotonic() + timeout_s
