@@ -1,9 +1,10 @@
 """What the modules of ``shmkv.ranks`` share: torch imported on first use, the header check of
-their segments, argument checks, and the stand-in for a closed mapping."""
+their segments, argument checks, the with-block of a segment's owner, and the stand-in for a
+closed mapping."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -13,6 +14,26 @@ from shmkv.pool.segment import Segment
 
 MAX_BLOCK_ID = (1 << 31) - 1
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "uint8")
+
+
+_Owner = TypeVar("_Owner", bound="SegmentOwner")
+
+
+class SegmentOwner:
+    """The with-block of an object over one segment (``name``, ``close()``, ``_owner``): it
+    closes the object, and the creator's with-block removes the segment's name too."""
+
+    name: str
+    _owner: bool
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        name = self.name
+        self.close()
+        if self._owner:
+            Segment.unlink(name)
 
 
 class LazyTorch:

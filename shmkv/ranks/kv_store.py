@@ -57,6 +57,7 @@ from shmkv.ranks._common import (
     MAX_BLOCK_ID,
     Closed,
     LazyTorch,
+    SegmentOwner,
     check_header,
     dtype_name,
     positive_int,
@@ -85,7 +86,7 @@ def kv_store_segment_name(name: str) -> str:
     return L.sibling_segment_name("kv", name, KV_LAYOUT_VERSION)
 
 
-class KVStore:
+class KVStore(SegmentOwner):
     """Per layer K and V, ``[num_blocks, block_size, num_kv_heads, head_size]``, over one
     POSIX shared-memory segment that every process maps (the host tier).
 
@@ -242,15 +243,6 @@ class KVStore:
     def unlink(name: str) -> bool:
         """Removes the store's name; False if there was none."""
         return Segment.unlink(kv_store_segment_name(name))
-
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        name = self.name
-        self.close()
-        if self._owner:
-            Segment.unlink(name)
 
     # ------------------------------------------------------------------ CUDA (host tier)
 

@@ -62,6 +62,7 @@ from shmkv.ranks import slot_mapping as sm
 from shmkv.ranks._common import (
     Closed,
     LazyTorch,
+    SegmentOwner,
     align,
     check_header,
     positive_int,
@@ -102,7 +103,7 @@ class BlockTableSnapshot:
                 for t, bs in zip(self.block_tables, self.block_sizes, strict=True)]
 
 
-class SharedBlockTables(TableWriter):
+class SharedBlockTables(TableWriter, SegmentOwner):
     """A scheduler's block tables in shared memory, one int32 table per KV-cache group.
 
     The scheduler (one writer) edits rows the way vLLM's ``MultiGroupBlockTable`` does and
@@ -261,15 +262,6 @@ class SharedBlockTables(TableWriter):
     def unlink(name: str) -> bool:
         """Removes the tables' name; False if there was none."""
         return Segment.unlink(block_tables_segment_name(name))
-
-    def __enter__(self) -> SharedBlockTables:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        name = self.name
-        self.close()
-        if self._owner:
-            Segment.unlink(name)
 
     # ------------------------------------------------------------------ zero-copy views
 
