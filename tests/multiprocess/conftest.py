@@ -16,14 +16,18 @@ def spawn_ctx():
 
 def join_processes(procs, timeout_s: float = JOIN_TIMEOUT_S) -> list[int | None]:
     """Joins each process with a timeout, killing a straggler; returns the exit codes."""
-    codes = []
     for p in procs:
         p.join(timeout_s)
+    kill_processes(procs)
+    return [p.exitcode for p in procs]
+
+
+def kill_processes(procs) -> None:
+    """Kills the processes still alive and joins them (a test's cleanup after a failure)."""
+    for p in procs:
         if p.is_alive():
             p.kill()
             p.join(10)
-        codes.append(p.exitcode)
-    return codes
 
 
 def run_processes(ctx, target, arg_list, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from shmkv.ranks.block_table import KVStore, SharedBlockTables  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import table_workers  # noqa: E402
-from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes  # noqa: E402
+from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes, kill_processes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,10 +58,7 @@ def _race(spawn_ctx, seqlock: bool) -> tuple[int, int]:
         print(f"seqlock={seqlock}: {accepted} snapshots accepted, {torn} torn")
         return accepted, torn
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_processes(procs)
         tables.close()
         SharedBlockTables.unlink(name)
 

@@ -24,7 +24,7 @@ from shmkv.serve.rank import (  # noqa: E402
 )
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import rank_workers  # noqa: E402
-from tests.multiprocess.conftest import join_processes  # noqa: E402
+from tests.multiprocess.conftest import join_processes, kill_processes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -110,10 +110,7 @@ def test_shared_prefix_outputs_equal_the_reference(spawn_ctx, windows, num_sched
         pool.check_invariants()
         assert pool.get_num_free_blocks() == num_blocks - 1
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_processes(procs)
         pool.close()
         BlockPool.unlink(name)
         KVStore.unlink(name)

@@ -14,7 +14,7 @@ from shmkv import BlockPool  # noqa: E402
 from shmkv.ranks.kv_store import BLOCK_MAJOR, KVStore  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import kv_transfer_workers as workers  # noqa: E402
-from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes  # noqa: E402
+from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes, kill_processes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,10 +55,7 @@ def test_processes_store_and_load_disjoint_blocks_of_one_store(spawn_ctx):
         finally:
             checker.close()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_processes(procs)
         store.close()
         KVStore.unlink(name)
         pool.close()

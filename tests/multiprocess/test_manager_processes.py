@@ -11,7 +11,7 @@ from shmkv import BlockPool, Request
 from shmkv.pool.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.multiprocess import kv_manager_workers as manager_workers
-from tests.multiprocess.conftest import join_processes, run_processes
+from tests.multiprocess.conftest import join_processes, kill_processes, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -231,7 +231,4 @@ def test_dcp_manager_killed_mid_serve(spawn_ctx, pool_factory, kernel, delay_s):
         assert pool.get_num_free_blocks() == 119
         assert [p["slot"] for p in pool.processes()] == [pool.slot]
     finally:
-        for p in (victim, survivor):
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_processes([victim, survivor])

@@ -16,7 +16,7 @@ from shmkv.pool.block_pool import _ckernel
 from tests.conftest import unique_pool_name
 from tests.helpers import FakeRequest
 from tests.multiprocess import workers
-from tests.multiprocess.conftest import run_processes
+from tests.multiprocess.conftest import kill_processes, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -275,10 +275,7 @@ def test_one_waiter_of_many_takes_over_from_a_dead_holder(spawn_ctx, kernel):
         pool.check_invariants()
         pool.close()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_processes(procs)
         BlockPool.unlink(name)
 
 
