@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -23,6 +22,7 @@ from tests.multiprocess.test_serve_run import (
     _env,
     _marked_pids,
     run_shmkv,
+    wait_for_progress,
 )
 
 pytest.importorskip("torch")
@@ -113,11 +113,7 @@ def test_a_rank_killed_mid_run_the_others_finish(tmp_path, kv):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(_env(), SHMKV_TEST_MARK=mark),
         cwd=tmp_path)
     try:
-        seen = b""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while b"requests" not in seen and time.monotonic() < deadline:
-            seen += proc.stderr.read1(4096)
-        assert b"requests" in seen, seen.decode()
+        wait_for_progress(proc)
         ranks = [p for p in _marked_pids(mark) if p != proc.pid and _nice(p) == 10]
         assert len(ranks) == 3, ranks
         os.kill(ranks[0], signal.SIGKILL)

@@ -447,6 +447,15 @@ def test_rank_drops_bad_frames_and_keeps_serving(spawn_ctx):
         KVStore.unlink(name)
 
 
+def wait_for_progress(proc: subprocess.Popen) -> None:
+    """Reads the run's stderr until its progress line ("requests") shows (it is serving)."""
+    seen = b""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while b"requests" not in seen and time.monotonic() < deadline:
+        seen += proc.stderr.read1(4096)
+    assert b"requests" in seen, seen.decode()
+
+
 def _marked_pids(mark: str) -> list[int]:
     """Processes whose environment carries ``SHMKV_TEST_MARK=mark`` (children inherit it)."""
     out = []
@@ -474,11 +483,7 @@ def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_pat
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=dict(_env(), SHMKV_TEST_MARK=mark), cwd=tmp_path)
     try:
-        seen = b""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while b"requests" not in seen and time.monotonic() < deadline:
-            seen += proc.stderr.read1(4096)
-        assert b"requests" in seen, seen.decode()
+        wait_for_progress(proc)
         children = [p for p in _marked_pids(mark) if p != proc.pid]
         assert len(children) >= 4  # 2 schedulers, 2 ranks (and the fork server, ...)
         proc.kill()
