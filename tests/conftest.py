@@ -11,6 +11,7 @@ import pytest
 from shmkv import BlockPool
 from shmkv.pool.block_pool import _ckernel
 from shmkv.pool.layout import segment_name
+from shmkv.pool.siblings import unlink_pool_siblings
 
 # In CI (SHMKV_CI_STRICT=1, set by .ci/run) a missing C kernel or Redis fails, not skips.
 from tests.ci_strict import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
@@ -31,6 +32,17 @@ def pool_name():
     yield name
     BlockPool.unlink(name)
     assert not os.path.exists(f"/dev/shm{segment_name(name)}")
+
+
+@pytest.fixture
+def store_name():
+    """A page store's (pool's) name no other test uses; at teardown the pool and every
+    sibling it owns (the data region) are removed, and nothing with the name is left."""
+    name = unique_pool_name("sgl")
+    yield name
+    BlockPool.unlink(name)
+    unlink_pool_siblings(name)
+    assert not [e for e in os.listdir("/dev/shm") if name in e]
 
 
 KERNELS = [

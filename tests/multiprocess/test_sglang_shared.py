@@ -5,8 +5,6 @@ processes, SIGKILL included, are tested without SGLang: test_sglang_store_shared
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
@@ -14,22 +12,14 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 import torch  # noqa: E402
 
 from shmkv import BlockPool  # noqa: E402
-from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import sglang_workers as W  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
-from tests.sglang_helpers import HostBuffer, make_backend, page_indices, remove_store  # noqa: E402
+from tests.sglang_helpers import HostBuffer, make_backend, page_indices  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 STORE_BYTES = 1 << 20
 KEYS = [f"page{i}" for i in range(6)]
 
-
-@pytest.fixture
-def store_name():
-    name = unique_pool_name("sgl")
-    yield name
-    remove_store(name)
-    assert not [e for e in os.listdir("/dev/shm") if name in e]
 
 
 def _int16(page: torch.Tensor) -> bytes:

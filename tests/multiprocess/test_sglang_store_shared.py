@@ -20,7 +20,6 @@ from shmkv.events import BlockStored, external_block_hash
 from shmkv.pool import siblings
 from shmkv.sglang.region import _maker_lock, region_path
 from shmkv.sglang.store import open_pool
-from tests.conftest import unique_pool_name
 from tests.multiprocess import sglang_store_workers as W
 from tests.multiprocess.conftest import join_processes
 
@@ -29,13 +28,6 @@ NUM_PAGES = 16
 STORE_BYTES = NUM_PAGES * W.PAGE_BYTES
 NAMES = [f"page{i}" for i in range(6)]
 
-
-@pytest.fixture
-def store_name():
-    name = unique_pool_name("sgls")
-    yield name
-    BlockPool.unlink(name)  # and its siblings: the region
-    assert not [e for e in os.listdir("/dev/shm") if name in e]
 
 
 def _check_store(name: str) -> BlockPool:

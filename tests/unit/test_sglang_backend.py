@@ -15,7 +15,6 @@ import torch  # noqa: E402
 from shmkv.errors import LayoutMismatchError, UsageError  # noqa: E402
 from shmkv.sglang import SharedHostStorage  # noqa: E402
 from shmkv.sglang.store import runs  # noqa: E402
-from tests.conftest import unique_pool_name  # noqa: E402
 from tests.sglang_helpers import (  # noqa: E402
     CLI_EXTRA,
     HostBuffer,
@@ -26,13 +25,6 @@ from tests.sglang_helpers import (  # noqa: E402
     sgl_factory,
     sgl_storage,
 )
-
-
-@pytest.fixture
-def store_name():
-    name = unique_pool_name("sgl")
-    yield name
-    remove_store(name)
 
 
 def test_factory_loads_the_class_from_the_cli_json(store_name):

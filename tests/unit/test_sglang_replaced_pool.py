@@ -18,19 +18,11 @@ from shmkv import BlockPool, SegmentError
 from shmkv.sglang import identity as ident
 from shmkv.sglang.region import open_region, region_path
 from shmkv.sglang.store import PageStore, open_pool
-from tests.conftest import unique_pool_name
 
 PAGE_BYTES = 4096
 NUM_PAGES = 4
 IDENTITY = {"model": "org/model", "page_bytes": PAGE_BYTES}
 
-
-@pytest.fixture
-def store_name():
-    name = unique_pool_name("sglr")
-    yield name
-    BlockPool.unlink(name)
-    assert not [e for e in os.listdir("/dev/shm") if name in e]
 
 
 def _store(name: str) -> PageStore:

@@ -18,19 +18,11 @@ from shmkv.pool.liveness import alive_path
 from shmkv.pool.lock import lock_name
 from shmkv.sglang.region import HEADER_BYTES, region_path
 from shmkv.sglang.store import PENDING_GROUP, PageStore
-from tests.conftest import unique_pool_name
 
 PAGE_BYTES = 64 << 10
 NOBODY = 65534
 IDENTITY = {"model": "org/model", "page_bytes": PAGE_BYTES}
 
-
-@pytest.fixture
-def store_name():
-    name = unique_pool_name("sgls")
-    yield name
-    BlockPool.unlink(name)  # and its siblings: the region
-    assert not [e for e in os.listdir("/dev/shm") if name in e]
 
 
 def make_store(name: str, num_pages: int = 8) -> PageStore:

@@ -10,16 +10,8 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 import torch  # noqa: E402
 
 from shmkv.errors import UsageError  # noqa: E402
-from tests.conftest import unique_pool_name  # noqa: E402
-from tests.sglang_helpers import HostBuffer, make_backend, remove_store  # noqa: E402
+from tests.sglang_helpers import HostBuffer, make_backend  # noqa: E402
 from tests.sglang_host import page_indices  # noqa: E402
-
-
-@pytest.fixture
-def store_name():
-    name = unique_pool_name("sglt")
-    yield name
-    remove_store(name)
 
 
 def test_a_strided_target_is_refused_and_no_target_is_written(store_name):
