@@ -20,7 +20,6 @@ and the tier table holds the tag of the region its chunk metadata describes. So:
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import time
@@ -30,7 +29,7 @@ import numpy as np
 from shmkv.errors import SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
-from shmkv.pool.segment import check_fd, open_checked
+from shmkv.pool.segment import check_fd, open_checked, reserve
 from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
 from shmkv.vllm.tier import W_LRU_DIRTY, W_REGION_TAG, TierTable, open_pool, open_tier_table
 
@@ -80,16 +79,7 @@ def _make_file(path: str, data_bytes: int) -> tuple[str, int]:
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            raise SegmentError(
-                f"no room in /dev/shm for the offload tier's data region ({size} bytes, "
-                f"{free} free when it started): lower cpu_bytes_to_use, or give /dev/shm more "
-                "room (docker --shm-size)"
-            ) from None
+        reserve(fd, size, f"the offload tier's data region {path}")  # NoSpaceError
         tag = secrets.randbits(63) or 1
         os.pwrite(fd, REGION_MAGIC + tag.to_bytes(8, "little", signed=True), data_bytes)
     except BaseException:
