@@ -144,12 +144,11 @@ class PageStore:
     def pin(self, hashes: list[bytes]) -> list[KVCacheBlock | None]:
         """Pins each complete page (None for a miss); the caller copies, then unpins."""
         pool = self.pool
-        out: list[KVCacheBlock | None] = []
         with pool.lock():
             self.region.check_current(pool, self.pool_name)
-            for h in hashes:
-                hit = pool.get_cached_block(h, (0,))
-                out.append(hit[0] if hit else None)
+            blocks = pool.blocks
+            out = [blocks[b] if b >= 0 else None
+                   for b in pool.lookup_block_ids(list(hashes), [0] * len(hashes))]
             pool.touch([b for b in out if b is not None])
         return out
 
@@ -174,18 +173,20 @@ class PageStore:
             self.region.check_current(pool, self.pool_name)
             seen: set[bytes] = set()
             reaped = False
-            for i, h in enumerate(hashes):
-                if h in seen or pool.get_cached_block(h, (0,)):
+            words = pool.block_words()
+            found = pool.lookup_block_ids(list(hashes), [0] * len(hashes), PENDING_GROUP)
+            for i, (h, block) in enumerate(zip(hashes, found, strict=True)):
+                if h in seen or block >= 0:  # complete, or met earlier in this call
                     continue
                 seen.add(h)
-                busy = pool.get_cached_block(h, (PENDING_GROUP,))
-                if busy and busy[0].ref_cnt > 0 and not reaped:
-                    pool.reap_dead()  # its writer may be dead: its hold is then released
-                    reaped = True
-                if busy and busy[0].ref_cnt > 0:
-                    continue  # another process is storing it right now
-                if busy:  # a half page of a dead writer: discarded, stored afresh
-                    pool.evict_blocks([busy[0].block_id])
+                if block < -1:  # being stored: -2 - the block that holds it
+                    ref = (-2 - block) * L.ROW_I32 + L.F_REF
+                    if words[ref] > 0 and not reaped:
+                        pool.reap_dead()  # its writer may be dead: its hold is then released
+                        reaped = True
+                    if words[ref] > 0:
+                        continue  # another process is storing it right now
+                    pool.evict_blocks([-2 - block])  # a dead writer's half page: stored afresh
                 todo.append(i)
             room = min(len(todo), pool.get_num_free_blocks())
             todo, no_room = todo[:room], todo[room:]
