@@ -25,40 +25,22 @@ The rooms:
   first use: vLLM's connector and CPU spec modules pull in its platform and worker code).
 
 vLLM's out-of-tree spec API is experimental and changes between releases, so importing this
-package checks vLLM's version against ``TESTED_VLLM_VERSIONS``.
+package checks vLLM's version against ``TESTED_VLLM_VERSIONS`` (0.32.0, the CPU build, and
+0.33.0); ``compat.py`` holds what differs between them, and ``cpu_worker.py`` moves the bytes
+on vLLM's CPU platform, where vLLM's own CPU offloading refuses to run.
 """
 
 from __future__ import annotations
 
-from shmkv.errors import UsageError
+from shmkv.vllm.compat import TESTED_VLLM_VERSIONS  # checks the vLLM release
 
-TESTED_VLLM_VERSIONS = ("0.33.0",)
-
-
-def _check_vllm_version() -> None:
-    try:
-        from vllm import __version__ as version
-    except ImportError as exc:
-        raise ImportError(
-            "shmkv.vllm plugs into vLLM, which is not installed: pip install 'vllm==0.33.0'"
-        ) from exc
-    if version.split("+")[0] not in TESTED_VLLM_VERSIONS:
-        raise UsageError(
-            f"shmkv.vllm is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, and this is "
-            f"vLLM {version}: vLLM's offloading spec API changes between releases. Install "
-            "a tested vLLM (pip install 'vllm==0.33.0'), or run vLLM's own CPUOffloadingSpec"
-        )
-
-
-_check_vllm_version()
-
-from shmkv.vllm.manager import (  # noqa: E402
+from shmkv.vllm.manager import (
     PENDING_BIT,
     REAP_INTERVAL_S,
     SharedCPUOffloadingManager,
     data_region_engine_id,
 )
-from shmkv.vllm.tier import tier_table_name  # noqa: E402
+from shmkv.vllm.tier import tier_table_name
 
 _LAZY = ("SharedCPUOffloadingSpec", "SharedOffloadingConnector", "KNOWN_EXTRA_CONFIG_KEYS")
 

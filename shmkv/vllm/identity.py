@@ -24,8 +24,10 @@ import json
 import os
 from typing import Any
 
-from shmkv.errors import LayoutMismatchError, UsageError
-from shmkv.vllm.tier import IDENTITY_MAX, TierTable
+from shmkv.errors import LayoutMismatchError, SegmentError, SegmentNotFoundError, UsageError
+from shmkv.pool.block_pool import BlockPool
+from shmkv.pool.segment import Segment
+from shmkv.vllm.tier import IDENTITY_MAX, MEDIUM, TierTable, open_tier_table, tier_table_name
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 CONFIG_FILES = ("config.json", "generation_config.json", "quantize_config.json",
@@ -131,9 +133,10 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
     }
 
 
-def check_identity(tier: TierTable, pool: str, identity: dict[str, Any]) -> None:
-    """Records ``identity`` as the tier's, or checks that it equals the tier's (caller
-    holds the pool lock).
+def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
+                   record: bool = True) -> None:
+    """Records ``identity`` as the tier's (if none is and ``record``), or checks that it
+    equals the tier's (caller holds the pool lock).
 
     Raises:
         LayoutMismatchError: fields differ (each named, with both values, and the way to
@@ -147,7 +150,8 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any]) -> None
         )
     recorded = tier.read_identity()
     if not recorded:
-        tier.write_identity(blob)
+        if record:
+            tier.write_identity(blob)
         return
     theirs = json.loads(recorded)
     differ = [name for name in identity if theirs.get(name) != identity[name]]
@@ -162,3 +166,34 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any]) -> None
             f"every replica using it and run `shmkv unlink {pool}`; or give this replica "
             "another shmkv_pool"
         )
+
+
+def refuse_foreign_replica(pool: str, identity: dict, process: dict) -> None:
+    """Checks ``identity`` against the one the tier recorded, if the pool and its table
+    exist, BEFORE this process sizes, joins or binds anything: a replica whose chunk
+    geometry differs would otherwise be refused only for its chunk count, or (a worker,
+    which vLLM builds before its scheduler) replace the data region first. Records nothing.
+
+    Raises:
+        LayoutMismatchError: the identities differ (every differing field named).
+    """
+    try:
+        bp = BlockPool.attach(pool, **process)
+    except SegmentError:  # missing, or still being made: open_pool decides
+        return
+    try:
+        if bp.medium != MEDIUM or bp.hash_block_size != 1:
+            return  # not a tier: open_pool says so
+        try:
+            seg = Segment.open(tier_table_name(pool))
+        except SegmentNotFoundError:
+            return
+        seg.close()
+        tier = open_tier_table(bp, pool, bp.num_gpu_blocks - 1, False)
+        try:
+            with bp.lock():
+                check_identity(tier, pool, identity, record=False)
+        finally:
+            tier.close()
+    finally:
+        bp.close()

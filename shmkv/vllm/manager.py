@@ -69,7 +69,6 @@ from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     LoadStoreSpec,
     Medium,
     OffloadingEvent,
@@ -80,10 +79,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     get_offload_group_idx,
 )
-from vllm.v1.kv_offload.cpu.common import (
-    CPULoadStoreSpec,
-    CPUOffloadingInfo,
-)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from shmkv.errors import PoolClosedError, ShmKVError, UsageError
@@ -94,6 +90,7 @@ from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import unlink_offload_data_region
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
+from shmkv.vllm.compat import EVENT_METADATA_ONLY, ConfigInfoMapping
 from shmkv.vllm.identity import check_identity
 from shmkv.vllm.lru import TierLRU
 from shmkv.vllm.recency import MISS, PENDING, READY, RequestRecency, pack_rank
@@ -224,7 +221,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         enable_events: bool = False,
         cache_policy: str = "lru",
         store_threshold: int = 1,
-        info: CPUOffloadingInfo | None = None,
+        info: Any = None,
         max_processes: int = 16,
         event_log_bytes: int | None = None,
         label: str = "vllm-offload",
@@ -241,7 +238,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
             cache_policy: "lru" (the only policy the shared tier offers).
             store_threshold: 0 or 1 (vLLM's "store on first offer"); a reuse threshold
                 needs a shared access tracker, which the tier does not have.
-            info: the config facts :meth:`config_info` reports.
+            info: the config facts :meth:`config_info` reports (vLLM 0.33's
+                ``CPUOffloadingInfo``; None on 0.32, which has none).
             max_processes: processes attached at once (used by the creator only).
             event_log_bytes: size of the pool's global event log, which receives every
                 store and eviction of the tier (creator only; default 4 MiB, 0: none).
@@ -847,7 +845,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                     self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
                                                        removed=False))
                 self._log_stored(done_keys)
-            elif self.events is not None:
+            elif self.events is not None and EVENT_METADATA_ONLY:
                 self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
                                                    removed=True, metadata_only=True))
 
@@ -900,6 +898,11 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
             self._end_jobs(flushed)
             self._lru.push_free(flushed)
 
+    def on_schedule_end(self, context: Any) -> None:
+        """The end of a scheduler step: on a vLLM whose connector holds no ``lock`` (0.32),
+        closes the step region its first lookup opened (``step_lookup.py``)."""
+        self._region.close_implicit()
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Yields the events queued since the last call (stores completed, evictions, and
         the metadata-only removals of failed stores whose key is still absent)."""
@@ -907,7 +910,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
             return
         events, self.events = self.events, []
         for event in events:
-            if event.metadata_only:
+            if getattr(event, "metadata_only", False):
                 with self._hold():
                     keys = [k for k in event.keys if self._status(k)[0] == MISS]
                 if not keys:

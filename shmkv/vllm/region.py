@@ -30,6 +30,7 @@ from shmkv.errors import SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd, open_checked, reserve
+from shmkv.vllm.identity import check_identity, refuse_foreign_replica
 from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
 from shmkv.vllm.tier import W_LRU_DIRTY, W_REGION_TAG, TierTable, open_pool, open_tier_table
 
@@ -170,22 +171,33 @@ def check_mapped(fd: int, path: str, data_bytes: int, tag: int) -> None:
 
 
 def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, engine_id: str,
-                   data_bytes: int) -> tuple[ReplicaLocks, int]:
-    """A GPU worker's start: joins its replica's row (engine id ``engine_id``), binds the
-    data region to the pool (making it if needed) and returns (its hold on the row, kept
-    until the worker exits; the region's tag). The pool handle it needed is closed again:
-    a worker takes no slot of the pool's process table.
+                   data_bytes: int, identity: dict | None = None
+                   ) -> tuple[ReplicaLocks, int]:
+    """A GPU worker's start: checks its replica's ``identity`` against the tier's (and
+    records it if it is the first), joins its replica's row (engine id ``engine_id``),
+    binds the data region to the pool (making it if needed) and returns (its hold on the
+    row, kept until the worker exits; the region's tag). The pool handle it needed is
+    closed again: a worker takes no slot of the pool's process table.
+
+    A worker whose identity differs touches nothing: it is refused before it sizes,
+    joins or binds anything (vLLM builds its workers before its scheduler, so the worker
+    is the first of a replica to meet the tier).
 
     Raises:
+        LayoutMismatchError: the identity differs from the tier's (every field named).
         SegmentError: a foreign or insecure region file, or no room in /dev/shm.
     """
-    pool, created = open_pool(pool_name, num_chunks, max_processes, None,
-                              {"label": "vllm-offload-worker"})
+    process = {"label": "vllm-offload-worker"}
+    if identity is not None:
+        refuse_foreign_replica(pool_name, identity, process)
+    pool, created = open_pool(pool_name, num_chunks, max_processes, None, process)
     try:
         tier = open_tier_table(pool, pool_name, num_chunks, created)
         locks = ReplicaLocks(pool_name)
         try:
             with pool.lock():
+                if identity is not None:
+                    check_identity(tier, pool_name, identity)
                 row = join(tier, locks, replica_key(engine_id))
             tag = bind_region(pool, tier, locks, row, pool_name, data_bytes)
         except BaseException:

@@ -20,7 +20,9 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from shmkv.errors import UsageError
 from shmkv.pool import layout as L
-from shmkv.vllm.identity import platform_name, replica_identity
+from shmkv.vllm.compat import spec_cpu_info
+from shmkv.vllm.cpu_worker import CPUTransferWorker
+from shmkv.vllm.identity import platform_name, refuse_foreign_replica, replica_identity
 from shmkv.vllm.manager import (
     SHMKV_CROSS_REPLICA_HITS,
     SHMKV_LOCK_HOLD_S,
@@ -145,13 +147,14 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         """
         if not self._manager:
             identity = self.replica_identity()
+            refuse_foreign_replica(self.shmkv_pool, identity, {"label": "vllm-offload"})
             store_threshold = int(self.extra_config.get("store_threshold", 0))
             manager = SharedCPUOffloadingManager(
                 self.shmkv_pool, self.num_chunks,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 store_threshold=min(store_threshold, 1) if store_threshold < 2
                 else store_threshold,
-                info=self.cpu_info, max_processes=self.shmkv_max_processes,
+                info=spec_cpu_info(self), max_processes=self.shmkv_max_processes,
                 replica_id=self.config.engine_id,
             )
             try:
@@ -169,11 +172,14 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         chunks stay out of other replicas' hands until then.
 
         Raises:
+            LayoutMismatchError: this replica's identity differs from the tier's (nothing
+                of the tier touched).
             SegmentError: a foreign or insecure region file, or no room in /dev/shm.
         """
         locks, tag = join_as_worker(self.shmkv_pool, self.num_chunks, self.shmkv_max_processes,
                                     self.config.engine_id,
-                                    self.num_chunks * self.kv_bytes_per_chunk)
+                                    self.num_chunks * self.kv_bytes_per_chunk,
+                                    identity=self.replica_identity())
         if self._worker_locks is not None:
             self._worker_locks.close()
         self._worker_locks = locks
@@ -210,32 +216,49 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
             raise
         return region
 
-    def create_worker(self, kv_caches: Any) -> CPUOffloadingWorker:
-        """vLLM's CPU worker over the tier's one data region (:meth:`open_data_region`).
+    def _slot(self) -> int:
+        return 0 if self.replicated_layout else self.config.parallel.rank
+
+    def create_worker(self, kv_caches: Any) -> CPUOffloadingWorker | CPUTransferWorker:
+        """The worker over the tier's one data region (:meth:`open_data_region`): vLLM's
+        CPU worker on CUDA and XPU, shmkv's :class:`CPUTransferWorker` on vLLM's CPU
+        platform (where vLLM's own refuses to run).
 
         Raises:
-            UsageError: a platform where vLLM does not share its offload region.
+            UsageError: a platform where vLLM does not share its offload region and that is
+                not vLLM's CPU platform.
             SegmentError: a foreign or insecure region file, or no room in /dev/shm.
         """
-        if not self._uses_shared_region():
+        on_cpu = platforms.current_platform.is_cpu()
+        if not on_cpu and not self._uses_shared_region():
             raise UsageError(
                 "the shared offload tier needs vLLM's shared offload region, which vLLM does "
                 f"not use on this platform ({platform_name(platforms.current_platform)}); use "
                 "vLLM's own CPUOffloadingSpec here"
             )
-        mmap_region = None
-        if self.num_chunks > 0:
-            mmap_region = self.open_data_region(
-                0 if self.replicated_layout else self.config.parallel.rank)
+        if self.num_chunks <= 0:
+            raise UsageError(
+                f"cpu_bytes_to_use {self.extra_config.get('cpu_bytes_to_use')} holds no chunk "
+                f"of {self.kv_bytes_per_chunk} bytes: give the tier at least one chunk"
+            )
+        mmap_region = self.open_data_region(self._slot())
         try:
+            if on_cpu:
+                return CPUTransferWorker(kv_caches, self.blocks_per_chunk, mmap_region)
             return CPUOffloadingWorker(
                 kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk,
                 num_cpu_chunks=self.num_chunks, mmap_region=mmap_region,
             )
-        except Exception:
-            if mmap_region is not None:
-                mmap_region.cleanup()
+        except BaseException:
+            mmap_region.cleanup()
             raise
+
+    def get_worker(self, kv_caches: Any) -> CPUOffloadingWorker | CPUTransferWorker:
+        """The worker (made on first call, :meth:`create_worker`), on vLLM's CPU platform
+        too: the spec decides, vLLM's platform check for its own worker does not apply."""
+        if not self._worker:
+            self._worker = self.create_worker(kv_caches)
+        return self._worker
 
 
 __all__ = ["KNOWN_EXTRA_CONFIG_KEYS", "SharedCPUOffloadingSpec",

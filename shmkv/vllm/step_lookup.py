@@ -20,6 +20,11 @@ the region, so the lookups that follow take no lock. An answer stays true while 
   again next step, and a MISS ends its walk. This process's own ``prepare_store`` or
   ``complete_store`` of the key drops the answer, so it reads what vLLM's manager would.
 
+vLLM 0.32's connector holds no ``lock``: there the first lookup of a step opens the region
+(``StepRegion.open_implicit``) and the manager's ``on_schedule_end``, which vLLM calls at the
+end of every scheduler step, closes it, so a HIT stays pinned until its ``prepare_load``
+there too.
+
 The run reads the request's key positions through ``ReqContext``'s position table (vLLM
 0.33.0's ``_offload_key_positions``; without it, a run is the one key asked). A run may pin
 keys past the ones vLLM asks about in this step (its walk is bounded by the tokens it may
@@ -35,6 +40,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from shmkv.errors import UsageError
+from shmkv.vllm.compat import IMPLICIT_STEP_REGION
 from shmkv.vllm.recency import MISS, PENDING, READY
 
 MAX_RUN = 64  # keys looked up in one hold
@@ -105,6 +111,19 @@ class StepRegion:
         self._mutex = threading.RLock()
         self._depth = 0
         self._manager = manager
+        self._implicit = False  # opened by a lookup, closed by on_schedule_end (vLLM 0.32)
+
+    def open_implicit(self) -> None:
+        """Opens the region for a connector that holds no ``lock`` (vLLM 0.32); it stays
+        open until :meth:`close_implicit`."""
+        self.__enter__()
+        self._implicit = True
+
+    def close_implicit(self) -> None:
+        """Closes a region :meth:`open_implicit` opened; nothing otherwise."""
+        if self._implicit:
+            self._implicit = False
+            self.__exit__(None, None, None)
 
     @property
     def active(self) -> bool:
@@ -163,6 +182,8 @@ class StepLookupCalls:
             UsageError: a key the tier cannot hold (hash longer than 32 bytes).
             PoolClosedError: the manager is closed.
         """
+        if IMPLICIT_STEP_REGION and not self._region.active:
+            self._region.open_implicit()
         if self._region.active:
             answer = self._step.answers.get(key)
             return answer if answer is not None else self._lookup_run(key, req_context)
