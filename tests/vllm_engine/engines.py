@@ -42,6 +42,46 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def _group(pgid: int) -> list[tuple[int, bool]]:
+    """The processes of process group ``pgid``: (pid, is it a multiprocessing resource
+    tracker)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(b")", 1)[1].split()[2]) == pgid:
+            members.append((int(entry), b"resource_tracker" in cmdline))
+    return members
+
+
+def end_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGKILLs the process group ``proc`` leads, but its multiprocessing resource
+    trackers, gives those ``grace_s`` to unlink what the killed vLLM processes left in
+    /dev/shm, then SIGKILLs what is left of the group."""
+    for pid, tracker in _group(proc.pid):
+        if not tracker:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    while _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=30)
+
+
 class Engine:
     """One ``vllm.LLM`` in an ``engine_driver.py`` process (its own process group, so its
     engine core and workers are killed with it)."""
@@ -100,43 +140,8 @@ class Engine:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(line[:400] for line in text[-lines:])
 
-    def _group(self) -> list[tuple[int, bool]]:
-        """The processes of the driver's process group: (pid, is it a multiprocessing
-        resource tracker)."""
-        members = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except OSError:
-                continue
-            pgid = int(stat.rsplit(b")", 1)[1].split()[2])
-            if pgid == self.proc.pid:
-                members.append((int(entry), b"resource_tracker" in cmdline))
-        return members
-
     def _end_group(self, grace_s: float) -> None:
-        """SIGKILLs the group but its resource trackers, gives them ``grace_s`` to unlink
-        what vLLM's killed processes left in /dev/shm, then SIGKILLs what is left."""
-        for pid, tracker in self._group():
-            if not tracker:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        while self._group() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=30)
+        end_process_group(self.proc, grace_s)
 
     def kill(self) -> None:
         """SIGKILLs the driver, its engine core and workers."""

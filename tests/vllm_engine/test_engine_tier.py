@@ -58,7 +58,7 @@ def engines(vllm_cpu, tiny_model, tier_pool, tmp_path_factory):
                   A=_opts(tier_pool, "A"), B=_opts(tier_pool, "B"), REF=_opts(None))
     made["log_dir"] = log_dir
     yield made
-    for name, engine in made.items():
+    for _name, engine in made.items():
         if isinstance(engine, Engine):
             engine.close()
 
@@ -91,7 +91,8 @@ def test_engine_b_loads_what_engine_a_stored(engines):
     assert got["tokens"] == ref.generate([P])["tokens"]
     assert got["num_cached_tokens"][0] == FULL_BLOCK_TOKENS
     metrics = b.ask({"op": "metrics"})
-    cross = sum(v for k, v in metrics.items() if k.startswith("shmkv_cross_replica_hit_chunks_total"))
+    cross = sum(v for k, v in metrics.items()
+                if k.startswith("shmkv_cross_replica_hit_chunks_total"))
     assert cross >= FULL_BLOCK_TOKENS // BLOCK, metrics
 
 
