@@ -85,7 +85,8 @@ class AliveLocks:
         (``PROC_DTYPE`` rows), read by ``is_alive`` for the pid and start-time half of the
         liveness rule; without it only the lock counts."""
         # Created exclusively, never through a link, then owner/mode checked (segment.py).
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (
+            os.O_CREAT | os.O_EXCL if create else 0)
         try:
             self._fd = os.open(path, flags, 0o600)
         except FileNotFoundError as exc:

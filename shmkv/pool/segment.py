@@ -65,24 +65,29 @@ def check_fd(fd: int, what: str) -> None:
 
 
 def open_checked(path: str, flags: int, what: str) -> int:
-    """Opens ``path`` without following a link (``O_NOFOLLOW | O_CLOEXEC`` added; mode
+    """Opens ``path`` without following a link and without blocking (``O_NOFOLLOW |
+    O_CLOEXEC | O_NONBLOCK`` added: a FIFO planted at the path never blocks the open; mode
     0600 when ``flags`` create it) and refuses it by ``check_fd``'s rule; returns the
-    descriptor. ``FileNotFoundError`` and ``FileExistsError`` pass through.
+    descriptor, blocking again. ``FileNotFoundError`` and ``FileExistsError`` pass through.
 
     Raises:
-        SegmentError: naming ``what`` and ``path``: a link, another user's file, not a
-            regular file, or not mode 0600.
+        SegmentError: naming ``what`` and ``path``: a link, a directory, a FIFO, another
+            user's file, not a regular file, or not mode 0600.
     """
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, SEGMENT_MODE)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, SEGMENT_MODE)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise SegmentError(f"{what} {path} is a symbolic link; refusing to use it") from exc
+        if exc.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.ENOTDIR):
+            raise SegmentError(f"{what} {path} is not a regular file ({exc.strerror}); "
+                               "refusing to use it") from exc
         raise
     try:
         if flags & os.O_CREAT:
             secure_new_fd(fd)
         check_fd(fd, f"{what} {path}")
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

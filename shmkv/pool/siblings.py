@@ -82,11 +82,13 @@ def _pool_header(pool_name: str) -> tuple[os.stat_result, np.void] | None:
     none or it is too short for a header."""
     try:
         fd = os.open(SHM_DIR + L.segment_name(pool_name),
-                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a planted FIFO or device: not a pool
+            return None
         head = os.pread(fd, L.HEADER_DTYPE.itemsize, 0)
     finally:
         os.close(fd)
@@ -135,7 +137,7 @@ def _foreign(st: os.stat_result) -> str | None:
 def _any_lock_held(path: str) -> bool:
     """Whether some process holds an OFD (or POSIX) lock on any byte of ``path``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -168,7 +170,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
     if problem:
         return keep(problem)
     try:
-        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         return keep(f"cannot be opened ({exc.strerror}): left alone")
     try:
@@ -260,7 +262,7 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
         return v
     need = max(spec.owner_offset + L.OWNER_DTYPE.itemsize, _DOORBELL_FIELD + 88)
     try:
-        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         v.reason = f"cannot be opened ({exc.strerror}): left alone"
         return v

