@@ -72,6 +72,11 @@ def owner_record(pool_name: str | None = None, *, creator: bool = True) -> np.nd
     return rec
 
 
+# Every read-only open of a path in /dev/shm: never through a link, never blocking (a FIFO
+# planted at the path would block a plain O_RDONLY open until a writer came).
+_NOBLOCK_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
 def write_owner(buf, offset: int, record: np.ndarray) -> None:
     """Stores ``record`` at ``offset`` of a sibling segment (before its ``magic``)."""
     np.ndarray((1,), L.OWNER_DTYPE, buffer=buf, offset=offset)[:] = record
@@ -81,8 +86,7 @@ def _pool_header(pool_name: str) -> tuple[os.stat_result, np.void] | None:
     """(stat, header) of a pool's segment, read without following a link; None if there is
     none or it is too short for a header."""
     try:
-        fd = os.open(SHM_DIR + L.segment_name(pool_name),
-                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(SHM_DIR + L.segment_name(pool_name), _NOBLOCK_READ)
     except OSError:
         return None
     try:
@@ -137,7 +141,7 @@ def _foreign(st: os.stat_result) -> str | None:
 def _any_lock_held(path: str) -> bool:
     """Whether some process holds an OFD (or POSIX) lock on any byte of ``path``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, _NOBLOCK_READ)
     except OSError:
         return False
     try:
@@ -170,7 +174,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
     if problem:
         return keep(problem)
     try:
-        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(f"{SHM_DIR}/{entry}", _NOBLOCK_READ)
     except OSError as exc:
         return keep(f"cannot be opened ({exc.strerror}): left alone")
     try:
@@ -262,7 +266,7 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
         return v
     need = max(spec.owner_offset + L.OWNER_DTYPE.itemsize, _DOORBELL_FIELD + 88)
     try:
-        fd = os.open(f"{SHM_DIR}/{entry}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(f"{SHM_DIR}/{entry}", _NOBLOCK_READ)
     except OSError as exc:
         v.reason = f"cannot be opened ({exc.strerror}): left alone"
         return v
