@@ -193,13 +193,14 @@ def main() -> None:
                       turns=args.turns, gpu_blocks=args.gpu_blocks)
         print(json.dumps(result))
     base = results[0]
-    print(f"\n2 replicas of vLLM {'(CPU build)'} on {args.conversations} conversations x "
+    print(f"\n2 replicas of vLLM (CPU build) on {args.conversations} conversations x "
           f"{args.turns} turns, round-robin by turn (logs: {log_dir}):")
-    print(f"  {'setup':<14} {'tier/replica':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
+    print(f"  {'setup':<14} {'tier bytes':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'prompt tokens computed':>24} {'req/s':>6} {'tokens differ':>13}")
     for r in results:
-        tier = f"{r['tier_bytes_per_replica'] >> 20} MiB" if r["tier_bytes_per_replica"] \
-            else "-"
+        mib = r["tier_bytes_per_replica"] >> 20
+        tier = {"no tier": "-", "private tiers": f"2 x {mib} MiB",
+                "shared tier": f"1 x {mib} MiB"}[r["setup"]]
         print(f"  {r['setup']:<14} {tier:>12} {r['ttft_p50_s']:>8.3f}s "
               f"{r['ttft_p99_s']:>8.3f}s {r['prompt_tokens_computed']:>10,} of "
               f"{r['prompt_tokens']:>10,} {r['requests_per_s']:>6.2f} {r['tokens_differ']:>13}")

@@ -82,7 +82,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from shmkv.errors import PoolClosedError, ShmKVError, UsageError
+from shmkv.errors import PoolClosedError, SegmentError, ShmKVError, UsageError
 from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
@@ -299,7 +299,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 self._locks = ReplicaLocks(pool)
                 with self._pool.lock():
                     self._row = join(self._tier, self._locks,
-                                     replica_key(replica_id or secrets.token_hex(16)))
+                                     replica_key(replica_id or secrets.token_hex(16)), pool)
             except BaseException:
                 self._tier.close()
                 raise
@@ -535,10 +535,18 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         Raises:
             UsageError: a key that is not stored, or still being stored, or a bad key or
                 position; nothing is pinned.
+            SegmentError: this replica's workers map another data region than the tier's
+                (``region.py``); nothing is pinned.
         """
         keys = list(keys)
         encs, positions = self._check_positions(keys, req_context)
         with self._hold():
+            if self._region_lost():
+                raise SegmentError(
+                    f"offload tier {self.pool_name!r}: the data region was replaced while "
+                    "this replica's workers mapped the old one, so no chunk of it may be "
+                    "loaded here; restart this replica"
+                )
             block_ids = []
             known: dict[OffloadKey, tuple[int, int]] = {}
             statuses = self._statuses(keys, encs)
@@ -554,12 +562,17 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
             jobs, bit = self._jobs, self._bit
             for block_id in block_ids:  # before the hold: a kill between leaves a bit,
                 jobs[block_id] |= bit  # never a bare hold
-            to_hold = []  # a lookup's hold becomes the pin
+            to_hold, stale = [], []  # a lookup's hold of the same block becomes the pin
             for key, block_id in zip(keys, block_ids, strict=True):
-                if lookup_pins.pop(key, None) is None:
+                held = lookup_pins.pop(key, None)
+                if held != block_id:
                     to_hold.append(block_id)
+                    if held is not None:  # the key moved blocks since its lookup
+                        stale.append(held)
             if to_hold:
                 self._pool.touch(self._handles(to_hold))
+            if stale:
+                self._pool.free_blocks(self._handles(stale))
             producer, me = self._producer, self._row + 1
             self._cross_hits += sum(producer[b] != me for b in block_ids)
             pins = self._pins

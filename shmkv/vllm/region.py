@@ -9,9 +9,10 @@ and the tier table holds the tag of the region its chunk metadata describes. So:
   pool of the name, or a pool whose region was removed, is never believed: the worker that
   finds it so makes a fresh region (all zeros, pages reserved), binds its tag, and drops
   every chunk the tier described, since their bytes are gone;
-- each replica row records the tag its workers mapped; a replica whose workers map another
-  region than the tier's (the file was replaced under them) gets no hit, stores nothing and
-  completes nothing from then on (manager.py);
+- each replica row records the tag its workers mapped, per process: a row whose workers
+  mapped different regions is marked mixed (``_bind_row``); a replica whose workers map
+  another region than the tier's (the file was replaced under them, under one of them) gets
+  no hit, stores nothing, completes nothing and loads nothing from then on (manager.py);
 - the file is made by one worker (the replica lock file's maker byte), under a temporary
   name, exclusively, mode 0600, with its pages reserved (``posix_fallocate``: no room is an
   error here, never a SIGBUS later), and renamed into place; a file of another user, of
@@ -32,7 +33,14 @@ from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd, open_checked, reserve
 from shmkv.vllm.identity import check_identity, refuse_foreign_replica
 from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
-from shmkv.vllm.tier import W_LRU_DIRTY, W_REGION_TAG, TierTable, open_pool, open_tier_table
+from shmkv.vllm.tier import (
+    REGION_MIXED,
+    W_LRU_DIRTY,
+    W_REGION_TAG,
+    TierTable,
+    open_pool,
+    open_tier_table,
+)
 
 REGION_MAGIC = b"shmkv-kv-region1"  # 16 bytes
 TRAILER_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -103,6 +111,16 @@ def _forget_chunks(pool: BlockPool) -> None:
         pool.evict_blocks(keyed)
 
 
+def _bind_row(tier: TierTable, row: int, tag: int) -> None:
+    """Records that a process of replica row ``row`` maps the region tagged ``tag``. The
+    binding is per process: a row whose processes map different regions (one region was
+    replaced between two workers' binds, or a worker bound again after a replacement while
+    another still maps the old one) becomes REGION_MIXED, never the tier's tag, so the
+    replica is lost until all of its processes are gone and it starts again."""
+    mine = int(tier.replica_region[row])
+    tier.replica_region[row] = tag if mine in (0, tag) else REGION_MIXED
+
+
 def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
                 pool_name: str, data_bytes: int) -> int:
     """Makes sure the region file is the one the tier describes, making it if it is
@@ -118,7 +136,7 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
         with pool.lock():
             bound = tier.words[W_REGION_TAG]
             if bound and read_tag(path, data_bytes) == bound:
-                tier.replica_region[row] = bound
+                _bind_row(tier, row, bound)
                 return bound
         if locks.try_region_maker():
             try:
@@ -138,7 +156,7 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
     with pool.lock():  # another maker may have bound it before this one got the byte
         bound = tier.words[W_REGION_TAG]
         if bound and read_tag(path, data_bytes) == bound:
-            tier.replica_region[row] = bound
+            _bind_row(tier, row, bound)
             return bound
     tmp, tag = _make_file(path, data_bytes)  # out of the lock: reserving pages takes time
     try:
@@ -149,7 +167,7 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
                 _forget_chunks(pool)
                 tier.words[W_LRU_DIRTY] = 1  # the next holder rebuilds the free stack (lru.py)
             tier.words[W_REGION_TAG] = tag
-            tier.replica_region[row] = tag
+            _bind_row(tier, row, tag)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -198,7 +216,7 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, engine_i
             with pool.lock():
                 if identity is not None:
                     check_identity(tier, pool_name, identity)
-                row = join(tier, locks, replica_key(engine_id))
+                row = join(tier, locks, replica_key(engine_id), pool_name)
             tag = bind_region(pool, tier, locks, row, pool_name, data_bytes)
         except BaseException:
             locks.close()

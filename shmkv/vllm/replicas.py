@@ -15,6 +15,12 @@ file ``/dev/shm/<tier table name>.replicas``. A row is gone when nobody holds it
 (``F_OFD_GETLK``), whatever pids now run. A row is keyed by its replica's engine id (vLLM's
 ``engine_id``, distinct per data-parallel rank), which the engine core and its workers share.
 
+The file is bound to the tier table (its inode, recorded by the first process that joins a
+row): a process that opens the path and finds another file (the first was removed, by hand
+or by a tmp cleaner, and re-made) is refused, and a process whose descriptor is no longer the
+file at the path takes every row as live. A missing or replaced file never makes a live
+replica read as gone, which would hand its chunks out while its workers still write them.
+
 Byte ``REGION_MAKER_BYTE`` (past every row) is taken, exclusively, by the one worker that
 makes the tier's data region (region.py), so the others wait for it instead of each making
 one.
@@ -32,10 +38,10 @@ import struct
 
 import numpy as np
 
-from shmkv.errors import PoolFullError
+from shmkv.errors import PoolFullError, SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool.segment import open_checked
-from shmkv.vllm.tier import MAX_REPLICAS, TierTable
+from shmkv.vllm.tier import MAX_REPLICAS, W_REPLICA_FILE, TierTable
 
 REGION_MAKER_BYTE = MAX_REPLICAS
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64 / aarch64
@@ -74,7 +80,35 @@ class ReplicaLocks:
             fd = open_checked(path, os.O_RDWR, what)
         self.path = path
         self._fd = fd
+        self._inode = os.fstat(fd).st_ino
         self.rows: set[int] = set()
+
+    def bind(self, tier: TierTable, pool: str) -> None:
+        """Records this file as the tier's replica lock file, or checks that it is the one
+        recorded (caller holds the pool lock).
+
+        Raises:
+            SegmentError: the recorded file was removed or replaced: the tier's rows are
+                held on a file this process cannot see, so it could not tell a live
+                replica from a gone one.
+        """
+        recorded = int(tier.words[W_REPLICA_FILE])
+        if not recorded:
+            tier.words[W_REPLICA_FILE] = self._inode
+        elif recorded != self._inode:
+            raise SegmentError(
+                f"the offload tier's replica lock file {self.path} was removed or replaced "
+                f"while the tier was in use (inode {self._inode}, the tier's {recorded}): "
+                "the replicas' liveness cannot be told from it. Stop every replica of the "
+                f"tier and run `shmkv unlink {pool}`, then start them again"
+            )
+
+    def _is_current(self) -> bool:
+        """Whether this process's descriptor is still the file at the path."""
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_ino == self._inode
+        except FileNotFoundError:
+            return False
 
     def _setlk(self, lock_type: int, byte: int) -> bool:
         try:
@@ -96,8 +130,9 @@ class ReplicaLocks:
         self.rows.discard(row)
 
     def is_gone(self, row: int) -> bool:
-        """Whether no process holds row ``row`` (this process's own rows are live)."""
-        if row in self.rows:
+        """Whether no process holds row ``row`` (this process's own rows are live; every
+        row is, once the file at the path is not this process's)."""
+        if row in self.rows or not self._is_current():
             return False
         answer = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, row))
         return _FLOCK.unpack(answer)[0] == fcntl.F_UNLCK
@@ -140,13 +175,15 @@ def reap_gone(tier: TierTable, locks: ReplicaLocks) -> list[int]:
     return freed
 
 
-def join(tier: TierTable, locks: ReplicaLocks, key: int) -> int:
+def join(tier: TierTable, locks: ReplicaLocks, key: int, pool: str) -> int:
     """Joins the replica keyed ``key`` (its row, or a free one); returns the row (caller
     holds the pool lock).
 
     Raises:
         PoolFullError: all MAX_REPLICAS rows belong to live replicas.
+        SegmentError: the replica lock file is not the one the tier's rows are held on.
     """
+    locks.bind(tier, pool)
     keys = tier.replica_keys
     rows = np.flatnonzero(keys == key).tolist()
     if rows:

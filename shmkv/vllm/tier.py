@@ -13,8 +13,11 @@ the tier):
                trailer when a worker makes the region; 0: no region bound yet (region.py)
     words 6-9  the eviction heap's size, the free stack's top, the LRU's dirty flag, the
                pool's reap count the orphans were last collected at (lru.py)
+    word 10    the inode of the replica lock file the tier's rows are held on (replicas.py);
+               0: none recorded yet
     words 16.. MAX_REPLICAS replica keys, one per replica row (0: the row is free)
-    words 80.. MAX_REPLICAS region tags: the region the row's workers mapped (0: no worker)
+    words 80.. MAX_REPLICAS region tags: the region the row's workers mapped (0: no worker;
+               REGION_MIXED: its workers mapped different regions, region.py)
     byte 1152  the identity of the tier's first replica (identity.py), up to the owner record
     byte 3968  the owner record that tells ``shmkv cleanup`` the table goes with its pool
     byte 4096  ranks: int64 [num_chunks + 1], one LRU rank per block (block 0 unused)
@@ -56,6 +59,8 @@ MAX_REPLICAS = 64  # one job bit per replica row in a uint64
 
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
 W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
+W_REPLICA_FILE = 10  # replicas.py
+REGION_MIXED = -1  # a row whose workers mapped different regions: never the tier's tag
 PENDING_BIT = L.PENDING_GROUP_BIT  # the group-id bit of a chunk whose store is in flight
 W_REPLICA_KEYS = 16
 W_REPLICA_REGION = W_REPLICA_KEYS + MAX_REPLICAS

@@ -1,0 +1,142 @@
+"""The offload tier's seams where a real engine's start order and its several processes per
+replica meet the data region and the replica lock file: a replica two of whose workers map
+different regions is cut off, a removed replica lock file never makes a live replica read as
+gone, and a lookup HIT kept across a region replacement is never loaded (nor leaks its hold).
+Managers and workers' joins in one process (OFD locks tell descriptors apart as they tell
+processes)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+
+from shmkv.errors import SegmentError  # noqa: E402
+from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
+from shmkv.vllm.region import join_as_worker, region_path  # noqa: E402
+from shmkv.vllm.replicas import reap_gone, replica_locks_path  # noqa: E402
+from tests.conftest import unique_pool_name  # noqa: E402
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+NUM_CHUNKS = 4
+DATA_BYTES = NUM_CHUNKS * os.sysconf("SC_PAGE_SIZE")
+CTX = ReqContext("seams")
+
+
+def key(i: int):
+    return make_offload_key(str(i).encode(), 0)
+
+
+@pytest.fixture
+def tier():
+    """A tier name; every manager and worker hold made through it is closed at teardown,
+    after the pool's invariants are checked, and the tier removed."""
+    name = unique_pool_name("seam")
+    opened: list = []
+
+    def manager(replica: str) -> SharedCPUOffloadingManager:
+        m = SharedCPUOffloadingManager(name, NUM_CHUNKS, replica_id=replica)
+        opened.append(m)
+        return m
+
+    def worker(replica: str) -> int:
+        locks, tag = join_as_worker(name, NUM_CHUNKS, 16, replica, DATA_BYTES)
+        opened.append(locks)
+        return tag
+
+    yield name, manager, worker
+    for thing in reversed(opened):
+        if isinstance(thing, SharedCPUOffloadingManager) and thing.pool is not None:
+            thing.pool.check_invariants()
+        thing.close()
+    SharedCPUOffloadingManager.unlink(name)
+
+
+def _store(manager, ints) -> list[int]:
+    out = manager.prepare_store([key(i) for i in ints], CTX)
+    manager.complete_store(out.keys_to_store, CTX)
+    return out.store_spec.block_ids.tolist()
+
+
+def test_a_replica_whose_two_workers_map_two_regions_gets_no_hit(tier):
+    """TP=2: worker 0 of replica A maps the region; the region is removed; worker 1 makes a
+    new one. Replica A (its engine core) reads every key MISS and may not load, since worker
+    0's slot of any chunk would come from the old file; replica B, whose worker mapped only
+    the new region, hits."""
+    name, manager, worker = tier
+    old = worker("A")
+    os.unlink(region_path(name))
+    new = worker("A")  # worker 1 of the same replica makes the new region
+    assert new != old
+    assert worker("B") == new
+    b = manager("B")
+    _store(b, [1])
+    a = manager("A")
+    assert b.lookup(key(1), CTX) == HIT
+    assert a.lookup(key(1), CTX) == MISS
+    with pytest.raises(SegmentError, match="data region was replaced"):
+        a.prepare_load([key(1)], CTX)
+
+
+def test_a_removed_replica_lock_file_never_makes_a_live_replica_gone(tier):
+    """Replica A's engine core has stores in flight and is gone; its worker lives on (it
+    may still be writing those chunks). The replica lock file is removed (a tmp cleaner).
+    A new replica is refused, naming the file, instead of making a new file on which A's
+    row reads gone; a process that opened the old file takes every row as live; A's chunks
+    stay out of every replica's hands."""
+    name, manager, worker = tier
+    c = manager("C")
+    worker("A")
+    a = manager("A")
+    out = a.prepare_store([key(1), key(2)], CTX)
+    in_flight = [b + 1 for b in out.store_spec.block_ids.tolist()]  # block = chunk + 1
+    a.close()  # the engine core is gone; its worker still holds the row
+    os.unlink(replica_locks_path(name))
+    with pytest.raises(SegmentError, match=r"replica lock file .* was removed or replaced"):
+        SharedCPUOffloadingManager(name, NUM_CHUNKS, replica_id="B")
+    with c.pool.lock():
+        reap_gone(c._tier, c._locks)
+    jobs = c._tier.jobs
+    assert np.all(jobs[in_flight] != 0), "A's chunks left quarantine while its worker lives"
+    got = c.prepare_store([key(10 + i) for i in range(NUM_CHUNKS)], CTX)
+    taken = [] if got is None else [b + 1 for b in got.store_spec.block_ids.tolist()]
+    assert not set(taken) & set(in_flight)
+
+
+def test_a_hit_kept_across_a_region_replacement_is_never_loaded(tier):
+    """Inside a step, replica A looks key 1 up (a HIT, pinned); the region is replaced (by
+    replica C's worker) and C stores key 1 again. A with a worker on the old region may not
+    load it; A with no worker bound yet loads the new chunk, its lookup's hold moving to it:
+    no hold leaks and ``complete_load`` gives the pin back without a double free."""
+    name, manager, worker = tier
+    worker("B")
+    b = manager("B")
+    _store(b, [1])
+    for bound in (True, False):
+        replica = f"A{int(bound)}"
+        if bound:
+            worker(replica)
+        a = manager(replica)
+        with a.lock:
+            assert a.lookup(key(1), CTX) == HIT
+            os.unlink(region_path(name))
+            worker(f"C{int(bound)}")  # makes a new region: the tier forgets every chunk
+            c = manager(f"C{int(bound)}")
+            _store(c, [1])
+            if bound:
+                with pytest.raises(SegmentError, match="data region was replaced"):
+                    a.prepare_load([key(1)], CTX)
+                continue
+            spec = a.prepare_load([key(1)], CTX)
+            loaded = spec.block_ids.tolist()[0] + 1
+            refs = a.pool.block_rows()["ref_cnt"]
+            assert refs[loaded] == 1
+            assert int(refs[1:].sum()) == 1, "the lookup's hold of the old chunk leaked"
+            del refs
+            a.complete_load([key(1)], CTX)
+        assert int(a.pool.block_rows()["ref_cnt"][1:].sum()) == 0
