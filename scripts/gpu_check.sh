@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Every CUDA test of the project, on a machine with a GPU (under 8 minutes): the pytest
+# Every CUDA test of the project, on a machine with a GPU (under 8 minutes; 18 with vLLM): the pytest
 # `gpu` marker (the KV store's copies to and from a GPU against their CPU twin, CUDA IPC,
 # GPU block tables, and the shared offload tier's worker-side transfers through vLLM's
 # CPUOffloadingWorker), the GPU benchmark's transfer table (benchmarks/bench_gpu.py: its
 # JSON lines also go to benchmarks/results/gpu_transfers.jsonl), `shmkv run` of the small
 # model in float32 on the GPU (0 token mismatches or a red run), and the benchmark's serve
-# part (shared device placement vs private pools vs the host placement). Each step has its
-# own time limit (240 + 90 + 60 + 90 s). Builds the C kernel first so the checkout's code
-# is what runs.
+# part (shared device placement vs private pools vs the host placement), and, where vLLM
+# 0.33.0's CUDA build is installed, the real-engine tests (tests/vllm_engine/: the shared
+# tier inside vLLM engines). Each step has its own time limit (240 + 90 + 60 + 90 + 600 s).
+# Builds the C kernel first so the checkout's code is what runs.
 #
 #   bash scripts/gpu_check.sh [PYTHON] [PYTEST ARGS...]      # default: python
 set -euo pipefail
@@ -31,3 +32,10 @@ echo "== benchmarks/bench_gpu.py --part serve"
 rm -f benchmarks/results/gpu_transfers.serve.jsonl
 timeout 90 "$PY" benchmarks/bench_gpu.py --part serve --json benchmarks/results/gpu_transfers.jsonl \
     | grep -v '^{'
+echo "== tests/vllm_engine: real vLLM engines with the shared tier (vLLM's CUDA build)"
+if "$PY" -c "import sys, vllm; sys.exit(vllm.__version__.split('+')[0] != '0.33.0')" 2>/dev/null; then
+    SHMKV_VLLM_PYTHON="$(command -v "$PY")" timeout 600 "$PY" -m pytest -q -m engine \
+        -p no:cacheprovider tests/vllm_engine "$@"
+else
+    echo "skipped: no vLLM 0.33.0 in this Python (pip install vllm==0.33.0 on the GPU machine)"
+fi

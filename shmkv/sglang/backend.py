@@ -82,7 +82,7 @@ class SharedHostStorage(HiCacheStorage):
         page_bytes = page_bytes_of(view)
         identity = ident.store_identity(
             self.config, int(mem_pool_host.page_size), str(view.dtype), mem_pool_host.layout,
-            page_bytes, self.settings["bytes"])
+            page_bytes, self.settings["bytes"], ident.current_server_args())
         self.store = PageStore(self.settings["pool"], self.settings["bytes"], page_bytes,
                                identity, self.settings["max_processes"])
         self.mem_pool_host = mem_pool_host

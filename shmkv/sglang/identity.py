@@ -3,7 +3,12 @@
 Every instance sharing a store must produce the same bytes for the same page key: the same
 model, parallel layout (TP/PP/attention-CP/DCP sizes, which ranks write: with MLA only the
 first rank of each DCP group, as SGLang's ``is_storage_writer``), tokens per page, KV dtype,
-host-pool layout and page bytes. The first instance records its identity in the store's
+host-pool layout and page bytes, and the weights themselves: SGLang fills the storage
+config's ``model_name`` with ``--served-model-name``, which two instances serving different
+weights (base and instruct, another quantization) may share, so the identity also holds what
+the process's SGLang server args say of the weights (model path, a digest of a local model
+directory's config and weight files, revision, quantization, dtype: ``shmkv/model_files.py``
+says what the digest cannot see). The first instance records its identity in the store's
 region (region.py); a later one that differs is refused at start, every differing field
 named with both values.
 """
@@ -14,6 +19,7 @@ import json
 from typing import Any
 
 from shmkv.errors import LayoutMismatchError, UsageError
+from shmkv.model_files import model_files_digest
 
 # What StorageBackendFactory's ``dynamic`` config and SGLang's controller put there.
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
@@ -50,10 +56,40 @@ def parse_extra_config(extra: Any) -> dict[str, Any]:
     return {"pool": pool, "bytes": size, "max_processes": procs}
 
 
-def store_identity(config: Any, page_size: int, dtype: str, layout: str,
-                   page_bytes: int, store_bytes: int) -> dict[str, Any]:
-    """The fields that decide a page's bytes (``config``: SGLang's HiCacheStorageConfig)."""
+def current_server_args() -> Any:
+    """The SGLang server args this process runs with (the scheduler's: SGLang's runtime
+    context), or None outside an SGLang server."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:  # noqa: BLE001 (not in a server, or another SGLang: no args to read)
+        return None
+
+
+def weights_identity(server_args: Any) -> dict[str, Any]:
+    """What the process can see of its weights, from SGLang's server args; fields that say
+    so when there are none (a backend used outside an SGLang server)."""
+    if server_args is None:
+        unknown = "unknown: no SGLang server args in this process"
+        return {"model_path": unknown, "model_files": unknown}
+    path = getattr(server_args, "model_path", None)
     return {
+        "model_path": str(path),
+        "model_files": model_files_digest(str(path)) if path else "",
+        "revision": str(getattr(server_args, "revision", None)),
+        "quantization": str(getattr(server_args, "quantization", None)),
+        "model_dtype": str(getattr(server_args, "dtype", None)),
+    }
+
+
+def store_identity(config: Any, page_size: int, dtype: str, layout: str,
+                   page_bytes: int, store_bytes: int,
+                   server_args: Any = None) -> dict[str, Any]:
+    """The fields that decide a page's bytes (``config``: SGLang's HiCacheStorageConfig;
+    ``server_args``: SGLang's, for the weights: ``weights_identity``)."""
+    return {
+        **weights_identity(server_args),
         "model": config.model_name or "",
         "tp_size": int(config.tp_size),
         "pp_size": int(config.pp_size),

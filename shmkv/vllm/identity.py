@@ -25,13 +25,11 @@ import os
 from typing import Any
 
 from shmkv.errors import LayoutMismatchError, SegmentError, SegmentNotFoundError, UsageError
+from shmkv.model_files import model_files_digest
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
 from shmkv.vllm.tier import IDENTITY_MAX, MEDIUM, TierTable, open_tier_table, tier_table_name
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-CONFIG_FILES = ("config.json", "generation_config.json", "quantize_config.json",
-                "quant_config.json", "hf_quant_config.json")
 # Non-cryptographic hashes of vLLM's prefix cache: their NONE_HASH seed is random per
 # process unless PYTHONHASHSEED is set (vllm.v1.core.kv_cache_utils.resolve_none_hash_seed).
 NON_CRYPTO_HASH_ALGOS = ("xxhash", "xxhash_cbor")
@@ -39,22 +37,6 @@ NON_CRYPTO_HASH_ALGOS = ("xxhash", "xxhash_cbor")
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
-
-
-def model_files_digest(model: str) -> str:
-    """A digest of a local model directory: its config files' bytes and its weight files'
-    names and sizes; for a hub id, ``"hub id"`` (the id and revision name it)."""
-    if not os.path.isdir(model):
-        return "hub id"
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(model)):
-        path = os.path.join(model, name)
-        if name in CONFIG_FILES:
-            with open(path, "rb") as f:
-                h.update(name.encode() + b"\0" + f.read() + b"\0")
-        elif name.endswith(WEIGHT_SUFFIXES):
-            h.update(f"{name}\0{os.path.getsize(path)}\0".encode())
-    return h.hexdigest()[:16]
 
 
 def _overrides(value: Any) -> str:

@@ -18,7 +18,10 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 
 from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 
+from shmkv import BlockPool  # noqa: E402
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
+from shmkv.vllm.region import region_path  # noqa: E402
+from shmkv.vllm.replicas import replica_locks_path  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.crash import vllm_tier_soak as soak  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
@@ -49,9 +52,13 @@ class Replica:
         self.core_pid.value = self.core.pid
 
 
-def run_soak(ctx, seed: int, kills: int, guard_off: bool = False) -> tuple[list[int], str]:
+def run_soak(ctx, seed: int, kills: int, guard_off: bool = False,
+             faults: bool = False) -> tuple[list[int], str]:
     """Runs the soak; returns the counters [loads checked, wrong, stores, resets] and the
-    pool name (already unlinked)."""
+    pool name (already unlinked). ``faults``: half way, the data region is removed (the
+    next restarted replica's worker makes a new one, and the replicas still mapping the
+    old one are cut off); at the end the replica lock file is removed while the replicas
+    run, and a replica started then is refused."""
     print(f"soak seed {seed}")
     rng = random.Random(seed)
     pool = unique_pool_name("soak")
@@ -62,8 +69,10 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False) -> tuple[list[
                 for i in range(REPLICAS)]
     incarnations = [0] * REPLICAS
     try:
-        for _ in range(kills):
+        for kill in range(kills):
             time.sleep(rng.uniform(0.2, 0.6))
+            if faults and kill == kills // 2:
+                os.unlink(region_path(pool))
             i = rng.randrange(REPLICAS)
             victim = replicas[i]
             os.kill(victim.core.pid, signal.SIGKILL)
@@ -73,11 +82,25 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False) -> tuple[list[
             replicas[i] = Replica(ctx, pool, f"r{i}-{incarnations[i]}", rng.randrange(1 << 30),
                                   stop, counters, guard_off)
         time.sleep(0.5)
+        if faults:
+            os.unlink(replica_locks_path(pool))
+            time.sleep(1.0)  # the replicas go on, their rows live to one another
+            late = Replica(ctx, pool, "late", 1, stop, counters, guard_off)
+            codes = join_processes([late.worker, late.core], 60)
+            assert 0 not in codes, codes  # both refused: the file is not the tier's
     finally:
         stop.set()
         cores = join_processes([r.core for r in replicas])
         workers = join_processes([r.worker for r in replicas])
     assert cores == [0] * REPLICAS and workers == [0] * REPLICAS
+    if faults:  # a fresh manager is refused now (the lock file): read the pool itself
+        bp = BlockPool.attach(pool)
+        bp.reap_dead()
+        assert int(bp.block_rows()["ref_cnt"][1:].max()) == 0
+        bp.check_invariants()
+        bp.close()
+        SharedCPUOffloadingManager.unlink(pool)
+        return list(counters), pool
     with SharedCPUOffloadingManager(pool, soak.NUM_CHUNKS) as fresh:
         fresh.pool.reap_dead()
         rows = fresh.pool.block_rows()
@@ -102,6 +125,18 @@ def test_no_replica_ever_loads_wrong_kv_under_kills_restarts_and_resets(spawn_ct
     checked, wrong, stores, resets = run_soak(spawn_ctx, seed=2026, kills=5)[0]
     print(f"loads checked {checked}, wrong {wrong}, stores {stores}, resets {resets}")
     assert checked > 50 and stores > 20 and resets > 0
+    assert wrong == 0
+
+
+@pytest.mark.timeout(480)
+def test_no_wrong_kv_when_the_region_is_replaced_and_the_lock_file_removed(spawn_ctx):
+    """The soak with two more faults: the data region removed half way (replicas mapping
+    the old one are cut off, restarted ones use the new one) and the replica lock file
+    removed at the end (the running replicas go on, a new one is refused): every chunk
+    loaded still holds its key's bytes, and nothing is left held."""
+    checked, wrong, stores, _ = run_soak(spawn_ctx, seed=2027, kills=6, faults=True)[0]
+    print(f"loads checked {checked}, wrong {wrong}, stores {stores}")
+    assert checked > 20 and stores > 20
     assert wrong == 0
 
 

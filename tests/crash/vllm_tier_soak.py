@@ -148,6 +148,7 @@ def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
     stores, resets]."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+    from shmkv.errors import SegmentError
     from shmkv.vllm import SharedCPUOffloadingManager
 
     rng = random.Random(seed)
@@ -165,7 +166,10 @@ def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
         with manager.lock:
             states = [manager.lookup(k, ctx) for k in keys]
             hits = [k for k, s in zip(keys, states, strict=True) if s == LookupResult.HIT]
-            spec = manager.prepare_load(hits, ctx) if hits else None
+            try:
+                spec = manager.prepare_load(hits, ctx) if hits else None
+            except SegmentError:  # the region was replaced since the lookups: no load
+                spec = None
         if spec is not None:
             oks = jobs.read(spec.block_ids.tolist(), hits)
             with counters.get_lock():

