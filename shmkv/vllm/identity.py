@@ -14,7 +14,7 @@ how to start afresh. The fields are what decides the bytes of a chunk and who wr
   each slot of a chunk;
 - the block hash: vLLM's algorithm and the seed of its NONE_HASH (a digest, never the
   seed), since a key names bytes only if every replica hashes prompts alike;
-- the platform.
+- the platform, and vLLM's release (its offloading code differs between releases).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from shmkv.errors import LayoutMismatchError, SegmentError, SegmentNotFoundError
 from shmkv.model_files import model_files_digest
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
+from shmkv.vllm.compat import VLLM_RELEASE
 from shmkv.vllm.tier import IDENTITY_MAX, MEDIUM, TierTable, open_tier_table, tier_table_name
 
 # Non-cryptographic hashes of vLLM's prefix cache: their NONE_HASH seed is random per
@@ -112,6 +113,7 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
         "hash_algorithm": cache.prefix_caching_hash_algo,
         "hash_seed": hash_seed_identity(cache.prefix_caching_hash_algo),
         "platform": platform_name(current_platform),
+        "vllm_release": ".".join(map(str, VLLM_RELEASE)),
     }
 
 

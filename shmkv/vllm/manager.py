@@ -228,6 +228,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         replica_id: str | None = None,
+        implicit_step_region: bool = False,
     ) -> None:
         """Creates the pool ``pool`` of ``num_chunks`` chunks, or attaches to it.
 
@@ -249,6 +250,10 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 before this process takes it over (``BlockPool.create``).
             replica_id: the replica this manager belongs to (vLLM's engine id, which its
                 GPU workers share: ``replicas.py``); None: a replica of its own.
+            implicit_step_region: a step's first lookup opens the step region and
+                :meth:`on_schedule_end` closes it, for a vLLM connector that holds no
+                ``lock`` (0.32: ``compat.IMPLICIT_STEP_REGION``; the spec sets it). Any
+                other caller either enters ``lock`` or gets per-call lookups.
 
         Raises:
             UsageError: a bad argument, or an unsupported policy or threshold.
@@ -325,6 +330,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         if self._lock.record is None:  # time the pool lock for get_stats (unless in use)
             self._lock.record = []
         self._region = StepRegion(self)
+        self._implicit_region = bool(implicit_step_region)
         self._lru = TierLRU(tier, self._pool.block_rows, self._words)
         self._in_hold = False  # inside _hold(): the LRU may change
         self._hold_cm = _Hold(self)
@@ -573,6 +579,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 self._pool.touch(self._handles(to_hold))
             if stale:
                 self._pool.free_blocks(self._handles(stale))
+                self._lru.push_free(self._unkeyed_and_unheld(stale))
             producer, me = self._producer, self._row + 1
             self._cross_hits += sum(producer[b] != me for b in block_ids)
             pins = self._pins
@@ -620,7 +627,18 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                     del self._pins[key]
                     done.append(pin[0])
             self._end_jobs(done)
+            self._lru.push_free(self._unkeyed_and_unheld(done))
         self._step.forget(need)  # unpinned: a kept HIT answer may no longer hold
+
+    def _unkeyed_and_unheld(self, block_ids: list[int]) -> list[int]:
+        """Those of ``block_ids`` with no key, no hold and no job (caller holds the lock,
+        after giving its holds back): a region replacement dropped their keys while they
+        were held (``region._forget_chunks``), and nothing else puts them back among the
+        free chunks (``pop_free`` checks each again)."""
+        words, row, jobs = self._words, L.ROW_I32, self._jobs
+        f_ref, f_htok, no_key = L.F_REF, L.F_HASH_TOKENS, L.NO_HASH_TOKENS
+        return [b for b in block_ids if words[b * row + f_ref] == 0
+                and words[b * row + f_htok] == no_key and jobs[b] == 0]
 
     def _end_jobs(self, block_ids: list[int]) -> None:
         """Clears this replica's job bit on blocks whose job it has reported done, except

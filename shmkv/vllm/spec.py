@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from shmkv.errors import UsageError
 from shmkv.pool import layout as L
-from shmkv.vllm.compat import spec_cpu_info
+from shmkv.vllm.compat import IMPLICIT_STEP_REGION, VLLM_RELEASE, spec_cpu_info
 from shmkv.vllm.cpu_worker import CPUTransferWorker
 from shmkv.vllm.identity import platform_name, refuse_foreign_replica, replica_identity
 from shmkv.vllm.manager import (
@@ -111,6 +111,12 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 f"eviction_policy {policy!r} is not supported by the shared offload tier "
                 "(ARC's ghost lists are not shared); use 'lru'"
             )
+        if VLLM_RELEASE == (0, 32) and not platforms.current_platform.is_cpu():
+            raise UsageError(
+                "the shared offload tier runs on vLLM 0.32 as vLLM's CPU build only (it is "
+                "tested there); on "
+                f"{platform_name(platforms.current_platform)} use vLLM 0.33.0"
+            )
         if platforms.current_platform.is_rocm():
             raise UsageError(
                 "the shared offload tier needs vLLM's shared offload region, which vLLM does "
@@ -156,6 +162,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 else store_threshold,
                 info=spec_cpu_info(self), max_processes=self.shmkv_max_processes,
                 replica_id=self.config.engine_id,
+                implicit_step_region=IMPLICIT_STEP_REGION,
             )
             try:
                 manager.check_identity(identity)

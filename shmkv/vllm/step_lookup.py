@@ -20,7 +20,8 @@ the region, so the lookups that follow take no lock. An answer stays true while 
   again next step, and a MISS ends its walk. This process's own ``prepare_store`` or
   ``complete_store`` of the key drops the answer, so it reads what vLLM's manager would.
 
-vLLM 0.32's connector holds no ``lock``: there the first lookup of a step opens the region
+vLLM 0.32's connector holds no ``lock``: for it (the manager's ``implicit_step_region``,
+which the spec sets on 0.32) the first lookup of a step opens the region
 (``StepRegion.open_implicit``) and the manager's ``on_schedule_end``, which vLLM calls at the
 end of every scheduler step, closes it, so a HIT stays pinned until its ``prepare_load``
 there too.
@@ -40,7 +41,6 @@ from typing import Any
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from shmkv.errors import UsageError
-from shmkv.vllm.compat import IMPLICIT_STEP_REGION
 from shmkv.vllm.recency import MISS, PENDING, READY
 
 MAX_RUN = 64  # keys looked up in one hold
@@ -154,9 +154,10 @@ class StepLookupCalls:
         if not self._lookup_pins or self._pool is None:
             return
         with self._hold():
-            held = self._handles(list(self._lookup_pins.values()))
+            block_ids = list(self._lookup_pins.values())
             self._lookup_pins.clear()
-            self._pool.free_blocks(held)
+            self._pool.free_blocks(self._handles(block_ids))
+            self._lru.push_free(self._unkeyed_and_unheld(block_ids))
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if the key is stored and complete (by any process), HIT_PENDING if a
@@ -182,7 +183,7 @@ class StepLookupCalls:
             UsageError: a key the tier cannot hold (hash longer than 32 bytes).
             PoolClosedError: the manager is closed.
         """
-        if IMPLICIT_STEP_REGION and not self._region.active:
+        if self._implicit_region and not self._region.active:
             self._region.open_implicit()
         if self._region.active:
             answer = self._step.answers.get(key)

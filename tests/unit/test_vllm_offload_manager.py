@@ -514,16 +514,14 @@ def test_a_kept_lookup_answer_never_outlives_its_truth(make_manager):
 
 
 def test_without_vllms_lock_a_step_runs_from_its_first_lookup_to_on_schedule_end(
-        make_manager, monkeypatch):
+        make_manager):
     """On a vLLM whose connector holds no ``manager.lock`` (0.32), a step's first lookup
     opens the step region and ``on_schedule_end`` closes it: a HIT stays pinned against
     another replica's eviction until its ``prepare_load`` (whose pin it becomes) or the
     step's end. Without the implicit region the other replica evicts the HIT, and the
-    ``prepare_load`` vLLM's scheduler makes next fails."""
-    from shmkv.vllm import step_lookup
-
-    monkeypatch.setattr(step_lookup, "IMPLICIT_STEP_REGION", True)
-    a = make_manager(2, replica_id="A")
+    ``prepare_load`` vLLM's scheduler makes next fails. A manager not made for such a
+    connector (B) never opens one: its lookups pin nothing."""
+    a = make_manager(2, replica_id="A", implicit_step_region=True)
     b = SharedCPUOffloadingManager(a.pool_name, 2, replica_id="B")
     try:
         out = a.prepare_store(to_keys([0, 1]), CTX)
@@ -543,6 +541,8 @@ def test_without_vllms_lock_a_step_runs_from_its_first_lookup_to_on_schedule_end
         a.complete_load(to_keys([0]), ctx)
         assert _refs(a, chunks) == [0, 1]  # chunk 1 now holds B's store of key 7
         a.on_schedule_end(None)  # no region open: nothing happens
+        assert b.lookup(to_key(0), ctx) == HIT
+        assert _refs(a, chunks) == [0, 1]  # B's lookup pinned nothing
         a.pool.check_invariants()
     finally:
         b.close()

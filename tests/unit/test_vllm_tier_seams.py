@@ -112,7 +112,9 @@ def test_a_hit_kept_across_a_region_replacement_is_never_loaded(tier):
     """Inside a step, replica A looks key 1 up (a HIT, pinned); the region is replaced (by
     replica C's worker) and C stores key 1 again. A with a worker on the old region may not
     load it; A with no worker bound yet loads the new chunk, its lookup's hold moving to it:
-    no hold leaks and ``complete_load`` gives the pin back without a double free."""
+    no hold leaks and ``complete_load`` gives the pin back without a double free; every
+    chunk can be had again afterwards (the chunks held while the region was replaced lost
+    their keys then, and go back to the free chunks when their holds do)."""
     name, manager, worker = tier
     worker("B")
     b = manager("B")
@@ -140,3 +142,9 @@ def test_a_hit_kept_across_a_region_replacement_is_never_loaded(tier):
             del refs
             a.complete_load([key(1)], CTX)
         assert int(a.pool.block_rows()["ref_cnt"][1:].sum()) == 0
+    worker("D")
+    d = manager("D")  # no chunk was lost: a new replica can take every one of them
+    out = d.prepare_store([key(100 + i) for i in range(NUM_CHUNKS)], CTX)
+    assert out is not None and sorted(out.store_spec.block_ids.tolist()) == list(
+        range(NUM_CHUNKS)), "a chunk held across the region replacement never came back"
+    d.complete_store(out.keys_to_store, CTX)
