@@ -16,16 +16,16 @@ import os
 
 import pytest
 
-from shmkv import BlockPool, KVCacheManager
-from shmkv import Request as ShmRequest
-from shmkv.core import kv_cache_interface as specs
-from tests.conftest import unique_pool_name
-from tests.linearizability.checker import FinalState, check
-from tests.linearizability.harness import run_interleaved
-from tests.linearizability.manager_workers import MANAGER_KWARGS, manager_config
-from tests.linearizability.recordings import rewrite_history
+pytest.importorskip("vllm.v1.core.kv_cache_manager")  # the checker replays on vLLM's own code
 
-pytest.importorskip("vllm.v1.core.kv_cache_manager")
+from shmkv import BlockPool, KVCacheManager  # noqa: E402
+from shmkv import Request as ShmRequest  # noqa: E402
+from shmkv.core import kv_cache_interface as specs  # noqa: E402
+from tests.conftest import unique_pool_name  # noqa: E402
+from tests.linearizability.checker import FinalState, check  # noqa: E402
+from tests.linearizability.harness import run_interleaved  # noqa: E402
+from tests.linearizability.manager_workers import MANAGER_KWARGS, manager_config  # noqa: E402
+from tests.linearizability.recordings import rewrite_history  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

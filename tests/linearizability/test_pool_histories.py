@@ -17,14 +17,14 @@ import random
 
 import pytest
 
-from shmkv import BlockPool
-from tests.conftest import unique_pool_name
-from tests.helpers import make_request
-from tests.linearizability.checker import FinalState, check
-from tests.linearizability.harness import run_history, run_interleaved
-from tests.linearizability.recordings import rewrite_history
+pytest.importorskip("vllm.v1.core.block_pool")  # the checker replays on vLLM's own code
 
-pytest.importorskip("vllm.v1.core.block_pool")
+from shmkv import BlockPool  # noqa: E402
+from tests.conftest import unique_pool_name  # noqa: E402
+from tests.helpers import make_request  # noqa: E402
+from tests.linearizability.checker import FinalState, check  # noqa: E402
+from tests.linearizability.harness import run_history, run_interleaved  # noqa: E402
+from tests.linearizability.recordings import rewrite_history  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -11,15 +11,15 @@ import uuid
 
 import pytest
 
-from shmkv import BlockPool
-from shmkv.errors import UsageError
-from shmkv.pool import recorder
-from shmkv.pool.recorder import RECORD_ENV, Enter, Exit, Opened, read_history
-from tests.conftest import unique_pool_name
-from tests.linearizability.checker import FinalState, check
-from tests.linearizability.recordings import rewrite_history
+pytest.importorskip("vllm.v1.core.block_pool")  # the checker replays on vLLM's own code
 
-pytest.importorskip("vllm.v1.core.block_pool")
+from shmkv import BlockPool  # noqa: E402
+from shmkv.errors import UsageError  # noqa: E402
+from shmkv.pool import recorder  # noqa: E402
+from shmkv.pool.recorder import RECORD_ENV, Enter, Exit, Opened, read_history  # noqa: E402
+from tests.conftest import unique_pool_name  # noqa: E402
+from tests.linearizability.checker import FinalState, check  # noqa: E402
+from tests.linearizability.recordings import rewrite_history  # noqa: E402
 
 
 def test_a_full_disk_never_fails_nor_changes_a_pool_call(kernel, tmp_path):
