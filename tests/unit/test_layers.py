@@ -23,7 +23,9 @@ PACKAGE = ROOT / "shmkv"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Nothing of shmkv below them. plot is a leaf drawing helper (matplotlib) that the
     # serve report uses, so it sits here rather than with the integrations.
-    ("base", ("shmkv.errors", "shmkv.events", "shmkv.hashing", "shmkv.plot")),
+    # model_files: what a process can see of its weights, for both integrations' identities.
+    ("base", ("shmkv.errors", "shmkv.events", "shmkv.hashing", "shmkv.plot",
+              "shmkv.model_files")),
     ("pool", ("shmkv.pool",)),
     ("core", ("shmkv.core",)),
     ("ranks", ("shmkv.ranks", "shmkv.messages")),
