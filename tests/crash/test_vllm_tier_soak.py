@@ -43,25 +43,15 @@ class Replica:
                  guard_off: bool) -> None:
         self.commands, self.acks = ctx.Queue(), ctx.Queue()
         self.core_pid = ctx.Value("i", 0)
+        self.joined = ctx.Event()  # set once its core and worker have both joined
         self.worker = ctx.Process(target=soak.worker, args=(
             pool, name, self.core_pid, self.commands, self.acks))
         self.worker.start()
         self.core = ctx.Process(target=soak.core, args=(
-            pool, name, seed, stop, counters, self.commands, self.acks, guard_off))
+            pool, name, seed, stop, counters, self.commands, self.acks, guard_off,
+            self.joined))
         self.core.start()
         self.core_pid.value = self.core.pid
-
-
-def _wait_for_cores(pool: str, pids: list[int], timeout_s: float = 60.0) -> None:
-    """Waits until every pid in ``pids`` is attached to the pool (its manager is made)."""
-    bp = BlockPool.attach(pool)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not set(pids) <= {row["pid"] for row in bp.processes()}:
-            assert time.monotonic() < deadline, f"cores {pids} did not attach in {timeout_s} s"
-            time.sleep(0.05)
-    finally:
-        bp.close()
 
 
 def run_soak(ctx, seed: int, kills: int, guard_off: bool = False,
@@ -94,8 +84,8 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False,
             replicas[i] = Replica(ctx, pool, f"r{i}-{incarnations[i]}", rng.randrange(1 << 30),
                                   stop, counters, guard_off)
         time.sleep(0.5)
-        if faults:  # once every running replica's core has joined (they start slowly)
-            _wait_for_cores(pool, [r.core.pid for r in replicas])
+        if faults:  # once every running replica has joined (they start slowly)
+            assert all(r.joined.wait(60) for r in replicas)
             os.unlink(replica_locks_path(pool))
             time.sleep(1.0)  # the replicas go on, their rows live to one another
             late = Replica(ctx, pool, "late", 1, stop, counters, guard_off)

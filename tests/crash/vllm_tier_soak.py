@@ -141,11 +141,12 @@ class _Jobs:
 
 
 def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
-         guard_off: bool = False) -> None:
+         guard_off: bool = False, joined=None) -> None:
     """An engine core: serves random prompts against the tier, loading hits (its worker
     checks every byte) and storing misses with up to MAX_STORES_IN_FLIGHT stores in flight;
     now and then resets with stores in flight. ``counters``: [loads checked, wrong chunks,
-    stores, resets]."""
+    stores, resets]. ``joined`` (an Event) is set once the core and its worker have both
+    joined the replica's row."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     from shmkv.errors import SegmentError
@@ -157,6 +158,8 @@ def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
     if guard_off:  # the race detector: this core ignores every replica's job bits
         manager._jobs = memoryview(bytearray(8 * len(manager._jobs))).cast("Q")
     assert acks.get(timeout=120) == "ready"
+    if joined is not None:
+        joined.set()
     jobs = _Jobs(manager, commands, acks, counters)
     ctx = ReqContext("")
     while not stop.is_set():
