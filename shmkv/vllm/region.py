@@ -188,12 +188,12 @@ def check_mapped(fd: int, path: str, data_bytes: int, tag: int) -> None:
                            "worker mapped it; start the worker again")
 
 
-def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, engine_id: str,
+def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_id: str,
                    data_bytes: int, identity: dict | None = None
                    ) -> tuple[ReplicaLocks, int]:
     """A GPU worker's start: checks its replica's ``identity`` against the tier's (and
-    records it if it is the first), joins its replica's row (engine id ``engine_id``),
-    binds the data region to the pool (making it if needed) and returns (its hold on the
+    records it if it is the first), joins its replica's row (``replica_id``, one per engine
+    start), binds the data region to the pool (making it if needed) and returns (its hold on the
     row, kept until the worker exits; the region's tag). The pool handle it needed is
     closed again: a worker takes no slot of the pool's process table.
 
@@ -216,7 +216,7 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, engine_i
             with pool.lock():
                 if identity is not None:
                     check_identity(tier, pool_name, identity)
-                row = join(tier, locks, replica_key(engine_id), pool_name)
+                row = join(tier, locks, replica_key(replica_id), pool_name)
             tag = bind_region(pool, tier, locks, row, pool_name, data_bytes)
         except BaseException:
             locks.close()

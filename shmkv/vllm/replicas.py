@@ -12,8 +12,11 @@ bits.
 Membership is kernel-arbitrated and valid across pid namespaces: every process of replica
 row ``r`` (engine core and workers) holds an OFD read lock on byte ``r`` of the replica lock
 file ``/dev/shm/<tier table name>.replicas``. A row is gone when nobody holds its byte
-(``F_OFD_GETLK``), whatever pids now run. A row is keyed by its replica's engine id (vLLM's
-``engine_id``, distinct per data-parallel rank), which the engine core and its workers share.
+(``F_OFD_GETLK``), whatever pids now run. A row is keyed by its replica's id: vLLM's
+``engine_id`` (distinct per data-parallel rank) and the instance id vLLM makes once per engine
+start, which the engine core and its workers share. A restart gets a row of its own even
+under a user-fixed engine id, so a killed core's chunks come back as soon as its last worker
+stops.
 
 The file is bound to the tier table (its inode, recorded by the first process that joins a
 row): a process that opens the path and finds another file (the first was removed, by hand

@@ -138,6 +138,16 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                                                  DEFAULT_MAX_PROCESSES))
         self._worker_locks: ReplicaLocks | None = None
 
+    @property
+    def shmkv_replica_id(self) -> str:
+        """This engine start's replica: vLLM's engine id (distinct per data-parallel rank)
+        and its config's instance id (made once per engine start, and shared by the engine
+        core and its workers, which get the core's config). An engine restarted under a
+        user-fixed engine id so gets a replica row of its own, and the killed core's chunks
+        come back once its last worker stops, not when the new incarnation does."""
+        instance = getattr(self.vllm_config, "instance_id", "")
+        return f"{self.config.engine_id}@{instance}" if instance else self.config.engine_id
+
     def replica_identity(self) -> dict[str, Any]:
         """What every replica sharing the tier must agree on (``shmkv/vllm/identity.py``)."""
         return replica_identity(self, self.vllm_config)
@@ -161,7 +171,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 store_threshold=min(store_threshold, 1) if store_threshold < 2
                 else store_threshold,
                 info=spec_cpu_info(self), max_processes=self.shmkv_max_processes,
-                replica_id=self.config.engine_id,
+                replica_id=self.shmkv_replica_id,
                 implicit_step_region=IMPLICIT_STEP_REGION,
             )
             try:
@@ -184,7 +194,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
             SegmentError: a foreign or insecure region file, or no room in /dev/shm.
         """
         locks, tag = join_as_worker(self.shmkv_pool, self.num_chunks, self.shmkv_max_processes,
-                                    self.config.engine_id,
+                                    self.shmkv_replica_id,
                                     self.num_chunks * self.kv_bytes_per_chunk,
                                     identity=self.replica_identity())
         if self._worker_locks is not None:

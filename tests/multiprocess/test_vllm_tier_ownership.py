@@ -45,9 +45,10 @@ def prompt(seed: int) -> list[int]:
 class Replica:
     """A replica's process (engine core or worker) driven through two queues."""
 
-    def __init__(self, ctx, target, *args) -> None:
+    def __init__(self, ctx, target, *args, **kwargs) -> None:
         self.to_parent, self.from_parent = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=target, args=(*args, self.to_parent, self.from_parent))
+        self.proc = ctx.Process(target=target, args=(*args, self.to_parent, self.from_parent),
+                                kwargs=kwargs)
         self.proc.start()
 
     def get(self):
@@ -113,6 +114,46 @@ def test_a_killed_engine_cores_chunks_wait_for_its_workers(spawn_ctx, tier, job)
         if core is not None:
             core.stop()
         worker.stop()
+    _check_clean(pool)
+
+
+@pytest.mark.timeout(240)
+def test_a_restart_under_the_same_engine_id_gets_a_row_of_its_own(spawn_ctx, tier):
+    """Replica A runs with a user-fixed engine id: its engine core is SIGKILLed with a store
+    in flight, and A restarts (new worker, new core, same engine id) while the old worker
+    still lives. The old core's chunks stay out of every hand while the old worker lives,
+    and come back to the new incarnation as soon as that worker stops, not when the new
+    incarnation does."""
+    pool, model_dir = tier
+    old_worker = Replica(spawn_ctx, replica_worker, pool, model_dir, "A", TIER_BYTES)
+    new_worker = old_core = scheduler = None
+    try:
+        assert old_worker.get()[0] == "ready"
+        old_core = Replica(spawn_ctx, storing_replica, pool, model_dir, "A", prompt(0),
+                           "store", TIER_BYTES)
+        a_chunks = old_core.get()
+        assert len(a_chunks) == 6
+        old_core.kill()
+
+        new_worker = Replica(spawn_ctx, replica_worker, pool, model_dir, "A", TIER_BYTES,
+                             start="1")
+        assert new_worker.get()[0] == "ready"
+        scheduler = make_scheduler(pool, model_dir, TIER_BYTES, engine_id="A", start="1")
+        stored, jobs = step_until_stores(scheduler, "a1-0", prompt(1))
+        assert not set(stored) & set(a_chunks), (a_chunks, stored)
+        report_jobs_done(scheduler, jobs)
+        more, _ = step_until_jobs(scheduler, "a1-1", prompt(2), "store", max_steps=4)
+        assert not set(more) & set(a_chunks), "handed out while the old worker may write"
+
+        old_worker.stop()  # it ends its step and exits, as vLLM's worker of a dead core
+        after, _ = step_until_jobs(scheduler, "a1-2", prompt(3), "store", max_steps=8)
+        assert set(a_chunks) <= set(more) | set(after), (a_chunks, more, after)
+    finally:
+        if scheduler is not None:
+            scheduler.connector.shutdown()
+        for replica in (old_core, new_worker, old_worker):
+            if replica is not None:
+                replica.stop()
     _check_clean(pool)
 
 

@@ -62,11 +62,17 @@ def write_model_dir(path: str) -> str:
 
 def make_vllm_config(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, *,
                      engine_id: str | None = None, connector: str = "SharedOffloadingConnector",
-                     model: dict | None = None, parallel: dict | None = None) -> VllmConfig:
+                     model: dict | None = None, parallel: dict | None = None,
+                     start: str = "0") -> VllmConfig:
     """vLLM's config of one replica on shmkv's tier ``pool``: ``model`` and ``parallel``
     are extra ``ModelConfig`` / ``ParallelConfig`` arguments (quantization, hf_overrides,
-    tensor_parallel_size, ...); ``engine_id`` names the replica (its workers share it)."""
-    return VllmConfig(
+    tensor_parallel_size, ...); ``engine_id`` names the replica (its workers share it).
+
+    vLLM makes a config's instance id once per engine start and hands that config to the
+    engine core and its workers; here the core and its workers build configs of their own
+    (in their own processes), so a replica's engine start is named by ``start``, the same
+    for its core and workers and another for a restart."""
+    config = VllmConfig(
         model_config=ModelConfig(model=model_dir, tokenizer=None, skip_tokenizer_init=True,
                                  dtype="float16", max_model_len=1024, **(model or {})),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
@@ -83,6 +89,8 @@ def make_vllm_config(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, *,
                                        "cpu_bytes_to_use": cpu_bytes, "shmkv_pool": pool}),
         device_config=DeviceConfig("cpu"),
     )
+    config.instance_id = f"{engine_id}-start-{start}" if engine_id else config.instance_id
+    return config
 
 
 def make_kv_cache_config() -> KVCacheConfig:
@@ -219,11 +227,12 @@ def report_jobs_done(scheduler: Scheduler, job_ids: list[int]) -> None:
 
 
 def storing_replica(pool: str, model_dir: str, engine_id: str, prompt: list[int],
-                    want: str, cpu_bytes: int, to_parent, from_parent) -> None:
+                    want: str, cpu_bytes: int, to_parent, from_parent, start: str = "0") -> None:
     """A replica's engine core that starts storing (or loading: ``want``) ``prompt`` and
     leaves the jobs in flight; then, on command: "reset" (vLLM's reset_prefix_cache with
-    the connector), "done" (its workers report the jobs done), "exit"."""
-    scheduler = make_scheduler(pool, model_dir, cpu_bytes, engine_id=engine_id)
+    the connector), "done" (its workers report the jobs done), "exit". ``start``: see
+    :func:`make_vllm_config`."""
+    scheduler = make_scheduler(pool, model_dir, cpu_bytes, engine_id=engine_id, start=start)
     chunks, jobs = step_until_jobs(scheduler, f"{engine_id}-req0", prompt, want)
     to_parent.put(chunks)
     while (command := from_parent.get(timeout=120)) != "exit":
@@ -251,12 +260,12 @@ def worker_spec(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, **config: A
 
 
 def replica_worker(pool: str, model_dir: str, engine_id: str, cpu_bytes: int, to_parent,
-                   from_parent, rank: int = 0) -> None:
+                   from_parent, rank: int = 0, start: str = "0") -> None:
     """A replica's GPU worker: joins the replica, maps the tier's data region (what vLLM's
     create_worker does on a GPU) and, on command, writes or reads chunks of it:
     ("write", chunk ids, one byte value per chunk), ("read", chunk ids) -> the first
-    bytes of each, "exit"."""
-    spec = worker_spec(pool, model_dir, cpu_bytes, engine_id=engine_id)
+    bytes of each, "exit". ``start``: see :func:`make_vllm_config`."""
+    spec = worker_spec(pool, model_dir, cpu_bytes, engine_id=engine_id, start=start)
     region = spec.open_data_region(rank)
     view = np.asarray(region.create_kv_memoryview())  # [chunk, byte]
     to_parent.put(("ready", spec.num_chunks, spec.kv_bytes_per_chunk))

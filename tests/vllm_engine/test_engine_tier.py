@@ -83,9 +83,12 @@ def test_tier_on_matches_off_and_an_evicted_prefix_comes_back(engines):
     assert got[2]["num_cached_tokens"][0] == FULL_BLOCK_TOKENS
 
 
-def test_engine_b_loads_what_engine_a_stored(engines):
+def test_engine_b_loads_what_engine_a_stored(engines, tier_pool):
     """Engine B, a separate engine that never saw P, loads P's 672 tokens from the tier
-    engine A stored, generates REF's tokens, and counts the chunks as cross-replica hits."""
+    engine A stored, generates REF's tokens, and counts the chunks as cross-replica hits.
+    Each engine's core and its worker process share one replica row (vLLM hands the core's
+    config, instance id included, to its workers): two rows live, not four."""
+    assert tier_report(tier_pool)["live_replica_rows"] == 2
     b, ref = engines["B"], engines["REF"]
     got = b.generate([P])
     assert got["tokens"] == ref.generate([P])["tokens"]
