@@ -175,8 +175,11 @@ class TierLRU:
         jobs = self._tier.job_words
         row, f_ref, f_htok, f_gid = L.ROW_I32, L.F_REF, L.F_HASH_TOKENS, L.F_GROUP
         no_key = L.NO_HASH_TOKENS
+        num_blocks = min(len(ranks), len(jobs), len(words) // row)
 
-        def stale(block: int, rank: int) -> bool:  # re-ranked, or no longer ready
+        def stale(block: int, rank: int) -> bool:  # re-ranked, no longer ready, or no chunk
+            if not 0 < block < num_blocks:  # an entry written over: dropped
+                return True
             at = block * row
             return (ranks[block] != rank or words[at + f_htok] == no_key
                     or words[at + f_gid] & PENDING_BIT)
@@ -189,10 +192,14 @@ class TierLRU:
         aside: list[tuple[int, int]] = []
         tied = None
         if use_c and _c_heap_victims is not None and self._c_heap:
-            size, victims, aside, tied = _c_heap_victims(
-                hr, self._hb, sizes[W_HEAP_SIZE], ranks, words, jobs, protected, num,
-                self._layout)
-            sizes[W_HEAP_SIZE] = size
+            try:
+                size, victims, aside, tied = _c_heap_victims(
+                    hr, self._hb, sizes[W_HEAP_SIZE], ranks, words, jobs, protected, num,
+                    self._layout)
+                sizes[W_HEAP_SIZE] = size
+            except ValueError:  # an entry names no chunk (the heap was written over), and
+                self.rebuild()  # the C loop stopped half way: the heap again, from the rows
+                victims, aside, tied = [], [], None
         seen = set(victims)
         seen.update(block for _, block in aside)
         if tied is not None:

@@ -188,7 +188,10 @@ class _Hold:
         lock = manager._lock
         try:
             manager._in_hold = False
-            manager._lru.end()
+            if exc[0] is None or issubclass(exc[0], UsageError):  # bad input is refused
+                manager._lru.end()  # before any change; any other error (an interrupt in
+            # a sift) may leave the heap or free stack half changed: the dirty flag
+            # stays, and the next holder rebuilds them
         finally:
             lock.release()
         record = lock.record

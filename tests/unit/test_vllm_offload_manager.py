@@ -320,6 +320,40 @@ def test_an_lru_left_half_changed_is_rebuilt(make_manager, damage):
 
 
 @pytest.mark.parametrize("victims_in_c", [True, False])
+@pytest.mark.parametrize("entry", [-3, 0, 1 << 20])
+def test_a_heap_entry_written_over_is_dropped_and_the_heap_rebuilt(make_manager, monkeypatch,
+                                                                   victims_in_c, entry):
+    """A heap entry naming no chunk (the shared heap written over): eviction neither raises
+    into vLLM's scheduler nor evicts a chunk that is not there; it evicts the least
+    recently used keys, and the heap's size word matches its entries afterwards."""
+    from shmkv.vllm import lru
+    from shmkv.vllm.tier import W_HEAP_SIZE, W_LRU_DIRTY
+
+    if not victims_in_c:
+        monkeypatch.setattr(lru, "_c_heap_victims", None)
+    elif lru._c_heap_victims is None:
+        pytest.skip("shmkv.pool._ckernel is not built (pip install -e . builds it)")
+    manager = make_manager(6)
+    for i in range(6):
+        manager.prepare_store([to_key(i)], CTX)
+        manager.complete_store([to_key(i)], CTX)
+    tier = manager._tier
+    tier.heap_block[0] = entry  # the top entry: the first one popped
+    out = manager.prepare_store(to_keys([10, 11]), CTX)
+    assert out is not None and sorted(out.store_spec.block_ids.tolist()) != []
+    evicted = out.evicted_keys
+    assert set(evicted) <= set(to_keys(range(6))) and len(evicted) == 2
+    assert all(0 <= b < 6 for b in out.store_spec.block_ids.tolist()), out.store_spec.block_ids
+    assert tier.words[W_LRU_DIRTY] == 0
+    manager.complete_store(to_keys([10, 11]), CTX)
+    size = int(tier.words[W_HEAP_SIZE])
+    assert all(0 < b <= 6 for b in tier.heap_block[:size].tolist())
+    out = manager.prepare_store(to_keys([12, 13, 14, 15]), CTX)
+    assert out is not None and len(out.evicted_keys) == 4
+    manager.pool.check_invariants()
+
+
+@pytest.mark.parametrize("victims_in_c", [True, False])
 def test_calls_do_not_scan_the_tier(make_manager, monkeypatch, victims_in_c):
     """prepare_store on a full tier reads O(keys x log chunks) entries, not every block:
     the free stack and the eviction heap answer it, so a tier of 65,536 chunks and one of
