@@ -44,6 +44,8 @@ import time
 import uuid
 from pathlib import Path
 
+from vllm_engine_driver import engine_env
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("vllm_engine_driver.py")
 BLOCK = 32
@@ -51,11 +53,7 @@ SETUPS = ("no tier", "private tiers", "shared tier")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONHASHSEED": "0",
-                "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    return env
+    return engine_env(str(ROOT))
 
 
 class Replica:

