@@ -122,9 +122,15 @@ def add_events_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- metrics
 
+MAX_PORT = 65535
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from shmkv.metrics import serve
 
+    if not 0 <= args.port <= MAX_PORT:  # checked before the pool is attached
+        raise UsageError(f"--port {args.port}: must be a TCP port in 0..{MAX_PORT} "
+                         "(0: any free one)")
     pool = attach_pool(args.name, label="shmkv-metrics")
     try:
         try:
@@ -152,7 +158,8 @@ def add_metrics_parser(sub) -> None:
                        "shmkv/metrics.py) until SIGTERM or Ctrl-C. Needs prometheus-client "
                        "(pip install 'shmkv[metrics]').")
     p.add_argument("name", help="pool name")
-    p.add_argument("--port", type=int, required=True, help="TCP port (0: any free one)")
+    p.add_argument("--port", type=int, required=True,
+                   help=f"TCP port, 0..{MAX_PORT} (0: any free one)")
     p.add_argument("--addr", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--duration", type=float, metavar="SECONDS",
                    help="stop after this long (default: run until stopped)")
