@@ -24,6 +24,7 @@ def iso_time(ts: float) -> str:
 
 def _event_line(logged, labels: dict[int, tuple[str, int]], epoch: bool = False) -> str:
     from shmkv.events import BlockRemoved, BlockStored
+    from shmkv.events import short_hash as h
 
     e = logged.event
     label, since_ns = labels.get(logged.slot, ("", 0))
@@ -32,9 +33,6 @@ def _event_line(logged, labels: dict[int, tuple[str, int]], epoch: bool = False)
     who = label if since_ns <= logged.ts * 1e9 else ""
     when = f"{logged.ts:.6f}" if epoch else iso_time(logged.ts)
     head = f"{logged.seq:>8}  {when}  slot {logged.slot:>3} {who:<14}"
-
-    def h(x) -> str:
-        return f"{x:016x}" if isinstance(x, int) else bytes(x).hex()[:16]
 
     if isinstance(e, BlockStored):
         parent = "-" if e.parent_block_hash is None else h(e.parent_block_hash)
