@@ -528,7 +528,7 @@ def tier_lines(tier) -> list[str]:
     unit = tier.unit
     lines = [
         f"tier     {tier.kind}: {tier.num_chunks:,} {unit}, {tier.chunks_with_data:,} in use "
-        f"({tier.chunks_storing:,} being stored), {tier.chunks_held:,} held",
+        f"with data ({tier.chunks_storing:,} being stored), {tier.chunks_held:,} held",
         f"  node   {tier.stored:,} {unit} stored, {tier.loaded:,} loaded, "
         f"{tier.cross_replica_hits:,} cross-replica hits",
     ]
