@@ -3,16 +3,22 @@
 - ``docs/layout.md``: the shared-memory layout's tables (regions, header, block rows,
   process-table rows, journal entries, the offsets of an example pool), rendered from
   ``shmkv/pool/layout.py`` itself (``REGIONS`` and the record dtypes);
-- the sample output of ``shmkv run`` in README.md and docs/serving.md (between the
-  ``<!-- sample: NAME -->`` and ``<!-- end sample -->`` marks), rendered from the JSON of a
-  real run kept in ``docs/samples/run.json`` with the functions the command prints with.
+- the sample outputs of ``shmkv run`` and ``shmkv replay`` in README.md and
+  docs/serving.md (between the ``<!-- sample: NAME -->`` and ``<!-- end sample -->``
+  marks), rendered from the JSON of real runs kept in ``docs/samples/`` (``SAMPLE_RUNS``:
+  ``run.json``, ``kill-one.json``, ``replay-trace.json``) with the functions the commands
+  print with.
 
 Usage::
 
-    python scripts/update_docs.py             # re-render both from what is stored
-    python scripts/update_docs.py --run       # first run `shmkv run` again (new figures,
-                                              # docs/run.png too), then re-render
+    python scripts/update_docs.py             # re-render everything from what is stored
+    python scripts/update_docs.py --run       # first run every sample's command again (new
+                                              # figures, docs/run.png too), then re-render
+    python scripts/update_docs.py --run kill-one   # only that one's
     python scripts/update_docs.py --check     # exit 1 naming each file that is stale
+
+The ``replay-trace`` sample replays the public Mooncake conversation trace
+(docs/serving.md, "Mooncake traces"): ``--trace PATH`` names the downloaded file.
 
 ``tests/unit/test_readme.py`` fails when a file differs from what this script writes.
 """
@@ -30,7 +36,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE_JSON = ROOT / "docs" / "samples" / "run.json"
+SAMPLES_DIR = ROOT / "docs" / "samples"
+SAMPLE_JSON = SAMPLES_DIR / "run.json"
+TRACE_NAME = "conversation_trace.jsonl"  # the Mooncake trace, as the sample names it
+# JSON name -> the command's arguments (its --json and --plot are added; TRACE: the trace)
+SAMPLE_RUNS = {
+    "run": ["run"],
+    "kill-one": ["run", "--kill-one", "--no-compare"],
+    "replay-trace": ["replay", "--trace", TRACE_NAME, "--blocks", "8192"],
+}
 LAYOUT_MD = ROOT / "docs" / "layout.md"
 SAMPLE_FILES = (ROOT / "README.md", ROOT / "docs" / "serving.md")
 _SAMPLE = re.compile(r"(<!-- sample: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end sample -->)",
@@ -166,21 +180,29 @@ be needed.
 
 # ---------------------------------------------------------------------------- samples
 
-def render_sample(name: str, figures: dict) -> str:
-    """The body of sample ``name`` (an indented block: the command, then its output)."""
+def render_sample(name: str, figures: dict[str, dict]) -> str:
+    """The body of sample ``name`` (an indented block: the command, then its output), from
+    ``figures``: each stored run's JSON, by its name in ``SAMPLE_RUNS``."""
     from shmkv.serve import report
 
     if name == "shmkv-run":
-        text = "$ shmkv run\n" + report.comparison_output(figures, ["  plot: shmkv-run.png"])
+        text = "$ shmkv run\n" + report.comparison_output(figures["run"],
+                                                          ["  plot: shmkv-run.png"])
     elif name == "shmkv-run-report":
-        first = {k: v for k, v in figures.items() if k != "compare"}
+        first = {k: v for k, v in figures["run"].items() if k != "compare"}
         text = "$ shmkv run --no-compare\n" + report.report_text(first) + "\n"
+    elif name == "shmkv-run-kill-one":
+        text = ("$ shmkv run --kill-one --no-compare --plot ''\n"
+                + report.report_text(figures["kill-one"]) + "\n")
+    elif name == "shmkv-replay-trace":
+        text = (f"$ shmkv replay --trace {TRACE_NAME} --blocks 8192 --plot ''\n"
+                + report.comparison_output(figures["replay-trace"], []))
     else:
         raise ValueError(f"no sample named {name!r}")
     return "".join(f"    {line}".rstrip() + "\n" for line in text.splitlines()) + "\n"
 
 
-def render_samples(text: str, figures: dict) -> str:
+def render_samples(text: str, figures: dict[str, dict]) -> str:
     """``text`` with every sample block re-rendered."""
     def sub(m: re.Match) -> str:
         return m.group(1) + "\n" + render_sample(m.group("name"), figures) + m.group(4)
@@ -192,25 +214,38 @@ def sample_names(text: str) -> list[str]:
     return [m.group("name") for m in _SAMPLE.finditer(text)]
 
 
-def run_sample() -> None:
-    """Runs ``shmkv run`` (the README's command) and keeps its figures and plot."""
+def run_sample(name: str = "run", trace: Path | None = None) -> None:
+    """Runs sample ``name``'s command (``SAMPLE_RUNS``) and keeps its figures (and, for
+    ``run``, the README's command, its plot as docs/run.png).
+
+    Raises:
+        SystemExit: ``replay-trace`` without ``trace``.
+    """
+    args = list(SAMPLE_RUNS[name])
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run.json"
+        if TRACE_NAME in args:
+            if trace is None:
+                raise SystemExit(f"--run {name} needs --trace PATH (the Mooncake {TRACE_NAME})")
+            (Path(tmp) / TRACE_NAME).symlink_to(Path(trace).resolve())
+        out = Path(tmp) / f"{name}.json"
+        plot = str(ROOT / "docs" / "run.png") if name == "run" else ""
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "shmkv.cli", "run", "--json", str(out),
-                        "--plot", str(ROOT / "docs" / "run.png")], check=True, cwd=tmp,
+        subprocess.run([sys.executable, "-m", "shmkv.cli", *args, "--json", str(out),
+                        "--plot", plot], check=True, cwd=tmp,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        print(f"shmkv run: {time.monotonic() - t0:.1f} s, load {os.getloadavg()[0]:.2f}",
-              file=sys.stderr)
+        print(f"shmkv {' '.join(args)}: {time.monotonic() - t0:.1f} s, load "
+              f"{os.getloadavg()[0]:.2f}", file=sys.stderr)
         figures = json.loads(out.read_text())
-    figures.pop("processes", None)  # pids of a past run: nothing a reader needs
-    SAMPLE_JSON.parent.mkdir(exist_ok=True)
-    SAMPLE_JSON.write_text(json.dumps(figures, indent=1) + "\n")
+    for f in (figures, *figures.get("compare", [])):
+        f.pop("processes", None)  # pids of a past run: nothing a reader needs
+    SAMPLES_DIR.mkdir(exist_ok=True)
+    (SAMPLES_DIR / f"{name}.json").write_text(json.dumps(figures, indent=1) + "\n")
 
 
 def expected_files() -> dict[Path, str]:
     """Every generated file and what it should hold now."""
-    figures = json.loads(SAMPLE_JSON.read_text())
+    figures = {name: json.loads((SAMPLES_DIR / f"{name}.json").read_text())
+               for name in SAMPLE_RUNS}
     files = {LAYOUT_MD: render_layout()}
     for path in SAMPLE_FILES:
         files[path] = render_samples(path.read_text(), figures)
@@ -219,11 +254,16 @@ def expected_files() -> dict[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", action="store_true", help="run shmkv run again first")
+    parser.add_argument("--run", nargs="*", choices=sorted(SAMPLE_RUNS), metavar="NAME",
+                        help="run these samples' commands again first (none named: all of "
+                        f"them): {', '.join(SAMPLE_RUNS)}")
+    parser.add_argument("--trace", type=Path,
+                        help=f"the Mooncake {TRACE_NAME}, for --run replay-trace")
     parser.add_argument("--check", action="store_true", help="only say what is stale")
     args = parser.parse_args(argv)
-    if args.run:
-        run_sample()
+    if args.run is not None:
+        for name in args.run or list(SAMPLE_RUNS):
+            run_sample(name, args.trace)
     stale = 0
     for path, text in expected_files().items():
         if path.read_text() == text:

@@ -48,6 +48,15 @@ def external_block_hash(block_hash: bytes, as_int: bool) -> ExternalBlockHash:
     return int.from_bytes(block_hash, "big") & _LOW_64_BITS if as_int else block_hash
 
 
+def short_hash(block_hash: bytes | int) -> str:
+    """A block hash as the commands print it (``shmkv events``, ``shmkv inspect --keys``):
+    16 hex digits of its low 64 bits, which is the integer form events carry by default
+    (:func:`external_block_hash`), so a digest and its integer form print the same."""
+    if isinstance(block_hash, int):
+        return f"{block_hash & _LOW_64_BITS:016x}"
+    return f"{external_block_hash(bytes(block_hash), True):016x}"
+
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A batch of events: ``[ts, events, data_parallel_rank]``."""
 

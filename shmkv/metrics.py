@@ -25,6 +25,10 @@ serves it over HTTP. Every metric has the label ``pool``; per-process ones also
 | `shmkv_events_logged_total` | counter | pool | events written to the global log (its next sequence number) |
 | `shmkv_events_dropped_total` | counter | pool | events too large for the log |
 | `shmkv_event_log_lost_total` | counter | pool | events this exporter could not count (overwritten before it read them) |
+| `shmkv_tier_chunks` | gauge | pool, state | a tier pool's chunks (vLLM offload tier, SGLang store): `total`, `with_data`, `storing`, `held` |
+| `shmkv_tier_stored_chunks_total` | counter | pool, replica | chunks whose store completed, per replica row (`node`: all) |
+| `shmkv_tier_loaded_chunks_total` | counter | pool, replica | chunks loaded (pinned for the copy) |
+| `shmkv_tier_cross_replica_hit_chunks_total` | counter | pool, replica | of them, chunks another replica stored |
 
 The eviction, stored and reset counters come from the pool's global event log (a pool
 made without ``enable_kv_cache_events`` has none of them); they count what the log still
@@ -44,6 +48,7 @@ import numpy as np
 from shmkv.errors import UsageError
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shmkv.pool.event_log import decode_event
+from shmkv.pool.tier_counters import TierCounts, read_tier_counts
 from shmkv.stats import LOCK_BUCKETS_S, read_stats
 
 
@@ -79,6 +84,7 @@ class PoolSnapshot:
     resets: int
     log_lost: int
     engines: dict[int, dict] = field(default_factory=dict)  # slot -> stats row as a dict
+    tier: TierCounts | None = None  # the vLLM offload tier's or SGLang store's counters
 
     @property
     def in_use(self) -> int:
@@ -142,6 +148,7 @@ class PoolMetrics:
                 others = [s for s in table.active_slots() if s != pool.slot]
                 alive = [s for s in others if table.is_alive(s)]
                 dead = [s for s in others if not table.is_alive(s)]
+                tier = read_tier_counts(pool)
             rows = read_stats(pool.pool_name)
             engines = {}
             if rows is not None:
@@ -158,7 +165,7 @@ class PoolMetrics:
                 reaped=counters[0], repairs=counters[1], takeovers=counters[2],
                 lock_acquisitions=counters[3], events_logged=counters[4],
                 events_dropped=counters[5], evictions=self._evictions, stored=self._stored,
-                resets=self._resets, log_lost=self._lost, engines=engines)
+                resets=self._resets, log_lost=self._lost, engines=engines, tier=tier)
 
     # ------------------------------------------------------------------ prometheus
 
@@ -245,6 +252,39 @@ class PoolMetrics:
                 buckets.append(("+Inf", cumulative[-1]))
                 fam.add_metric(labels, buckets, row[f"{what}_sum_ns"] / 1e9)
         yield from (queries, hits, requests, waits, holds)
+        if s.tier is not None:
+            yield from _tier_metrics(name, s.tier)
+
+
+# The tier's counters, per replica (a vLLM replica row, an SGLang process slot) and for the
+# node: (metric, help, TierCounts field).
+TIER_COUNTERS = (
+    ("shmkv_tier_stored_chunks", "Chunks (SGLang: pages) whose store into the tier "
+     "completed.", "stored"),
+    ("shmkv_tier_loaded_chunks", "Chunks loaded from the tier (pinned for the copy).",
+     "loaded"),
+    ("shmkv_tier_cross_replica_hit_chunks", "Chunks loaded from the tier that another "
+     "replica stored.", "cross_replica_hits"),
+)
+
+
+def _tier_metrics(name: str, tier: TierCounts):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    chunks = GaugeMetricFamily("shmkv_tier_chunks", "Chunks of the tier by state: total, "
+                               "with_data (complete or being stored), storing, held.",
+                               labels=["pool", "state"])
+    for state, value in (("total", tier.num_chunks), ("with_data", tier.chunks_with_data),
+                         ("storing", tier.chunks_storing), ("held", tier.chunks_held)):
+        chunks.add_metric([name, state], value)
+    yield chunks
+    for metric, doc, what in TIER_COUNTERS:
+        fam = CounterMetricFamily(metric, doc + " replica=\"node\": every replica, those "
+                                  "gone included.", labels=["pool", "replica"])
+        fam.add_metric([name, "node"], getattr(tier, what))
+        for row in tier.rows:
+            fam.add_metric([name, str(row["row"])], row[what])
+        yield fam
 
 
 def serve(pool, port: int, addr: str = "127.0.0.1"):

@@ -2,7 +2,8 @@
 # Installs vLLM 0.33.0's own KV-cache layer (BlockPool, KVCacheManager, coordinators, specs,
 # Request, KV events) into the CURRENT Python environment, CPU only, without vLLM's heavy
 # dependency list, so shmkv's differential tests and benchmarks can run it side by side.
-# Recipe from ../shared/peer/; torch 2.13.0 must be installed first (never a CUDA build).
+# Install torch 2.13.0 first, a CPU build (never a CUDA one); without torch, the script
+# installs PyPI's default build.
 #
 #   bash benchmarks/vllm_peer/install.sh [PYTHON]      # default: python
 set -euo pipefail

@@ -24,6 +24,7 @@ def iso_time(ts: float) -> str:
 
 def _event_line(logged, labels: dict[int, tuple[str, int]], epoch: bool = False) -> str:
     from shmkv.events import BlockRemoved, BlockStored
+    from shmkv.events import short_hash as h
 
     e = logged.event
     label, since_ns = labels.get(logged.slot, ("", 0))
@@ -32,9 +33,6 @@ def _event_line(logged, labels: dict[int, tuple[str, int]], epoch: bool = False)
     who = label if since_ns <= logged.ts * 1e9 else ""
     when = f"{logged.ts:.6f}" if epoch else iso_time(logged.ts)
     head = f"{logged.seq:>8}  {when}  slot {logged.slot:>3} {who:<14}"
-
-    def h(x) -> str:
-        return f"{x:016x}" if isinstance(x, int) else bytes(x).hex()[:16]
 
     if isinstance(e, BlockStored):
         parent = "-" if e.parent_block_hash is None else h(e.parent_block_hash)
@@ -122,9 +120,15 @@ def add_events_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- metrics
 
+MAX_PORT = 65535
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from shmkv.metrics import serve
 
+    if not 0 <= args.port <= MAX_PORT:  # checked before the pool is attached
+        raise UsageError(f"--port {args.port}: must be a TCP port in 0..{MAX_PORT} "
+                         "(0: any free one)")
     pool = attach_pool(args.name, label="shmkv-metrics")
     try:
         try:
@@ -152,7 +156,8 @@ def add_metrics_parser(sub) -> None:
                        "shmkv/metrics.py) until SIGTERM or Ctrl-C. Needs prometheus-client "
                        "(pip install 'shmkv[metrics]').")
     p.add_argument("name", help="pool name")
-    p.add_argument("--port", type=int, required=True, help="TCP port (0: any free one)")
+    p.add_argument("--port", type=int, required=True,
+                   help=f"TCP port, 0..{MAX_PORT} (0: any free one)")
     p.add_argument("--addr", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--duration", type=float, metavar="SECONDS",
                    help="stop after this long (default: run until stopped)")

@@ -65,6 +65,8 @@ def print_keys(pool, args) -> int:
         return EXIT_OK
     print(f"pool {args.name}: {listing.num_cached} cached block(s), {listing.num_free} "
           f"block(s) in the free queue; LRU 0 is evicted first, '-' is held by a request")
+    from shmkv.events import short_hash
+
     print(f"  {'BLOCK':>7} {'GROUP':>5} {'HASH':<16} {'TOKENS':>6} {'REFS':>4} {'LRU':>6}  "
           f"{'CACHED BY':<28} HELD BY")
     for r in rows:
@@ -78,7 +80,7 @@ def print_keys(pool, args) -> int:
         held = ", ".join(f"slot {h['slot']} pid {h['pid']} x{h['references']}"
                          for h in r["holders"])
         lru = "-" if r["lru_position"] is None else str(r["lru_position"])
-        print(f"  {r['block_id']:>7} {r['group']:>5} {r['hash'][:16]:<16} "
+        print(f"  {r['block_id']:>7} {r['group']:>5} {short_hash(bytes.fromhex(r['hash'])):<16} "
               f"{r['num_tokens']:>6} {r['ref_cnt']:>4} {lru:>6}  {by:<28} {held}".rstrip())
     if listing.num_cached > len(rows):
         print(f"  ... {listing.num_cached - len(rows)} more (--limit N)")

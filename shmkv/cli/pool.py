@@ -24,6 +24,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
+from shmkv.pool.tier_counters import read_tier_counts
 
 # ---------------------------------------------------------------------------- demo
 
@@ -166,6 +167,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         with pool.lock():
             hdr = pool.header_snapshot()  # as of this hold
             violations = collect_violations(pool)
+            tier = read_tier_counts(pool)
         if getattr(args, "keys", False):
             from shmkv.cli.keys import print_keys
 
@@ -202,6 +204,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                   f"{'alive' if proc['alive'] else 'DEAD '}  refs {proc['references']:>7}  "
                   f"{proc['label']}")
         _print_siblings(args.name)
+        if tier is not None:
+            print("\n".join(tier_lines(tier)))
         print("invariants: " + ("OK" if not violations else f"{len(violations)} broken"))
         for v in violations:
             print(f"  {v}")
@@ -506,6 +510,8 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
         f", {s.evictions:,} evictions{rate(s.evictions, prev and prev.evictions)}, "
         f"{s.events_dropped} dropped",
     ]
+    if s.tier is not None:
+        lines += ["  " + line for line in tier_lines(s.tier)]
     for slot, row in sorted(s.engines.items()):
         waits, holds = row["lock_wait_count"], row["lock_hold_count"]
         mean_wait = row["lock_wait_sum_ns"] / waits / 1e3 if waits else 0.0
@@ -513,6 +519,23 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
         lines.append(f"  slot {slot:>3} pid {row['pid']:>7}: {row['queries']:,} queried, "
                      f"{row['hits']:,} hit; lock mean wait {mean_wait:.1f} us, hold "
                      f"{mean_hold:.1f} us over {holds:,} holds")
+    return lines
+
+
+def tier_lines(tier) -> list[str]:
+    """A tier's chunks and counters (``shmkv stats``, ``shmkv inspect``): the node's, then
+    one line per replica row (a vLLM replica, an SGLang process slot)."""
+    unit = tier.unit
+    lines = [
+        f"tier     {tier.kind}: {tier.num_chunks:,} {unit}, {tier.chunks_with_data:,} in use "
+        f"with data ({tier.chunks_storing:,} being stored), {tier.chunks_held:,} held",
+        f"  node   {tier.stored:,} {unit} stored, {tier.loaded:,} loaded, "
+        f"{tier.cross_replica_hits:,} cross-replica hits",
+    ]
+    for row in tier.rows:
+        lines.append(f"  row {row['row']:>2} {row['replica']} {'live' if row['live'] else 'gone'}"
+                     f": {row['stored']:,} stored, {row['loaded']:,} loaded, "
+                     f"{row['cross_replica_hits']:,} cross-replica hits")
     return lines
 
 

@@ -784,11 +784,13 @@ STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner
 PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
-OFFLOAD_TIER_VERSION = 2  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
-# rows, per-chunk job bits, the data region's tag and the replica identity
+OFFLOAD_TIER_VERSION = 3  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
+# rows, per-chunk job bits, the data region's tag and the replica identity; v3: the counter
+# block (shmkv/pool/tier_counters.py) after the header
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
 OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
-SGLANG_STORE_VERSION = 1  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages
+SGLANG_STORE_VERSION = 2  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages;
+# v2: the counter rows in the header, the counter block and the page producers after the pages
 SGLANG_STORE_MAGIC = 0x5C1A_46E5_70A6_E301
 SGLANG_STORE_OWNER_OFFSET = 3968  # in its 4 KiB header, after the store's identity
 

@@ -44,6 +44,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 
 from shmkv.errors import ProtocolError, ShmKVError, UsageError
 from shmkv.messages import Channel, Shutdown, create_doorbell, recv_any, unlink_doorbell
@@ -410,10 +411,12 @@ class Runner:
         signal then never interrupts a wait on a semaphore (which fails with EINTR, as
         ``posix_ipc.SignalError``) half way through a pool call or a receive."""
         signals = {signal.SIGINT, signal.SIGTERM}
-        # multiprocessing unblocks both when it starts its helper processes (the resource
-        # tracker, the fork server): start them first, so the mask below stays.
         self.ctx = _context(self.cfg.model_free)
-        _start_helpers(self.ctx)
+        # The resource tracker unblocks both once it has started (multiprocessing's own
+        # masking): start it first, so the mask below stays. The fork server starts under the
+        # mask (a child inherits it), so a Ctrl-C to the process group while it imports torch
+        # never kills it half way; its children unblock them (``engine.child_setup``).
+        resource_tracker.ensure_running()
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
         def on_signal(signum, frame):  # a thread made before the mask (torch's) took it
@@ -431,6 +434,7 @@ class Runner:
         watcher = threading.Thread(target=watch, name="shmkv-run-signals", daemon=True)
         watcher.start()
         try:
+            _start_helpers(self.ctx)
             self.t_setup = time.monotonic()
             self._setup()
             return self._serve()
@@ -846,7 +850,7 @@ def _context(model_free: bool = False):
 
 
 def _start_helpers(ctx) -> None:
-    from multiprocessing import forkserver, resource_tracker
+    from multiprocessing import forkserver
 
     if ctx.get_start_method() == "forkserver":
         forkserver.ensure_running()

@@ -9,12 +9,17 @@ Layout (little-endian):
     byte 16     num_pages (u64): the pool's blocks less the null block
     byte 24     page_bytes (u64)
     byte 32     length of the identity JSON at byte IDENTITY_OFFSET
+    byte 40     counter rows (u64): the pool's process-table slots
     byte 64     the identity (identity.py), up to the owner record
     byte 3968   the owner record (``siblings.owner_record``): the pool it belongs to, by
                 name, creator pid, inode and ``pool_id``; no creator, so the region lives
                 exactly as long as its pool (``shmkv cleanup`` / ``shmkv unlink``)
     byte 4096   page slots: block id ``b`` (1..num_pages) owns bytes
                 ``[4096 + (b - 1) * page_bytes, 4096 + b * page_bytes)``
+    then        (64-byte aligned) the counter block (``shmkv/pool/tier_counters.py``): the
+                node's row, then one per process-table slot: pages stored, loaded, loaded
+                from another slot's stores; then producer: int32 [num_pages + 1], 1 + the
+                slot whose store completed the page (advice only)
 
 A region whose owner record names another ``pool_id`` was left by an earlier pool of the
 name: it is never believed, but replaced, and the keys the pool held are dropped, since
@@ -50,6 +55,7 @@ import numpy as np
 
 from shmkv.errors import LayoutMismatchError, SegmentError
 from shmkv.pool import layout as L
+from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import SHM_DIR, Segment, no_space, open_checked, reserve
 from shmkv.pool.siblings import owner_record, pool_identity, write_owner
@@ -62,7 +68,7 @@ MAKER_WAIT_S = 120.0  # how long a process waits for another to make the region
 WHAT = "the SGLang page store's data region"
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (Linux x86_64 / aarch64), whole file
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-_FIELDS = struct.Struct("<QI4xQQQ")  # magic, version, num_pages, page_bytes, identity length
+_FIELDS = TC.SGLANG_HEADER  # magic, version, num_pages, page_bytes, identity length, rows
 
 
 def populate(mapping: mmap.mmap) -> None:
@@ -74,6 +80,12 @@ def populate(mapping: mmap.mmap) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS):
             raise
+
+
+def region_bytes(num_pages: int, page_bytes: int, num_rows: int) -> int:
+    """The region's size: header, pages, counter block and page producers."""
+    return (TC.sglang_counters_offset(num_pages, page_bytes) + TC.block_bytes(num_rows)
+            + 4 * (num_pages + 1))
 
 
 def region_name(pool: str) -> str:
@@ -90,13 +102,19 @@ class PageRegion:
     page slots."""
 
     def __init__(self, seg: Segment, num_pages: int, page_bytes: int, path: str = "",
-                 ino: int = -1) -> None:
+                 ino: int = -1, num_rows: int = 0) -> None:
         self._seg = seg
         self.path, self.ino = path, ino  # the file mapped, and its inode
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.pages = np.frombuffer(seg.buf, np.uint8, num_pages * page_bytes, HEADER_BYTES)
         populate(seg.buf)
+        at = TC.sglang_counters_offset(num_pages, page_bytes)
+        self._mv = memoryview(seg.buf)
+        # tier_counters.py: row 0 the node, row s + 1 process-table slot s
+        self.counter_words = self._mv[at:at + TC.block_bytes(num_rows)].cast("q")
+        at += TC.block_bytes(num_rows)
+        self.producer_words = self._mv[at:at + 4 * (num_pages + 1)].cast("i")
 
     @property
     def name(self) -> str:
@@ -124,6 +142,9 @@ class PageRegion:
 
     def close(self) -> None:
         del self.pages
+        self.counter_words.release()
+        self.producer_words.release()
+        self._mv.release()
         self._seg.close()
 
 
@@ -235,7 +256,8 @@ def _make(pool: BlockPool, fd: int, path: str, pool_name: str, num_pages: int,
     """Reserves and fills the region claimed at ``fd`` (out of the pool lock), then drops
     the pool's keys and writes the magic under it, and releases the maker's lock. On
     failure the file is unlinked."""
-    size = HEADER_BYTES + num_pages * page_bytes
+    num_rows = pool.layout.config.max_processes
+    size = region_bytes(num_pages, page_bytes, num_rows)
     try:
         st = os.statvfs(SHM_DIR)
         if st.f_bavail * st.f_frsize < size:
@@ -249,7 +271,7 @@ def _make(pool: BlockPool, fd: int, path: str, pool_name: str, num_pages: int,
         write_owner(head, L.SGLANG_STORE_OWNER_OFFSET, owner)
         head[IDENTITY_OFFSET:IDENTITY_OFFSET + len(identity)] = identity
         _FIELDS.pack_into(head, 0, 0, L.SGLANG_STORE_VERSION, num_pages, page_bytes,
-                          len(identity))
+                          len(identity), num_rows)
         os.pwrite(fd, bytes(head), 0)
         with pool.lock():
             _forget_pages(pool)
@@ -279,7 +301,8 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
             f"the SGLang store identity is {len(identity)} bytes; at most {IDENTITY_MAX} fit")
     num_pages = pool.num_gpu_blocks - 1
     name, path = region_name(pool_name), region_path(pool_name)
-    size = HEADER_BYTES + num_pages * page_bytes
+    num_rows = pool.layout.config.max_processes
+    size = region_bytes(num_pages, page_bytes, num_rows)
     deadline = time.monotonic() + MAKER_WAIT_S
     while True:
         with pool.lock():
@@ -295,17 +318,19 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
         if making:
             _make(pool, fd, path, pool_name, num_pages, page_bytes, identity)
         head = os.pread(fd, HEADER_BYTES, 0)
-        magic, version, found_pages, found_bytes, id_len = _FIELDS.unpack_from(head, 0)
+        magic, version, found_pages, found_bytes, id_len, found_rows = _FIELDS.unpack_from(
+            head, 0)
         if version != L.SGLANG_STORE_VERSION:
             raise LayoutMismatchError(
                 f"{name}: version {version}, expected {L.SGLANG_STORE_VERSION}: not a shmkv "
                 "SGLang page store of this version")
         check_identity(head[IDENTITY_OFFSET:IDENTITY_OFFSET + id_len])
         length = os.fstat(fd).st_size
-        if found_pages != num_pages or length < size:
+        if found_pages != num_pages or found_rows != num_rows or length < size:
             raise LayoutMismatchError(
-                f"{name}: holds {found_pages} pages in {length} bytes, the pool "
-                f"{num_pages} pages ({size} bytes)")
+                f"{name}: holds {found_pages} pages and {found_rows} counter rows in "
+                f"{length} bytes, the pool {num_pages} pages and {num_rows} process slots "
+                f"({size} bytes)")
         if found_bytes != page_bytes:
             raise LayoutMismatchError(
                 f"store {pool_name!r}: field page_bytes differs: the store has "
@@ -315,7 +340,7 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
     finally:
         os.close(fd)
     try:
-        return PageRegion(seg, num_pages, page_bytes, path, ino)
+        return PageRegion(seg, num_pages, page_bytes, path, ino, num_rows)
     except BaseException:
         seg.close()
         raise

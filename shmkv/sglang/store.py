@@ -33,6 +33,7 @@ written, or a dead writer's half page, never appears in the log.
 
 from __future__ import annotations
 
+import os
 import time
 from itertools import islice
 from typing import Any
@@ -44,9 +45,11 @@ from shmkv.errors import (
     SegmentError,
     SegmentExistsError,
     SegmentNotFoundError,
+    ShmKVError,
     UsageError,
 )
 from shmkv.pool import layout as L
+from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool, KVCacheBlock
 from shmkv.sglang import identity as ident
 from shmkv.sglang.events import MEDIUM, complete_keys, log_removed, log_stored
@@ -129,6 +132,10 @@ class PageStore:
         self.page_bytes = page_bytes
         self.num_pages = num_pages
         self._reaped_seen = -1
+        self._me = self.pool.slot + 1  # this process's counter row and producer mark
+        self._counts = self.region.counter_words
+        with self.pool.lock():
+            TC.reset_row(self._counts, self._me, os.getpid())
         self.discard_orphans()
 
     # ------------------------------------------------------------------ lookups
@@ -147,9 +154,13 @@ class PageStore:
         with pool.lock():
             self.region.check_current(pool, self.pool_name)
             blocks = pool.blocks
-            out = [blocks[b] if b >= 0 else None
-                   for b in pool.lookup_block_ids(list(hashes), [0] * len(hashes))]
-            pool.touch([b for b in out if b is not None])
+            found = pool.lookup_block_ids(list(hashes), [0] * len(hashes))
+            out = [blocks[b] if b >= 0 else None for b in found]
+            hit = [b for b in out if b is not None]
+            pool.touch(hit)
+            producer, me = self.region.producer_words, self._me
+            TC.add(self._counts, me, TC.C_LOADED, len(hit))
+            TC.add(self._counts, me, TC.C_CROSS, sum(producer[b] != me for b in found if b >= 0))
         return out
 
     def unpin(self, blocks: list[KVCacheBlock]) -> None:
@@ -221,6 +232,10 @@ class PageStore:
             if ok and stale is None:
                 pool.cache_full_blocks(_Keys(hashes), blocks, 0, len(blocks), 1, 0)
                 log_stored(pool, hashes)
+                producer, me = self.region.producer_words, self._me
+                for block in blocks:
+                    producer[block.block_id] = me
+                TC.add(self._counts, me, TC.C_STORED, len(blocks))
             pool.free_blocks(blocks)
         if stale is not None:
             raise stale
@@ -312,6 +327,12 @@ class PageStore:
         return pinned == 0
 
     def close(self) -> None:
+        try:
+            with self.pool.lock():
+                self._counts[self._me * TC.ROW_WORDS + TC.C_LIVE] = 0  # its counts stay
+        except ShmKVError:
+            pass  # the pool is gone or its lock lost: the row reads live while its pid is
+        del self._counts
         self.region.close()
         self.pool.close()
 

@@ -85,6 +85,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from shmkv.errors import PoolClosedError, SegmentError, ShmKVError, UsageError
 from shmkv.events import BlockRemoved, BlockStored, external_block_hash, use_int_block_hashes
 from shmkv.pool import layout as L
+from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
@@ -322,6 +323,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         # memoryviews: a scalar read or write through one costs a fraction of numpy's, and
         # the calls touch 16 or so words each
         self._jobs, self._producer = tier.job_words, tier.producer_words
+        self._counts = tier.counter_words  # the tier's counters (tier_counters.py)
         self._words = self._pool.block_words()  # the block rows' int32 words (read only)
         self._has_log = bool(self._pool.event_log.capacity)
         self._cross_hits = 0  # chunks this process loaded that another replica stored
@@ -364,7 +366,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         except ShmKVError:
             pass  # the row is released by the next process short of chunks
         self._locks.close()
-        del self._thdr, self._ranks, self._jobs, self._producer, self._lru, self._words
+        del self._thdr, self._ranks, self._jobs, self._producer, self._counts, self._lru
+        del self._words
         self._tier.close()
         self._pool.close()
         self._pool = None  # type: ignore[assignment]
@@ -584,7 +587,10 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 self._pool.free_blocks(self._handles(stale))
                 self._lru.push_free(self._unkeyed_and_unheld(stale))
             producer, me = self._producer, self._row + 1
-            self._cross_hits += sum(producer[b] != me for b in block_ids)
+            cross = sum(producer[b] != me for b in block_ids)
+            self._cross_hits += cross
+            TC.add(self._counts, me, TC.C_LOADED, len(block_ids))
+            TC.add(self._counts, me, TC.C_CROSS, cross)
             pins = self._pins
             for key, block_id in zip(keys, block_ids, strict=True):
                 pin = pins.get(key)
@@ -872,6 +878,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 producer, me = self._producer, self._row + 1
                 for block_id in block_ids:
                     producer[block_id] = me
+                TC.add(self._counts, me, TC.C_STORED, len(block_ids))
             else:
                 self._lru.push_free(block_ids)
             if success:

@@ -43,6 +43,7 @@ import numpy as np
 
 from shmkv.errors import PoolFullError, SegmentError
 from shmkv.pool import layout as L
+from shmkv.pool import tier_counters as TC
 from shmkv.pool.segment import open_checked
 from shmkv.vllm.tier import MAX_REPLICAS, W_REPLICA_FILE, TierTable
 
@@ -165,6 +166,7 @@ def release_row(tier: TierTable, row: int) -> list[int]:
         jobs &= ~bit
     tier.replica_keys[row] = 0
     tier.replica_region[row] = 0
+    tier.counter_words[(row + 1) * TC.ROW_WORDS + TC.C_LIVE] = 0  # its counts stay, shown gone
     return held
 
 
@@ -194,7 +196,7 @@ def join(tier: TierTable, locks: ReplicaLocks, key: int, pool: str) -> int:
         if locks.is_gone(row):  # an earlier incarnation of the same engine id, all dead
             release_row(tier, row)
     else:
-        free = np.flatnonzero(keys == 0).tolist()
+        free = TC.row_preference(tier.counter_words, np.flatnonzero(keys == 0).tolist(), key)
         row = free[0] if free else -1
         if row < 0:
             for candidate in np.flatnonzero(keys).tolist():
@@ -208,5 +210,7 @@ def join(tier: TierTable, locks: ReplicaLocks, key: int, pool: str) -> int:
                 "live replica (engine core or GPU worker); stop one, or use another shmkv_pool"
             )
     keys[row] = key
+    if TC.reset_row(tier.counter_words, row + 1, key):  # another replica's row: from zero,
+        tier.producer[tier.producer == row + 1] = 0  # and its chunks are not this one's
     locks.hold(row)
     return row

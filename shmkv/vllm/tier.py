@@ -20,7 +20,9 @@ the tier):
                REGION_MIXED: its workers mapped different regions, region.py)
     byte 1152  the identity of the tier's first replica (identity.py), up to the owner record
     byte 3968  the owner record that tells ``shmkv cleanup`` the table goes with its pool
-    byte 4096  ranks: int64 [num_chunks + 1], one LRU rank per block (block 0 unused)
+    byte 4096  the counter block (``shmkv/pool/tier_counters.py``): the node's row, then one
+               per replica row: chunks stored, loaded, loaded from another replica's stores
+    byte 8192  ranks: int64 [num_chunks + 1], one LRU rank per block (block 0 unused)
     then       jobs: uint64 [num_chunks + 1], bit r set while replica row r has a store, a
                load or an unflushed reset on the block (replicas.py)
     then       heap_rank: int64 [heap_capacity], heap_block: int32 [heap_capacity] and
@@ -47,6 +49,7 @@ from shmkv.errors import (
     SegmentNotFoundError,
 )
 from shmkv.pool import layout as L
+from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import owner_record, write_owner
@@ -55,14 +58,16 @@ TIER_KIND = "offload"
 TIER_VERSION = L.OFFLOAD_TIER_VERSION
 TIER_MAGIC = L.OFFLOAD_TIER_MAGIC
 HEADER_BYTES = 4096
-MAX_REPLICAS = 64  # one job bit per replica row in a uint64
+MAX_REPLICAS = TC.OFFLOAD_MAX_REPLICAS  # one job bit per replica row in a uint64
+COUNTERS_AT = TC.OFFLOAD_COUNTERS_OFFSET
+BODY_AT = COUNTERS_AT + 4096  # the counter block, padded to a page
 
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
 W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
 W_REPLICA_FILE = 10  # replicas.py
 REGION_MIXED = -1  # a row whose workers mapped different regions: never the tier's tag
 PENDING_BIT = L.PENDING_GROUP_BIT  # the group-id bit of a chunk whose store is in flight
-W_REPLICA_KEYS = 16
+W_REPLICA_KEYS = TC.OFFLOAD_REPLICA_KEYS_WORD
 W_REPLICA_REGION = W_REPLICA_KEYS + MAX_REPLICAS
 IDENTITY_OFFSET = 8 * (W_REPLICA_REGION + MAX_REPLICAS)
 IDENTITY_MAX = L.OFFLOAD_TIER_OWNER_OFFSET - IDENTITY_OFFSET
@@ -79,7 +84,7 @@ def heap_capacity(num_chunks: int) -> int:
 
 def table_bytes(num_chunks: int) -> int:
     cap = heap_capacity(num_chunks)
-    return HEADER_BYTES + 16 * (num_chunks + 1) + 12 * cap + 4 * (num_chunks + 1 + 64) \
+    return BODY_AT + 16 * (num_chunks + 1) + 12 * cap + 4 * (num_chunks + 1 + 64) \
         + 4 * (num_chunks + 1)
 
 
@@ -91,10 +96,10 @@ class TierTable:
         n = num_chunks + 1
         buf = seg.buf
         self.header = np.frombuffer(buf, np.int64, HEADER_BYTES // 8)
-        self.ranks = np.frombuffer(buf, np.int64, n, HEADER_BYTES)
-        self.jobs = np.frombuffer(buf, np.uint64, n, HEADER_BYTES + 8 * n)
+        self.ranks = np.frombuffer(buf, np.int64, n, BODY_AT)
+        self.jobs = np.frombuffer(buf, np.uint64, n, BODY_AT + 8 * n)
         cap = heap_capacity(num_chunks)
-        heap_at = HEADER_BYTES + 16 * n
+        heap_at = BODY_AT + 16 * n
         self.heap_rank = np.frombuffer(buf, np.int64, cap, heap_at)
         self.heap_block = np.frombuffer(buf, np.int32, cap, heap_at + 8 * cap)
         self.free_stack = np.frombuffer(buf, np.int32, n + 64, heap_at + 12 * cap)
@@ -105,8 +110,10 @@ class TierTable:
         # numpy's, and the rank counter is bumped on every store and lookup hit.
         self._mv = memoryview(buf)
         self.words = self._mv[:HEADER_BYTES].cast("q")
-        self.rank_words = self._mv[HEADER_BYTES:HEADER_BYTES + 8 * n].cast("q")
-        self.job_words = self._mv[HEADER_BYTES + 8 * n:HEADER_BYTES + 16 * n].cast("Q")
+        self.counter_words = self._mv[COUNTERS_AT:COUNTERS_AT + TC.block_bytes(
+            MAX_REPLICAS)].cast("q")  # tier_counters.py: row 0 the node, r + 1 replica r
+        self.rank_words = self._mv[BODY_AT:BODY_AT + 8 * n].cast("q")
+        self.job_words = self._mv[BODY_AT + 8 * n:BODY_AT + 16 * n].cast("Q")
         self.heap_rank_words = self._mv[heap_at:heap_at + 8 * cap].cast("q")
         self.heap_block_words = self._mv[heap_at + 8 * cap:heap_at + 12 * cap].cast("i")
         free_at = heap_at + 12 * cap
@@ -123,8 +130,9 @@ class TierTable:
         self.header[W_IDENTITY_LEN] = len(blob)
 
     def close(self) -> None:
-        for view in (self.words, self.rank_words, self.job_words, self.heap_rank_words,
-                     self.heap_block_words, self.free_words, self.producer_words):
+        for view in (self.words, self.counter_words, self.rank_words, self.job_words,
+                     self.heap_rank_words, self.heap_block_words, self.free_words,
+                     self.producer_words):
             view.release()
         self._mv.release()
         del self.header, self.ranks, self.jobs, self.replica_keys, self.replica_region

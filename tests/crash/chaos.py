@@ -133,8 +133,37 @@ class _PublisherThread:
         self._pool, self._hb, self._base = pool, hb, base
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self._park_r, self._park_w = os.pipe()  # park(): blocked reading it
+        self._park_asked = False
         self._thread = threading.Thread(target=self._run, name="chaos-publisher", daemon=True)
         self._thread.start()
+
+    def park(self) -> None:
+        """Returns once this thread is blocked in read(2) on its park pipe, as the kernel
+        says (``/proc/self/task/<tid>/syscall``), between two reads of the log: it is then
+        not waiting for the GIL, so it cannot ask the main thread to drop it. A thread that
+        waited for the GIL at a raw fork (libc's fork(): CPython does not re-initialise the
+        GIL) has asked for it, and the child, whose eval loop checks that request once the
+        fork call returns, hands the GIL over and waits forever for a thread it does not
+        have: the "forked child hung" of a loaded machine, where the main thread is often
+        descheduled while it holds the GIL."""
+        self._park_asked = True
+        parked = f"0 {self._park_r:#x} "  # read(2) on the park pipe
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with open(f"/proc/self/task/{self._thread.native_id}/syscall") as f:
+                    if f.read().startswith(parked):
+                        return
+            except FileNotFoundError:  # the thread ended (its error is reported by stop)
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("the publisher thread did not park in 60 s")
+            time.sleep(0.0005)
+
+    def unpark(self) -> None:
+        self._park_asked = False
+        os.write(self._park_w, b"p")
 
     def _run(self) -> None:
         pool = self._pool
@@ -142,6 +171,8 @@ class _PublisherThread:
             cursor = pool.event_cursor(from_start=False)
             reads = 0
             while not self._stop.is_set():
+                if self._park_asked:
+                    os.read(self._park_r, 1)  # parked until unpark()
                 pool.read_events(cursor, 16)
                 reads += 1
                 if reads % 32 == 0:
@@ -157,17 +188,21 @@ class _PublisherThread:
         self._thread.join(60)
         if self._thread.is_alive():
             raise AssertionError("the publisher thread did not stop in 60 s")
+        os.close(self._park_r)
+        os.close(self._park_w)
         if self.error is not None:
             raise AssertionError(f"the publisher thread failed: {self.error!r}")
 
 
-def _fork(pool: BlockPool, rng: random.Random, children: dict) -> None:
+def _fork(pool: BlockPool, rng: random.Random, children: dict,
+          publisher: _PublisherThread | None) -> None:
     """Forks a child: half the time with os.fork (the child must be refused the parent's
     handle; exit 3 if it is not), else with libc's fork() (no at-fork hook runs, so the
     child keeps the parent's liveness lock until it exits). The libc child naps in libc's
     usleep through PyDLL, so it never lets go of the GIL: CPython does not re-initialise the
     GIL after a raw fork, and the publisher thread may have held the GIL's own mutex at that
-    instant (a time.sleep there hung one child for 10 s in CI)."""
+    instant (a time.sleep there hung one child for 10 s in CI). For the same reason the
+    publisher thread is parked across a raw fork (``_PublisherThread.park``)."""
     if rng.random() < 0.5:
         pid = os.fork()
         if pid == 0:
@@ -188,12 +223,16 @@ def _fork(pool: BlockPool, rng: random.Random, children: dict) -> None:
         # Looked up before the fork: a lookup in the child (dlsym) could wait for a loader
         # lock another thread held at the fork. The child dies with its parent (a victim's
         # child would be orphaned otherwise).
-        usleep, prctl = libc.usleep, libc.prctl
-        pid = libc.fork()
+        usleep, prctl, fork = libc.usleep, libc.prctl, libc.fork
+        if publisher is not None:
+            publisher.park()
+        pid = fork()
         if pid == 0:
             prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             usleep(nap_us)
             os._exit(0)
+        if publisher is not None:
+            publisher.unpark()
         if pid < 0:
             raise OSError("fork() failed")
     children[pid] = time.monotonic()
@@ -302,7 +341,7 @@ def worker(name: str, kernel: str, index: int, seed: int, hb, ctl, w: dict) -> N
                         raise
                     hb[base + F_CORRUPT] += 1
             if w["fork_p"] and rng.random() < w["fork_p"]:
-                _fork(pool, rng, children)
+                _fork(pool, rng, children, publisher)
             if children:
                 _reap_children(children, hb, base)
             if steps % 16 == 0:
@@ -747,9 +786,9 @@ class _Driver:
     def _end_groups(self) -> int:
         """SIGKILLs what is left in the workers' process groups once they are gone, and
         returns how many groups still had a process. A child a worker forked with libc's
-        fork() can hang before its PR_SET_PDEATHSIG: the eval loop hands the GIL to the
-        publisher thread, which the child does not have, so a victim's child may outlive it
-        (it then holds the victim's liveness lock, as a live forked child would)."""
+        fork() dies with it only once it has set PR_SET_PDEATHSIG, so a victim SIGKILLed
+        right after such a fork may leave it (holding the victim's liveness lock, as a live
+        forked child would); an os.fork() child naps with no death signal."""
         ended = 0
         for pgid in sorted(self.groups):
             try:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from shmkv import BlockPool, Request
-from tests.ecosystem_helpers import shmkv
+from shmkv.events import short_hash
+from tests.ecosystem_helpers import command_env, shmkv
 from tests.helpers import run_leftovers
 
 pytestmark = pytest.mark.multiprocess
@@ -127,13 +128,46 @@ def test_inspect_keys_lists_the_cached_blocks(pool_name):
         text = shmkv("inspect", pool_name, "--keys", "--limit", "2")
         lines = text.stdout.splitlines()
         assert lines[0].startswith(f"pool {pool_name}: 3 cached block(s), 30 block(s)")
-        assert re.match(r"\s+3\s+0\s+" + rows[3]["hash"][:16] + r"\s+48\s+0\s+28\s+slot "
+        assert re.match(r"\s+3\s+0\s+" + short_hash(bytes.fromhex(rows[3]["hash"]))
+                        + r"\s+48\s+0\s+28\s+slot "
                         rf"{pool.slot} pid {os.getpid()} creator$", lines[2]), lines[2]
         assert lines[-1] == "  ... 1 more (--limit N)"
         other.free_blocks(hits[:1])
         other.check_invariants()
     finally:
         other.close()
+        pool.close()
+        BlockPool.unlink(pool_name)
+
+
+@pytest.mark.parametrize("int_hashes", ["1", "0"])
+def test_events_and_inspect_keys_print_a_hash_the_same_way(pool_name, int_hashes,
+                                                           monkeypatch):
+    """`shmkv events` and `shmkv inspect --keys` print the same 16 hex digits for a block's
+    hash (its low 64 bits: events' integer form), whether the events carry integer hashes
+    (vLLM's default) or 32-byte ones."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", int_hashes)  # as it logs
+    env = command_env()
+    pool = BlockPool.create(pool_name, 32, enable_kv_cache_events=True)
+    try:
+        req = Request("a", list(range(32)), block_hasher=pool.make_block_hasher())
+        blocks = pool.get_new_blocks(2)
+        pool.cache_full_blocks(req, blocks, 0, 2, 16, 0)
+        want = [short_hash(bytes(h)) for h in req.block_hashes[:2]]
+        assert want == [bytes(h)[-8:].hex() for h in req.block_hashes[:2]]
+        events = subprocess.run([sys.executable, "-m", "shmkv.cli", "events", pool_name],
+                                capture_output=True, text=True, env=env, timeout=120)
+        keys = subprocess.run([sys.executable, "-m", "shmkv.cli", "inspect", pool_name,
+                               "--keys"], capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert events.returncode == 0 and keys.returncode == 0, events.stderr + keys.stderr
+        assert f"[{want[0]}, {want[1]}]" in events.stdout, events.stdout
+        listed = {int(line.split()[0]): line.split()[2]
+                  for line in keys.stdout.splitlines()[2:]}
+        assert [listed[b.block_id] for b in blocks] == want, keys.stdout
+        pool.free_blocks(reversed(blocks))
+        pool.check_invariants()
+    finally:
         pool.close()
         BlockPool.unlink(pool_name)
 

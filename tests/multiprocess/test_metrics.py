@@ -202,7 +202,12 @@ def test_shmkv_metrics_errors(pool_name):
         busy.listen()
         taken = shmkv("metrics", pool_name, "--port", str(busy.getsockname()[1]))
     assert taken.returncode == 2 and "cannot listen" in taken.stderr
-    for out in (missing, no_port, bad_port, taken):
+    out_of_range = [shmkv("metrics", pool_name, "--port", port) for port in ("99999", "-1")]
+    for out, port in zip(out_of_range, ("99999", "-1"), strict=True):
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.splitlines() == [
+            f"shmkv metrics: --port {port}: must be a TCP port in 0..65535 (0: any free one)"]
+    for out in (missing, no_port, bad_port, taken, *out_of_range):
         assert "Traceback" not in out.stderr
     ok = shmkv("metrics", pool_name, "--port", "0", "--duration", "0.2")
     assert ok.returncode == 0 and "serving metrics" in ok.stdout, ok.stderr

@@ -225,6 +225,45 @@ def test_ctrl_c_stops_everything_and_cleans_up(tmp_path):
     _check_clean(f, pid)
 
 
+def _children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5, 1.5, 3.0])
+def test_ctrl_c_during_start_up_exits_130_cleanly(tmp_path, delay_s):
+    """SIGINT to the process group (Ctrl-C) while the run starts (its fork server importing
+    torch, the pools and channels being made, the children starting): exit 130 with no
+    traceback from the front end or its fork server, no process of the run left, and
+    nothing in /dev/shm with the run's names. The instants count from the intro line, which
+    the front end prints right before the first run starts its processes."""
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *SMALL, "--plot", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=tmp_path, start_new_session=True)
+    children: set[int] = set()
+    try:
+        first = proc.stdout.readline()  # the intro: the runs start now
+        assert first.strip(), proc.stderr.read()
+        deadline = time.monotonic() + delay_s
+        while time.monotonic() < deadline:  # the fork server and children seen so far
+            children.update(_children_of(proc.pid))
+            time.sleep(0.02)
+        children.update(_children_of(proc.pid))
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, first + stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    assert run_leftovers(proc.pid) == []
+    assert _wait_gone(children) == []
+
+
 def test_bad_arguments_exit_2_without_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"request_id": "a", "prompt_token_ids": [1], "tokens": 3}\n')

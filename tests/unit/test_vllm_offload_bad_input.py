@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ from shmkv.vllm import (  # noqa: E402
     data_region_engine_id,
     tier_table_name,
 )
+from shmkv.vllm import tier as tier_module  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 
 CTX = ReqContext("")
@@ -126,14 +128,42 @@ def test_corrupt_tier_table_is_refused(tier):
 
 
 def test_corrupt_pool_segment_is_refused(tier):
-    """A pool segment whose magic is wrong: 'not a shmkv segment'."""
+    """A pool segment whose magic is wrong (not zero): 'not a shmkv segment', at once.
+
+    NOTE: a zero magic is the state of a pool whose creator has not written its header yet,
+    which the tier waits for (next test); a test of the refusal that zeroes the magic spent
+    the whole wait (10 s) in a retry loop that re-creates the pool if its segment goes, so
+    that anything removing the pool meanwhile made the constructor succeed."""
     name = tier.pool_name
+    seg = Segment.open(segment_name(name))
+    saved = bytes(seg.buf[0:8])
+    seg.buf[0:8] = (0x1234).to_bytes(8, "little")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LayoutMismatchError, match="magic is '0x1234'.*not a shmkv segment"):
+            SharedCPUOffloadingManager(name, 4)
+        assert time.monotonic() - t0 < tier_module.ATTACH_TIMEOUT_S  # no wait for a creator
+    finally:
+        seg.buf[0:8] = saved
+        seg.close()
+
+
+def test_pool_segment_without_magic_is_refused_after_the_wait(tier, monkeypatch):
+    """A pool segment with no magic (its creator has not written the header) is waited for,
+    ATTACH_TIMEOUT_S, then refused: 'not a shmkv segment'; the segment is left as it was."""
+    monkeypatch.setattr(tier_module, "ATTACH_TIMEOUT_S", 0.5)
+    name = tier.pool_name
+    path = f"/dev/shm{segment_name(name)}"
+    inode = os.stat(path).st_ino
     seg = Segment.open(segment_name(name))
     saved = bytes(seg.buf[0:8])
     seg.buf[0:8] = bytes(8)
     try:
-        with pytest.raises(LayoutMismatchError, match="not a shmkv segment"):
+        t0 = time.monotonic()
+        with pytest.raises(LayoutMismatchError, match="magic is '0x0'.*not a shmkv segment"):
             SharedCPUOffloadingManager(name, 4)
+        assert time.monotonic() - t0 >= 0.5
+        assert os.stat(path).st_ino == inode and bytes(seg.buf[0:8]) == bytes(8)
     finally:
         seg.buf[0:8] = saved
         seg.close()

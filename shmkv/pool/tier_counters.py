@@ -1,0 +1,208 @@
+"""A tier's counters, kept beside its pool where any process can read them: the chunks each
+replica stored and loaded, and how many of its loads another replica had stored.
+
+The vLLM offload tier (``shmkv/vllm/tier.py``) and the SGLang page store
+(``shmkv/sglang/region.py``) each keep one counter block in their sibling segment. A block is
+``num_rows + 1`` rows of ``ROW_WORDS`` int64 words; row 0 counts the whole node for the life
+of the segment, row ``r + 1`` one replica (the vLLM tier's replica row ``r``, the SGLang
+store's process-table slot ``r``):
+
+    word 0   key: who the row counts (the vLLM replica key, the SGLang process's pid); 0:
+             never used. A new key starts the row from zero.
+    word 1   live: 1 while the row's replica holds it (vLLM: its replica row; SGLang: the
+             process has the store open), 0 once it left
+    word 2   stored: chunks (pages) whose store completed
+    word 3   loaded: chunks whose load began (pinned for the copy)
+    word 4   cross_replica_hits: of those, chunks another row had stored
+    5..7     unused (a row is one 64-byte line)
+
+Written under the pool lock by the row's processes (row 0 by all); read without it by
+:func:`read_tier_counts` (aligned 8-byte words: a reader sees each one whole). The producer of a
+chunk is advice: a row reused by another replica reads as the same producer.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shmkv.pool import layout as L
+from shmkv.pool.liveness import pid_alive
+
+ROW_WORDS = 8
+ROW_BYTES = 8 * ROW_WORDS
+C_KEY, C_LIVE, C_STORED, C_LOADED, C_CROSS = range(5)
+COUNTER_NAMES = ("stored", "loaded", "cross_replica_hits")
+
+# Where each tier keeps its block (the layout of both segments is their modules'; these are
+# the facts a reader needs, beside their versions and magics in layout.py).
+OFFLOAD_COUNTERS_OFFSET = 4096  # right after the tier table's 4 KiB header
+OFFLOAD_MAX_REPLICAS = 64
+OFFLOAD_REPLICA_KEYS_WORD = 16  # the tier table's replica keys: words 16..79
+OFFLOAD_VERSION_WORD = 1  # TIER_VERSION | num_chunks << 32
+SGLANG_HEADER = struct.Struct("<QI4xQQQQ")  # magic, version, pages, page bytes, id len, rows
+SGLANG_HEADER_BYTES = 4096
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def block_bytes(num_rows: int) -> int:
+    """The bytes of a counter block of ``num_rows`` replica rows (and the node row)."""
+    return ROW_BYTES * (num_rows + 1)
+
+
+def sglang_counters_offset(num_pages: int, page_bytes: int) -> int:
+    """Where the SGLang store's counter block starts: after its pages, 64-byte aligned."""
+    end = SGLANG_HEADER_BYTES + num_pages * page_bytes
+    return (end + 63) // 64 * 64
+
+
+def reset_row(words, row: int, key: int) -> bool:
+    """Gives row ``row`` (1-based: 0 is the node) to ``key``, from zero if it counted
+    another (pool lock held), and marks it live; True if it counted another."""
+    base = row * ROW_WORDS
+    other = words[base + C_KEY] != key
+    if other:
+        for i in range(ROW_WORDS):
+            words[base + i] = 0
+        words[base + C_KEY] = key
+    words[base + C_LIVE] = 1
+    return other
+
+
+def row_preference(words, free_rows: list[int], key: int) -> list[int]:
+    """``free_rows`` (0-based replica rows) in the order a joining ``key`` should take them:
+    the row that last counted ``key``, then rows never used, then the others, so a gone
+    replica's counts stay shown as long as rows are to spare."""
+    def rank(r: int) -> int:
+        held = words[(r + 1) * ROW_WORDS + C_KEY]
+        return 0 if held == key else 1 if held == 0 else 2
+    return sorted(free_rows, key=rank)
+
+
+def add(words, row: int, what: int, count: int) -> None:
+    """Adds ``count`` to counter ``what`` of row ``row`` and of the node (pool lock held)."""
+    if count:
+        words[what] += count
+        words[row * ROW_WORDS + what] += count
+
+
+@dataclass
+class TierCounts:
+    """A tier's counters and chunks at one instant (``shmkv stats``, ``shmkv inspect``)."""
+
+    kind: str  # "vLLM offload tier" or "SGLang page store"
+    unit: str  # "chunks" or "pages"
+    num_chunks: int
+    chunks_with_data: int = 0  # holding a key: complete, or being stored
+    chunks_storing: int = 0  # of them, still being stored
+    chunks_held: int = 0  # pinned for a load, or held by their storer
+    stored: int = 0
+    loaded: int = 0
+    cross_replica_hits: int = 0
+    rows: list[dict] = field(default_factory=list)  # replica: row, key, live, counters
+
+
+def _pread(path: str, size: int, offset: int) -> bytes | None:
+    try:
+        fd = os.open(path, _READ)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+
+
+def _owned_by(head: bytes, owner_offset: int, pool_id: bytes) -> bool:
+    if len(head) < owner_offset + L.OWNER_DTYPE.itemsize:
+        return False
+    rec = np.frombuffer(head, L.OWNER_DTYPE, 1, owner_offset)[0]
+    return int(rec["owner_magic"]) == L.OWNER_MAGIC and bytes(rec["pool_id"]) == pool_id
+
+
+def _rows(block: bytes, num_rows: int) -> np.ndarray:
+    if len(block) < block_bytes(num_rows):
+        return np.zeros((num_rows + 1, ROW_WORDS), np.int64)
+    return np.frombuffer(block, np.int64, (num_rows + 1) * ROW_WORDS).reshape(-1, ROW_WORDS)
+
+
+def _offload(pool_name: str, pool_id: bytes) -> TierCounts | None:
+    path = "/dev/shm" + L.sibling_segment_name("offload", pool_name, L.OFFLOAD_TIER_VERSION)
+    head = _pread(path, OFFLOAD_COUNTERS_OFFSET + block_bytes(OFFLOAD_MAX_REPLICAS), 0)
+    if head is None or len(head) < OFFLOAD_COUNTERS_OFFSET:
+        return None
+    words = np.frombuffer(head, np.int64, OFFLOAD_COUNTERS_OFFSET // 8)
+    version = int(words[OFFLOAD_VERSION_WORD])
+    if (int(words[0]) & (2**64 - 1) != L.OFFLOAD_TIER_MAGIC
+            or version & 0xFFFF_FFFF != L.OFFLOAD_TIER_VERSION
+            or not _owned_by(head, L.OFFLOAD_TIER_OWNER_OFFSET, pool_id)):
+        return None
+    rows = _rows(head[OFFLOAD_COUNTERS_OFFSET:], OFFLOAD_MAX_REPLICAS)
+    keys = words[OFFLOAD_REPLICA_KEYS_WORD:OFFLOAD_REPLICA_KEYS_WORD + OFFLOAD_MAX_REPLICAS]
+    out = TierCounts("vLLM offload tier", "chunks", version >> 32)
+    for r in range(OFFLOAD_MAX_REPLICAS):
+        row = rows[r + 1]
+        if row[C_KEY]:
+            live = bool(row[C_LIVE]) and int(keys[r]) == int(row[C_KEY])
+            out.rows.append(_row_dict(r, f"{int(row[C_KEY]) & (2**64 - 1):016x}", live, row))
+    _totals(out, rows[0])
+    return out
+
+
+def _sglang(pool_name: str, pool_id: bytes) -> TierCounts | None:
+    path = "/dev/shm" + L.sibling_segment_name("sglang", pool_name, L.SGLANG_STORE_VERSION)
+    head = _pread(path, SGLANG_HEADER_BYTES, 0)
+    if head is None or len(head) < SGLANG_HEADER_BYTES:
+        return None
+    magic, version, num_pages, page_bytes, _, num_rows = SGLANG_HEADER.unpack_from(head, 0)
+    if (magic != L.SGLANG_STORE_MAGIC or version != L.SGLANG_STORE_VERSION
+            or not _owned_by(head, L.SGLANG_STORE_OWNER_OFFSET, pool_id)):
+        return None
+    block = _pread(path, block_bytes(num_rows), sglang_counters_offset(num_pages, page_bytes))
+    rows = _rows(block or b"", num_rows)
+    out = TierCounts("SGLang page store", "pages", num_pages)
+    for r in range(num_rows):
+        row = rows[r + 1]
+        if row[C_KEY]:
+            pid = int(row[C_KEY])
+            live = bool(row[C_LIVE]) and pid_alive(pid)
+            out.rows.append(_row_dict(r, f"pid {pid}", live, row))
+    _totals(out, rows[0])
+    return out
+
+
+def _row_dict(row: int, who: str, live: bool, words: np.ndarray) -> dict:
+    return {"row": row, "replica": who, "live": live, "stored": int(words[C_STORED]),
+            "loaded": int(words[C_LOADED]), "cross_replica_hits": int(words[C_CROSS])}
+
+
+def _totals(out: TierCounts, node: np.ndarray) -> None:
+    out.stored = int(node[C_STORED])
+    out.loaded = int(node[C_LOADED])
+    out.cross_replica_hits = int(node[C_CROSS])
+
+
+def read_tier_counts(pool) -> TierCounts | None:
+    """The counters of the tier whose chunks ``pool`` (an attached ``BlockPool``) describes
+    (the vLLM offload tier's table, or the SGLang page store), and its chunks by state; None
+    when the pool has no tier of this shmkv's version, or only one left by an earlier pool of
+    its name. Reads the pool's block rows: call it with the pool lock held for one instant's
+    figures."""
+    pool_id = bytes(pool.header_snapshot()["pool_id"])
+    out = _offload(pool.pool_name, pool_id) or _sglang(pool.pool_name, pool_id)
+    if out is None:
+        return None
+    rows = pool.block_rows()
+    keyed = rows["hash_num_tokens"][1:] != L.NO_HASH_TOKENS
+    out.chunks_with_data = int(keyed.sum())
+    out.chunks_storing = int((keyed & ((rows["group_id"][1:] & L.PENDING_GROUP_BIT) != 0)).sum())
+    out.chunks_held = int((rows["ref_cnt"][1:] > 0).sum())
+    del rows, keyed
+    return out
+
+
+__all__ = ["COUNTER_NAMES", "ROW_WORDS", "TierCounts", "add", "block_bytes",
+           "read_tier_counts", "reset_row", "row_preference", "sglang_counters_offset"]
