@@ -157,6 +157,13 @@ def blocks_text(num_gpu_blocks: int) -> str:
             "never handed out)")
 
 
+RETENTION_WORDS = {
+    L.RETENTION_UNRECORDED: "not recorded: kept, as if it stays",
+    L.RETENTION_SCOPED: "lives while a process holds it",
+    L.RETENTION_STAYS: "stays until unlinked",
+}
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     pool = attach_pool(args.name, label="shmkv-inspect")
     try:
@@ -178,8 +185,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 value = L.STATE_NAMES.get(int(value), int(value))
             elif field == "magic":
                 value = hex(int(value))
-            elif field in ("medium", "hash_fn_name"):
+            elif field in ("medium", "hash_fn_name", "stays_by"):
                 value = bytes(value).decode(errors="replace")
+            elif field == "retention":
+                value = f"{int(value)} ({RETENTION_WORDS.get(int(value), 'unknown')})"
+            elif field in ("pool_id", "tier_of"):
+                value = bytes(value).hex() if any(bytes(value)) else "none"
             elif field == "none_hash":
                 value = bytes(value).hex()[:16] + "..."
             elif field == "holder":  # read before this command's own hold

@@ -85,6 +85,9 @@ def test_create_inspect_unlink(pool_name):
     assert inspect.returncode == 0 and "blocks: 63 usable (of 64: block 0 is the null " \
         "block, never handed out), 63 free" in inspect.stdout
     assert "publisher:" not in inspect.stdout and "stats:" not in inspect.stdout
+    assert re.search(r"retention +2 \(stays until unlinked\)\n +stays_by +shmkv create\n",
+                     inspect.stdout), inspect.stdout
+    assert re.search(r"tier_of +none\n", inspect.stdout), inspect.stdout
     from shmkv.publisher import KVEventPublisher, unlink_state
     from shmkv.stats import PoolStats
 
