@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Remove shmkv pools that no live process is attached to; the same as ``shmkv cleanup``.
+"""Remove orphaned shmkv objects (pools meant to stay are kept); the same as
+``shmkv cleanup``.
 
-    python scripts/shmkv_cleanup.py [--dry-run]
+    python scripts/shmkv_cleanup.py [--dry-run] [--include-idle] [--prefix PREFIX]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     shmkv replay --trace PATH [--blocks A,B,C]  the same without a model: the KV-cache layer
                                                 alone; several capacities: a sweep
     shmkv demo [--processes N] [--requests R]   several schedulers share one pool
-    shmkv create NAME --blocks N [--events]     create a pool and leave it in /dev/shm
+    shmkv create NAME --blocks N [--events]     create a pool that stays in /dev/shm
     shmkv inspect NAME [--keys]                 a live pool: header, usage, processes,
                                                 invariants; --keys: the cached blocks
     shmkv stats NAME [--interval S]             live figures, refreshed, with rates
@@ -16,9 +16,10 @@
     shmkv metrics NAME --port P                 Prometheus metrics over HTTP
     shmkv recover NAME [--reclaim PID]          take over from the dead, repair, report
     shmkv unlink NAME                           remove a pool (segment, lock, lock file, siblings)
-    shmkv ls [--all] [--json]                   every shmkv object on this machine
-    shmkv cleanup [--dry-run]                   remove pools no live process is attached to
-                                                (and what a killed ``shmkv run`` left)
+    shmkv ls [--all] [--json] [--prefix P]      every shmkv object on this machine, and
+                                                which pools stay and which are orphans
+    shmkv cleanup [--dry-run] [--include-idle]  remove orphaned pools (none meant to stay)
+                  [--prefix P]                  and what a killed ``shmkv run`` left
     shmkv bench [NAME [ARGS...]] [--list]       the built-in benchmark, or benchmarks/bench_NAME.py
     shmkv index --redis URL --source SPEC...    a cluster-wide prefix index in Redis
     shmkv route --redis URL --tokens IDS        how much of a prompt each pool has cached

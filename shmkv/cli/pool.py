@@ -158,6 +158,13 @@ def blocks_text(num_gpu_blocks: int) -> str:
             "never handed out)")
 
 
+RETENTION_WORDS = {
+    L.RETENTION_UNRECORDED: "not recorded: kept, as if it stays",
+    L.RETENTION_SCOPED: "lives while a process holds it",
+    L.RETENTION_STAYS: "stays until unlinked",
+}
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     pool = attach_pool(args.name, label="shmkv-inspect")
     try:
@@ -180,8 +187,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 value = L.STATE_NAMES.get(int(value), int(value))
             elif field == "magic":
                 value = hex(int(value))
-            elif field in ("medium", "hash_fn_name"):
+            elif field in ("medium", "hash_fn_name", "stays_by"):
                 value = bytes(value).decode(errors="replace")
+            elif field == "retention":
+                value = f"{int(value)} ({RETENTION_WORDS.get(int(value), 'unknown')})"
+            elif field in ("pool_id", "tier_of"):
+                value = bytes(value).hex() if any(bytes(value)) else "none"
             elif field == "none_hash":
                 value = bytes(value).hex()[:16] + "..."
             elif field == "holder":  # read before this command's own hold
@@ -371,16 +382,18 @@ def add_recover_parser(sub) -> None:
 # ---------------------------------------------------------------------------- unlink
 
 def cmd_unlink(args: argparse.Namespace) -> int:
-    from shmkv.pool.siblings import unlink_pool
+    from shmkv.pool.siblings import human_bytes, unlink_pool
 
     L.validate_pool_name(args.name)
-    found, extras = unlink_pool(args.name, BlockPool.TIERS)
+    found, extras, freed = unlink_pool(args.name, BlockPool.TIERS)
     if found:
         print(f"removed pool {args.name}" + (f" (and its {', '.join(extras)})"
-                                             if extras else ""))
+                                             if extras else "")
+              + f": {human_bytes(freed)} of /dev/shm freed")
         return EXIT_OK
     if extras:
-        print(f"no pool named {args.name}; removed its leftover {', '.join(extras)}")
+        print(f"no pool named {args.name}; removed its leftover {', '.join(extras)}: "
+              f"{human_bytes(freed)} of /dev/shm freed")
         return EXIT_OK
     print(f"shmkv unlink: {missing_pool_message(args.name)}", file=sys.stderr)
     return EXIT_ERROR
@@ -392,8 +405,10 @@ def add_unlink_parser(sub) -> None:
                             "tiers (HiSparse's host pool, known by its header: a pool of its "
                             "own named <name>.host stays), and what is named after the pool "
                             "alone (publisher position, stats, the vLLM offload tier's table "
-                            "and data region). Processes that have it mapped keep working. "
-                            "Exit 2 if there is no such pool (as every command).")
+                            "and data region), whether the pool is meant to stay or not, "
+                            "and says how much of /dev/shm that frees. Processes that have it "
+                            "mapped keep working. Exit 2 if there is no such pool (as every "
+                            "command).")
     unlink.add_argument("name", help="pool name")
     unlink.set_defaults(func=cmd_unlink)
 
@@ -409,8 +424,11 @@ def _describe(v) -> str:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from shmkv.pool import siblings
+    from shmkv.pool.siblings import human_bytes
 
-    verdicts = siblings.plan()
+    if args.prefix is not None:
+        _check_prefix(args.prefix)
+    verdicts = siblings.plan(include_idle=args.include_idle, prefix=args.prefix)
     if args.dry_run:
         removed = [v for v in verdicts if v.remove]
         for v in removed:
@@ -423,29 +441,61 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
                 print(f"removed {_describe(v)}: {v.reason}")
     kept = [v for v in verdicts if not v.remove]
     for v in kept:
-        print(f"kept {_describe(v)}: {v.reason}")
-    print(f"{len(removed)} object(s) {'to remove' if args.dry_run else 'removed'}, "
-          f"{len(kept)} kept" + ("" if any(v.kind == "pool" and v.remove for v in verdicts)
-                                 else "; no orphaned pools"))
+        extra = ""
+        if v.kind == "pool" and v.idle:
+            extra = f" ({human_bytes(siblings.memory_of(verdicts, v.name))} of /dev/shm)"
+        print(f"kept {_describe(v)}: {v.reason}{extra}")
+    freed = sum(v.memory_bytes for v in removed)
+    idle = [v for v in kept if v.kind == "pool" and v.idle]
+    print(f"{len(removed)} object(s) {'to remove' if args.dry_run else 'removed'} "
+          f"({human_bytes(freed)} of /dev/shm{' to free' if args.dry_run else ' freed'}), "
+          f"{len(kept)} kept"
+          + ("" if any(v.kind == "pool" and v.remove for v in verdicts)
+             else "; no orphaned pools")
+          + (f"; {len(idle)} idle pool(s) meant to stay kept (`shmkv unlink NAME` or "
+             "--include-idle removes them)" if idle else "")
+          + (f"; only names starting with {args.prefix!r}" if args.prefix else ""))
     return EXIT_OK
+
+
+def _check_prefix(prefix: str) -> None:
+    """A ``--prefix`` must be the start of a name: non-empty, of a name's characters."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9._+-]+", prefix):
+        raise UsageError(f"--prefix {prefix!r}: give the start of the names to act on, in "
+                         "the characters of a pool name (letters, digits, '.', '_', '-', "
+                         "'+'); leave --prefix out for every object")
 
 
 def add_cleanup_parser(sub) -> None:
     cleanup = sub.add_parser(
-        "cleanup", help="remove every shmkv object whose owner is dead or gone",
-        description="Removes every pool of this layout version whose attached processes "
-        "and creator are all dead (with its lock and liveness file), and every sibling "
-        "object (channels and their doorbells, block tables, KV stores, stats, publisher "
-        "positions) whose creator is dead and whose pool is gone or removed with it, as "
-        "their headers record it. Lists everything it keeps with the reason: live, being "
-        "created, recoverable, another user's, of another layout version, or with a corrupt "
-        "header. A process attaching at that very moment keeps working on the removed pool.")
+        "cleanup", help="remove every orphaned shmkv object (pools meant to stay are kept)",
+        description="Removes every orphaned pool of this layout version: one whose attached "
+        "processes and creator are all dead and that was never marked to stay (pools made "
+        "by `shmkv create`, the vLLM offload tier and the SGLang page store stay), or whose "
+        "creator died while creating it; with its lock and liveness file. Removes every "
+        "sibling object (channels and their doorbells, block tables, KV stores, stats, "
+        "publisher positions) whose creator is dead and whose pool is gone or removed with "
+        "it, as their headers record it. Lists everything it keeps with the reason: meant "
+        "to stay, live, being created, recoverable, another user's, of another layout "
+        "version, or with a corrupt header; and the /dev/shm memory freed. A process "
+        "attaching at that very moment keeps working on the removed pool.")
     cleanup.add_argument("--dry-run", action="store_true",
                          help="only say what would go (and what stays)")
+    cleanup.add_argument("--include-idle", action="store_true",
+                         help="also remove the pools meant to stay that no live process "
+                         "holds (with their siblings and data regions)")
+    cleanup.add_argument("--prefix", metavar="PREFIX",
+                         help="only objects whose name, and whose pool's name, starts with "
+                         "PREFIX (e.g. one test run's names)")
     cleanup.set_defaults(func=cmd_cleanup)
 
 
 # ---------------------------------------------------------------------------- create
+
+CREATE_STAYS_BY = "shmkv create"  # what `shmkv ls` says keeps a pool it made
+
 
 def cmd_create(args: argparse.Namespace) -> int:
     kwargs = {}
@@ -458,6 +508,7 @@ def cmd_create(args: argparse.Namespace) -> int:
                             enable_kv_cache_events=args.events, label="shmkv-create",
                             **kwargs)
     try:
+        pool.mark_stays(CREATE_STAYS_BY)
         print(f"created pool {args.name}: {args.blocks} blocks of {args.block_size} tokens "
               f"({args.blocks - 1} usable: block 0 is the null block), "
               f"{pool.layout.total_bytes:,} bytes in /dev/shm{pool.segment_name}, "
@@ -465,15 +516,17 @@ def cmd_create(args: argparse.Namespace) -> int:
               f"{pool.layout.config.max_processes} process slots")
     finally:
         pool.close()
-    print(f"it stays until `shmkv unlink {args.name}` (or `shmkv cleanup` while no process "
-          "is attached)")
+    print(f"it stays until `shmkv unlink {args.name}` (`shmkv cleanup` keeps it; "
+          "`shmkv cleanup --include-idle` removes it while no process is attached)")
     return EXIT_OK
 
 
 def add_create_parser(sub) -> None:
     p = sub.add_parser("create", help="create a pool and leave it in /dev/shm",
                        description="Creates a new pool segment for schedulers to attach "
-                       "to, then exits (the pool stays). Exit 2 if it exists already.")
+                       "to, then exits. The pool is marked to stay: `shmkv cleanup` keeps it "
+                       "until `shmkv unlink NAME` (or `shmkv cleanup --include-idle` while no "
+                       "process holds it). Exit 2 if it exists already.")
     p.add_argument("name", help="pool name")
     p.add_argument("--blocks", type=int, required=True, help="blocks in the pool (with the "
                    "null block)")
@@ -586,23 +639,34 @@ def add_stats_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- ls
 
-def list_objects() -> list[dict]:
-    """Every shmkv object in /dev/shm: pools (with owner, size, processes, creator alive),
-    their locks and liveness files, and sibling objects (channels, doorbells, publisher
-    positions, stats, block tables...), each with the pool it belongs to if any."""
+def list_objects(prefix: str | None = None) -> list[dict]:
+    """Every shmkv object in /dev/shm (``prefix``: those whose name starts with it): pools
+    (with owner, size, processes, creator alive, whether each is meant to stay), their locks
+    and liveness files, and sibling objects (channels, doorbells, publisher positions,
+    stats, block tables...), each with the pool it belongs to if any."""
     from shmkv.pool import siblings
 
+    all_verdicts = siblings.plan()
+    verdicts = {v.entry: v for v in all_verdicts}
     out = []
     for entry in sorted(os.listdir("/dev/shm")):
+        v = verdicts.get(entry)
+        if prefix is not None and not (siblings.in_scope(v, prefix) if v
+                                       else entry.startswith(f"shmkv-{prefix}")):
+            continue
         row = _object_row(entry)
         if row is not None:
             out.append(row)
     _name_owning_pools(out)
-    verdicts = {v.entry: v for v in siblings.plan()}
     for row in out:
         v = verdicts.get(row["entry"])
         row["orphan"] = bool(v and v.remove)
         row["cleanup"] = v.reason if v else "gone meanwhile"
+        if row["kind"] == "pool":
+            # "stays", "scoped" (lives while a process holds it), "orphan"; "" left alone
+            row["lifetime"] = v.lifetime if v else ""
+            row["idle"] = bool(v and v.idle)
+            row["memory_bytes"] = siblings.memory_of(all_verdicts, row["name"])
         if v and v.pool and "pool" not in row:
             row["pool"] = v.pool
             row["note"] = (row["note"] + "; " if row["note"] else "") + f"of pool {v.pool}"
@@ -714,7 +778,11 @@ def _name_owning_pools(rows: list[dict]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = list_objects()
+    from shmkv.pool.siblings import human_bytes
+
+    if args.prefix is not None:
+        _check_prefix(args.prefix)
+    rows = list_objects(args.prefix)
     if not args.all:
         rows = [r for r in rows if r["kind"] not in ("lock", "liveness")]
     if args.json:
@@ -723,21 +791,33 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     if not rows:
-        print("no shmkv objects in /dev/shm")
+        print("no shmkv objects in /dev/shm"
+              + (f" whose name starts with {args.prefix!r}" if args.prefix else ""))
         return EXIT_OK
     print(f"{'KIND':<10} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
-          f"{'CREATOR':<8} NOTE")
+          f"{'CREATOR':<8} {'LIFETIME':<8} NOTE")
     for r in rows:
         procs = "" if r["processes"] is None else f"{r['alive']}/{r['processes']}"
         creator = "" if r["creator_alive"] is None else (
             "alive" if r["creator_alive"] else "gone")
-        note = f"ORPHAN ({r['cleanup']}); {r['note']}" if r["orphan"] else r["note"]
+        lifetime = r.get("lifetime", "")
+        if r["kind"] == "pool":
+            lifetime = "ORPHAN" if r["orphan"] else lifetime
+            why = r["cleanup"]
+            if r["idle"]:
+                why += f"; it takes {human_bytes(r['memory_bytes'])} of /dev/shm"
+            note = f"{why}; {r['note']}" if r["note"] else why
+        else:
+            note = f"ORPHAN ({r['cleanup']}); {r['note']}" if r["orphan"] else r["note"]
         print(f"{r['kind']:<10} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
-              f"{procs:>9} {creator:<8} {note}".rstrip("; "))
+              f"{procs:>9} {creator:<8} {lifetime:<8} {note}".rstrip("; "))
     pools = [r for r in rows if r["kind"] == "pool"]
     orphans = sum(r["orphan"] for r in rows)
+    staying = sum(r["lifetime"] == "stays" for r in pools)
     print(f"{len(pools)} pool(s), {len(rows) - len(pools)} other object(s), {orphans} "
-          "orphan(s) (`shmkv cleanup` removes them); PROCS = alive/attached")
+          f"orphan(s) (`shmkv cleanup` removes them), {staying} pool(s) meant to stay "
+          "(`shmkv unlink NAME` removes one); PROCS = alive/attached; LIFETIME: stays (kept "
+          "until unlinked), scoped (lives while a process holds it), ORPHAN")
     return EXIT_OK
 
 
@@ -745,12 +825,17 @@ def add_ls_parser(sub) -> None:
     p = sub.add_parser("ls", help="list every shmkv object on this machine",
                        description="Lists the shmkv objects in /dev/shm: pools (owner, "
                        "size, attached processes alive/total, whether the creator is "
-                       "alive), message channels and their doorbells, publisher positions, "
-                       "stats segments and other siblings; --all adds pool locks and "
-                       "liveness files. Marks ORPHAN what `shmkv cleanup` would remove, "
-                       "with the reason. Reads process tables without attaching.")
+                       "alive, and their LIFETIME: `stays` for a pool meant to stay, with "
+                       "what made it, `scoped` for one that lives while a process holds "
+                       "it, `ORPHAN` for one `shmkv cleanup` removes, with why), message "
+                       "channels and their doorbells, publisher positions, stats segments "
+                       "and other siblings; --all adds pool locks and liveness files. Marks "
+                       "ORPHAN what `shmkv cleanup` would remove, with the reason. Reads "
+                       "process tables without attaching.")
     p.add_argument("--all", action="store_true", help="also pool locks and liveness files")
     p.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    p.add_argument("--prefix", metavar="PREFIX",
+                   help="only objects whose name starts with PREFIX")
     p.set_defaults(func=cmd_ls)
 
 

@@ -69,6 +69,7 @@ from shmkv.hashing import (
 from shmkv.pool import fault as _fault
 from shmkv.pool import layout as L
 from shmkv.pool._pykernel import PyKernel
+from shmkv.pool.barriers import fence
 from shmkv.pool.event_log import EventCursor, EventLog, LoggedEvent
 from shmkv.pool.free_queue import FreeKVCacheBlockQueue
 from shmkv.pool.journal import Journal, JournaledColumn, JournaledView, undo
@@ -842,6 +843,51 @@ class BlockPool:
                 f"{pool.enable_caching}), asked for {num_blocks} (caching {enable_caching})"
             )
         return pool
+
+    def mark_stays(self, by: str) -> None:
+        """Marks the pool to stay in /dev/shm once no process uses it: ``shmkv cleanup``
+        keeps it, and ``shmkv ls`` lists it as staying, made by ``by``, until it is removed
+        by name (``shmkv unlink``, :meth:`unlink`) or by ``shmkv cleanup --include-idle``.
+
+        A new pool lives only while a process holds it: once every process attached to it
+        is dead (its creator too), cleanup removes it as an orphan. Call this once whatever
+        the pool is part of is complete, so that a pool whose maker died half way is still
+        an orphan. ``shmkv create``, the vLLM offload tier and the SGLang page store call
+        it. Marking a pool that stays already changes nothing (the first ``by`` is kept).
+
+        Args:
+            by: what keeps the pool, shown by ``shmkv ls``: at most 12 printable ASCII
+                characters (``"shmkv create"``, ``"vllm tier"``).
+
+        Raises:
+            UsageError: ``by`` is not such a string; nothing is written.
+            PoolClosedError: the pool is closed.
+        """
+        if (not isinstance(by, str) or not by or not by.isascii() or not by.isprintable()
+                or len(by) > L.MAX_STAYS_BY_BYTES):
+            raise UsageError(f"mark_stays(by={by!r}): by must be 1 to {L.MAX_STAYS_BY_BYTES} "
+                             "printable ASCII characters naming what keeps the pool, e.g. "
+                             "'shmkv create'")
+        if self._segment.buf is None:
+            raise PoolClosedError("the pool is closed; attach again to use it")
+        with self._lock:
+            if int(self._header[0]["retention"]) == L.RETENTION_STAYS:
+                return
+            # stays_by first: a reader that sees RETENTION_STAYS sees who marked it
+            self._header["stays_by"] = by.encode()
+            fence()
+            self._header["retention"] = L.RETENTION_STAYS
+
+    @property
+    def stays_by(self) -> str | None:
+        """What marked the pool to stay (:meth:`mark_stays`); None while it lives only as
+        long as a process holds it ("unrecorded" for a pool made before pools recorded
+        it, which cleanup keeps)."""
+        hdr = self.header_snapshot()
+        retention = int(hdr["retention"])
+        if retention == L.RETENTION_STAYS:
+            return bytes(hdr["stays_by"]).decode(errors="replace")
+        return "unrecorded" if retention == L.RETENTION_UNRECORDED else None
 
     def _release_views(self) -> None:
         self._i32 = self._i64 = self._hdr64 = self._proc64 = self._hdr_w = _CLOSED

@@ -66,6 +66,17 @@ Immutable after creation (the "config echo", validated by every attach, in this 
   pool ``<name>.<tier>``, HiSparse's host pages), the ``pool_id`` of the pool that made it,
   written by its creator before ``READY``. Removing a pool removes ``<name>.<tier>`` only
   when this field says it is a tier: a pool of its own that merely has such a name stays.
+- `retention` (u4, 304): whether the pool is meant to outlive the processes that use it,
+  for ``shmkv cleanup`` (``shmkv/pool/siblings.py``). ``RETENTION_SCOPED`` (1), written by
+  the creator before ``READY``: the pool lives while a process holds it, and is an orphan
+  once none does and its creator is dead. ``RETENTION_STAYS`` (2), written once by
+  ``BlockPool.mark_stays`` when whatever the pool is part of is complete (``shmkv create``,
+  the vLLM offload tier, the SGLang page store): cleanup keeps it until it is removed by
+  name. ``RETENTION_UNRECORDED`` (0): a pool made by a shmkv that did not record this; it
+  is kept, as if it stays. Never goes back from 2.
+- `stays_by` (S12, 308): what marked the pool to stay (``"shmkv create"``, ``"vllm tier"``,
+  ``"sglang store"``, or the label a caller of ``mark_stays`` gave); written before
+  `retention` turns ``RETENTION_STAYS``.
 
 Mutable, written only under the pool lock:
 
@@ -306,6 +317,9 @@ Changelog
 - v8: header `tier_of` (offset 288, in the padding: no region moves): a pool's tiers are
   known by it, never by their names alone. The holder word of a process inside ``attach``
   names its attach mark (a byte of the ``.alive`` file past the slots), not a slot.
+  Later, with no version bump (the fields sit in padding that every v8 pool has as zeros,
+  and no reader of v8 reads them): header `retention` (offset 304) and `stays_by` (308).
+  A v8 pool whose `retention` is 0 was made before them and is kept, as a pool that stays.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -341,6 +355,12 @@ STATE_NAMES = {
     STATE_READY: "READY",
     STATE_POISONED: "POISONED",
 }
+
+# Whether a pool outlives the processes that use it (header `retention`).
+RETENTION_UNRECORDED = 0  # made before pools recorded it: kept, as a pool that stays
+RETENTION_SCOPED = 1  # lives while a process holds it
+RETENTION_STAYS = 2  # stays until removed by name (BlockPool.mark_stays)
+MAX_STAYS_BY_BYTES = 12
 
 FLAG_PREFIX_CACHING = 1 << 0
 FLAG_KV_EVENTS = 1 << 1
@@ -385,6 +405,8 @@ HEADER_DTYPE = np.dtype(
             "cache_geometry",
             # immutable: the pool whose tier this is (zeros: none)
             "tier_of",
+            # written by the creator, then once by mark_stays: whether the pool stays
+            "retention", "stays_by",
         ],
         "formats": [
             "<u8", "<u4", "<u4", "<u4", "<u4",
@@ -398,6 +420,7 @@ HEADER_DTYPE = np.dtype(
             "V16", "<u4",
             "<i8",
             "V16",
+            "<u4", "S12",
         ],
         "offsets": [
             0, 8, 12, 16, 20,
@@ -411,6 +434,7 @@ HEADER_DTYPE = np.dtype(
             256, 272,
             280,
             288,
+            304, 308,
         ],
         "itemsize": 320,
     }

@@ -308,6 +308,7 @@ def write_header(buf: mmap.mmap, lay: L.Layout) -> None:
     hdr["hash_fn_name"] = cfg.hash_fn_name.encode()
     hdr["num_hash_lookahead_tokens"] = cfg.num_hash_lookahead_tokens
     hdr["pool_id"] = secrets.token_bytes(16)  # this pool, not another of its name or pid
+    hdr["retention"] = L.RETENTION_SCOPED  # until mark_stays, once the pool is complete
     hdr["epoch"] = 1
     del hdr
 

@@ -9,8 +9,15 @@ object is.
 The rules (issue 15, item 6, and issue 21):
 
 - a pool is removed only when every process attached to it is dead and its creator is dead
-  (or died creating it); a pool being created, in use, or POISONED with a live process
-  (``shmkv recover`` can fix it) stays. Its lock and ``.alive`` file go with it;
+  (or died creating it), and it is not meant to stay; a pool being created, in use, or
+  POISONED with a live process (``shmkv recover`` can fix it) stays. Its lock and ``.alive``
+  file go with it;
+- a pool is meant to stay when its header's ``retention`` says so (``BlockPool.mark_stays``:
+  ``shmkv create``, the vLLM offload tier, the SGLang page store, once each is complete), or
+  says nothing (a pool made before pools recorded it: kept, to be safe). Such a pool goes
+  only by name (``shmkv unlink``) or with ``include_idle`` (``shmkv cleanup
+  --include-idle``), and then only while no live process holds it. A tier (HiSparse's host
+  pool) stays while the very pool it is the tier of stays;
 - a sibling segment stays while its creator lives, and while the very pool it names stays;
   it is removed once both are gone (its pool gone, re-created under the same name, or
   removed in the same cleanup);
@@ -33,11 +40,12 @@ import stat
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import posix_ipc
 
-from shmkv.errors import SegmentNotFoundError
+from shmkv.errors import SegmentNotFoundError, UsageError
 from shmkv.pool import layout as L
 from shmkv.pool.liveness import pid_alive, process_start_ticks
 
@@ -124,6 +132,11 @@ class Verdict:
     reason: str
     pool: str | None = None  # the pool it belongs to, if any
     doorbell: str | None = field(default=None, repr=False)  # a channel's, as recorded
+    # a pool's: "stays" (marked to stay, or made before pools recorded it), "scoped" (lives
+    # while a process holds it), "orphan" (cleanup removes it); "" when it is left alone
+    lifetime: str = ""
+    idle: bool = False  # a pool meant to stay that no live process holds
+    memory_bytes: int = 0  # what it takes in /dev/shm (allocated, not its nominal size)
 
     @property
     def path(self) -> str:
@@ -157,18 +170,40 @@ class _Pool:
     """What cleanup learnt of one pool segment."""
 
     def __init__(self, verdict: Verdict, creator_pid: int = 0, ino: int = 0,
-                 pool_id: bytes = b"") -> None:
+                 pool_id: bytes = b"", tier_of: bytes = b"") -> None:
         self.verdict = verdict
         self.creator_pid = creator_pid
         self.ino = ino
         self.pool_id = pool_id
+        self.tier_of = tier_of
 
 
-def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
-    pool_id = b""
+def stays_text(retention: int, stays_by: bytes) -> str | None:
+    """Why a pool stays, from its header's `retention` and `stays_by`; None for a pool
+    that lives only while a process holds it."""
+    if retention == L.RETENTION_STAYS:
+        return f"stays (made by {stays_by.rstrip(bytes(1)).decode(errors='replace')})"
+    if retention == L.RETENTION_SCOPED:
+        return None
+    return ("stays (made by a shmkv that did not record whether a pool stays: kept, to be "
+            "safe)")
 
-    def keep(reason: str, creator: int = 0) -> _Pool:
-        return _Pool(Verdict(entry, "pool", name, False, reason), creator, st.st_ino, pool_id)
+
+def human_bytes(n: int) -> str:
+    """``1.5 GiB``: a size as people read it."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) -> _Pool:
+    pool_id = tier_of = b""
+
+    def keep(reason: str, creator: int = 0, lifetime: str = "") -> _Pool:
+        return _Pool(Verdict(entry, "pool", name, False, reason, lifetime=lifetime), creator,
+                     st.st_ino, pool_id, tier_of)
 
     problem = _foreign(st)
     if problem:
@@ -191,13 +226,16 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
                         f"v{L.LAYOUT_VERSION} name: left alone")
         creator = int(hdr["creator_pid"])
         pool_id = bytes(hdr["pool_id"])
+        tier_of = bytes(hdr["tier_of"]) if any(bytes(hdr["tier_of"])) else b""
         state = int(hdr["state"])
+        stays = stays_text(int(hdr["retention"]), bytes(hdr["stays_by"]))
         if state == L.STATE_INITIALIZING:
             if pid_alive(creator):
-                return keep(f"being created by pid {creator}", creator)
+                return keep(f"being created by pid {creator}", creator, "scoped")
             return _Pool(Verdict(entry, "pool", name, True,
-                                 f"its creator pid {creator} died while creating it"),
-                         creator, st.st_ino, pool_id)
+                                 f"its creator pid {creator} died while creating it",
+                                 lifetime="orphan"),
+                         creator, st.st_ino, pool_id, tier_of)
         if state not in (L.STATE_READY, L.STATE_POISONED):
             return keep(f"corrupt header: state {state}: left alone", creator)
         from shmkv.pool.segment import Segment, read_config
@@ -219,20 +257,34 @@ def _assess_pool(entry: str, name: str, st: os.stat_result) -> _Pool:
     active = np.flatnonzero(procs["state"] == L.SLOT_ACTIVE).tolist()
     live = [s for s in active if _slot_alive(entry, s, procs)]
     poisoned = state == L.STATE_POISONED
+    lifetime = "stays" if stays else "scoped"
+    said = f"{stays}; " if stays else ""
     if live:
         pids = ", ".join(str(int(procs[s]["pid"])) for s in live)
-        return keep(f"{len(live)} live process(es) attached (pid {pids})"
+        return keep(f"{said}{len(live)} live process(es) attached (pid {pids})"
                     + ("; POISONED: `shmkv recover` can repair it" if poisoned else ""),
-                    creator)
+                    creator, lifetime)
     creator_row = [s for s in active if int(procs[s]["pid"]) == creator]
     ticks = int(procs[creator_row[0]]["start_ticks"]) if creator_row else 0
     if pid_alive(creator, ticks):
-        return keep(f"no process attached, but its creator pid {creator} is alive", creator)
+        return keep(f"{said}no process attached, but its creator pid {creator} is alive",
+                    creator, lifetime)
     dead = len(active)
+    idle = (f"no live process attached ({dead} dead), creator pid {creator} dead"
+            + ("; it was POISONED" if poisoned else ""))
+    if stays and not include_idle:
+        kept = keep(f"{stays}; idle: {idle}; `shmkv unlink {name}` or `shmkv cleanup "
+                    "--include-idle` removes it", creator, lifetime)
+        kept.verdict.idle = True
+        return kept
+    if stays:
+        return _Pool(Verdict(entry, "pool", name, True,
+                             f"{stays}; idle: {idle} (--include-idle)", lifetime=lifetime,
+                             idle=True),
+                     creator, st.st_ino, pool_id, tier_of)
     return _Pool(Verdict(entry, "pool", name, True,
-                         f"no live process attached ({dead} dead), creator pid {creator} "
-                         "dead" + ("; it was POISONED" if poisoned else "")),
-                 creator, st.st_ino, pool_id)
+                         f"{idle}; it was never marked to stay", lifetime="orphan"),
+                 creator, st.st_ino, pool_id, tier_of)
 
 
 def _slot_alive(entry: str, slot: int, procs: np.ndarray) -> bool:
@@ -343,9 +395,37 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
     return v
 
 
-def plan(now: float | None = None) -> list[Verdict]:
-    """What cleanup would do with every shmkv object in /dev/shm, in listing order."""
-    now = time.time() if now is None else now
+def plan(now: float | None = None, *, include_idle: bool = False,
+         prefix: str | None = None) -> list[Verdict]:
+    """What cleanup would do with every shmkv object in /dev/shm, in listing order.
+
+    Args:
+        now: the time doorbells' ages are counted to (default: now).
+        include_idle: also remove the pools meant to stay (``BlockPool.mark_stays``, or
+            made before pools recorded it) that no live process holds, with what is theirs.
+        prefix: only the objects whose name starts with it, and whose pool's name (if they
+            belong to one) does too (``in_scope``); every object is still read, so each
+            verdict is the one an unscoped plan gives.
+
+    Raises:
+        UsageError: an empty ``prefix``.
+    """
+    if prefix is not None and not (isinstance(prefix, str) and prefix):
+        raise UsageError(f"prefix {prefix!r}: give the start of the names to clean up (a "
+                         "pool's name, or a test run's), or no prefix at all for every "
+                         "object")
+    verdicts = _plan(time.time() if now is None else now, include_idle)
+    return verdicts if prefix is None else [v for v in verdicts if in_scope(v, prefix)]
+
+
+def in_scope(v: Verdict, prefix: str) -> bool:
+    """Whether a scoped cleanup (``--prefix``) may touch ``v``: its name starts with
+    ``prefix``, and so does the name of the pool it belongs to, if any (so nothing in scope
+    goes because a pool outside the scope goes)."""
+    return (v.name or "").startswith(prefix) and (not v.pool or v.pool.startswith(prefix))
+
+
+def _plan(now: float, include_idle: bool) -> list[Verdict]:
     try:
         entries = sorted(os.listdir(SHM_DIR))
     except OSError:
@@ -372,8 +452,15 @@ def plan(now: float | None = None) -> list[Verdict]:
                                      f"v{L.LAYOUT_VERSION}: left alone (remove it with the "
                                      "shmkv that made it, or by hand)")
                 continue
-            pools[name] = _assess_pool(entry, name, st)
+            pools[name] = _assess_pool(entry, name, st, include_idle)
             out[entry] = pools[name].verdict
+    for name, pool in pools.items():  # a tier stays with the very pool it is the tier of
+        owner = pools.get(name.rpartition(".")[0]) if pool.tier_of else None
+        if (pool.verdict.remove and owner is not None and owner.pool_id == pool.tier_of
+                and not owner.verdict.remove):
+            pool.verdict.remove, pool.verdict.lifetime = False, owner.verdict.lifetime
+            pool.verdict.reason = (f"a tier of pool {owner.verdict.name}, which stays "
+                                   f"({owner.verdict.reason})")
     # 2. a pool's lock and liveness file
     for entry, st in stats.items():
         if entry.startswith("sem.shmkv-") and entry.endswith(".lock"):
@@ -468,7 +555,16 @@ def plan(now: float | None = None) -> list[Verdict]:
                         "being made)")
         else:
             v.remove, v.reason = True, f"no channel names it (made {age:.0f} s ago)"
+    for entry, v in out.items():
+        v.memory_bytes = stats[entry].st_blocks * 512
     return [out[e] for e in stats if e in out]
+
+
+def memory_of(verdicts: list[Verdict], pool: str) -> int:
+    """The /dev/shm memory of a pool and of what goes with it (its lock, liveness file,
+    siblings, data region: the verdicts naming it as their pool)."""
+    return sum(v.memory_bytes for v in verdicts
+               if (v.kind == "pool" and v.name == pool) or v.pool == pool)
 
 
 def unlink_offload_data_region(pool: str) -> list[str]:
@@ -541,15 +637,63 @@ def unlink_tiers(pool: str, tiers: tuple[str, ...], *, keep_of: bytes | None = N
     return removed
 
 
-def unlink_pool(pool: str, tiers: tuple[str, ...]) -> tuple[bool, list[str]]:
+class Unlinked(NamedTuple):
+    """What ``unlink_pool`` did."""
+
+    found: bool  # the pool's segment existed
+    removed: list[str]  # what else went: "host tier", "stats", ...
+    memory_bytes: int  # the /dev/shm memory of every file that went (allocated bytes)
+
+
+def _pool_paths(pool: str, tiers: tuple[str, ...]) -> list[str]:
+    """Every path in /dev/shm that ``unlink_pool`` may remove."""
+    from shmkv.pool.liveness import alive_path
+    from shmkv.pool.lock import lock_name
+
+    names = [pool] + [f"{pool}.{t}" for t in tiers
+                      if len(f"{pool}.{t}") <= L.MAX_POOL_NAME_CHARS]
+    paths = []
+    for name in names:
+        seg = L.segment_name(name)
+        paths += [SHM_DIR + seg, f"{SHM_DIR}/sem.{lock_name(seg)[1:]}", alive_path(seg)]
+    paths += [SHM_DIR + L.sibling_segment_name(kind, pool, L.SIBLING_KINDS[kind].version)
+              for kind in L.POOL_NAMED_SIBLINGS]
+    paths.append(L.offload_replicas_path(pool))
+    try:
+        paths += [f"{SHM_DIR}/{e}" for e in sorted(os.listdir(SHM_DIR))
+                  if L.offload_data_region_pool(e) == pool]
+    except OSError:
+        pass
+    return paths
+
+
+def _files(paths: list[str]) -> dict[str, tuple[int, int]]:
+    """(inode, allocated bytes) of each path that exists."""
+    out = {}
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        out[path] = (st.st_ino, st.st_blocks * 512)
+    return out
+
+
+def unlink_pool(pool: str, tiers: tuple[str, ...]) -> Unlinked:
     """Removes a pool and everything it owns: its segment, lock and liveness file, its
     ``tiers`` (``unlink_tiers``), and what is named after it alone
-    (``unlink_pool_siblings``). Returns whether its segment existed, and what else was
-    removed ("host tier", "stats", ...)."""
+    (``unlink_pool_siblings``), whether it is meant to stay or not. Returns whether its
+    segment existed, what else was removed ("host tier", "stats", ...), and the memory of
+    /dev/shm that the removed files took."""
     L.validate_pool_name(pool)
+    before = _files(_pool_paths(pool, tiers))
     found = unlink_pool_files(pool)
     extras = [f"{name.rpartition('.')[2]} tier" for name in unlink_tiers(pool, tiers)]
-    return found, extras + unlink_pool_siblings(pool)
+    extras += unlink_pool_siblings(pool)
+    after = _files(list(before))
+    freed = sum(nbytes for path, (ino, nbytes) in before.items()
+                if after.get(path, (None, 0))[0] != ino)
+    return Unlinked(found, extras, freed)
 
 
 def unlink_pool_siblings(pool: str) -> list[str]:
@@ -608,6 +752,7 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     return done
 
 
-__all__ = ["DOORBELL_GRACE_S", "Verdict", "owner_record", "plan", "pool_identity", "remove",
-           "tier_of", "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
+__all__ = ["DOORBELL_GRACE_S", "Unlinked", "Verdict", "human_bytes", "in_scope", "memory_of",
+           "owner_record", "plan", "pool_identity", "remove", "stays_text", "tier_of",
+           "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
            "unlink_pool_siblings", "unlink_tiers", "write_owner"]

@@ -57,6 +57,7 @@ from shmkv.sglang.region import PageRegion, open_region
 
 PENDING_GROUP = L.PENDING_GROUP_BIT  # a page being written (never a hit, never published)
 ATTACH_TIMEOUT_S = 10.0
+STAYS_BY = "sglang store"  # what `shmkv ls` says keeps the store's pool (mark_stays)
 
 
 class _Keys:
@@ -124,6 +125,10 @@ class PageStore:
                 raise LayoutMismatchError(
                     f"store {pool_name!r} holds {self.pool.num_gpu_blocks - 1} pages, this "
                     f"instance's bytes give {num_pages}")
+            # The store is complete (pool and page region): it stays in /dev/shm for the
+            # next SGLang instance until `shmkv unlink` (a maker that died before this line
+            # left an orphan, which `shmkv cleanup` removes).
+            self.pool.mark_stays(STAYS_BY)
         except BaseException:
             if hasattr(self, "region"):
                 self.region.close()

@@ -130,6 +130,7 @@ __all__ = ["SHMKV_CROSS_REPLICA_HITS", "SHMKV_LOCK_HOLDS", "SHMKV_LOCK_HOLD_S",
 
 logger = logging.getLogger("shmkv.vllm")
 
+STAYS_BY = "vllm tier"  # what `shmkv ls` says keeps the tier's pool (BlockPool.mark_stays)
 LOCK_RECORD_FOLD = 1024  # pool lock holds recorded before they are folded into totals
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
 
@@ -309,6 +310,10 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 with self._pool.lock():
                     self._row = join(self._tier, self._locks,
                                      replica_key(replica_id or secrets.token_hex(16)), pool)
+                # The tier is complete (its table, a replica joined): it stays in /dev/shm
+                # for restarted replicas until `shmkv unlink` (a maker that died before this
+                # line left an orphan, which `shmkv cleanup` removes).
+                self._pool.mark_stays(STAYS_BY)
             except BaseException:
                 self._tier.close()
                 raise

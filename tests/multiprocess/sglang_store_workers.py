@@ -96,3 +96,14 @@ def open_and_store(pool: str, names: list[str], store_bytes: int, out) -> None:
         out.put((stored, os.stat("/dev/shm" + store.region.name).st_ino))
     finally:
         store.close()
+
+
+def make_store_pool_and_wait(pool: str, ready, stop) -> None:
+    """Make the store's pool and nothing else (as a maker killed before its page region),
+    then wait to be killed."""
+    from shmkv.sglang.store import open_pool
+
+    bp = open_pool(pool, 8, 8, "maker")
+    ready.set()
+    stop.wait(120)
+    bp.close()

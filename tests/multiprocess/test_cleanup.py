@@ -1,6 +1,8 @@
-"""``shmkv cleanup`` with real processes (issue 21): nothing of a dead run or a dead pool is
-left in /dev/shm, nothing live is removed, and what is not ours is listed and left alone.
-Every name is unique; every join has a timeout; every exit code is checked."""
+"""``shmkv cleanup`` with real processes: nothing of a dead run or a dead pool is left in
+/dev/shm, nothing live and no pool meant to stay is removed, and what is not ours is listed
+and left alone. Every name is unique, and every cleanup is scoped to the test's names
+(``--prefix``): the machine's other pools are never touched. Every join has a timeout; every
+exit code is checked."""
 
 from __future__ import annotations
 
@@ -85,28 +87,92 @@ def test_a_dead_pools_siblings_go_with_it(spawn_ctx, name):
     kinds = {e.split("-")[0] for e in made}
     assert {"shmkv", "shmkv_ch", "shmkv_bt", "shmkv_stats", "sem.shmkv_bell",
             "sem.shmkv"} <= kinds, made
-    live = shmkv("cleanup", "--dry-run")
+    live = shmkv("cleanup", "--dry-run", "--prefix", name)
     assert not [line for line in live.stdout.splitlines()
                 if line.startswith("would remove") and name in line], live.stdout
     _kill(p)
-    ls = shmkv("ls", "--all")
+    ls = shmkv("ls", "--all", "--prefix", name)
     rows = [line for line in ls.stdout.splitlines() if name in line]
     assert rows and all("ORPHAN" in line for line in rows), ls.stdout
-    dry = shmkv("cleanup", "--dry-run")
+    dry = shmkv("cleanup", "--dry-run", "--prefix", name)
     assert f"would remove pool {name}: no live process attached" in dry.stdout
     for entry in made:
         assert entry.removeprefix("sem.") in dry.stdout, (entry, dry.stdout)
     assert _objects(name) == made  # a dry run changes nothing
-    out = shmkv("cleanup")
+    out = shmkv("cleanup", "--prefix", name)
     assert out.returncode == 0
     assert f"removed pool {name}" in out.stdout
     assert "goes with its channel(s)" in out.stdout and "is removed too" in out.stdout
     assert _objects(name) == []
 
 
+def _memory(name: str) -> int:
+    """The /dev/shm memory (allocated bytes) of every object whose name holds ``name``."""
+    return sum(os.lstat(f"/dev/shm/{e}").st_blocks * 512 for e in _objects(name))
+
+
+def _human(n: int) -> str:
+    return siblings.human_bytes(n)
+
+
+def test_a_pool_made_by_shmkv_create_stays_until_removed_by_name(name):
+    """`shmkv create` makes a pool meant to stay: `ls` says so and why, `cleanup` keeps it
+    byte for byte although no process holds it, `cleanup --include-idle` or `unlink NAME`
+    removes it, each saying how much of /dev/shm it frees."""
+    import hashlib
+
+    def image() -> dict[str, str]:
+        return {e: hashlib.sha256(Path(f"/dev/shm/{e}").read_bytes()).hexdigest()
+                for e in _objects(name)}
+
+    made = shmkv("create", name, "--blocks", "64")
+    assert made.returncode == 0 and "`shmkv cleanup` keeps it" in made.stdout, made.stdout
+    ls = shmkv("ls", "--prefix", name)
+    line = next(line for line in ls.stdout.splitlines() if line.startswith("pool"))
+    assert " stays " in line and "stays (made by shmkv create); idle" in line, ls.stdout
+    assert "1 pool(s) meant to stay" in ls.stdout
+    before = image()
+    assert len(before) == 3  # segment, lock, liveness file
+    out = shmkv("cleanup", "--prefix", name)
+    assert out.returncode == 0 and image() == before, out.stdout
+    memory = _memory(name)
+    assert (f"kept pool {name}: stays (made by shmkv create); idle: no live process attached"
+            in out.stdout), out.stdout
+    assert f"`shmkv unlink {name}` or `shmkv cleanup --include-idle` removes it " \
+           f"({_human(memory)} of /dev/shm)" in out.stdout
+    assert "0 object(s) removed (0 B of /dev/shm freed)" in out.stdout
+    dry = shmkv("cleanup", "--include-idle", "--dry-run", "--prefix", name)
+    assert f"would remove pool {name}: stays (made by shmkv create); idle:" in dry.stdout
+    assert image() == before
+    out = shmkv("cleanup", "--include-idle", "--prefix", name)
+    assert f"removed pool {name}: stays (made by shmkv create); idle:" in out.stdout
+    assert f"3 object(s) removed ({_human(memory)} of /dev/shm freed)" in out.stdout
+    assert _objects(name) == []
+    assert shmkv("create", name, "--blocks", "64").returncode == 0
+    memory = _memory(name)
+    out = shmkv("unlink", name)
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"removed pool {name}: {_human(memory)} of /dev/shm freed"
+    assert _objects(name) == []
+
+
+def test_bad_scopes_are_refused_and_change_nothing(name):
+    """`cleanup --prefix` and `ls --prefix` with an empty or odd prefix: exit 2, one line
+    naming the argument and the rule, nothing removed."""
+    BlockPool.create(name, 8).close()  # an orphan-to-be (its creator, this process, lives)
+    before = _objects(name)
+    for bad in ("", "a/b", "*"):
+        for cmd in (("cleanup",), ("cleanup", "--include-idle"), ("ls",)):
+            out = shmkv(*cmd, "--prefix", bad)
+            assert out.returncode == 2, (cmd, bad, out.stdout)
+            assert f"--prefix {bad!r}:" in out.stderr and "leave --prefix out" in out.stderr
+    assert _objects(name) == before
+
+
 def test_siblings_that_outlived_their_pool_are_removed(spawn_ctx, name):
     """The pool was unlinked by hand (or re-created under its name) after its processes
     died: its siblings are removed, the new pool of that name stays."""
+    pytest.importorskip("torch")  # the KV store among the siblings
     p, _ = _start(spawn_ctx, workers.make_pool_and_siblings, name, with_kv=True)
     _kill(p)
     assert BlockPool.unlink(name)
@@ -114,7 +180,7 @@ def test_siblings_that_outlived_their_pool_are_removed(spawn_ctx, name):
     assert any(e.startswith("shmkv_kv-") for e in left) and len(left) >= 7, left
     new = BlockPool.create(name, 8, label="new")  # another pool of that name, alive
     try:
-        out = shmkv("cleanup")
+        out = shmkv("cleanup", "--prefix", name)
         assert "a pool of that name now is another one" in out.stdout, out.stdout
         assert f"kept pool {name}: 1 live process(es) attached" in out.stdout
         assert _siblings(name) == []
@@ -132,7 +198,7 @@ def test_a_live_pools_siblings_stay(spawn_ctx, name):
     try:
         _kill(maker)
         made = _objects(name)
-        out = shmkv("cleanup")
+        out = shmkv("cleanup", "--prefix", name)
         assert _objects(name) == made, out.stdout
         assert f"kept pool {name}: 1 live process(es) attached (pid {user.pid})" in out.stdout
         assert f"its pool {name} stays (1 live process(es) attached" in out.stdout
@@ -140,7 +206,7 @@ def test_a_live_pools_siblings_stay(spawn_ctx, name):
     finally:
         stop.set()
         assert join_processes([user], 60) == [0]
-    out = shmkv("cleanup")
+    out = shmkv("cleanup", "--prefix", name)
     assert _objects(name) == [], out.stdout
 
 
@@ -177,7 +243,7 @@ def test_foreign_and_corrupt_objects_are_listed_and_left_alone(spawn_ctx, name):
         f.write(b"\0" * 10)
     try:
         before = set(_objects(name))
-        out = shmkv("cleanup")
+        out = shmkv("cleanup", "--prefix", name)
         lines = out.stdout.splitlines()
 
         def reason(needle: str) -> str:
@@ -276,10 +342,10 @@ def test_a_run_stopped_half_way_leaves_nothing_after_cleanup(tmp_path, how):
             assert code == -signal.SIGKILL
             deadline = time.monotonic() + 30  # its children notice and end
             while time.monotonic() < deadline and "would remove pool" not in shmkv(
-                    "cleanup", "--dry-run").stdout:
+                    "cleanup", "--dry-run", "--prefix", mark).stdout:
                 time.sleep(0.5)
             assert _objects(mark)
-        out = shmkv("cleanup")
+        out = shmkv("cleanup", "--prefix", mark)
         assert out.returncode == 0
         assert _objects(mark) == [], out.stdout
     finally:
@@ -349,13 +415,13 @@ def test_a_poisoned_pool_with_a_live_process_stays(spawn_ctx, name):
             f.seek(state_at)
             f.write(struct.pack("<I", L.STATE_POISONED))
         made = _objects(name)
-        out = shmkv("cleanup")
+        out = shmkv("cleanup", "--prefix", name)
         assert _objects(name) == made, out.stdout
         assert f"kept pool {name}: 1 live process(es) attached (pid {user.pid})" in out.stdout
     finally:
         stop.set()
         assert join_processes([user], 60) == [0]
-    out = shmkv("cleanup")
+    out = shmkv("cleanup", "--prefix", name)
     assert _objects(name) == [], out.stdout
 
 
@@ -402,18 +468,18 @@ def test_an_offload_data_region_goes_with_its_pool(name):
     pool = BlockPool.create(name, 8, label="live")
     regions = _plant_data_region(name)
     try:
-        out = shmkv("cleanup")
+        out = shmkv("cleanup", "--prefix", name)
         assert all(os.path.exists(p) for p in regions), out.stdout
         assert f"its pool {name} stays (1 live process(es) attached" in out.stdout
     finally:
         pool.close()
     assert siblings.unlink_pool_files(name)  # the pool alone (BlockPool.unlink takes both)
-    dry = shmkv("cleanup", "--dry-run")
+    dry = shmkv("cleanup", "--dry-run", "--prefix", name)
     assert f"offload data region of pool {name}" in dry.stdout and "its pool" in dry.stdout
     assert all(os.path.exists(p) for p in regions)
     if os.geteuid() == 0:
         os.chown(regions[1], FOREIGN_UID, FOREIGN_UID)
-    out = shmkv("cleanup")
+    out = shmkv("cleanup", "--prefix", name)
     assert not os.path.exists(regions[0]), out.stdout
     assert os.path.exists(regions[1]) == (os.geteuid() == 0), out.stdout
 

@@ -77,12 +77,13 @@ def test_cleanup_removes_only_pools_nobody_lives_in(spawn_ctx, make_pool):
         assert ready.wait(60)
         creator.kill()
         creator.join(30)
-        dry = shmkv("cleanup", "--dry-run")
+        dry = shmkv("cleanup", "--dry-run", "--prefix", dead_name)
         assert dry.returncode == 0
         assert f"would remove pool {dead_name}" in dry.stdout
-        assert f"would remove pool {live.pool_name}" not in dry.stdout
-        assert f"kept pool {live.pool_name}: 1 live process(es) attached" in dry.stdout
-        out = shmkv("cleanup")
+        live_dry = shmkv("cleanup", "--dry-run", "--prefix", live.pool_name)
+        assert f"would remove pool {live.pool_name}" not in live_dry.stdout
+        assert f"kept pool {live.pool_name}: 1 live process(es) attached" in live_dry.stdout
+        out = shmkv("cleanup", "--prefix", dead_name)
         assert out.returncode == 0 and f"removed pool {dead_name}" in out.stdout
         assert not [f for f in os.listdir("/dev/shm") if dead_name in f]
         assert live.get_num_free_blocks() == 7  # untouched

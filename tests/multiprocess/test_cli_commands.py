@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -84,6 +85,9 @@ def test_create_inspect_unlink(pool_name):
     assert inspect.returncode == 0 and "blocks: 63 usable (of 64: block 0 is the null " \
         "block, never handed out), 63 free" in inspect.stdout
     assert "publisher:" not in inspect.stdout and "stats:" not in inspect.stdout
+    assert re.search(r"retention +2 \(stays until unlinked\)\n +stays_by +shmkv create\n",
+                     inspect.stdout), inspect.stdout
+    assert re.search(r"tier_of +none\n", inspect.stdout), inspect.stdout
     from shmkv.publisher import KVEventPublisher, unlink_state
     from shmkv.stats import PoolStats
 
@@ -203,7 +207,7 @@ def test_ls_lists_pools_with_processes_and_their_siblings(pool_name):
     try:
         PoolStats.open(pool).close()
         KVEventPublisher(pool, "tcp://127.0.0.1:0").close()
-        out = shmkv("ls", "--json")
+        out = shmkv("ls", "--json", "--prefix", pool_name)
         assert out.returncode == 0, out.stderr
         rows = {(r["kind"], r["name"]): r for r in json.loads(out.stdout)}
         mine = rows[("pool", pool_name)]
@@ -211,17 +215,24 @@ def test_ls_lists_pools_with_processes_and_their_siblings(pool_name):
         assert mine["bytes"] == pool.layout.total_bytes and mine["owner"]
         assert rows[("pool", gone)]["creator_alive"] is False
         assert rows[("pool", gone)]["processes"] == 0
+        assert (mine["lifetime"], mine["orphan"]) == ("scoped", False)
+        assert (rows[("pool", gone)]["lifetime"], rows[("pool", gone)]["idle"]) == ("stays", True)
+        assert rows[("pool", gone)]["cleanup"].startswith("stays (made by shmkv create); idle")
         assert rows[("publisher", pool_name)]["pool"] == pool_name
         assert "next seq 0, stopped" in rows[("publisher", pool_name)]["note"]
         assert rows[("stats", pool_name)]["pool"] == pool_name
         assert not any(kind in ("lock", "liveness") for kind, _ in rows)  # --all only
-        everything = json.loads(shmkv("ls", "--all", "--json").stdout)
+        everything = json.loads(shmkv("ls", "--all", "--json", "--prefix", pool_name).stdout)
         kinds = {r["kind"] for r in everything if pool_name in r["name"]}
         assert {"pool", "lock", "liveness", "publisher", "stats"} <= kinds
-        table = shmkv("ls")
+        table = shmkv("ls", "--prefix", pool_name)
         line = next(line for line in table.stdout.splitlines()
                     if line.startswith("pool") and f" {pool_name} " in line)
-        assert "2/2" in line and "alive" in line
+        assert "2/2" in line and "alive" in line and " scoped " in line
+        line = next(line for line in table.stdout.splitlines()
+                    if line.startswith("pool") and f" {gone} " in line)
+        assert " stays " in line and "stays (made by shmkv create)" in line, line
+        assert re.search(r"it takes [\d.]+ KiB of /dev/shm", line), line
     finally:
         other.close()
         pool.close()
@@ -251,7 +262,7 @@ def test_unlink_removes_the_siblings_and_cleanup_the_orphaned_ones(pool_name):
     pool.close()
     siblings.unlink_pool_files(pool_name)  # the pool alone (BlockPool.unlink takes both)
     try:
-        dry = shmkv("cleanup", "--dry-run")
+        dry = shmkv("cleanup", "--dry-run", "--prefix", pool_name)
         assert dry.returncode == 0
         assert f"would remove /dev/shm{stats_segment_name(pool_name)}" in dry.stdout
     finally:

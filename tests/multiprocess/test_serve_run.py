@@ -530,7 +530,8 @@ def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_pat
         assert _wait_gone(children, timeout_s=30) == []
         assert _marked_pids(mark) == []
         assert run_leftovers(proc.pid)  # the front end could not remove them
-        out = subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup",
+                              "--prefix", f"run{proc.pid}-"], capture_output=True,
                              text=True, env=_env(), timeout=120)
         assert out.returncode == 0, out.stderr
         assert run_leftovers(proc.pid) == []
@@ -542,5 +543,6 @@ def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_pat
         for p in _marked_pids(mark):
             os.kill(p, signal.SIGKILL)
         if run_leftovers(proc.pid):
-            subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
+            subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup",
+                            "--prefix", f"run{proc.pid}-"], capture_output=True,
                            env=_env(), timeout=120)

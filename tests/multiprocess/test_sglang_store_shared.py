@@ -137,9 +137,11 @@ def test_sigkill_mid_store_and_mid_get_leaves_no_pin_and_no_half_page(spawn_ctx,
         survivor.close()
 
 
-def test_cleanup_removes_the_store_once_every_process_is_gone(spawn_ctx, store_name):
-    """With every process gone (the creator included), `shmkv cleanup` removes the pool
-    and its page store; nothing of it stays in /dev/shm."""
+def test_the_store_stays_once_every_process_is_gone_until_removed_on_purpose(spawn_ctx,
+                                                                            store_name):
+    """With every process gone (the creator included), `shmkv cleanup` keeps the store: it
+    is meant to stay for the next SGLang instance. `--include-idle` removes the pool and its
+    page store; nothing of it stays in /dev/shm."""
     out = spawn_ctx.Queue()
     p = spawn_ctx.Process(target=W.store_and_report,
                           args=(store_name, 1, NAMES[:2], STORE_BYTES, None, out))
@@ -148,10 +150,32 @@ def test_cleanup_removes_the_store_once_every_process_is_gone(spawn_ctx, store_n
     assert join_processes([p]) == [0]
     mine = [e for e in os.listdir("/dev/shm") if store_name in e]
     assert any(e.startswith("shmkv_sglang-") for e in mine), mine
-    verdicts = [v for v in siblings.plan() if store_name in v.entry]
-    assert verdicts and all(v.remove for v in verdicts), [(v.entry, v.reason) for v in verdicts]
+    verdicts = siblings.plan(prefix=store_name)
+    assert {v.entry for v in verdicts} == set(mine)
+    assert not any(v.remove for v in verdicts), [(v.entry, v.reason) for v in verdicts]
+    pool = next(v for v in verdicts if v.kind == "pool")
+    assert pool.lifetime == "stays" and pool.idle
+    assert pool.reason.startswith("stays (made by sglang store); idle:")
+    verdicts = siblings.plan(include_idle=True, prefix=store_name)
+    assert all(v.remove for v in verdicts), [(v.entry, v.reason) for v in verdicts]
     siblings.remove(verdicts)
     assert not [e for e in os.listdir("/dev/shm") if store_name in e]
+
+
+def test_a_store_whose_maker_died_before_it_was_complete_is_an_orphan(spawn_ctx, store_name):
+    """The store's pool made, its page region not yet (the maker killed in between): the
+    pool was never marked to stay, so once no process holds it `shmkv cleanup` removes it."""
+    ready, stop = spawn_ctx.Event(), spawn_ctx.Event()
+    p = spawn_ctx.Process(target=W.make_store_pool_and_wait, args=(store_name, ready, stop))
+    p.start()
+    try:
+        assert ready.wait(60), "the maker never made the pool"
+    finally:
+        p.kill()
+        assert join_processes([p]) == [-signal.SIGKILL]
+    pool = next(v for v in siblings.plan(prefix=store_name) if v.kind == "pool")
+    assert pool.remove and pool.lifetime == "orphan", pool
+    assert pool.reason.endswith("never marked to stay")
 
 
 def test_a_process_waits_for_the_maker_out_of_the_lock_and_takes_over_from_a_dead_one(

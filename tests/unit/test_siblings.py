@@ -77,7 +77,7 @@ def test_a_half_made_pool_stays_while_its_creator_lives(pool_name):
     assert v.remove and v.reason == f"its creator pid {dead} died while creating it"
     lock = _verdict(f"sem.{entry}.lock")
     assert lock.remove and lock.reason == f"goes with its pool {pool_name}"
-    done = {w.entry: ok for w, ok in siblings.remove(siblings.plan())}
+    done = {w.entry: ok for w, ok in siblings.remove(siblings.plan(prefix=pool_name))}
     assert done[entry] and done[f"sem.{entry}.lock"] and done[f"{entry}.alive"]
     assert not os.path.exists(path) and not os.path.exists(f"{path}.alive")
 
@@ -149,3 +149,157 @@ def test_a_sibling_of_another_pool_of_the_same_name_pid_and_inode_goes(pool_name
         assert "a pool of that name now is another one" in mine[0].reason
         stats.close()
     assert not os.path.exists(f"/dev/shm{stats_segment_name(pool_name)}")  # went with it
+
+
+# ---------------------------------------------------------------- pools meant to stay
+
+def _set_header(pool_name: str, field: str, fmt: str, value) -> None:
+    with open(f"/dev/shm{L.segment_name(pool_name)}", "r+b") as f:
+        f.seek(L.HEADER_DTYPE.fields[field][1])
+        f.write(struct.pack(fmt, value))
+
+
+def _pool_verdict(pool_name: str, **kwargs) -> siblings.Verdict:
+    entry = L.segment_name(pool_name)[1:]
+    return next(v for v in siblings.plan(prefix=pool_name, **kwargs) if v.entry == entry)
+
+
+def test_a_pool_nobody_holds_is_an_orphan_unless_marked_to_stay(pool_name):
+    """A pool lives while a process holds it: once its processes and its creator are dead,
+    it is an orphan. Marked to stay, it is kept (idle, with the way to remove it) and goes
+    only with include_idle, its lock and liveness file with it."""
+    dead = _dead_pid()
+    BlockPool.create(pool_name, 8).close()
+    _set_header(pool_name, "creator_pid", "<I", dead)
+    v = _pool_verdict(pool_name)
+    assert v.remove and v.lifetime == "orphan" and not v.idle
+    assert v.reason == (f"no live process attached (0 dead), creator pid {dead} dead; it was "
+                        "never marked to stay")
+    BlockPool.unlink(pool_name)
+
+    pool = BlockPool.create(pool_name, 8)
+    assert pool.stays_by is None
+    pool.mark_stays("test run")
+    assert pool.stays_by == "test run"
+    pool.close()
+    _set_header(pool_name, "creator_pid", "<I", dead)
+    v = _pool_verdict(pool_name)
+    assert not v.remove and v.lifetime == "stays" and v.idle
+    assert v.reason.startswith("stays (made by test run); idle: no live process attached")
+    assert f"`shmkv unlink {pool_name}` or `shmkv cleanup --include-idle`" in v.reason
+    lock = next(w for w in siblings.plan(prefix=pool_name) if w.kind == "lock")
+    assert not lock.remove and lock.reason == f"its pool {pool_name} stays"
+    v = _pool_verdict(pool_name, include_idle=True)
+    assert v.remove and v.reason.endswith("(--include-idle)")
+    entry = L.segment_name(pool_name)[1:]
+    done = {w.entry: ok for w, ok in
+            siblings.remove(siblings.plan(include_idle=True, prefix=pool_name))}
+    assert done == {entry: True, f"sem.{entry}.lock": True, f"{entry}.alive": True}
+    assert not os.path.exists(f"/dev/shm/{entry}")
+
+
+def test_a_pool_that_stays_is_kept_while_held_and_says_so(pool_name):
+    """A pool marked to stay with a live process: kept, its reason says both."""
+    with BlockPool.create(pool_name, 8) as pool:
+        pool.mark_stays("shmkv create")
+        v = _pool_verdict(pool_name, include_idle=True)
+        assert not v.remove and v.lifetime == "stays" and not v.idle
+        assert v.reason == (f"stays (made by shmkv create); 1 live process(es) attached "
+                            f"(pid {os.getpid()})")
+
+
+def test_a_pool_made_before_pools_recorded_it_is_kept_as_staying(pool_name):
+    """A pool whose header records nothing (made by a shmkv from before `retention`) is
+    read the safe way: it stays, and the reason says why."""
+    dead = _dead_pid()
+    BlockPool.create(pool_name, 8).close()
+    _set_header(pool_name, "creator_pid", "<I", dead)
+    _set_header(pool_name, "retention", "<I", L.RETENTION_UNRECORDED)
+    v = _pool_verdict(pool_name)
+    assert not v.remove and v.lifetime == "stays" and v.idle
+    assert v.reason.startswith("stays (made by a shmkv that did not record whether a pool "
+                               "stays: kept, to be safe); idle:")
+    assert _pool_verdict(pool_name, include_idle=True).remove
+
+
+def test_mark_stays_refuses_bad_input_and_keeps_the_first_mark(pool_name):
+    """A bad `by` is refused, naming the rule, and writes nothing; marking again keeps the
+    first mark."""
+    import pytest
+
+    from shmkv.errors import UsageError
+
+    with BlockPool.create(pool_name, 8) as pool:
+        before = pool.header_snapshot().tobytes()
+        for bad in ("", "x" * 13, "caf\u00e9", "a\nb", None, 3):
+            with pytest.raises(UsageError, match="1 to 12 printable ASCII characters"):
+                pool.mark_stays(bad)
+        assert pool.header_snapshot().tobytes() == before
+        pool.mark_stays("first")
+        pool.mark_stays("second")
+        assert pool.stays_by == "first"
+        hdr = pool.header_snapshot()
+        assert int(hdr["retention"]) == L.RETENTION_STAYS and bytes(hdr["stays_by"]) == b"first"
+
+
+def test_a_tier_stays_with_the_pool_it_is_the_tier_of(pool_name):
+    """HiSparse's host tier of a pool that stays is kept with it (not taken for an orphan of
+    its own); removed with it by include_idle."""
+    dead = _dead_pid()
+    with BlockPool.create(pool_name, 8) as pool:
+        pool.mark_stays("test run")
+        pool.tier("host", 8, enable_caching=True)
+        pool._owner = False  # leave it, as a creator that exits without unlinking
+    for name in (pool_name, f"{pool_name}.host"):
+        _set_header(name, "creator_pid", "<I", dead)
+    tier = _pool_verdict(f"{pool_name}.host")
+    assert not tier.remove and tier.lifetime == "stays"
+    assert tier.reason.startswith(f"a tier of pool {pool_name}, which stays (stays (made by")
+    assert _pool_verdict(f"{pool_name}.host", include_idle=True).remove
+
+
+def test_a_scoped_plan_sees_only_its_names(pool_name):
+    """plan(prefix=...) gives only the objects whose name (and pool's name) starts with the
+    prefix, each with the verdict of the whole plan; an empty prefix is refused."""
+    import pytest
+
+    from shmkv.errors import UsageError
+    from tests.conftest import unique_pool_name
+
+    dead = _dead_pid()
+    other = unique_pool_name("other")
+    try:
+        for name in (pool_name, other):
+            BlockPool.create(name, 8).close()
+            _set_header(name, "creator_pid", "<I", dead)
+        scoped = siblings.plan(prefix=pool_name)
+        assert {v.entry for v in scoped} == {
+            e for e in os.listdir("/dev/shm") if pool_name in e}
+        whole = {v.entry: (v.remove, v.reason) for v in siblings.plan()}
+        assert all(whole[v.entry] == (v.remove, v.reason) for v in scoped)
+        siblings.remove(scoped)
+        assert not [e for e in os.listdir("/dev/shm") if pool_name in e]
+        assert os.path.exists(f"/dev/shm{L.segment_name(other)}")
+        with pytest.raises(UsageError, match="prefix ''"):
+            siblings.plan(prefix="")
+        stray = siblings.Verdict("x", "stats", f"{pool_name}-s", True, "", pool=other)
+        assert not siblings.in_scope(stray, pool_name)  # its pool is outside the scope
+    finally:
+        BlockPool.unlink(other)
+
+
+def test_unlink_says_what_it_frees(pool_name):
+    """unlink_pool returns the /dev/shm memory of every file it removed."""
+    from shmkv.stats import PoolStats
+
+    with BlockPool.create(pool_name, 64) as pool:
+        PoolStats.open(pool).close()
+        pool._owner = False
+    files = [e for e in os.listdir("/dev/shm") if pool_name in e]
+    expected = sum(os.lstat(f"/dev/shm/{e}").st_blocks * 512 for e in files)
+    assert len(files) == 4 and expected > 0  # segment, lock, liveness, stats
+    found, removed, freed = siblings.unlink_pool(pool_name, BlockPool.TIERS)
+    assert found and removed == ["stats"] and freed == expected
+    assert siblings.human_bytes(freed).endswith("KiB")
+    assert [siblings.human_bytes(n) for n in (0, 1023, 1536, 5 << 20, 3 << 30, 1 << 42)] == [
+        "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB", "4096.0 GiB"]

@@ -276,6 +276,23 @@ def test_the_tier_table_goes_with_its_pool(tier):
         again.pool.check_invariants()
 
 
+def test_the_tier_is_marked_to_stay_once_complete(spec_pool):
+    """The tier's pool alone (as a replica killed before its table leaves it) lives only
+    while a process holds it; a complete tier is marked to stay, so `shmkv cleanup` keeps it
+    for restarted replicas once every replica is gone."""
+    from shmkv.pool import siblings
+    from shmkv.vllm.tier import open_pool
+
+    bp, created = open_pool(spec_pool, 4, 8, None, {"label": "maker"})
+    assert created and bp.stays_by is None
+    bp.close()
+    with SharedCPUOffloadingManager(spec_pool, 4) as manager:
+        assert manager.pool.stays_by == "vllm tier"
+    pool = next(v for v in siblings.plan(prefix=spec_pool) if v.kind == "pool")
+    assert not pool.remove and pool.lifetime == "stays", pool
+    assert pool.reason.startswith("stays (made by vllm tier)")
+
+
 # ---------------------------------------------------------------------------- the spec
 
 
