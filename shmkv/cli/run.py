@@ -13,11 +13,13 @@ import sys
 from shmkv.cli import run_args
 from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, StopOnSignals
 from shmkv.plot import PlotUnavailable
+from shmkv.serve.routing import ROUTING_POLICIES
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     replay = args.model == "none"
     caps = run_args.check_arguments(args)  # every argument, before anything starts
+    router_config = run_args.router_config(args)
     if not replay:
         try:
             import torch  # noqa: F401  (the model's ranks and the reference check need it)
@@ -59,6 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, concurrency=args.concurrency,
+                    router=router_config,
                     kill_one=args.kill_one, rank_nice=getattr(args, "rank_nice", 10),
                     check_tokens=not args.no_check, timeout_s=args.timeout, model=model,
                     model_free=replay, time_scale=args.time_scale,
@@ -257,9 +260,30 @@ def _add_run_arguments(run, replay: bool) -> None:
                      help="the configuration of the first run (and the only one with "
                      "--no-compare): one pool for all schedulers, or one private pool each "
                      "(shared)")
-    run.add_argument("--routing", choices=["round-robin", "least-loaded", "prefix-aware"],
+    run.add_argument("--routing", choices=list(ROUTING_POLICIES),
                      default="round-robin", help="how the front end picks a scheduler in "
-                     "that run (round-robin)")
+                     "that run: round-robin; least-loaded (fewest requests in flight); "
+                     "prefix-aware (an oracle that looks the prompt up in the pools); "
+                     "sglang-cache-aware (SGLang's router: approximate prefix trees of what it "
+                     "sent, load-balance thresholds); llm-d-scorer (llm-d's scheduler: "
+                     "prefix-cache, queue and KV-cache scorers, weighted) (round-robin)")
+    router = run.add_argument_group(
+        "router settings", "the baselines' own defaults (docs/serving.md, Routers)")
+    router.add_argument("--cache-threshold", type=float, default=0.3, metavar="X",
+                        help="sglang-cache-aware: the share of the prompt its tree must "
+                        "match to route by cache (0..1; 0.3)")
+    router.add_argument("--balance-abs-threshold", type=int, default=64, metavar="N",
+                        help="sglang-cache-aware: imbalanced when the most and least loaded "
+                        "schedulers differ by more than N requests in flight (64) ...")
+    router.add_argument("--balance-rel-threshold", type=float, default=1.5, metavar="X",
+                        help="... and the most loaded has more than X times the least's "
+                        "(>= 1; 1.5); then the least loaded gets the request")
+    router.add_argument("--prefix-scorer-weight", type=float, default=3.0, metavar="W",
+                        help="llm-d-scorer: the prefix-cache scorer's weight (3)")
+    router.add_argument("--queue-scorer-weight", type=float, default=2.0, metavar="W",
+                        help="llm-d-scorer: the waiting-queue scorer's weight (2)")
+    router.add_argument("--kv-scorer-weight", type=float, default=2.0, metavar="W",
+                        help="llm-d-scorer: the KV-cache utilization scorer's weight (2)")
     run.add_argument("--no-compare", action="store_true",
                      help="run the --pool/--routing configuration alone and print its full "
                      "report (default: compare it with private pools, round-robin and "

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from shmkv.errors import UsageError
 
-__all__ = ["MIN_BLOCKS", "check_arguments", "check_fits", "longest_request", "parse_blocks"]
+__all__ = ["MIN_BLOCKS", "check_arguments", "check_fits", "longest_request", "parse_blocks",
+           "router_config"]
 
 MIN_BLOCKS = 16
 
@@ -86,7 +87,26 @@ def check_arguments(args) -> list[int]:
     if getattr(args, "kill_one", False) and args.schedulers < 2:
         raise UsageError(f"--kill-one with --schedulers {args.schedulers}: needs at least "
                          "2 schedulers (one is killed, the others finish its requests)")
+    if getattr(args, "cache_threshold", None) is not None:
+        router_config(args)
     return parse_blocks(args.blocks)
+
+
+def router_config(args):
+    """The routers' settings (``RouterConfig``) from the flags, checked.
+
+    Raises:
+        UsageError: a value out of range, naming its flag, the range and the default.
+    """
+    from shmkv.serve.routing import RouterConfig
+
+    cfg = RouterConfig(cache_threshold=args.cache_threshold,
+                       balance_abs_threshold=args.balance_abs_threshold,
+                       balance_rel_threshold=args.balance_rel_threshold,
+                       prefix_weight=args.prefix_scorer_weight,
+                       queue_weight=args.queue_scorer_weight, kv_weight=args.kv_scorer_weight)
+    cfg.validate()
+    return cfg
 
 
 def longest_request(workload) -> tuple[int, str]:

@@ -43,7 +43,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int
     max_model_len: int
     block_tables_name: str
-    stats_interval_s: float = 0.1
+    # How often a scheduler reports its figures: 50 ms, the metrics refresh interval of
+    # llm-d's endpoint picker, whose scorers read them (shmkv/serve/routing.py).
+    stats_interval_s: float = 0.05
     rank_timeout_s: float = 60.0
     model_free: bool = False  # a replay: tokens without a model, no rank, no block tables
 

@@ -62,7 +62,13 @@ from shmkv.serve.messages import (
     SchedulerStopped,
     TokensGenerated,
 )
-from shmkv.serve.routing import PrivatePoolsView, SharedPoolView, make_router
+from shmkv.serve.routing import (
+    PrivatePoolsView,
+    RouterConfig,
+    SchedulerMetrics,
+    SharedPoolView,
+    make_router,
+)
 from shmkv.serve.token_check import _check_tokens, reference_tokens  # noqa: F401 (re-export)
 from shmkv.serve.workload import TraceRequest
 
@@ -99,7 +105,8 @@ class RunConfig:
     # than cores, a rank woken by a step's message would otherwise preempt a scheduler
     # inside its hold of the pool lock, and every other scheduler waits for it.
     rank_nice: int = RANK_NICE
-    balance_slack: int = 4
+    # The routers' settings (SGLang's thresholds, llm-d's weights, prefix-aware's slack).
+    router: RouterConfig = field(default_factory=RouterConfig)
     kill_one: bool = False
     check_tokens: bool = True
     sample_interval_s: float = 0.1
@@ -572,7 +579,7 @@ class Runner:
         else:
             view = PrivatePoolsView(self.pools)
         self.view = view
-        router = make_router(cfg.routing, view, cfg.balance_slack)
+        router = make_router(cfg.routing, view, cfg.router, block_size=cfg.block_size)
         self.failures: list[str] = []
         return _Serving(records={t.request_id: RequestRecord(t) for t in self.workload},
                         pending=deque(t.request_id for t in self.workload), router=router,
@@ -622,7 +629,7 @@ class Runner:
             if conv is not None:
                 st.busy_conversations.add(conv)
             s = st.router.route(rec.prompt_token_ids, rec.trace.cache_salt, sorted(live),
-                                st.load)
+                                st.load, self._metrics(st))
             rec.scheduler, rec.sent_at = s, time.monotonic()
             rec.num_sends += 1
             st.load[s] += 1
@@ -631,6 +638,16 @@ class Runner:
                 request_id=rid, prompt_token_ids=rec.prompt_token_ids,
                 max_tokens=rec.trace.max_tokens, cache_salt=rec.trace.cache_salt))
         st.pending.extendleft(reversed(skipped))
+
+    def _metrics(self, st: _Serving) -> dict[int, SchedulerMetrics]:
+        """What each scheduler last reported, as a router in front of replicas sees it."""
+        out = {}
+        for i, stats in st.stats.items():
+            total = self.pools[0 if self.cfg.pool == "shared" else i].num_gpu_blocks - 1
+            out[i] = SchedulerMetrics(
+                num_waiting=stats.num_waiting,
+                kv_cache_usage=1.0 - stats.num_free_blocks / total if total else 0.0)
+        return out
 
     def _take_answers(self, st: _Serving) -> None:
         """Every message the schedulers have sent: answers, figures, rejections."""
@@ -681,6 +698,7 @@ class Runner:
                 del st.in_flight[rec.trace.request_id]
                 st.pending.appendleft(rec.trace.request_id)
             st.load[i] = 0
+            st.router.forget(i)
             if lost:
                 self.notes.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
                                   "again to the others")

@@ -259,3 +259,25 @@ def test_time_scale_past_any_wait_is_refused_at_once(tmp_path, timestamp, scale)
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert "requests" not in stdout  # no run, no report
     assert run_leftovers(proc.pid) == []
+
+
+@pytest.mark.parametrize("routing", ["sglang-cache-aware", "llm-d-scorer"])
+def test_baseline_routers_send_a_shared_prefix_where_they_sent_it(tmp_path, routing):
+    """The three hand-checked Mooncake requests on private pools, one at a time: SGLang's
+    router (3 of 5 blocks matched, 0.6 > 0.3) and llm-d's scorers (prefix 3 x 0.6 against an
+    idle queue and pool elsewhere) both send the 2nd and 3rd where they sent the 1st, from
+    what they routed alone: 48 tokens hit each. The requests come 300 ms apart, so the
+    figures llm-d's scorers read (reported every 50 ms) are those of an idle node."""
+    trace = _mooncake(tmp_path / "three.jsonl", [([1, 2, 3, 10, 11], 16, 0),
+                                                 ([1, 2, 3, 20, 21], 16, 300),
+                                                 ([1, 2, 3, 30, 31], 16, 600)])
+    done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens",
+                       "16", "--schedulers", "3", "--concurrency", "1", "--blocks", "192",
+                       "--time-scale", "1",
+                       "--max-model-len", "128", "--pool", "private", "--routing", routing,
+                       "--no-compare", "--json", "run.json", "--plot", "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert got["routing"] == routing and got["prefill_tokens_saved"] == 96
+    assert sorted(p["requests"] for p in got["per_scheduler"]) == [0, 0, 3]
+    assert run_leftovers(pid) == []

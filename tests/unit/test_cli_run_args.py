@@ -57,6 +57,10 @@ def _args(*argv: str):
     (["--rank-nice", "-1"], "--rank-nice -1: must be a whole number from 0 to 19"),
     (["--trace-format", "shmkv"], "--trace-format 'shmkv': needs --trace PATH"),
     (["--kill-one", "--schedulers", "1"], "--kill-one with --schedulers 1: needs at least 2"),
+    (["--cache-threshold", "1.2"], "--cache-threshold 1.2: must be between 0 and 1"),
+    (["--balance-abs-threshold", "-1"], "--balance-abs-threshold -1: must be a whole number"),
+    (["--balance-rel-threshold", "0.9"], "--balance-rel-threshold 0.9: must be a finite"),
+    (["--queue-scorer-weight", "-2"], "--queue-scorer-weight -2.0: must be a finite number"),
 ])
 def test_every_number_option_is_checked(argv, message):
     """run's options: the first one that breaks its rule, with its value and the rule."""
