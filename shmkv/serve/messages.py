@@ -48,6 +48,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     stats_interval_s: float = 0.05
     rank_timeout_s: float = 60.0
     model_free: bool = False  # a replay: tokens without a model, no rank, no block tables
+    # A replay's cost model (shmkv/serve/replay.py): the time a step takes.
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_step: float = 0.0
 
 
 @message
@@ -95,6 +98,7 @@ class TokensGenerated(Message):
     first_token_s: float
     finished_s: float
     first_token_steps: int = 0  # its scheduler's steps from its arrival to its first token
+    queued_s: float = 0.0  # from its arrival to its first scheduling (waiting in the queue)
 
 
 @message

@@ -70,6 +70,7 @@ class ServingRequest:
     row: int = -1  # its row in the block tables while running
     num_cached_tokens: int = -1  # prefix hit of its first scheduling (-1: not yet)
     first_token: float = 0.0
+    first_scheduled: float = 0.0  # when it was first scheduled (queued: since arrival)
     num_preemptions: int = 0
     arrival_step: int = 0  # the scheduler's step count when it arrived
     first_token_step: int = 0  # ... when its first token came (steps waited: the difference)
@@ -199,6 +200,7 @@ class Scheduler:
                 break  # does not fit now; the lookup hold ended in allocate_slots
             self.waiting.popleft()
             if sr.num_cached_tokens < 0:
+                sr.first_scheduled = time.monotonic()
                 sr.num_cached_tokens = num_hit
                 self.counters.num_prompt_tokens += req.num_tokens
                 self.counters.num_cached_tokens += num_hit
@@ -392,9 +394,10 @@ class SchedulerProcess:
         self.pool = BlockPool.attach(cfg.pool_name, label=f"scheduler-{self.index}")
         kvm = build_kv_cache_manager(self.pool, cfg)
         if cfg.model_free:  # a replay: no rank, no block tables
-            from shmkv.serve.replay import ModelFreeStep
+            from shmkv.serve.replay import CostModel, ModelFreeStep
 
-            execute = ModelFreeStep(cfg.model["vocab_size"])
+            execute = ModelFreeStep(cfg.model["vocab_size"], CostModel(
+                cfg.prefill_ms_per_token, cfg.decode_ms_per_step))
         else:
             self.tables = open_block_tables(cfg)
             execute = RankStep(self.to_rank, self.from_rank, self.tables, cfg.rank_timeout_s,
@@ -457,6 +460,7 @@ class SchedulerProcess:
                         num_preemptions=sr.num_preemptions,
                         first_token_s=sr.first_token - sr.arrival,
                         first_token_steps=sr.first_token_step - sr.arrival_step,
+                        queued_s=sr.first_scheduled - sr.arrival,
                         finished_s=time.monotonic() - sr.arrival))
             else:
                 if self.draining and not drained_sent:
