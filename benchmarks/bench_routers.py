@@ -13,7 +13,8 @@ hit rate in points, TTFT p99 as a ratio.
 Workloads (``--workload``): ``hot-prompts`` (Zipf-popular system prompts, Poisson arrivals
 at ``--request-rate``, honoured at ``--time-scale 1``), ``chat`` (the built-in chat
 workload), ``mooncake`` (``--trace`` a Mooncake trace, its first ``--requests`` lines at
-their own timestamps times ``--time-scale``).
+their own timestamps times ``--time-scale``). ``--restart one|rolling`` restarts schedulers
+in every row (a private replica comes back with an empty pool).
 
     python benchmarks/bench_routers.py --workload hot-prompts --requests 3000 \\
         --request-rate 350 --time-scale 1 --blocks 1024
@@ -70,6 +71,7 @@ def run_row(pool: str, routing: str, args, workload, model) -> dict:
                     num_blocks=args.blocks, max_model_len=args.max_model_len,
                     concurrency=args.concurrency, model=model, model_free=True,
                     time_scale=args.time_scale, timeout_s=args.timeout,
+                    restart="" if args.restart == "none" else args.restart,
                     cost=CostModel(args.prefill_ms_per_token, args.decode_ms_per_step))
     result = Runner(cfg, workload, log=lambda _: None).run()
     f = {k: v for k, v in result.figures.items() if k not in DROP}
@@ -124,6 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-ms-per-step", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=300.0, help="per row, seconds (300)")
+    p.add_argument("--restart", choices=["none", "one", "rolling"], default="none",
+                   help="in every row: restart the highest scheduler half way (one) or every "
+                   "scheduler in turn (rolling); a private replica loses its cache (none)")
     p.add_argument("--rows", default=ROWS, help="pool:routing,... (all eight)")
     args = p.parse_args(argv)
     CostModel(args.prefill_ms_per_token, args.decode_ms_per_step).validate()
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     print(f"\n{cmd}\n\n{args.workload}: {len(workload):,} requests, {args.schedulers} "
           f"schedulers, {args.blocks:,} blocks in all, cost model "
           f"{args.prefill_ms_per_token:g} ms per prefill token + {args.decode_ms_per_step:g} "
-          "ms per step:\n")
+          "ms per step" + ("" if args.restart == "none" else f", restart: {args.restart}")
+          + ":\n")
     print(markdown_table(rows))
     return 0
 

@@ -1,6 +1,7 @@
 """``shmkv run``: serve a workload with scheduler processes and their model ranks on one
-shared pool (least-loaded), then on private pools with the routers users run (SGLang's
-cache-aware router, llm-d's scorers) and round-robin, check the
+shared pool (prefix-aware routing, which follows the pool's event log), then on private
+pools with the routers users run (SGLang's cache-aware router, llm-d's scorers) and
+round-robin, check the
 tokens, compare (``--no-compare``: one configuration). ``shmkv replay``: the same without
 ranks or a model (``shmkv/serve/replay.py``). ``--blocks A,B,C``: a capacity sweep
 (``shmkv/serve/sweep.py``). ``--trace-format mooncake``: the Mooncake traces
@@ -240,7 +241,7 @@ def add_run_parser(sub) -> None:
         "run", help="serve a workload on one shared pool and on private pools, compared",
         description="Serves a chat workload (or a JSONL trace) with N scheduler processes, "
         "each with its KVCacheManager and a rank process running a tiny model, four ways: "
-        "on one shared shmkv pool (least-loaded routing), then on private pools of 1/N the "
+        "on one shared shmkv pool (prefix-aware routing), then on private pools of 1/N the "
         "blocks each (what vLLM, SGLang and TensorRT-LLM do per data-parallel rank) with "
         "SGLang's cache-aware router, llm-d's scorers and round-robin; one table and one "
         "plot compare them (--no-compare: the --pool/--routing configuration alone). Every "
@@ -296,12 +297,14 @@ def _add_run_arguments(run, replay: bool) -> None:
                      "--no-compare): one pool for all schedulers, or one private pool each "
                      "(shared)")
     run.add_argument("--routing", choices=list(ROUTING_POLICIES),
-                     default="least-loaded", help="how the front end picks a scheduler in "
+                     default="prefix-aware", help="how the front end picks a scheduler in "
                      "that run: round-robin; least-loaded (fewest requests in flight); "
-                     "prefix-aware (an oracle that looks the prompt up in the pools); "
+                     "prefix-aware (the scheduler whose cache holds the prompt's longest "
+                     "prefix, unless too loaded: on private pools an oracle that looks into "
+                     "every pool, on the shared pool a router that follows its event log); "
                      "sglang-cache-aware (SGLang's router: approximate prefix trees of what it "
                      "sent, load-balance thresholds); llm-d-scorer (llm-d's scheduler: "
-                     "prefix-cache, queue and KV-cache scorers, weighted) (least-loaded)")
+                     "prefix-cache, queue and KV-cache scorers, weighted) (prefix-aware)")
     router = run.add_argument_group(
         "router settings", "the baselines' own defaults (docs/serving.md, Routers)")
     router.add_argument("--cache-threshold", type=float, default=0.3, metavar="X",

@@ -92,7 +92,7 @@ class RunConfig:
 
     num_schedulers: int = 4
     pool: str = "shared"  # "shared" or "private"
-    routing: str = "least-loaded"
+    routing: str = "prefix-aware"
     num_blocks: int = 512  # in all; a private pool gets num_blocks // num_schedulers
     block_size: int = 16
     max_num_seqs: int = 8

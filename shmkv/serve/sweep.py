@@ -29,9 +29,12 @@ ROW_FIELDS = ("pool", "routing", "schedulers", "num_blocks", "blocks_per_pool",
               "requests_per_s", "lock_wait_s")
 
 
-# The shared pool's routing in a comparison: least-loaded (measured against round-robin and
-# prefix-aware on a shared pool in docs/serving.md: it gives the lowest TTFT p99).
-SHARED_ROUTING = "least-loaded"
+# The shared pool's routing in a comparison: prefix-aware, which on a shared pool follows
+# the pool's event log (who computed what; every scheduler hits it anyway) and balances
+# load; measured against least-loaded and round-robin on a shared pool in docs/serving.md
+# ("Against the routers users run"): its TTFT p99 was the lowest or near it on every
+# workload there.
+SHARED_ROUTING = "prefix-aware"
 # Private pools are compared with the routers users run, and with round-robin.
 PRIVATE_ROUTINGS = ("sglang-cache-aware", "llm-d-scorer", "round-robin")
 

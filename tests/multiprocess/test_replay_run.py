@@ -78,7 +78,7 @@ def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
              for r in got["runs"]}
     assert saved == {(pool, routing, cap): 0 if routing == "round-robin" else 96
                      for cap in (192, 384)
-                     for pool, routing in [("shared", "least-loaded"),
+                     for pool, routing in [("shared", "prefix-aware"),
                                            ("private", "sglang-cache-aware"),
                                            ("private", "llm-d-scorer"),
                                            ("private", "round-robin")]}

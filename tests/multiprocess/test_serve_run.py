@@ -80,7 +80,7 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     done, f, pid = run_shmkv(tmp_path, *SMALL, "--verbose")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
-    assert f["pool"] == "shared" and f["schedulers"] == 2 and f["routing"] == "least-loaded"
+    assert f["pool"] == "shared" and f["schedulers"] == 2 and f["routing"] == "prefix-aware"
     assert f["requests"] == f["requests_total"] > 6
     assert f["prompt_tokens"] > f["prefill_tokens_saved"] > 0
     assert f["prefix_hit_rate"] == pytest.approx(f["prefill_tokens_saved"] / f["prompt_tokens"])
@@ -118,7 +118,7 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
     assert ("2 private pools of 128 blocks (16 tokens each; 2 KV-cache groups, so each "
             "prompt block takes 2: 64 per group in each private pool)") in done.stdout
     base = min(f["compare"][:2], key=lambda c: (c["ttft_p99_s"], -c["prefix_hit_rate"]))
-    assert (f"shared pool (least-loaded) against the best baseline router, private pools "
+    assert (f"shared pool (prefix-aware) against the best baseline router, private pools "
             f"with {base['routing']} (its TTFT p99 is the lowest of the baselines'): hit rate "
             f"{f['prefix_hit_rate']:.1%} against {base['prefix_hit_rate']:.1%}"
             ) in " ".join(done.stdout.split())
@@ -179,7 +179,7 @@ def test_run_without_matplotlib_says_so_and_finishes(tmp_path):
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("  run ")] == [
         "  run 1 of 4", "  run 2 of 4", "  run 3 of 4", "  run 4 of 4"]
-    assert ("  run 1 of 4: one shared pool of 128 blocks, least-loaded: 2/2 requests, hit rate "
+    assert ("  run 1 of 4: one shared pool of 128 blocks, prefix-aware: 2/2 requests, hit rate "
             f"{f['prefix_hit_rate']:.1%}, {f['wall_s']:.1f} s") in lines
     assert "same workload, 128 blocks in all (64 per KV-cache group), 2 schedulers:" in lines
     assert not any(line.startswith("shmkv run: 2 schedulers") for line in lines)

@@ -149,11 +149,11 @@ def test_infinite_cache_bound_hand_checked():
 
 
 def test_sweep_table_json_and_configurations(tmp_path):
-    assert sweep.configurations("shared", "least-loaded") == [
-        ("shared", "least-loaded"), ("private", "sglang-cache-aware"),
+    assert sweep.configurations("shared", "prefix-aware") == [
+        ("shared", "prefix-aware"), ("private", "sglang-cache-aware"),
         ("private", "llm-d-scorer"), ("private", "round-robin")]
     assert sweep.configurations("private", "llm-d-scorer") == [
-        ("private", "llm-d-scorer"), ("shared", "least-loaded"),
+        ("private", "llm-d-scorer"), ("shared", "prefix-aware"),
         ("private", "sglang-cache-aware"), ("private", "round-robin")]
     fig = dict.fromkeys(sweep.ROW_FIELDS, 0)
     fig.update(pool="shared", routing="round-robin", schedulers=4, num_blocks=2048,
