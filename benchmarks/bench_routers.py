@@ -6,7 +6,8 @@ private pools (1/N of the blocks each) with round-robin, least-loaded, the prefi
 oracle, SGLang's cache-aware router and llm-d's scorers. Prints one JSON line per row (the
 figures of ``shmkv replay --json`` less the timeline and the per-scheduler lines), then a
 Markdown table: hit rate, time to the first token p50 / p99, time queued p99, imbalance
-(most / fewest requests per scheduler), and each row against the best baseline router of
+(most / fewest requests per scheduler), the share of prompt tokens computed twice (another
+request cached them while this one computed them), and each row against the best baseline router of
 the same run (the private-pool row of SGLang's or llm-d's router with the lower TTFT p99):
 hit rate in points, TTFT p99 as a ratio.
 
@@ -82,7 +83,8 @@ def run_row(pool: str, routing: str, args, workload, model) -> dict:
 def markdown_table(rows: list[dict]) -> str:
     base = best_baseline(rows)
     header = ["pool, routing", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "queued p99 ms",
-              "imbalance", "hit rate vs best baseline", "TTFT p99 vs best baseline"]
+              "imbalance", "computed twice", "hit rate vs best baseline",
+              "TTFT p99 vs best baseline"]
     body = []
     for f in rows:
         imb = f["imbalance"]
@@ -94,7 +96,9 @@ def markdown_table(rows: list[dict]) -> str:
         name = f"{f['pool']}, {f['routing']}" + (" (best baseline)" if f is base else "")
         body.append([name, f"{f['prefix_hit_rate']:.1%}", f"{f['ttft_p50_s'] * 1e3:,.0f}",
                      f"{f['ttft_p99_s'] * 1e3:,.0f}", f"{f['queued_p99_s'] * 1e3:,.0f}",
-                     "inf" if imb is None else f"{imb:.2f}x", vs_hit, vs_ttft])
+                     "inf" if imb is None else f"{imb:.2f}x",
+                     f"{f.get('duplicate_prefill_tokens', 0) / max(f['prompt_tokens'], 1):.1%}",
+                     vs_hit, vs_ttft])
     widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))) + " |"

@@ -122,6 +122,8 @@ class SchedulerStats(Message):
     lock_hold_s: float
     num_lock_acquired: int
     model_s: float  # time waiting for its rank's steps
+    # Prompt tokens it computed that another request cached while it computed them.
+    num_duplicate_tokens: int = 0
 
 
 @message

@@ -22,6 +22,9 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
   scheduler's steps. In a replay every time is the cost model's (``cost_model``:
   ``prefill_ms_per_token``, ``decode_ms_per_step``, shmkv/serve/replay.py), which steps
   take by sleeping, plus the KV-cache layer's own time;
+- ``duplicate_prefill_tokens``: prompt tokens a request computed that another request cached
+  while it computed them (two requests computing one prefix at once: on a shared pool two
+  schedulers, on a private pool two requests of one scheduler), a lower bound;
 - ``imbalance``: the most requests one scheduler served / the fewest (None when one served
   none); ``requests_per_scheduler`` lists them;
 - ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
@@ -109,6 +112,7 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "ttft_steps_p99": _quantile(ttft_steps, 0.99),
         "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
         "evictions": sum(p["evictions"] for p in per),
+        "duplicate_prefill_tokens": sum(p["duplicate_prefill_tokens"] for p in per),
         "preemptions": sum(p["preemptions"] for p in per),
         "lock_wait_s": sum(p["lock_wait_s"] for p in per),
         "lock_hold_s": sum(p["lock_hold_s"] for p in per),
@@ -168,6 +172,7 @@ def _scheduler_figures(runner, i: int, finished: list, st) -> dict:
         "steps": st.num_steps if st else 0,
         "preemptions": st.num_preemptions if st else 0,
         "evictions": st.num_evictions if st else 0,
+        "duplicate_prefill_tokens": st.num_duplicate_tokens if st else 0,
         "lock_wait_s": st.lock_wait_s if st else 0.0,
         "lock_hold_s": st.lock_hold_s if st else 0.0,
         "lock_acquired": st.num_lock_acquired if st else 0,
@@ -273,7 +278,10 @@ def report_text(f: dict) -> str:
         f"{'/'.join(str(n) for n in f.get('requests_per_scheduler', []))}: "
         f"{imbalance_text(f)} (most / fewest)",
         f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
-        f"evictions, {f['preemptions']} preemptions, lock wait "
+        f"evictions, {f['preemptions']} preemptions, "
+        + (f"{_int(f['duplicate_prefill_tokens'])} prompt tokens computed twice (cached by "
+           "another request meanwhile), " if "duplicate_prefill_tokens" in f else "")
+        + "lock wait "
         f"{f['lock_wait_s'] * 1e3:.1f} ms in all ({f.get('lock_wait_share', 0.0):.1%} of the "
         f"schedulers' {f['schedulers'] * f['wall_s']:.1f} s; held "
         f"{f.get('lock_hold_s', 0.0) * 1e3:.1f} ms)",

@@ -346,3 +346,20 @@ def test_hot_prompts_workload_is_skewed_and_arrives_at_its_rate():
         hot_prompts_workload(HotPromptsConfig(request_rate=0.0))
     with pytest.raises(UsageError, match="--zipf"):
         hot_prompts_workload(HotPromptsConfig(zipf_s=-1.0))
+
+
+def test_scheduler_counts_prompt_tokens_computed_twice(manager):
+    """Two requests of one 49-token prompt admitted in one step both compute its three full
+    blocks (neither could hit the other's yet): the second publishes 48 tokens another
+    request has just cached, computed twice. A third, admitted later, hits them instead."""
+    pool, kvm = manager
+    s, _ = _scheduler(pool, kvm, max_num_batched_tokens=128)
+    prompt = list(range(1, 50))
+    s.add_request("a", prompt, 2)
+    s.add_request("b", prompt, 2)
+    _run(s)
+    assert s.counters.num_duplicate_tokens == 48
+    assert s.counters.num_cached_tokens == 0
+    s.add_request("c", prompt, 2)
+    _run(s)
+    assert s.counters.num_duplicate_tokens == 48 and s.counters.num_cached_tokens == 48
