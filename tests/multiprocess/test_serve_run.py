@@ -512,3 +512,19 @@ def test_front_end_killed_takes_every_child_and_cleanup_removes_the_rest(tmp_pat
         if run_leftovers(proc.pid):
             subprocess.run([sys.executable, "-m", "shmkv.cli", "cleanup"], capture_output=True,
                            env=_env(), timeout=120)
+
+
+def test_rolling_restart_with_the_model_on_private_pools(tmp_path):
+    """--rolling-restart with the model: each scheduler is killed in turn and a new one (with
+    a new rank and block tables) takes its place on an emptied private pool; every request
+    finishes with the reference's tokens, and every segment of every incarnation is gone
+    after the run."""
+    done, f, pid = run_shmkv(tmp_path, *SMALL, "--pool", "private", "--routing",
+                             "sglang-cache-aware", "--rolling-restart", "--no-compare")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f["restart"] == "rolling" and [r["scheduler"] for r in f["restarts"]] == [0, 1]
+    assert f["requests"] == f["requests_total"] and f["token_mismatches"] == 0
+    assert f["tokens_checked"] == f["generated_tokens"] > 0
+    assert f["pool_valid"] and f["problems"] == []
+    assert "its private pool emptied" in done.stdout
+    _check_clean(f, pid)
