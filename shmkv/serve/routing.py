@@ -334,9 +334,10 @@ def _salted(token_ids: Sequence[int], cache_salt: str | None) -> list:
 
 class SGLangCacheAware(_Router):
     """SGLang's cache-aware router, as ``sgl-project/sglang``
-    ``sgl-router/src/policies/cache_aware.rs`` (``CacheAwarePolicy::select_worker``, commit
-    026f853b, the router's 0.2 line; defaults from ``sgl-router``'s CLI: ``cache_threshold``
-    0.3, ``balance_abs_threshold`` 64, ``balance_rel_threshold`` 1.5), over token ids:
+    ``sgl-router/src/policies/cache_aware.rs`` implements it (``CacheAwarePolicy::
+    select_worker``, read at commit 026f853ba7ae; its tree in ``sgl-router/src/tree.rs``;
+    defaults from the router's CLI: ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
+    ``balance_rel_threshold`` 1.5), over token ids:
 
     1. the loads are the requests in flight per scheduler (the source's ``worker.load()``);
        the system is imbalanced when ``max - min > balance_abs_threshold`` and
@@ -395,24 +396,26 @@ class SGLangCacheAware(_Router):
 
 
 class LlmdScorer(_Router):
-    """llm-d's inference scheduler in its default profile (``llm-d/llm-d``
-    ``guides/inference-scheduling``, the gateway-api-inference-extension v1.x scorers it
-    loads): three scorers, each giving every scheduler a score in [0, 1], summed with
-    weights (prefix-cache 3, queue 2, KV-cache utilization 2); the highest total wins
-    (``max-score-picker``; the source breaks ties at random, here the next in turn, so runs
-    repeat).
+    """llm-d's inference scheduler (the endpoint picker of ``llm-d/llm-d-inference-scheduler``,
+    built on ``kubernetes-sigs/gateway-api-inference-extension``) in the default profile of
+    GIE's chart (``config/charts/inferencepool/templates/epp-config.yaml``, read at commit
+    0ae94dfbf9dc: ``default-plugins.yaml``): three scorers, each giving every scheduler a
+    score in [0, 1], summed with weights (prefix-cache 3, queue 2, KV-cache utilization 2);
+    the highest total wins (``max-score-picker``; the source breaks ties at random, here
+    the next in turn, so runs repeat).
 
-    - prefix-cache scorer (GIE ``plugins/multi/prefix/plugin.go``, approximate mode): the
+    - prefix-cache scorer (GIE ``pkg/epp/scheduling/framework/plugins/multi/prefix/
+      plugin.go``, approximate mode, ``matchLongestPrefix`` and ``PreRequest``): the
       prompt's full blocks (``block_size`` tokens, chained hashes, the cache salt in the
       first; at most ``max_prefix_blocks`` 256) are looked up in an index of what the
       router itself sent where; walking the blocks in order until one is held by no
       scheduler, every scheduler holding a block gets one more; score = its count / the
       prompt's blocks. After the pick, the chosen scheduler is recorded for every block of
       the prompt, in an LRU of ``lru_capacity_per_server`` (31,250) blocks per scheduler.
-    - queue scorer (GIE ``scorer/queue.go``): ``(max - q) / (max - min)`` of the waiting
-      queues the schedulers last reported, 1 for all when they are equal.
-    - KV-cache utilization scorer (GIE ``scorer/kvcache_utilization.go``): ``1 - usage``,
-      the share of its pool's blocks in use it last reported.
+    - queue scorer (GIE ``.../plugins/scorer/queue.go``): ``(max - q) / (max - min)`` of the
+      waiting queues the schedulers last reported, 1 for all when they are equal.
+    - KV-cache utilization scorer (GIE ``.../plugins/scorer/kvcache_utilization.go``):
+      ``1 - usage``, the share of its pool's blocks in use it last reported.
 
     The figures (:class:`SchedulerMetrics`) are what the schedulers report every 50 ms
     (GIE's metrics refresh interval), so they lag as llm-d's scrapes do; a scheduler that
