@@ -320,7 +320,7 @@ def _add_run_arguments(run, replay: bool) -> None:
                         help="llm-d-scorer: the prefix-cache scorer's weight (3)")
     router.add_argument("--queue-scorer-weight", type=float, default=2.0, metavar="W",
                         help="llm-d-scorer: the waiting-queue scorer's weight (2)")
-    router.add_argument("--kv-scorer-weight", type=float, default=2.0, metavar="W",
+    router.add_argument("--utilization-scorer-weight", type=float, default=2.0, metavar="W",
                         help="llm-d-scorer: the KV-cache utilization scorer's weight (2)")
     run.add_argument("--no-compare", action="store_true",
                      help="run the --pool/--routing configuration alone and print its full "

@@ -124,7 +124,8 @@ def router_config(args):
                        balance_abs_threshold=args.balance_abs_threshold,
                        balance_rel_threshold=args.balance_rel_threshold,
                        prefix_weight=args.prefix_scorer_weight,
-                       queue_weight=args.queue_scorer_weight, kv_weight=args.kv_scorer_weight)
+                       queue_weight=args.queue_scorer_weight,
+                       kv_weight=args.utilization_scorer_weight)
     cfg.validate()
     return cfg
 

@@ -532,14 +532,14 @@ class RouterConfig:
                              ">= 0")
         weights = {"--prefix-scorer-weight": self.prefix_weight,
                    "--queue-scorer-weight": self.queue_weight,
-                   "--kv-scorer-weight": self.kv_weight}
+                   "--utilization-scorer-weight": self.kv_weight}
         for flag, w in weights.items():
             if not 0.0 <= w < float("inf"):
                 raise UsageError(f"{flag} {w!r}: must be a finite number >= 0 (llm-d's "
                                  "defaults: prefix 3, queue 2, kv 2)")
         if not any(weights.values()):
             raise UsageError("--prefix-scorer-weight, --queue-scorer-weight and "
-                             "--kv-scorer-weight are all 0: give at least one a weight")
+                             "--utilization-scorer-weight are all 0: give at least one a weight")
 
 
 ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix-aware", "sglang-cache-aware",
