@@ -49,7 +49,8 @@ KEEP = ("device", "kv", "dtype", "pool", "schedulers", "num_blocks", "requests",
 
 def run_row(kv: str, pool: str, args, workload) -> dict:
     run = resolve_run_device(args.device, kv, args.dtype, args.model)
-    cfg = RunConfig(num_schedulers=args.schedulers, pool=pool, num_blocks=args.blocks,
+    cfg = RunConfig(num_schedulers=args.schedulers, pool=pool, routing="round-robin",
+                    num_blocks=args.blocks,
                     max_model_len=args.max_model_len, concurrency=args.concurrency,
                     model=model_config_for(args.model), run_device=run,
                     startup_timeout_s=args.startup_timeout)

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shmkv.serve.config import TinyModelConfig  # noqa: E402
+from shmkv.serve.replay import CostModel  # noqa: E402
 from shmkv.serve.runner import RunConfig, Runner  # noqa: E402
 from shmkv.serve.trace import read_mooncake  # noqa: E402
 
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
     for n in counts:
         cfg = RunConfig(num_schedulers=n, pool=args.pool, routing=args.routing,
                         num_blocks=args.blocks, max_model_len=args.max_model_len,
-                        concurrency=args.concurrency, model=model, model_free=True)
+                        concurrency=args.concurrency, model=model, model_free=True,
+                        cost=CostModel(0.0, 0.0))  # the KV-cache layer's own speed
         result = Runner(cfg, workload, log=lambda _: None).run()
         f = {k: v for k, v in result.figures.items()
              if k not in ("timeline", "per_scheduler", "processes", "pools_after")}

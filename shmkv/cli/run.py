@@ -1,5 +1,7 @@
 """``shmkv run``: serve a workload with scheduler processes and their model ranks on one
-shared pool, then on private pools (round-robin and prefix-aware routing), check the
+shared pool (prefix-aware routing, which follows the pool's event log), then on private
+pools with the routers users run (SGLang's cache-aware router, llm-d's scorers) and
+round-robin, check the
 tokens, compare (``--no-compare``: one configuration). ``shmkv replay``: the same without
 ranks or a model (``shmkv/serve/replay.py``). ``--blocks A,B,C``: a capacity sweep
 (``shmkv/serve/sweep.py``). ``--trace-format mooncake``: the Mooncake traces
@@ -13,11 +15,14 @@ import sys
 from shmkv.cli import run_args
 from shmkv.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEM, StopOnSignals
 from shmkv.plot import PlotUnavailable
+from shmkv.serve.routing import ROUTING_POLICIES
+from shmkv.serve.workload import WORKLOADS
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     replay = args.model == "none"
     caps = run_args.check_arguments(args)  # every argument, before anything starts
+    router_config = run_args.router_config(args)
     if not replay:
         try:
             import torch  # noqa: F401  (the model's ranks and the reference check need it)
@@ -31,7 +36,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shmkv.serve.runner import RunConfig, check_arrivals
     from shmkv.serve.small_model import model_config_for
     from shmkv.serve.trace import load_trace
-    from shmkv.serve.workload import ChatWorkloadConfig, chat_workload, write_trace
+    from shmkv.serve.workload import (
+        ChatWorkloadConfig,
+        HotPromptsConfig,
+        chat_workload,
+        hot_prompts_workload,
+        write_trace,
+    )
 
     # --device / --kv / --dtype with the model, checked before anything starts.
     run_device = resolve_run_device(args.device, args.kv, args.dtype, args.model)
@@ -42,6 +53,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.trace, args.trace_format, block_size=args.block_size,
             vocab_size=model.vocab_size, max_model_len=args.max_model_len,
             trace_block_tokens=args.trace_block_tokens)
+    elif args.workload == "hot-prompts":
+        workload = hot_prompts_workload(HotPromptsConfig(
+            num_requests=args.requests, zipf_s=args.zipf, request_rate=args.request_rate,
+            seed=args.seed, vocab_size=model.vocab_size))
     else:
         workload = chat_workload(ChatWorkloadConfig(
             num_conversations=args.conversations, seed=args.seed,
@@ -59,9 +74,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, concurrency=args.concurrency,
-                    kill_one=args.kill_one, rank_nice=getattr(args, "rank_nice", 10),
+                    router=router_config,
+                    kill_one=args.kill_one,
+                    restart="one" if args.restart_one else "rolling" if args.rolling_restart
+                    else "",
+                    rank_nice=getattr(args, "rank_nice", 10),
                     check_tokens=not args.no_check, timeout_s=args.timeout, model=model,
-                    model_free=replay, time_scale=args.time_scale,
+                    model_free=replay, time_scale=args.time_scale, cost=_cost(args, replay),
                     run_device=run_device)
     for c in caps:  # refuse a configuration the runner would, before anything starts
         for pool, routing in configs:
@@ -95,6 +114,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.verbose:
         print(report.COMPARE_HINT)
     return _exit_code(results, stop)
+
+
+def _cost(args, replay: bool):
+    """A replay's cost model from its flags (``shmkv run --model none``: the defaults)."""
+    from shmkv.serve.replay import CostModel
+
+    if not replay:
+        return CostModel(0.0, 0.0)
+    cost = CostModel(getattr(args, "prefill_ms_per_token", CostModel.prefill_ms_per_token),
+                     getattr(args, "decode_ms_per_step", CostModel.decode_ms_per_step))
+    cost.validate()
+    return cost
 
 
 def _runs(args, cfg, workload, plan, progress: bool, stop,
@@ -209,13 +240,13 @@ def add_run_parser(sub) -> None:
     run = sub.add_parser(
         "run", help="serve a workload on one shared pool and on private pools, compared",
         description="Serves a chat workload (or a JSONL trace) with N scheduler processes, "
-        "each with its KVCacheManager and a rank process running a tiny model, three ways: "
-        "on one shared shmkv pool, then on private pools of 1/N the blocks each (what vLLM, "
-        "SGLang and TensorRT-LLM do per data-parallel rank) with round-robin and with "
-        "prefix-aware routing; one table and one plot compare them (--no-compare: the "
-        "--pool/--routing configuration alone). Every generated token is checked against "
-        "the model's no-cache reference. Exit 1 if a request did not finish, a token "
-        "differed or a pool is not valid afterwards.")
+        "each with its KVCacheManager and a rank process running a tiny model, four ways: "
+        "on one shared shmkv pool (prefix-aware routing), then on private pools of 1/N the "
+        "blocks each (what vLLM, SGLang and TensorRT-LLM do per data-parallel rank) with "
+        "SGLang's cache-aware router, llm-d's scorers and round-robin; one table and one "
+        "plot compare them (--no-compare: the --pool/--routing configuration alone). Every "
+        "generated token is checked against the model's no-cache reference. Exit 1 if a "
+        "request did not finish, a token differed or a pool is not valid afterwards.")
     _add_run_arguments(run, replay=False)
 
 
@@ -236,6 +267,14 @@ def _add_run_arguments(run, replay: bool) -> None:
     --kv, --dtype, --rank-nice, --no-check), and its plot is shmkv-replay.png."""
     if replay:
         run.set_defaults(model="none", no_check=True, device=None, kv=None, dtype=None)
+        cost = run.add_argument_group(
+            "cost model", "with no model, a step takes the time a model's would (a sleep "
+            "outside the pool's lock), so queues and times to the first token mean something")
+        cost.add_argument("--prefill-ms-per-token", type=float, default=0.1, metavar="MS",
+                          help="time per token a step computes that is not a decode token "
+                          "(prompt tokens not hit in the cache) (0.1)")
+        cost.add_argument("--decode-ms-per-step", type=float, default=1.0, metavar="MS",
+                          help="time of every step that runs something (1)")
     else:
         run.add_argument("--model", choices=["tiny", "small", "none"], default="tiny",
                          help="the model on the rank processes: tiny (3 layers, for the "
@@ -257,13 +296,37 @@ def _add_run_arguments(run, replay: bool) -> None:
                      help="the configuration of the first run (and the only one with "
                      "--no-compare): one pool for all schedulers, or one private pool each "
                      "(shared)")
-    run.add_argument("--routing", choices=["round-robin", "least-loaded", "prefix-aware"],
-                     default="round-robin", help="how the front end picks a scheduler in "
-                     "that run (round-robin)")
+    run.add_argument("--routing", choices=list(ROUTING_POLICIES),
+                     default="prefix-aware", help="how the front end picks a scheduler in "
+                     "that run: round-robin; least-loaded (fewest requests in flight); "
+                     "prefix-aware (the scheduler whose cache holds the prompt's longest "
+                     "prefix, unless too loaded: on private pools an oracle that looks into "
+                     "every pool, on the shared pool a router that follows its event log); "
+                     "sglang-cache-aware (SGLang's router: approximate prefix trees of what it "
+                     "sent, load-balance thresholds); llm-d-scorer (llm-d's scheduler: "
+                     "prefix-cache, queue and KV-cache scorers, weighted) (prefix-aware)")
+    router = run.add_argument_group(
+        "router settings", "the baselines' own defaults (docs/serving.md, Routers)")
+    router.add_argument("--cache-threshold", type=float, default=0.3, metavar="X",
+                        help="sglang-cache-aware: the share of the prompt its tree must "
+                        "match to route by cache (0..1; 0.3)")
+    router.add_argument("--balance-abs-threshold", type=int, default=64, metavar="N",
+                        help="sglang-cache-aware: imbalanced when the most and least loaded "
+                        "schedulers differ by more than N requests in flight (64) ...")
+    router.add_argument("--balance-rel-threshold", type=float, default=1.5, metavar="X",
+                        help="... and the most loaded has more than X times the least's "
+                        "(>= 1; 1.5); then the least loaded gets the request")
+    router.add_argument("--prefix-scorer-weight", type=float, default=3.0, metavar="W",
+                        help="llm-d-scorer: the prefix-cache scorer's weight (3)")
+    router.add_argument("--queue-scorer-weight", type=float, default=2.0, metavar="W",
+                        help="llm-d-scorer: the waiting-queue scorer's weight (2)")
+    router.add_argument("--utilization-scorer-weight", type=float, default=2.0, metavar="W",
+                        help="llm-d-scorer: the KV-cache utilization scorer's weight (2)")
     run.add_argument("--no-compare", action="store_true",
                      help="run the --pool/--routing configuration alone and print its full "
-                     "report (default: compare it with private pools, round-robin and "
-                     "prefix-aware)")
+                     "report (default: compare it with private pools under SGLang's and "
+                     "llm-d's routers and round-robin, and with the shared pool for --pool "
+                     "private)")
     run.add_argument("--compare", action="store_true", help=argparse.SUPPRESS)  # the default
     run.add_argument("--verbose", action="store_true",
                      help="print every run's full report, not one line each")
@@ -306,6 +369,17 @@ def _add_run_arguments(run, replay: bool) -> None:
     run.add_argument("--write-trace", metavar="PATH", help="write the workload as JSONL")
     run.add_argument("--conversations", type=int, default=90,
                      help="conversations of the built-in workload (90: about 200 requests)")
+    run.add_argument("--workload", choices=list(WORKLOADS), default="chat",
+                     help="the built-in workload when there is no --trace: chat (tenants, "
+                     "shared system prompts, multi-turn conversations) or hot-prompts (single "
+                     "requests on 64 system prompts of Zipf-skewed popularity, Poisson "
+                     "arrivals at --request-rate, honoured with --time-scale 1) (chat)")
+    run.add_argument("--requests", type=int, default=3000,
+                     help="hot-prompts: requests (3000)")
+    run.add_argument("--request-rate", type=float, default=150.0, metavar="R",
+                     help="hot-prompts: arrivals a second at --time-scale 1 (150)")
+    run.add_argument("--zipf", type=float, default=1.0, metavar="S",
+                     help="hot-prompts: system prompt k is drawn with weight 1/k**S (1)")
     run.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     run.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     plot = "shmkv-replay.png" if replay else "shmkv-run.png"
@@ -315,6 +389,13 @@ def _add_run_arguments(run, replay: bool) -> None:
     run.add_argument("--kill-one", action="store_true",
                      help="SIGKILL one scheduler half way through the first run; the others "
                      "carry on")
+    run.add_argument("--restart-one", action="store_true",
+                     help="in every run: SIGKILL the highest scheduler half way through and "
+                     "start a fresh one in its place (on private pools with an empty pool: "
+                     "its cache is lost; on the shared pool the cache stays)")
+    run.add_argument("--rolling-restart", action="store_true",
+                     help="in every run: restart every scheduler in turn (as --restart-one), "
+                     "evenly spread over the run, as a rolling upgrade does")
     if not replay:
         run.add_argument("--no-check", action="store_true",
                          help="do not check the tokens against the no-cache reference")

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from shmkv.errors import UsageError
 
-__all__ = ["MIN_BLOCKS", "check_arguments", "check_fits", "longest_request", "parse_blocks"]
+__all__ = ["MIN_BLOCKS", "check_arguments", "check_fits", "longest_request", "parse_blocks",
+           "router_config"]
 
 MIN_BLOCKS = 16
 
@@ -33,10 +34,21 @@ _RULES: list[tuple[str, str, str, Callable[[float], bool]]] = [
     ("trace_block_tokens", "--trace-block-tokens", "must be a whole number >= 1",
      lambda v: v >= 1),
     ("conversations", "--conversations", "must be a whole number >= 1", lambda v: v >= 1),
+    ("requests", "--requests", "must be a whole number >= 1", lambda v: v >= 1),
+    ("request_rate", "--request-rate", "must be a finite number of requests a second > 0",
+     lambda v: 0 < v < math.inf),
+    ("zipf", "--zipf", "must be a finite number >= 0 (0: every prompt equally popular)",
+     lambda v: 0 <= v < math.inf),
     ("time_scale", "--time-scale", "must be a finite number >= 0 (0: send at once)",
      lambda v: 0 <= v < math.inf),
     ("timeout", "--timeout", "must be a finite number of seconds > 0",
      lambda v: 0 < v < math.inf),
+    ("prefill_ms_per_token", "--prefill-ms-per-token",
+     "must be a finite number of milliseconds >= 0 (0: no time for it)",
+     lambda v: 0 <= v < math.inf),
+    ("decode_ms_per_step", "--decode-ms-per-step",
+     "must be a finite number of milliseconds >= 0 (0: no time for it)",
+     lambda v: 0 <= v < math.inf),
     ("rank_nice", "--rank-nice", "must be a whole number from 0 to 19", lambda v: 0 <= v <= 19),
 ]
 
@@ -86,7 +98,36 @@ def check_arguments(args) -> list[int]:
     if getattr(args, "kill_one", False) and args.schedulers < 2:
         raise UsageError(f"--kill-one with --schedulers {args.schedulers}: needs at least "
                          "2 schedulers (one is killed, the others finish its requests)")
+    restarts = [flag for flag, on in (("--kill-one", getattr(args, "kill_one", False)),
+                                      ("--restart-one", getattr(args, "restart_one", False)),
+                                      ("--rolling-restart",
+                                       getattr(args, "rolling_restart", False))) if on]
+    if len(restarts) > 1:
+        raise UsageError(f"{' and '.join(restarts)}: give one of them")
+    if restarts and restarts[0] != "--kill-one" and args.schedulers < 2:
+        raise UsageError(f"{restarts[0]} with --schedulers {args.schedulers}: needs at least "
+                         "2 schedulers (the others serve while one restarts)")
+    if getattr(args, "cache_threshold", None) is not None:
+        router_config(args)
     return parse_blocks(args.blocks)
+
+
+def router_config(args):
+    """The routers' settings (``RouterConfig``) from the flags, checked.
+
+    Raises:
+        UsageError: a value out of range, naming its flag, the range and the default.
+    """
+    from shmkv.serve.routing import RouterConfig
+
+    cfg = RouterConfig(cache_threshold=args.cache_threshold,
+                       balance_abs_threshold=args.balance_abs_threshold,
+                       balance_rel_threshold=args.balance_rel_threshold,
+                       prefix_weight=args.prefix_scorer_weight,
+                       queue_weight=args.queue_scorer_weight,
+                       kv_weight=args.utilization_scorer_weight)
+    cfg.validate()
+    return cfg
 
 
 def longest_request(workload) -> tuple[int, str]:

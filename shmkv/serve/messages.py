@@ -43,9 +43,14 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int
     max_model_len: int
     block_tables_name: str
-    stats_interval_s: float = 0.1
+    # How often a scheduler reports its figures: 50 ms, the metrics refresh interval of
+    # llm-d's endpoint picker, whose scorers read them (shmkv/serve/routing.py).
+    stats_interval_s: float = 0.05
     rank_timeout_s: float = 60.0
     model_free: bool = False  # a replay: tokens without a model, no rank, no block tables
+    # A replay's cost model (shmkv/serve/replay.py): the time a step takes.
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_step: float = 0.0
 
 
 @message
@@ -93,6 +98,7 @@ class TokensGenerated(Message):
     first_token_s: float
     finished_s: float
     first_token_steps: int = 0  # its scheduler's steps from its arrival to its first token
+    queued_s: float = 0.0  # from its arrival to its first scheduling (waiting in the queue)
 
 
 @message
@@ -116,6 +122,8 @@ class SchedulerStats(Message):
     lock_hold_s: float
     num_lock_acquired: int
     model_s: float  # time waiting for its rank's steps
+    # Prompt tokens it computed that another request cached while it computed them.
+    num_duplicate_tokens: int = 0
 
 
 @message

@@ -17,8 +17,16 @@ Definitions (vLLM's ``PrefixCacheStats`` counts the same way):
 - ``peak_blocks_held`` (per scheduler): the most blocks its running requests held at once,
   as its ``SchedulerStats`` (a few a second) saw it; ``ttft_*`` / ``latency_*``: seconds
   from a request's arrival at its scheduler to its first token / its last;
-  ``ttft_steps_*``: the same wait counted in its scheduler's steps (the TTFT proxy of a
-  model-free replay, where seconds measure only the KV-cache layer);
+  ``queued_*``: seconds from a request's arrival at its scheduler to its first scheduling
+  (waiting in the scheduler's queue); ``ttft_steps_*``: the first-token wait counted in its
+  scheduler's steps. In a replay every time is the cost model's (``cost_model``:
+  ``prefill_ms_per_token``, ``decode_ms_per_step``, shmkv/serve/replay.py), which steps
+  take by sleeping, plus the KV-cache layer's own time;
+- ``duplicate_prefill_tokens``: prompt tokens a request computed that another request cached
+  while it computed them (two requests computing one prefix at once: on a shared pool two
+  schedulers, on a private pool two requests of one scheduler), a lower bound;
+- ``imbalance``: the most requests one scheduler served / the fewest (None when one served
+  none); ``requests_per_scheduler`` lists them;
 - ``tokens_checked`` / ``token_mismatches``: generated tokens compared with the model's
   no-cache greedy reference, and how many differed (counting from the first wrong token
   of each request). ``exact_tokens``: whether a mismatch fails the run (float32) or is
@@ -56,6 +64,9 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
     killed = getattr(runner, "killed_at", None)
     ttft = sorted(r.result.first_token_s for r in finished)
     ttft_steps = sorted(r.result.first_token_steps for r in finished)
+    queued = sorted(r.result.queued_s for r in finished)
+    served = [p["requests"] for p in per]
+    cost = getattr(cfg, "cost", None)
     latency = sorted(r.result.finished_s for r in finished)
     groups = len(cfg.model.group_windows()) if cfg.model is not None else 1
     return {
@@ -87,12 +98,21 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "requests_per_s": len(finished) / wall_s if wall_s > 0 else 0.0,
         "ttft_p50_s": _quantile(ttft, 0.5),
         "ttft_p99_s": _quantile(ttft, 0.99),
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0,
+        "queued_p50_s": _quantile(queued, 0.5),
+        "queued_p99_s": _quantile(queued, 0.99),
         "latency_p50_s": _quantile(latency, 0.5),
+        "requests_per_scheduler": served,
+        "imbalance": max(served) / min(served) if served and min(served) > 0 else None,
+        "cost_model": ({"prefill_ms_per_token": cost.prefill_ms_per_token,
+                        "decode_ms_per_step": cost.decode_ms_per_step}
+                       if cfg.model_free and cost is not None else None),
         "ttft_steps_mean": sum(ttft_steps) / len(ttft_steps) if ttft_steps else 0.0,
         "ttft_steps_p50": _quantile(ttft_steps, 0.5),
         "ttft_steps_p99": _quantile(ttft_steps, 0.99),
         "peak_pool_usage": max((p["pool_usage"] for p in timeline), default=0.0),
         "evictions": sum(p["evictions"] for p in per),
+        "duplicate_prefill_tokens": sum(p["duplicate_prefill_tokens"] for p in per),
         "preemptions": sum(p["preemptions"] for p in per),
         "lock_wait_s": sum(p["lock_wait_s"] for p in per),
         "lock_hold_s": sum(p["lock_hold_s"] for p in per),
@@ -102,6 +122,8 @@ def figures(runner, records: dict, stats: dict, timeline: list[dict], pool_check
         "killed_scheduler": None if killed is None else {
             "scheduler": min(runner.killed), "after_s": killed[0],
             "after_requests": killed[1]},
+        "restart": getattr(cfg, "restart", ""),
+        "restarts": list(getattr(runner, "restarts", [])),
         "prefix_cache_reset": getattr(runner, "prefix_cache_reset", None),
         "pools_after": pool_checks,
         "pool_valid": all(p["invariants_ok"] and not p["blocks_in_use_after"]
@@ -150,6 +172,7 @@ def _scheduler_figures(runner, i: int, finished: list, st) -> dict:
         "steps": st.num_steps if st else 0,
         "preemptions": st.num_preemptions if st else 0,
         "evictions": st.num_evictions if st else 0,
+        "duplicate_prefill_tokens": st.num_duplicate_tokens if st else 0,
         "lock_wait_s": st.lock_wait_s if st else 0.0,
         "lock_hold_s": st.lock_hold_s if st else 0.0,
         "lock_acquired": st.num_lock_acquired if st else 0,
@@ -203,6 +226,22 @@ def groups_text(f: dict) -> str:
             f"takes {g}: {_int(f['blocks_per_group'])} per group in each {each}")
 
 
+def cost_text(f: dict) -> str:
+    """The replay's cost model, in words."""
+    c = f.get("cost_model")
+    if not c:
+        return ""
+    return (f"{c['prefill_ms_per_token']:g} ms per prefill token (not hit in the cache), "
+            f"{c['decode_ms_per_step']:g} ms per step: a replay's times are this model's "
+            "(--prefill-ms-per-token, --decode-ms-per-step)")
+
+
+def imbalance_text(f: dict) -> str:
+    imb = f.get("imbalance")
+    return "-" if imb is None and not f.get("requests_per_scheduler") else (
+        "inf" if imb is None else f"{imb:.2f}x")
+
+
 def lock_wait_text(f: dict) -> str:
     """Why the lock wait is what it is (a replay's is high on a shared pool)."""
     if not f.get("model_free"):
@@ -230,11 +269,19 @@ def report_text(f: dict) -> str:
          f"reference: {_int(f['tokens_checked'])}, mismatches {f['token_mismatches']}"
          + _divergence_text(f)),
         f"  latency            first token p50 {f['ttft_p50_s'] * 1e3:.0f} ms, p99 "
-        f"{f['ttft_p99_s'] * 1e3:.0f} ms; request p50 {f['latency_p50_s'] * 1e3:.0f} ms; "
-        f"steps waited for the first token mean {f.get('ttft_steps_mean', 0.0):.1f}, p99 "
-        f"{f.get('ttft_steps_p99', 0)}",
+        f"{f['ttft_p99_s'] * 1e3:.0f} ms; queued p50 {f.get('queued_p50_s', 0.0) * 1e3:.0f} "
+        f"ms, p99 {f.get('queued_p99_s', 0.0) * 1e3:.0f} ms; request p50 "
+        f"{f['latency_p50_s'] * 1e3:.0f} ms; steps waited for the first token mean "
+        f"{f.get('ttft_steps_mean', 0.0):.1f}, p99 {f.get('ttft_steps_p99', 0)}"
+        + (f"\n  cost model         {cost_text(f)}" if f.get("cost_model") else ""),
+        f"  balance            requests per scheduler "
+        f"{'/'.join(str(n) for n in f.get('requests_per_scheduler', []))}: "
+        f"{imbalance_text(f)} (most / fewest)",
         f"  pool               peak {f['peak_pool_usage']:.0%} in use, {_int(f['evictions'])} "
-        f"evictions, {f['preemptions']} preemptions, lock wait "
+        f"evictions, {f['preemptions']} preemptions, "
+        + (f"{_int(f['duplicate_prefill_tokens'])} prompt tokens computed twice (cached by "
+           "another request meanwhile), " if "duplicate_prefill_tokens" in f else "")
+        + "lock wait "
         f"{f['lock_wait_s'] * 1e3:.1f} ms in all ({f.get('lock_wait_share', 0.0):.1%} of the "
         f"schedulers' {f['schedulers'] * f['wall_s']:.1f} s; held "
         f"{f.get('lock_hold_s', 0.0) * 1e3:.1f} ms)",
@@ -248,6 +295,13 @@ def report_text(f: dict) -> str:
         lines.append(f"  --kill-one         scheduler-{k['scheduler']} killed at "
                      f"{k['after_s']:.1f} s (after {k['after_requests']} requests); "
                      f"{f['requests_resent']} requests sent again to the others")
+    for r in f.get("restarts", []):
+        back = (f", serving again at {r['serving_again_s']:.2f} s"
+                if "serving_again_s" in r else ", never served again")
+        lines.append(f"  restart            scheduler-{r['scheduler']} killed at "
+                     f"{r['killed_s']:.2f} s (after {r['after_requests']} requests){back}"
+                     + ("; its private pool emptied" if f["pool"] == "private" else
+                        "; the shared pool kept the cache"))
     valid = "valid" if f["pool_valid"] else "NOT valid"
     reset = {True: "; drained, prefix cache reset", False: "; prefix cache reset FAILED",
              None: ""}[f["prefix_cache_reset"]]
@@ -345,14 +399,52 @@ def comparison_output(f: dict, outputs: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.0f}"
+
+
+def best_baseline(runs: list[dict]) -> dict | None:
+    """The private-pool run with a router users run (``BASELINE_ROUTERS``) that gave the
+    lowest TTFT p99 (then the highest hit rate); None if there is none."""
+    from shmkv.serve.routing import BASELINE_ROUTERS
+
+    base = [f for f in runs if f["pool"] == "private" and f["routing"] in BASELINE_ROUTERS
+            and f["requests"]]
+    if not base:
+        return None
+    return min(base, key=lambda f: (f["ttft_p99_s"], -f["prefix_hit_rate"]))
+
+
+def gain_text(shared: dict, base: dict) -> str:
+    """The shared run against the best baseline, in hit rate and TTFT p99, whichever way
+    they go."""
+    d_hit = 100 * (shared["prefix_hit_rate"] - base["prefix_hit_rate"])
+    t_s, t_b = shared["ttft_p99_s"], base["ttft_p99_s"]
+    if t_b > 0 and t_s > 0:
+        ratio = t_s / t_b
+        how = (f"{1 / ratio:.2f}x lower" if ratio < 1 else
+               "equal" if ratio == 1 else f"{ratio:.2f}x higher: a loss")
+    else:
+        how = "not measured"
+    hit_how = ("a gain" if d_hit > 0.05 else "a loss" if d_hit < -0.05 else "no change")
+    return (f"  shared pool ({shared['routing']}) against the best baseline router, private "
+            f"pools with {base['routing']} (its TTFT p99 is the lowest of the baselines'): "
+            f"hit rate {shared['prefix_hit_rate']:.1%} against {base['prefix_hit_rate']:.1%} "
+            f"({d_hit:+.1f} points, {hit_how}); TTFT p99 {_ms(t_s)} ms against {_ms(t_b)} ms "
+            f"({how})")
+
+
 def comparison_text(runs: list[dict]) -> str:
-    """One line per run (hit rate, prefill tokens saved, evictions, checks), then what the
-    shared pool saves against each private configuration and whether everything checked."""
+    """One line per run (hit rate, prefill tokens saved, time to the first token, queueing,
+    balance, evictions, checks), then the shared pool against the best baseline router
+    (:func:`best_baseline`) in hit rate and TTFT p99, and whether everything checked."""
     first = runs[0]
-    header = ["pool, routing", "hit rate", "prefill tokens saved", "evictions",
-              "mismatches", "wall s"]
+    header = ["pool, routing", "hit rate", "prefill tokens saved", "TTFT p50/p99 ms",
+              "queued p99", "imbalance", "evictions", "mismatches", "wall s"]
     body = [[_label(f), f"{f['prefix_hit_rate']:.1%}",
              f"{_int(f['prefill_tokens_saved'])} of {_int(f['prompt_tokens'])}",
+             f"{_ms(f.get('ttft_p50_s'))} / {_ms(f.get('ttft_p99_s'))}",  # ms
+             _ms(f.get("queued_p99_s")), imbalance_text(f),
              _int(f["evictions"]),
              "-" if f.get("model_free") else str(f["token_mismatches"]), f"{f['wall_s']:.1f}"]
             for f in runs]
@@ -364,14 +456,12 @@ def comparison_text(runs: list[dict]) -> str:
     for r in [header, *body]:
         lines.append("  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
                                       for k, (c, w) in enumerate(zip(r, widths, strict=True))))
+    if first.get("cost_model"):
+        lines.append(_wrap(f"  times: the replay's cost model, {cost_text(first)}", "    "))
     shared = next((f for f in runs if f["pool"] == "shared"), None)
-    if shared is not None and len(runs) > 1:
-        ratios = [f"{shared['prefill_tokens_saved'] / f['prefill_tokens_saved']:.2f}x "
-                  f"those of private pools, {f['routing']}"
-                  for f in runs if f["pool"] == "private" and f["prefill_tokens_saved"]]
-        if ratios:
-            lines.append(_wrap(f"  prefill tokens saved by the shared pool "
-                               f"({shared['routing']}): " + "; ".join(ratios), "    "))
+    base = best_baseline(runs)
+    if shared is not None and base is not None:
+        lines.append(_wrap(gain_text(shared, base), "    "))
     if not first.get("model_free"):
         checked = sum(f["tokens_checked"] for f in runs)
         wrong = sum(f["token_mismatches"] for f in runs)

@@ -63,7 +63,13 @@ from shmkv.serve.messages import (
     SchedulerStopped,
     TokensGenerated,
 )
-from shmkv.serve.routing import PrivatePoolsView, SharedPoolView, make_router
+from shmkv.serve.routing import (
+    PrivatePoolsView,
+    RouterConfig,
+    SchedulerMetrics,
+    SharedPoolView,
+    make_router,
+)
 from shmkv.serve.token_check import _check_tokens, reference_tokens  # noqa: F401 (re-export)
 from shmkv.serve.workload import TraceRequest
 
@@ -87,7 +93,7 @@ class RunConfig:
 
     num_schedulers: int = 4
     pool: str = "shared"  # "shared" or "private"
-    routing: str = "round-robin"
+    routing: str = "prefix-aware"
     num_blocks: int = 512  # in all; a private pool gets num_blocks // num_schedulers
     block_size: int = 16
     max_num_seqs: int = 8
@@ -100,8 +106,14 @@ class RunConfig:
     # than cores, a rank woken by a step's message would otherwise preempt a scheduler
     # inside its hold of the pool lock, and every other scheduler waits for it.
     rank_nice: int = RANK_NICE
-    balance_slack: int = 4
+    # The routers' settings (SGLang's thresholds, llm-d's weights, prefix-aware's slack).
+    router: RouterConfig = field(default_factory=RouterConfig)
     kill_one: bool = False
+    # "one": SIGKILL the highest scheduler half way through and start a fresh one in its
+    # place; "rolling": every scheduler in turn, evenly spread over the run. A restarted
+    # scheduler of private pools starts with an empty pool (its cache is lost with it); on
+    # the shared pool it finds the cache the others keep.
+    restart: str = ""
     check_tokens: bool = True
     sample_interval_s: float = 0.1
     timeout_s: float = 300.0
@@ -110,6 +122,8 @@ class RunConfig:
     # A replay (shmkv/serve/replay.py): no ranks, no model, no token checks; the KV-cache
     # groups are still the model's.
     model_free: bool = False
+    # A replay's step time (shmkv/serve/replay.py's CostModel; default: CostModel()).
+    cost: object = None
     # > 0: a request with an arrival_s is sent no sooner than arrival_s * time_scale after
     # the first (0: as fast as the concurrency allows).
     time_scale: float = 0.0
@@ -133,11 +147,20 @@ class RunConfig:
             raise UsageError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.kill_one and self.num_schedulers < 2:
             raise UsageError("--kill-one needs at least 2 schedulers")
+        if self.restart not in ("", "one", "rolling"):
+            raise UsageError(f"restart must be '', 'one' or 'rolling', got {self.restart!r}")
+        if self.restart and self.num_schedulers < 2:
+            raise UsageError("--restart-one and --rolling-restart need at least 2 schedulers "
+                             "(the others serve while one restarts)")
+        if self.restart and self.kill_one:
+            raise UsageError("--kill-one with a restart: give one of them")
         if not (0 <= self.time_scale < math.inf):  # NaN fails it too
             raise UsageError(f"--time-scale must be a finite number >= 0, got "
                              f"{self.time_scale}")
         if not 0 <= self.rank_nice <= 19:
             raise UsageError(f"--rank-nice must be between 0 and 19, got {self.rank_nice}")
+        if self.cost is not None:
+            self.cost.validate()
         if self.model_free and self.run_device is not None and (
                 self.run_device != type(self.run_device)()):
             raise UsageError("a replay (--model none) runs no model: --device, --kv and "
@@ -262,6 +285,10 @@ class Runner:
 
         cfg.model = cfg.model or TinyModelConfig()
         cfg.run_device = cfg.run_device or RunDevice()
+        if cfg.cost is None:
+            from shmkv.serve.replay import CostModel
+
+            cfg.cost = CostModel() if cfg.model_free else CostModel(0.0, 0.0)
         if cfg.model_free:
             cfg.check_tokens = False
         cfg.validate()
@@ -289,6 +316,7 @@ class Runner:
         # not interrupted).
         self.sigterm_deaths: list[str] = []
         self.peak_blocks_held: dict[int, int] = {}  # per scheduler, as its stats said
+        self.attached: set[int] = set()  # restarted schedulers that attached
         # Everything made, for the finally.
         self.pools: list[BlockPool] = []
         self.kv_stores: list = []
@@ -299,6 +327,10 @@ class Runner:
         self.channels: list[Channel] = []
         self.schedulers: list[mp.Process] = []
         self.ranks: list[mp.Process] = []
+        # Every process and block table ever made (a restart makes new ones), for teardown.
+        self.old_processes: list[mp.Process] = []
+        self.old_tables: list = []
+        self.block_tables_name: dict[int, str] = {}
 
     # ------------------------------------------------------------------ names
 
@@ -326,45 +358,65 @@ class Runner:
             self.kv_stores.append(PoolKV(pool_name, model, per_pool, cfg.block_size,
                                          cfg.run_device, pool=pool_name))
         self.front_bell = self._doorbell(f"{self.name}-fe")
-        self.outboxes, self.inboxes = [], []
-        ctx = self.ctx
         self.model_dict = engine.model_config_to_dict(model)
+        self.inboxes, self.outboxes = [None] * n, [None] * n
+        self.schedulers = [None] * n
+        self.ranks = [] if cfg.model_free else [None] * n
+        self.tables = [] if cfg.model_free else [None] * n
+        self.generation = [0] * n
+        self.channels = []
         for i in range(n):
-            bell = self._doorbell(f"{self.name}-s{i}")
-            p_of_i = 0 if cfg.pool == "shared" else i
-            pool_name = self._pool_name(p_of_i)
-            names = {
-                "inbox": self._channel(f"{self.name}-s{i}-in", bell, pool_name),
-                "outbox": self._channel(f"{self.name}-s{i}-out", self.front_bell, pool_name),
-                "to_rank": self._channel(f"{self.name}-s{i}-rank", None, pool_name),
-                "from_rank": self._channel(f"{self.name}-s{i}-res", bell, pool_name),
-            }
-            self.inboxes.append(Channel.open(names["inbox"]))
-            self.outboxes.append(Channel.open(names["outbox"]))
-            tables_name = f"{self.name}-s{i}"
-            if not cfg.model_free:
-                self.table_names.append(tables_name)
-                self.tables.append(engine.create_block_tables(
-                    tables_name, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                    pool=pool_name))
-                self.ranks.append(ctx.Process(
-                    target=engine.rank_main, name=f"rank-{i}", daemon=True,
-                    args=(tables_name, self.kv_stores[p_of_i].placement, names["to_rank"],
-                          names["from_rank"],
-                          self.model_dict, os.getpid(), cfg.rank_nice)))
-            sched = ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}", daemon=True,
-                                args=(i, names, os.getpid()))
-            self.schedulers.append(sched)
-        self.channels = self.inboxes + self.outboxes
+            self._make_scheduler(i)
         for p in self.ranks + self.schedulers:
             p.start()
         for i in range(n):
-            pool_name = self._pool_name(0 if cfg.pool == "shared" else i)
-            self.inboxes[i].send(AttachScheduler(scheduler=i, config=SchedulerConfig(
-                pool_name=pool_name, model=self.model_dict, max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_model_len=cfg.max_model_len, block_tables_name=f"{self.name}-s{i}",
-                model_free=cfg.model_free)))
+            self._attach(i)
+
+    def _make_scheduler(self, i: int) -> None:
+        """Scheduler ``i``'s channels, block tables, rank and process (not started), for its
+        incarnation ``self.generation[i]`` (a restarted scheduler gets new ones)."""
+        from shmkv.serve import engine
+
+        cfg, model = self.cfg, self.cfg.model
+        gen = self.generation[i]
+        tag = f"{self.name}-s{i}" + (f"g{gen}" if gen else "")
+        bell = self._doorbell(tag)
+        p_of_i = 0 if cfg.pool == "shared" else i
+        pool_name = self._pool_name(p_of_i)
+        names = {
+            "inbox": self._channel(f"{tag}-in", bell, pool_name),
+            "outbox": self._channel(f"{tag}-out", self.front_bell, pool_name),
+            "to_rank": self._channel(f"{tag}-rank", None, pool_name),
+            "from_rank": self._channel(f"{tag}-res", bell, pool_name),
+        }
+        self.inboxes[i] = Channel.open(names["inbox"])
+        self.outboxes[i] = Channel.open(names["outbox"])
+        self.channels += [self.inboxes[i], self.outboxes[i]]
+        if not cfg.model_free:
+            self.table_names.append(tag)
+            self.tables[i] = engine.create_block_tables(
+                tag, model, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
+                pool=pool_name)
+            self.old_tables.append(self.tables[i])
+            self.ranks[i] = self.ctx.Process(
+                target=engine.rank_main, name=f"rank-{i}", daemon=True,
+                args=(tag, self.kv_stores[p_of_i].placement, names["to_rank"],
+                      names["from_rank"], self.model_dict, os.getpid(), cfg.rank_nice))
+            self.old_processes.append(self.ranks[i])
+        self.schedulers[i] = self.ctx.Process(target=_scheduler_entry, name=f"scheduler-{i}",
+                                              daemon=True, args=(i, names, os.getpid()))
+        self.old_processes.append(self.schedulers[i])
+        self.block_tables_name[i] = tag
+
+    def _attach(self, i: int) -> None:
+        cfg = self.cfg
+        self.inboxes[i].send(AttachScheduler(scheduler=i, config=SchedulerConfig(
+            pool_name=self._pool_name(0 if cfg.pool == "shared" else i), model=self.model_dict,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len, block_tables_name=self.block_tables_name[i],
+            model_free=cfg.model_free,
+            prefill_ms_per_token=cfg.cost.prefill_ms_per_token if cfg.model_free else 0.0,
+            decode_ms_per_step=cfg.cost.decode_ms_per_step if cfg.model_free else 0.0)))
 
     def _doorbell(self, name: str) -> str:
         bell = create_doorbell(name)
@@ -379,7 +431,7 @@ class Runner:
     def _teardown(self) -> None:
         for ch in self.channels:
             ch.close()
-        for p in self.schedulers + self.ranks:
+        for p in self.old_processes:
             if p.pid is None:
                 continue
             p.join(0)
@@ -388,7 +440,7 @@ class Runner:
             p.join(JOIN_TIMEOUT_S)
         from shmkv.ranks.block_table import SharedBlockTables
 
-        for t in self.tables:
+        for t in self.old_tables:
             t.close()
         for name in self.table_names:
             SharedBlockTables.unlink(name)
@@ -486,6 +538,8 @@ class Runner:
             what = f"{who.name} (pid {who.pid}) died, exit code {who.exitcode}"
             if i in self.killed:
                 self.notes.append(what + " (--kill-one)")
+            elif getattr(self, "restarting", {}).get(i) == "killed":
+                self.notes.append(what + " (restart)")
             elif who.exitcode in (128 + signal.SIGTERM, -signal.SIGTERM):
                 self.sigterm_deaths.append(what)
             else:
@@ -538,6 +592,7 @@ class Runner:
             self._take_answers(st)
             self._resend_from_the_dead(st, live)
             self._kill_one_if_due(st, live)
+            self._restart_if_due(st, live)
             # Reference checks, one per pass, while the schedulers work.
             if st.to_check:
                 _check_tokens(st.model, st.to_check.popleft())
@@ -576,7 +631,7 @@ class Runner:
         else:
             view = PrivatePoolsView(self.pools)
         self.view = view
-        router = make_router(cfg.routing, view, cfg.balance_slack)
+        router = make_router(cfg.routing, view, cfg.router, block_size=cfg.block_size)
         self.failures: list[str] = []
         return _Serving(records={t.request_id: RequestRecord(t) for t in self.workload},
                         pending=deque(t.request_id for t in self.workload), router=router,
@@ -626,7 +681,7 @@ class Runner:
             if conv is not None:
                 st.busy_conversations.add(conv)
             s = st.router.route(rec.prompt_token_ids, rec.trace.cache_salt, sorted(live),
-                                st.load)
+                                st.load, self._metrics(st))
             rec.scheduler, rec.sent_at = s, time.monotonic()
             rec.num_sends += 1
             st.load[s] += 1
@@ -635,6 +690,16 @@ class Runner:
                 request_id=rid, prompt_token_ids=rec.prompt_token_ids,
                 max_tokens=rec.trace.max_tokens, cache_salt=rec.trace.cache_salt))
         st.pending.extendleft(reversed(skipped))
+
+    def _metrics(self, st: _Serving) -> dict[int, SchedulerMetrics]:
+        """What each scheduler last reported, as a router in front of replicas sees it."""
+        out = {}
+        for i, stats in st.stats.items():
+            total = self.pools[0 if self.cfg.pool == "shared" else i].num_gpu_blocks - 1
+            out[i] = SchedulerMetrics(
+                num_waiting=stats.num_waiting,
+                kv_cache_usage=1.0 - stats.num_free_blocks / total if total else 0.0)
+        return out
 
     def _take_answers(self, st: _Serving) -> None:
         """Every message the schedulers have sent: answers, figures, rejections."""
@@ -656,6 +721,8 @@ class Runner:
                     self.problems.append(f"{msg.sender} rejected a message: {msg.reason}")
             elif isinstance(msg, SchedulerStopped):
                 st.stats[msg.scheduler] = msg.stats
+            elif isinstance(msg, SchedulerAttached):  # a restarted scheduler
+                self.attached.add(msg.scheduler)
             _, msg = self._recv(0)
 
     def _on_tokens(self, st: _Serving, msg: TokensGenerated) -> None:
@@ -685,6 +752,7 @@ class Runner:
                 del st.in_flight[rec.trace.request_id]
                 st.pending.appendleft(rec.trace.request_id)
             st.load[i] = 0
+            st.router.forget(i)
             if lost:
                 self.notes.append(f"scheduler-{i}: {len(lost)} requests in flight sent "
                                   "again to the others")
@@ -701,6 +769,60 @@ class Runner:
             self.killed_at = (time.monotonic() - st.t_serve, st.done)
             self.log(f"--kill-one: killed scheduler-{victim} (pid "
                      f"{self.schedulers[victim].pid}) after {st.done} requests")
+
+    def _restart_plan(self, total: int) -> list[tuple[int, int]]:
+        """(requests done, scheduler) of each restart: the highest scheduler half way
+        through, or every scheduler in turn at evenly spread points."""
+        n = self.cfg.num_schedulers
+        if self.cfg.restart == "one":
+            return [(total // 2, n - 1)]
+        if self.cfg.restart == "rolling":
+            return [(total * (k + 1) // (n + 1), k) for k in range(n)]
+        return []
+
+    def _restart_if_due(self, st: _Serving, live: set[int]) -> None:
+        """A restart: SIGKILL the scheduler (its requests in flight go to the others, as for
+        any death); once its death is handled, empty its private pool's cache (a fresh
+        replica has none) and start a new scheduler (and rank) in its place; it serves again
+        when it has attached."""
+        if not self.cfg.restart:
+            return
+        if not hasattr(self, "restart_todo"):
+            self.restart_todo = self._restart_plan(len(st.records))
+            self.restarting: dict[int, str] = {}
+            self.restarts: list[dict] = []
+        if self.restart_todo and not self.restarting and st.done >= self.restart_todo[0][0]:
+            _, i = self.restart_todo.pop(0)
+            if i in live and len(live) > 1:
+                self.restarting[i] = "killed"
+                self.restarts.append({"scheduler": i, "after_requests": st.done,
+                                      "killed_s": time.monotonic() - st.t_serve})
+                os.kill(self.schedulers[i].pid, signal.SIGKILL)
+                self.log(f"restart: killed scheduler-{i} after {st.done} requests")
+        for i, state in list(self.restarting.items()):
+            if state == "killed" and i not in live:
+                if self.cfg.pool == "private":
+                    pool = self.pools[i]
+                    pool.reap_dead()
+                    if not pool.reset_prefix_cache():
+                        self.problems.append(f"scheduler-{i}'s private pool: the prefix "
+                                             "cache reset for its restart failed")
+                self.generation[i] += 1
+                self._make_scheduler(i)
+                for p in self._processes_of(i):
+                    p.start()
+                self._attach(i)
+                self.restarting[i] = "starting"
+            elif state == "starting" and i in self.attached:
+                self.attached.discard(i)
+                live.add(i)
+                st.load[i] = 0
+                del self.restarting[i]
+                self.restarts[-1]["serving_again_s"] = time.monotonic() - st.t_serve
+                self.notes.append(f"scheduler-{i} restarted after "
+                                  f"{self.restarts[-1]['after_requests']} requests"
+                                  + (" with an empty pool" if self.cfg.pool == "private"
+                                     else " on the shared pool"))
 
     def _end_serving(self, st: _Serving, live: set[int]) -> float:
         """The last progress line, the remaining reference checks, the drain and reset, the

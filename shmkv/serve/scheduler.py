@@ -70,7 +70,9 @@ class ServingRequest:
     row: int = -1  # its row in the block tables while running
     num_cached_tokens: int = -1  # prefix hit of its first scheduling (-1: not yet)
     first_token: float = 0.0
+    first_scheduled: float = 0.0  # when it was first scheduled (queued: since arrival)
     num_preemptions: int = 0
+    published_blocks: int = 0  # prompt blocks it computed and has checked for duplicates
     arrival_step: int = 0  # the scheduler's step count when it arrived
     first_token_step: int = 0  # ... when its first token came (steps waited: the difference)
 
@@ -93,6 +95,9 @@ class SchedulerCounters:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_evictions: int = 0
+    # Prompt tokens it computed that another request cached while it computed them (on a
+    # shared pool: often another scheduler): computed twice.
+    num_duplicate_tokens: int = 0
     model_s: float = 0.0
     finished: list = field(default_factory=list)
 
@@ -199,6 +204,7 @@ class Scheduler:
                 break  # does not fit now; the lookup hold ended in allocate_slots
             self.waiting.popleft()
             if sr.num_cached_tokens < 0:
+                sr.first_scheduled = time.monotonic()
                 sr.num_cached_tokens = num_hit
                 self.counters.num_prompt_tokens += req.num_tokens
                 self.counters.num_cached_tokens += num_hit
@@ -246,6 +252,7 @@ class Scheduler:
         with self.kvm.step():  # publish what the rank computed, in one hold
             for sr, n in batch:
                 req = sr.request
+                c.num_duplicate_tokens += self._duplicate_tokens(sr, n)
                 req.num_computed_tokens += n
                 c.num_computed_tokens += n
                 self.kvm.cache_blocks(req, req.num_computed_tokens)
@@ -271,6 +278,25 @@ class Scheduler:
             sr.row = -1
             c.num_requests_finished += 1
         return finished
+
+
+    def _duplicate_tokens(self, sr: ServingRequest, n: int) -> int:
+        """Prompt tokens computed twice: of the full prompt blocks ``sr`` has just computed
+        (``n`` tokens, beyond its prefix hit and what it published before), those whose keys
+        another request cached while it computed them, looked up in the step's hold just
+        before it publishes them (a request published earlier in the same step counts)."""
+        req = sr.request
+        if req.num_output_tokens:
+            return 0  # decoding: its blocks are its own
+        pool = self.kvm.block_pool
+        bs = pool.hash_block_size
+        full = min(req.num_computed_tokens + n, req.num_prompt_tokens) // bs
+        start = max(sr.published_blocks, max(sr.num_cached_tokens, 0) // bs)
+        sr.published_blocks = max(sr.published_blocks, full)
+        if full <= start:
+            return 0
+        cached = len(pool.get_cached_prefix(req.block_hashes[:full]))
+        return max(0, min(cached, full) - start) * bs
 
 
 # ---------------------------------------------------------------------- the process
@@ -380,7 +406,8 @@ class SchedulerProcess:
             num_prompt_tokens=c.num_prompt_tokens, num_cached_tokens=c.num_cached_tokens,
             num_computed_tokens=c.num_computed_tokens,
             num_generated_tokens=c.num_generated_tokens, num_preemptions=c.num_preemptions,
-            num_evictions=c.num_evictions, lock_wait_s=lock.wait_ns_total / 1e9,
+            num_evictions=c.num_evictions,
+            num_duplicate_tokens=c.num_duplicate_tokens, lock_wait_s=lock.wait_ns_total / 1e9,
             lock_hold_s=lock.hold_ns_total / 1e9, num_lock_acquired=lock.num_acquired,
             model_s=c.model_s)
 
@@ -392,9 +419,10 @@ class SchedulerProcess:
         self.pool = BlockPool.attach(cfg.pool_name, label=f"scheduler-{self.index}")
         kvm = build_kv_cache_manager(self.pool, cfg)
         if cfg.model_free:  # a replay: no rank, no block tables
-            from shmkv.serve.replay import ModelFreeStep
+            from shmkv.serve.replay import CostModel, ModelFreeStep
 
-            execute = ModelFreeStep(cfg.model["vocab_size"])
+            execute = ModelFreeStep(cfg.model["vocab_size"], CostModel(
+                cfg.prefill_ms_per_token, cfg.decode_ms_per_step))
         else:
             self.tables = open_block_tables(cfg)
             execute = RankStep(self.to_rank, self.from_rank, self.tables, cfg.rank_timeout_s,
@@ -457,6 +485,7 @@ class SchedulerProcess:
                         num_preemptions=sr.num_preemptions,
                         first_token_s=sr.first_token - sr.arrival,
                         first_token_steps=sr.first_token_step - sr.arrival_step,
+                        queued_s=sr.first_scheduled - sr.arrival,
                         finished_s=time.monotonic() - sr.arrival))
             else:
                 if self.draining and not drained_sent:

@@ -2,9 +2,10 @@
 every configuration (pool and routing) at every capacity on one workload, one table, the
 infinite-cache bound, a plot of hit rate against capacity and the same figures as JSON.
 
-The configurations are ``--compare``'s: the one asked for (``--pool``, ``--routing``),
-then private pools with the same routing and private pools with prefix-aware routing (for
-``--pool private``: the shared pool with the same routing). Each row is one
+The configurations are ``--compare``'s (:func:`configurations`): the one asked for
+(``--pool``, ``--routing``), then private pools with each router users run in front of
+replicas (SGLang's cache-aware router, llm-d's scorers) and with round-robin (for ``--pool
+private``: the shared pool with ``SHARED_ROUTING`` and the other private routers). Each row is one
 :class:`~shmkv.serve.runner.Runner` run; the bound (:func:`bound_for`) is what an infinite
 cache would hit with the requests in trace order, computed from the trace (from the first
 run's prompts when conversations resend their history, as those include generated tokens).
@@ -17,8 +18,8 @@ import json
 
 from shmkv.serve.trace import infinite_cache_bound
 
-__all__ = ["ROW_FIELDS", "bound_for", "configurations", "plot_sweep", "row", "sweep_json",
-           "sweep_table"]
+__all__ = ["PRIVATE_ROUTINGS", "ROW_FIELDS", "SHARED_ROUTING", "bound_for", "configurations",
+           "plot_sweep", "row", "sweep_json", "sweep_table"]
 
 ROW_FIELDS = ("pool", "routing", "schedulers", "num_blocks", "blocks_per_pool",
               "kv_cache_groups", "blocks_per_group", "block_size",
@@ -28,15 +29,22 @@ ROW_FIELDS = ("pool", "routing", "schedulers", "num_blocks", "blocks_per_pool",
               "requests_per_s", "lock_wait_s")
 
 
+# The shared pool's routing in a comparison: prefix-aware, which on a shared pool follows
+# the pool's event log (who computed what; every scheduler hits it anyway) and balances
+# load; measured against least-loaded and round-robin on a shared pool in docs/serving.md
+# ("Against the routers users run"): its TTFT p99 was the lowest or near it on every
+# workload there.
+SHARED_ROUTING = "prefix-aware"
+# Private pools are compared with the routers users run, and with round-robin.
+PRIVATE_ROUTINGS = ("sglang-cache-aware", "llm-d-scorer", "round-robin")
+
+
 def configurations(pool: str, routing: str) -> list[tuple[str, str]]:
     """``--compare``'s runs: the one asked for, then the others to compare it with."""
+    others = [("private", r) for r in PRIVATE_ROUTINGS]
     if pool == "private":
-        others = [("shared", routing)]
-    else:
-        others = [("private", routing)]
-        if routing != "prefix-aware":
-            others.append(("private", "prefix-aware"))
-    return [(pool, routing), *others]
+        others = [("shared", SHARED_ROUTING)] + others
+    return [(pool, routing)] + [c for c in others if c != (pool, routing)]
 
 
 def bound_for(workload, block_size: int, records: dict | None = None) -> dict:

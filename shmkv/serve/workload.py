@@ -18,10 +18,13 @@ A workload is a list of :class:`TraceRequest`, one per line of a trace file::
 Unknown fields, a missing field, a token outside the model's vocabulary or a prompt longer
 than the model allows are errors naming the line (:class:`~shmkv.errors.UsageError`).
 
-The built-in workload (:func:`chat_workload`) looks like chat serving: a few tenants, each
-with its own ``cache_salt``, several system prompts that many users share, and multi-turn
-conversations that resend their history; conversations start in a random order and their
-turns interleave.
+The built-in workloads: ``chat`` (:func:`chat_workload`) looks like chat serving: a few
+tenants, each with its own ``cache_salt``, several system prompts that many users share,
+and multi-turn conversations that resend their history; conversations start in a random
+order and their turns interleave. ``hot-prompts`` (:func:`hot_prompts_workload`) is many
+short single-turn requests on a few dozen system prompts of Zipf-skewed popularity,
+arriving as a Poisson process: the hot prompts are wanted everywhere at once, which is
+where routing by prefix and balancing load pull apart.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ import msgspec
 
 from shmkv.errors import UsageError
 
-__all__ = ["ChatWorkloadConfig", "TraceRequest", "chat_workload", "read_trace", "write_trace"]
+__all__ = ["WORKLOADS", "ChatWorkloadConfig", "HotPromptsConfig", "TraceRequest",
+           "chat_workload", "hot_prompts_workload", "read_trace", "write_trace"]
+
+WORKLOADS = ("chat", "hot-prompts")
 
 
 class TraceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
@@ -119,6 +125,59 @@ def chat_workload(cfg: ChatWorkloadConfig = ChatWorkloadConfig()) -> list[TraceR
         conv["next"] += 1
         if conv["next"] == conv["turns"]:
             open_.remove(i)
+    return out
+
+
+@dataclass(frozen=True)
+class HotPromptsConfig:
+    """The shape of the ``hot-prompts`` workload (the defaults are ``--workload
+    hot-prompts``'s)."""
+
+    num_requests: int = 3000
+    num_system_prompts: int = 64
+    zipf_s: float = 1.0  # prompt k (from 1) is drawn with weight 1 / k**zipf_s
+    system_prompt_tokens: tuple[int, int] = (96, 224)
+    user_message_tokens: tuple[int, int] = (8, 40)
+    max_tokens: tuple[int, int] = (4, 12)
+    request_rate: float = 150.0  # requests per second (Poisson arrivals), at --time-scale 1
+    vocab_size: int = 97
+    seed: int = 0
+
+
+def hot_prompts_workload(cfg: HotPromptsConfig = HotPromptsConfig()) -> list[TraceRequest]:
+    """``num_requests`` single-turn requests, each a system prompt (drawn with Zipf weights
+    ``1 / k**zipf_s`` over ``num_system_prompts``) and a user message of its own; arrivals
+    (``arrival_s``) a Poisson process of ``request_rate`` a second, honoured with
+    ``--time-scale`` (0: as fast as ``--concurrency`` allows).
+
+    Raises:
+        UsageError: a count < 1, a rate <= 0 or a negative exponent.
+    """
+    if cfg.num_requests < 1 or cfg.num_system_prompts < 1:
+        raise UsageError(f"hot-prompts workload: --requests and the system prompts must be "
+                         f">= 1, got {cfg.num_requests} and {cfg.num_system_prompts}")
+    if not 0 < cfg.request_rate < float("inf"):
+        raise UsageError(f"--request-rate {cfg.request_rate!r}: must be a finite number of "
+                         "requests a second > 0")
+    if not 0 <= cfg.zipf_s < float("inf"):
+        raise UsageError(f"--zipf {cfg.zipf_s!r}: must be a finite number >= 0 (0: every "
+                         "system prompt equally popular)")
+    rng = random.Random(cfg.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, cfg.vocab_size) for _ in range(n)]
+
+    systems = [tokens(rng.randint(*cfg.system_prompt_tokens))
+               for _ in range(cfg.num_system_prompts)]
+    weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.num_system_prompts)]
+    picks = rng.choices(range(cfg.num_system_prompts), weights, k=cfg.num_requests)
+    out, t = [], 0.0
+    for i, k in enumerate(picks):
+        out.append(TraceRequest(
+            request_id=f"h{i}-p{k}",
+            prompt_token_ids=systems[k] + tokens(rng.randint(*cfg.user_message_tokens)),
+            max_tokens=rng.randint(*cfg.max_tokens), arrival_s=round(t, 6)))
+        t += rng.expovariate(cfg.request_rate)
     return out
 
 

@@ -135,6 +135,23 @@ def test_bench_serve_smoke(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_routers_smoke():
+    """bench_routers on 40 hot-prompts requests, two rows: a JSON line per row with the
+    latency figures, the command, and the table against the best baseline of the run."""
+    out = _run("benchmarks/bench_routers.py", "--requests", "40", "--time-scale", "0",
+               "--concurrency", "8", "--rows", "shared:least-loaded,private:llm-d-scorer")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["pool"], r["routing"]) for r in rows] == [("shared", "least-loaded"),
+                                                        ("private", "llm-d-scorer")]
+    assert all(r["requests"] == 40 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0 and
+               r["cost_model"] == {"prefill_ms_per_token": 0.1, "decode_ms_per_step": 1.0}
+               for r in rows)
+    assert "python benchmarks/bench_routers.py --requests 40" in out.stdout
+    assert "| private, llm-d-scorer (best baseline) |" in out.stdout
+    assert "+0.0 pt" in out.stdout and "1.00x" in out.stdout  # the baseline against itself
+
+
 def test_bench_block_table_smoke():
     """bench_block_table prints a JSON line per (scenario, impl) and the table; the
     implementations' slot mappings are checked equal inside the benchmark."""

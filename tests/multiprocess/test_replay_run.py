@@ -56,14 +56,16 @@ def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
     """Three requests of five ids sharing their k = 3 leading ids, one at a time
     (--concurrency 1), 3 schedulers: the prefix rule says the 2nd and 3rd hit 3 blocks
     (48 tokens) each when they meet the 1st's blocks: in one pool (any routing) and in
-    private pools with prefix-aware routing; never in private pools round-robin (each
-    request lands on a pool of its own). The same at both capacities, and the bound."""
-    trace = _mooncake(tmp_path / "three.jsonl", [([1, 2, 3, 10, 11], 16),
-                                                 ([1, 2, 3, 20, 21], 16),
-                                                 ([1, 2, 3, 30, 31], 16)])
+    private pools with the routers that route by prefix (SGLang's, llm-d's); never in
+    private pools round-robin (each request lands on a pool of its own). The same at both
+    capacities, and the bound. The requests come 300 ms apart (--time-scale 1), so llm-d's
+    scorers read the figures of an idle node."""
+    trace = _mooncake(tmp_path / "three.jsonl", [([1, 2, 3, 10, 11], 16, 0),
+                                                 ([1, 2, 3, 20, 21], 16, 300),
+                                                 ([1, 2, 3, 30, 31], 16, 600)])
     done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens",
-                       "16", "--schedulers", "3", "--concurrency", "1", "--blocks",
-                       "192,384", "--max-model-len", "128", "--json", "sweep.json",
+                       "16", "--schedulers", "3", "--concurrency", "1", "--time-scale", "1",
+                       "--blocks", "192,384", "--max-model-len", "128", "--json", "sweep.json",
                        "--plot", "sweep.png")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Mooncake trace, 3 requests" in done.stdout and "16/16 = 1" in done.stdout
@@ -74,12 +76,12 @@ def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
     assert got["trace"]["format"] == "mooncake" and got["trace"]["capped"] == 0
     saved = {(r["pool"], r["routing"], r["num_blocks"]): r["prefill_tokens_saved"]
              for r in got["runs"]}
-    assert saved == {("shared", "round-robin", 192): 96,
-                     ("private", "round-robin", 192): 0,
-                     ("private", "prefix-aware", 192): 96,
-                     ("shared", "round-robin", 384): 96,
-                     ("private", "round-robin", 384): 0,
-                     ("private", "prefix-aware", 384): 96}
+    assert saved == {(pool, routing, cap): 0 if routing == "round-robin" else 96
+                     for cap in (192, 384)
+                     for pool, routing in [("shared", "prefix-aware"),
+                                           ("private", "sglang-cache-aware"),
+                                           ("private", "llm-d-scorer"),
+                                           ("private", "round-robin")]}
     for r in got["runs"]:
         assert r["model_free"] and r["requests"] == 3 and r["prompt_tokens"] == 240
         assert r["ttft_steps_mean"] >= 1
@@ -89,8 +91,8 @@ def test_mooncake_hand_checked_hits_shared_and_private_sweep(tmp_path):
     # the capacity is in blocks in all, with each KV-cache group's share beside it
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("  run ")] == [
-        f"  run {k} of 6" for k in range(1, 7)]
-    assert "  run 2 of 6: 3 private pools of 64 blocks, round-robin: 3/3 requests, hit " \
+        f"  run {k} of 8" for k in range(1, 9)]
+    assert "  run 4 of 8: 3 private pools of 64 blocks, round-robin: 3/3 requests, hit " \
         "rate 0.0%" in done.stdout
     assert not any(line.startswith("shmkv replay: 3 schedulers") for line in lines)
     assert sum(line.startswith("capacity sweep:") for line in lines) == 1
@@ -118,12 +120,12 @@ def test_shmkv_trace_with_conversations_replay_meets_the_bound(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     # --verbose: every run's full report (a replay's explains its lock wait), one table
     lines = done.stdout.splitlines()
-    assert sum(line.startswith("shmkv replay: 2 schedulers") for line in lines) == 6
+    assert sum(line.startswith("shmkv replay: 2 schedulers") for line in lines) == 8
     assert sum(line.startswith("capacity sweep:") for line in lines) == 1
     assert sum("lock wait          a replay has no model step" in line
                for line in lines) == 2  # the shared pool's runs
     assert sum("lock wait          each private pool has a lock of its own" in line
-               for line in lines) == 4
+               for line in lines) == 6
     got = json.loads((tmp_path / "s.json").read_text())
     bound = got["infinite_cache_bound"]["prefill_tokens_saved"]
     assert bound > 0
@@ -259,3 +261,52 @@ def test_time_scale_past_any_wait_is_refused_at_once(tmp_path, timestamp, scale)
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert "requests" not in stdout  # no run, no report
     assert run_leftovers(proc.pid) == []
+
+
+@pytest.mark.parametrize("routing", ["sglang-cache-aware", "llm-d-scorer"])
+def test_baseline_routers_send_a_shared_prefix_where_they_sent_it(tmp_path, routing):
+    """The three hand-checked Mooncake requests on private pools, one at a time: SGLang's
+    router (3 of 5 blocks matched, 0.6 > 0.3) and llm-d's scorers (prefix 3 x 0.6 against an
+    idle queue and pool elsewhere) both send the 2nd and 3rd where they sent the 1st, from
+    what they routed alone: 48 tokens hit each. The requests come 300 ms apart, so the
+    figures llm-d's scorers read (reported every 50 ms) are those of an idle node."""
+    trace = _mooncake(tmp_path / "three.jsonl", [([1, 2, 3, 10, 11], 16, 0),
+                                                 ([1, 2, 3, 20, 21], 16, 300),
+                                                 ([1, 2, 3, 30, 31], 16, 600)])
+    done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens",
+                       "16", "--schedulers", "3", "--concurrency", "1", "--blocks", "192",
+                       "--time-scale", "1",
+                       "--max-model-len", "128", "--pool", "private", "--routing", routing,
+                       "--no-compare", "--json", "run.json", "--plot", "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert got["routing"] == routing and got["prefill_tokens_saved"] == 96
+    assert sorted(p["requests"] for p in got["per_scheduler"]) == [0, 0, 3]
+    assert run_leftovers(pid) == []
+
+
+@pytest.mark.parametrize("pool, routing, saved", [("private", "prefix-aware", 4 * 48),
+                                                  ("shared", "least-loaded", 5 * 48)])
+def test_a_restarted_replica_loses_its_private_cache_not_the_shared_one(tmp_path, pool,
+                                                                        routing, saved):
+    """Six requests on one 3-block prefix, 300 ms apart, 2 schedulers: every later request
+    hits the prefix (48 tokens), except, on private pools, the first after the restart of
+    the scheduler that held it (--restart-one kills scheduler 1, where the oracle sent the
+    prefix, after 3 requests; it comes back with an empty pool). On the shared pool the
+    cache outlives the scheduler."""
+    trace = _mooncake(tmp_path / "six.jsonl", [([1, 2, 3, 10 + k], 16, 300 * k)
+                                               for k in range(6)])
+    done, pid = _shmkv(tmp_path, "replay", "--trace", str(trace), "--trace-block-tokens",
+                       "16", "--schedulers", "2", "--concurrency", "1", "--time-scale", "1",
+                       "--blocks", "256", "--max-model-len", "128", "--pool", pool,
+                       "--routing", routing, "--restart-one", "--no-compare", "--json",
+                       "run.json", "--plot", "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads((tmp_path / "run.json").read_text())
+    assert got["prefill_tokens_saved"] == saved and got["requests"] == 6
+    (restart,) = got["restarts"]
+    assert restart["scheduler"] == 1 and restart["after_requests"] == 3
+    # (on a loaded machine the new scheduler may attach after the last request)
+    assert restart.get("serving_again_s", float("inf")) > restart["killed_s"]
+    assert "scheduler-1 killed at" in done.stdout and got["pool_valid"]
+    assert run_leftovers(pid) == []

@@ -49,10 +49,11 @@ def test_run_on_cpu_serves_with_both_placements_and_no_mismatch(tmp_path, kv):
 
 
 def test_shared_device_placement_computes_fewer_prefill_tokens_than_private_pools(tmp_path):
-    """The same workload and the same blocks in all: one pool tensor shared by every rank
-    (a prefix one computed is attended by the others) against one private pool each."""
+    """The same workload and the same blocks in all, routed round robin: one pool tensor
+    shared by every rank (a prefix one computed is attended by the others) against one
+    private pool each."""
     args = ["--schedulers", "2", "--conversations", "6", "--blocks", "256", "--kv", "device",
-            "--no-compare"]
+            "--routing", "round-robin", "--no-compare"]
     shared = run_shmkv(tmp_path, *args)
     private = run_shmkv(tmp_path, *args, "--pool", "private")
     for done, f, pid in (shared, private):

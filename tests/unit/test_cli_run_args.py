@@ -57,11 +57,28 @@ def _args(*argv: str):
     (["--rank-nice", "-1"], "--rank-nice -1: must be a whole number from 0 to 19"),
     (["--trace-format", "shmkv"], "--trace-format 'shmkv': needs --trace PATH"),
     (["--kill-one", "--schedulers", "1"], "--kill-one with --schedulers 1: needs at least 2"),
+    (["--rolling-restart", "--schedulers", "1"], "--rolling-restart with --schedulers 1: "),
+    (["--restart-one", "--kill-one"], "--kill-one and --restart-one: give one of them"),
+    (["--cache-threshold", "1.2"], "--cache-threshold 1.2: must be between 0 and 1"),
+    (["--balance-abs-threshold", "-1"], "--balance-abs-threshold -1: must be a whole number"),
+    (["--balance-rel-threshold", "0.9"], "--balance-rel-threshold 0.9: must be a finite"),
+    (["--queue-scorer-weight", "-2"], "--queue-scorer-weight -2.0: must be a finite number"),
 ])
 def test_every_number_option_is_checked(argv, message):
     """run's options: the first one that breaks its rule, with its value and the rule."""
     with pytest.raises(UsageError) as e:
         check_arguments(_args("run", *argv))
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill-ms-per-token", "-0.1"], "--prefill-ms-per-token -0.1: must be a finite"),
+    (["--decode-ms-per-step", "inf"], "--decode-ms-per-step inf: must be a finite number"),
+])
+def test_replay_cost_model_is_checked(argv, message):
+    """A negative or infinite cost is refused, naming the flag."""
+    with pytest.raises(UsageError) as e:
+        check_arguments(_args("replay", *argv))
     assert str(e.value).startswith(message)
 
 
@@ -127,22 +144,37 @@ def _figures(pool="shared", routing="round-robin", saved=300, **kw) -> dict:
     return f
 
 
-def test_comparison_says_what_the_shared_pool_saves():
-    """The table's lines, then the shared pool's saving against each private run, the token
-    check and the pools' validity."""
-    runs = [_figures(), _figures("private", saved=100), _figures("private", "prefix-aware",
-                                                                 saved=250)]
+def test_comparison_says_the_gain_against_the_best_baseline_router():
+    """The table's lines (hit rate, saved, TTFT p50/p99, queued p99, imbalance), then the
+    shared pool against the baseline router with the lowest TTFT p99 in hit rate and TTFT
+    p99, a loss said as a loss; the token check and the pools' validity."""
+    lat = {"ttft_p50_s": 0.004, "ttft_p99_s": 0.020, "queued_p99_s": 0.003,
+           "requests_per_scheduler": [3, 3, 2, 2], "imbalance": 1.5}
+    runs = [_figures(routing="least-loaded", **lat),
+            _figures("private", "sglang-cache-aware", saved=280,
+                     **dict(lat, ttft_p99_s=0.050)),
+            _figures("private", "llm-d-scorer", saved=250, **dict(lat, ttft_p99_s=0.040)),
+            _figures("private", saved=100, **dict(lat, ttft_p99_s=0.010))]
     text = report.comparison_text(runs)
     lines = text.splitlines()
     assert lines[0] == "same workload, 512 blocks in all (256 per KV-cache group), 4 schedulers:"
-    assert lines[2].split() == ["shared,", "round-robin", "30.0%", "300", "of", "1,000", "7",
-                                "0", "2.0"]
-    assert lines[-4:-2] == ["  prefill tokens saved by the shared pool (round-robin): 3.00x "
-                            "those of private pools, round-robin;",
-                            "    1.20x those of private pools, prefix-aware"]
+    assert lines[2].split() == ["shared,", "least-loaded", "30.0%", "300", "of", "1,000",
+                                "4", "/", "20", "3", "1.50x", "7", "0", "2.0"]
+    # round-robin's p99 is lower still, but it is no baseline: llm-d's is the best of them
+    gain = " ".join(" ".join(lines[6:-2]).split())
+    assert gain == ("shared pool (least-loaded) against the best baseline router, private "
+                    "pools with llm-d-scorer (its TTFT p99 is the lowest of the baselines'): "
+                    "hit rate 30.0% against 25.0% (+5.0 points, a gain); TTFT p99 20 ms "
+                    "against 40 ms (2.00x lower)")
     assert lines[-2] == ("  generated tokens checked against the model's no-cache reference: "
-                         "150, 0 different")
+                         "200, 0 different")
     assert lines[-1].startswith("  every request finished; every pool valid after its run")
+    loss = report.gain_text(_figures(routing="least-loaded", saved=200, ttft_p99_s=0.03),
+                            runs[2])
+    assert "(-5.0 points, a loss)" in loss and "(0.75x higher: a loss)" not in loss
+    assert "TTFT p99 30 ms against 40 ms (1.33x lower)" in loss
+    worse = report.gain_text(_figures(routing="least-loaded", ttft_p99_s=0.06), runs[2])
+    assert "TTFT p99 60 ms against 40 ms (1.50x higher: a loss)" in worse
     bad = report.comparison_text([_figures(pool_valid=False, requests=9)])
     assert bad.splitlines()[-1].startswith("  every request did NOT finish; every pool NOT "
                                            "valid")

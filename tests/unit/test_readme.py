@@ -164,8 +164,8 @@ def test_readme_first_screen_shows_the_comparison():
     start = lines.index("<!-- sample: shmkv-run -->")
     end = lines.index("<!-- end sample -->")
     shown = "\n".join(lines[start:end])
-    for needle in ("run 1 of 3: one shared pool", "run 3 of 3: 4 private pools",
-                   "pool, routing", "prefill tokens saved by the shared pool"):
+    for needle in ("run 1 of 4: one shared pool", "run 4 of 4: 4 private pools",
+                   "pool, routing", "against the best baseline router"):
         assert needle in shown, needle
 
 

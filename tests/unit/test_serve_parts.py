@@ -294,3 +294,72 @@ def test_serve_modules_import_one_another_without_cycles():
     assert [m for m in sorted(names) if reaches(m, m, set())] == []
     assert "scheduler" in graph["runner"] and "engine" in graph["scheduler"]
     assert "scheduler" not in graph["engine"]
+
+
+# ---------------------------------------------------------------------------- cost model
+
+
+def test_replay_cost_model_charges_prefill_tokens_and_steps():
+    """A step costs decode_ms_per_step plus prefill_ms_per_token per token that is not a
+    decode token (a prompt chunk, or a preempted request's tokens again); an empty step
+    costs nothing; negative costs are refused."""
+    from shmkv import Request
+    from shmkv.serve.replay import CostModel
+    from shmkv.serve.scheduler import ServingRequest
+
+    def sr(n_prompt: int, n_out: int) -> ServingRequest:
+        req = Request(f"r{n_prompt}-{n_out}", list(range(1, n_prompt + 1)))
+        for k in range(n_out):
+            req.append_output_token_ids(k + 1)
+        return ServingRequest(req, 8, 0.0)
+
+    cost = CostModel(prefill_ms_per_token=0.1, decode_ms_per_step=2.0)
+    batch = [(sr(100, 0), 100), (sr(10, 3), 1), (sr(20, 2), 1)]
+    assert cost.step_s(batch) == pytest.approx((2.0 + 0.1 * 100) / 1e3)
+    assert cost.step_s([(sr(30, 2), 32)]) == pytest.approx((2.0 + 3.2) / 1e3)  # recompute
+    assert cost.step_s([]) == 0.0
+    with pytest.raises(UsageError, match="--decode-ms-per-step"):
+        CostModel(0.1, -1.0).validate()
+
+
+def test_hot_prompts_workload_is_skewed_and_arrives_at_its_rate():
+    """Single requests on Zipf-popular system prompts (the first the most used), arrivals a
+    Poisson process at the rate asked; deterministic in its seed; bad settings refused."""
+    from collections import Counter
+
+    from shmkv.serve.workload import HotPromptsConfig, hot_prompts_workload
+
+    cfg = HotPromptsConfig(num_requests=2000, num_system_prompts=16, request_rate=100.0)
+    w = hot_prompts_workload(cfg)
+    assert w == hot_prompts_workload(cfg) and len(w) == 2000
+    assert all(r.conversation is None and r.cache_salt is None for r in w)
+    popular = Counter(int(r.request_id.split("-p")[1]) for r in w)
+    # Zipf s=1 over 16: prompt 0 is drawn 1/H(16) = 29.6% of the time, prompt 15 1.8%
+    assert 0.25 < popular[0] / 2000 < 0.34 and popular[15] < popular[0] / 8
+    same = [r for r in w if r.request_id.endswith("-p0")]
+    head = len(same[0].prompt_token_ids) - 40  # at least the system prompt's 96 tokens
+    assert all(r.prompt_token_ids[:head] == same[0].prompt_token_ids[:head] for r in same)
+    times = [r.arrival_s for r in w]
+    assert times == sorted(times) and times[0] == 0.0
+    assert 18.0 < times[-1] < 22.0  # 1999 gaps of 1/100 s on average
+    with pytest.raises(UsageError, match="--request-rate"):
+        hot_prompts_workload(HotPromptsConfig(request_rate=0.0))
+    with pytest.raises(UsageError, match="--zipf"):
+        hot_prompts_workload(HotPromptsConfig(zipf_s=-1.0))
+
+
+def test_scheduler_counts_prompt_tokens_computed_twice(manager):
+    """Two requests of one 49-token prompt admitted in one step both compute its three full
+    blocks (neither could hit the other's yet): the second publishes 48 tokens another
+    request has just cached, computed twice. A third, admitted later, hits them instead."""
+    pool, kvm = manager
+    s, _ = _scheduler(pool, kvm, max_num_batched_tokens=128)
+    prompt = list(range(1, 50))
+    s.add_request("a", prompt, 2)
+    s.add_request("b", prompt, 2)
+    _run(s)
+    assert s.counters.num_duplicate_tokens == 48
+    assert s.counters.num_cached_tokens == 0
+    s.add_request("c", prompt, 2)
+    _run(s)
+    assert s.counters.num_duplicate_tokens == 48 and s.counters.num_cached_tokens == 48

@@ -149,10 +149,12 @@ def test_infinite_cache_bound_hand_checked():
 
 
 def test_sweep_table_json_and_configurations(tmp_path):
-    assert sweep.configurations("shared", "round-robin") == [
-        ("shared", "round-robin"), ("private", "round-robin"), ("private", "prefix-aware")]
-    assert sweep.configurations("private", "prefix-aware") == [
-        ("private", "prefix-aware"), ("shared", "prefix-aware")]
+    assert sweep.configurations("shared", "prefix-aware") == [
+        ("shared", "prefix-aware"), ("private", "sglang-cache-aware"),
+        ("private", "llm-d-scorer"), ("private", "round-robin")]
+    assert sweep.configurations("private", "llm-d-scorer") == [
+        ("private", "llm-d-scorer"), ("shared", "prefix-aware"),
+        ("private", "sglang-cache-aware"), ("private", "round-robin")]
     fig = dict.fromkeys(sweep.ROW_FIELDS, 0)
     fig.update(pool="shared", routing="round-robin", schedulers=4, num_blocks=2048,
                block_size=16, prefix_hit_rate=0.25, prompt_tokens=400,
