@@ -99,6 +99,7 @@ from shmkv.vllm.replicas import (
     ReplicaLocks,
     join,
     reap_gone,
+    refuse_earlier_replicas,
     release_row,
     replica_key,
     replica_locks_path,
@@ -300,6 +301,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         self._as_int = use_int_block_hashes()
         if replica_id is not None and not (isinstance(replica_id, str) and replica_id):
             raise UsageError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        refuse_earlier_replicas(pool)
         self._pool, created = open_pool(
             pool, num_chunks, max_processes, event_log_bytes,
             {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})

@@ -32,7 +32,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd, open_checked, reserve
 from shmkv.vllm.identity import check_identity, refuse_foreign_replica
-from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
+from shmkv.vllm.replicas import ReplicaLocks, join, refuse_earlier_replicas, replica_key
 from shmkv.vllm.tier import (
     REGION_MIXED,
     W_LRU_DIRTY,
@@ -206,6 +206,7 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
         SegmentError: a foreign or insecure region file, or no room in /dev/shm.
     """
     process = {"label": "vllm-offload-worker"}
+    refuse_earlier_replicas(pool_name)
     if identity is not None:
         refuse_foreign_replica(pool_name, identity, process)
     pool, created = open_pool(pool_name, num_chunks, max_processes, None, process)

@@ -37,11 +37,12 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import struct
 
 import numpy as np
 
-from shmkv.errors import PoolFullError, SegmentError
+from shmkv.errors import LayoutMismatchError, PoolFullError, SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.segment import open_checked
@@ -65,6 +66,46 @@ def replica_key(engine_id: str) -> int:
 
 def _flock(lock_type: int, byte: int) -> bytes:
     return _FLOCK.pack(lock_type, os.SEEK_SET, byte, 1, 0)
+
+
+def _earlier_replicas_live(path: str) -> bool:
+    """Whether a process holds a lock on the replica lock file at ``path`` (a regular file
+    of this user; anything else is not a tier's, and proves nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET,
+                                                                0, 0, 0))
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
+def refuse_earlier_replicas(pool: str) -> None:
+    """Refuses to use the pool's tier while replicas of an earlier shmkv, whose tier table
+    has an earlier version, run on it: their job bits, region tag and eviction order live
+    in their own table, so a chunk one of them still moves could be handed to this
+    replica, and the other way round. Upgrades of that kind take a restart of every
+    replica of the tier, not a rolling one. Nothing is touched.
+
+    Raises:
+        LayoutMismatchError: naming the earlier version and what to do.
+    """
+    for version in range(1, L.OFFLOAD_TIER_VERSION):
+        path = (f"/dev/shm{L.sibling_segment_name('offload', pool, version)}"
+                f"{L.OFFLOAD_REPLICAS_SUFFIX}")
+        if _earlier_replicas_live(path):
+            raise LayoutMismatchError(
+                f"pool {pool!r}: replicas of an earlier shmkv (offload tier v{version}, this "
+                f"one v{L.OFFLOAD_TIER_VERSION}) are running on this tier ({path} is held); "
+                "the two cannot share it. Stop every replica of the earlier version, then "
+                f"start this one (`shmkv unlink {pool}` removes the earlier tier's files); "
+                "or give this replica another shmkv_pool")
 
 
 class ReplicaLocks:

@@ -152,3 +152,53 @@ def test_a_process_whose_pool_was_replaced_too_goes_on_with_its_own_pages(store_
         old.pool.check_invariants()
     finally:
         old.close()
+
+
+def _attached(name: str, ready, done) -> None:
+    """A process attached to the store's pool (an instance of an earlier shmkv, as far as
+    a newcomer can tell) until ``done`` is set."""
+    pool = open_pool(name, NUM_PAGES, 8, "earlier")
+    ready.set()
+    done.wait(60)
+    pool.close()
+
+
+def test_a_store_of_an_earlier_version_is_retired_only_once_nobody_is_attached(store_name):
+    """An earlier shmkv's page region (an earlier store version) beside the pool: while
+    another process is attached, an instance of this version is refused, naming the
+    version, and makes no region; once nobody else is attached, the earlier region is
+    removed and this version's made. A file of that name that is not a regular file of
+    this user is left alone."""
+    import multiprocessing as mp
+
+    from shmkv import LayoutMismatchError
+    from shmkv.pool import layout as L
+    from tests.multiprocess.conftest import join_processes
+
+    earlier = "/dev/shm" + L.sibling_segment_name("sglang", store_name,
+                                                  L.SGLANG_STORE_VERSION - 1)
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_attached, args=(store_name, ready, done))
+    proc.start()
+    try:
+        assert ready.wait(60)
+        with open(earlier, "wb") as f:
+            f.write(bytes(4096))
+        with pytest.raises(LayoutMismatchError, match=r"earlier shmkv \(page store v"):
+            _store(store_name)
+        assert os.path.exists(earlier) and not os.path.exists(region_path(store_name))
+    finally:
+        done.set()
+        assert join_processes([proc], 60) == [0]
+    store = _store(store_name)
+    try:
+        assert not os.path.exists(earlier) and os.path.exists(region_path(store_name))
+    finally:
+        store.close()
+    os.mkdir(earlier)
+    try:
+        _store(store_name).close()
+        assert os.path.isdir(earlier)
+    finally:
+        os.rmdir(earlier)

@@ -148,3 +148,39 @@ def test_a_hit_kept_across_a_region_replacement_is_never_loaded(tier):
     assert out is not None and sorted(out.store_spec.block_ids.tolist()) == list(
         range(NUM_CHUNKS)), "a chunk held across the region replacement never came back"
     d.complete_store(out.keys_to_store, CTX)
+
+
+def test_replicas_of_an_earlier_tier_version_are_not_joined(tier):
+    """Replicas of an earlier shmkv (an earlier tier table version, with job bits of its
+    own) run on the pool: a manager or a worker of this version is refused, naming the
+    version, and makes nothing; once they stop, it starts. A file of the earlier name that
+    is not a held regular file of this user proves nothing."""
+    import fcntl
+
+    from shmkv.errors import LayoutMismatchError
+    from shmkv.pool import layout as L
+    from shmkv.vllm.replicas import _FLOCK
+
+    name, manager, worker = tier
+    old = f"/dev/shm{L.sibling_segment_name('offload', name, L.OFFLOAD_TIER_VERSION - 1)}"
+    path = old + L.OFFLOAD_REPLICAS_SUFFIX
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        held = os.open(path, os.O_RDWR)  # an earlier replica's hold on its row's byte
+        fcntl.fcntl(held, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, 3, 1, 0))
+        before = sorted(e for e in os.listdir("/dev/shm") if name in e)
+        with pytest.raises(LayoutMismatchError, match=r"earlier shmkv \(offload tier v"):
+            manager("A")
+        with pytest.raises(LayoutMismatchError, match="Stop every replica of the earlier"):
+            worker("A")
+        assert sorted(e for e in os.listdir("/dev/shm") if name in e) == before
+        os.close(held)  # the earlier replicas stopped
+        manager("A")
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    os.mkfifo(path, 0o600)  # planted: not a lock file at all
+    try:
+        manager("B")
+    finally:
+        os.unlink(path)
