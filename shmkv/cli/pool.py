@@ -24,7 +24,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
-from shmkv.pool.tier_counters import read_tier_counts
+from shmkv.pool.tier_counters import TierFiles, read_tier_counts
 
 # ---------------------------------------------------------------------------- demo
 
@@ -171,10 +171,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         # The holder as it stands before this command takes the lock (inside its own hold
         # the header would name the inspect itself).
         holder = pool.holder()
-        with pool.lock():
+        with TierFiles(args.name) as tier_files, pool.lock():  # the files opened before
             hdr = pool.header_snapshot()  # as of this hold
             violations = collect_violations(pool)
-            tier = read_tier_counts(pool)
+            tier = read_tier_counts(pool, tier_files)
         if getattr(args, "keys", False):
             from shmkv.cli.keys import print_keys
 
@@ -217,6 +217,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_siblings(args.name)
         if tier is not None:
             print("\n".join(tier_lines(tier)))
+        for note in tier_files.notes:
+            print(note)
         print("invariants: " + ("OK" if not violations else f"{len(violations)} broken"))
         for v in violations:
             print(f"  {v}")
@@ -565,6 +567,7 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
     ]
     if s.tier is not None:
         lines += ["  " + line for line in tier_lines(s.tier)]
+    lines += ["  " + note for note in s.tier_notes]
     for slot, row in sorted(s.engines.items()):
         waits, holds = row["lock_wait_count"], row["lock_hold_count"]
         mean_wait = row["lock_wait_sum_ns"] / waits / 1e3 if waits else 0.0

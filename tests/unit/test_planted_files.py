@@ -11,7 +11,9 @@ import pytest
 
 from shmkv import BlockPool
 from shmkv.errors import SegmentError
+from shmkv.metrics import PoolMetrics
 from shmkv.pool import layout as L
+from tests.ecosystem_helpers import shmkv
 
 SHM = "/dev/shm"
 JOIN_S = 20.0
@@ -40,6 +42,8 @@ def planted():
     def plant(path: str, kind: str = "fifo") -> str:
         if kind == "fifo":
             os.mkfifo(path, 0o600)
+        elif kind == "symlink":
+            os.symlink("/dev/zero", path)
         else:
             os.mkdir(path, 0o700)
         paths.append(path)
@@ -95,3 +99,76 @@ def test_a_special_file_at_the_replica_lock_path_is_a_segment_error(pool_name, p
     assert done, "ReplicaLocks blocked"
     assert isinstance(box.get("error"), SegmentError), box
     assert path in str(box["error"])
+
+
+def _tier_path(tier: str, pool: str) -> str:
+    version = L.OFFLOAD_TIER_VERSION if tier == "offload" else L.SGLANG_STORE_VERSION
+    return SHM + L.sibling_segment_name(tier, pool, version)
+
+
+@pytest.mark.parametrize(("tier", "kind", "words"), [
+    ("offload", "fifo", "a FIFO, not a regular file"),
+    ("sglang", "directory", "a directory, not a regular file"),
+    ("offload", "symlink", "a symbolic link"),
+])
+def test_a_special_file_at_a_tier_path_is_a_note_in_stats_inspect_and_metrics(
+        pool_name, planted, tier, kind, words):
+    """A FIFO, a directory or a link at the vLLM tier table's or the SGLang store's path
+    (/dev/shm is world-writable: any user can make one) is not read: ``shmkv stats`` and
+    ``shmkv inspect`` exit 0 with a note naming the path and what is there, and the metrics
+    exporter's snapshot and scrape carry on without the tier (before: ``[Errno 29] Illegal
+    seek`` or ``[Errno 21] Is a directory``, rc 2, and an OSError out of every scrape)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    pool = BlockPool.create(pool_name, 8)
+    try:
+        path = planted(_tier_path(tier, pool_name), kind)
+        note = f"tier: {path} is {words}"
+        done, box = _in_thread(lambda: PoolMetrics(pool).snapshot())
+        assert done, "PoolMetrics.snapshot blocked"
+        assert "error" not in box, box
+        assert box["result"].tier is None
+        assert [n for n in box["result"].tier_notes if n.startswith(note)], box
+        done, box = _in_thread(lambda: prometheus_client.generate_latest(
+            _Registry(PoolMetrics(pool))))
+        assert done and "error" not in box, box
+        assert b"shmkv_blocks" in box["result"]
+        for cmd in (("stats", pool_name, "--count", "1", "--no-clear"), ("inspect", pool_name)):
+            out = shmkv(*cmd, timeout=60)
+            assert out.returncode == 0, (cmd, out.stdout, out.stderr)
+            assert "Traceback" not in out.stderr
+            assert note in out.stdout, (cmd, out.stdout)
+            assert "its owner, or root, can remove it" in out.stdout
+        assert os.path.lexists(path)  # left where it is: not shmkv's
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's file needs root")
+def test_another_users_file_at_a_tier_path_is_not_read(pool_name):
+    """A regular file of another uid at the tier table's path is not read as the pool's
+    tier (its counters would be whatever that user wrote): a note names its owner."""
+    pool = BlockPool.create(pool_name, 8)
+    path = _tier_path("offload", pool_name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, 8192)
+        os.fchown(fd, 65534, 65534)
+        os.close(fd)
+        snap = PoolMetrics(pool).snapshot()
+        assert snap.tier is None
+        assert snap.tier_notes == [
+            f"tier: {path} is owned by uid 65534, not by this user (uid 0): not read (not "
+            "shmkv's: another user or program made it; its owner, or root, can remove it)"]
+    finally:
+        os.unlink(path)
+        pool.close()
+
+
+class _Registry:
+    """A one-collector registry for ``generate_latest`` (a scrape, as the exporter does)."""
+
+    def __init__(self, collector) -> None:
+        self._collector = collector
+
+    def collect(self):
+        return self._collector.collect()
