@@ -8,6 +8,7 @@ import argparse
 import multiprocessing as mp
 import os
 import random
+import stat
 import sys
 import time
 
@@ -677,15 +678,21 @@ def list_objects(prefix: str | None = None) -> list[dict]:
 
 
 def _object_row(entry: str) -> dict | None:
-    """The row of one entry of /dev/shm; None if it is not shmkv's (or just went)."""
+    """The row of one entry of /dev/shm; None if it is not shmkv's (or just went). Read
+    without following a link; anything that is not a regular file of this user (a FIFO, a
+    directory, a link, another user's file: /dev/shm is world-writable) is listed as what it
+    is, left alone and never opened."""
     import pwd
+
+    from shmkv.pool.siblings import _foreign
+    from shmkv.pool.tier_counters import file_type
 
     path = f"/dev/shm/{entry}"
     base = entry[len("sem."):] if entry.startswith("sem.") else entry
     if not (base.startswith("shmkv-") or base.startswith("shmkv_")):
         return None
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
     try:
@@ -695,15 +702,20 @@ def _object_row(entry: str) -> dict | None:
     row = {"entry": entry, "owner": owner, "bytes": st.st_size, "kind": "other",
            "name": base, "version": None, "processes": None, "alive": None,
            "creator_alive": None, "note": ""}
+    problem = _foreign(st)
+    if problem and not stat.S_ISREG(st.st_mode):
+        problem = f"{file_type(st.st_mode)}, {problem}"
     if entry.startswith("sem."):
         row["kind"] = "lock" if base.endswith(".lock") else "semaphore"
         if base.startswith("shmkv_bell-"):
             row["kind"] = "doorbell"
         row["name"] = base.removesuffix(".lock")
+        row["note"] = problem or ""
         return row
     if entry.endswith(".alive"):
         row["kind"] = "liveness"
         row["name"] = base.removesuffix(".alive")
+        row["note"] = problem or ""
         return row
     head, sep, version = base.rpartition("-v")
     if sep and version.isdigit():
@@ -714,16 +726,25 @@ def _object_row(entry: str) -> dict | None:
                  "kv": "kv store"}
         row["kind"] = known.get(kind, "sibling")
         row["name"] = rest if kind in known else head[len("shmkv_"):]
-        if kind == "pub":
+        if problem:
+            row["note"] = problem
+        elif kind == "pub":
             from shmkv.publisher import saved_position
 
-            saved = saved_position(rest) if row["version"] == L.PUBLISHER_STATE_VERSION else None
+            try:
+                saved = (saved_position(rest)
+                         if row["version"] == L.PUBLISHER_STATE_VERSION else None)
+            except (ShmKVError, OSError, ValueError) as exc:
+                saved, row["note"] = None, f"unreadable: {exc}"
             if saved:
                 row["note"] = (f"next seq {saved['next_seq']}, "
                                f"{'running' if saved['running'] else 'stopped'}")
         return row
     row["kind"] = "pool"
     row["name"] = head[len("shmkv-"):] if sep else base[len("shmkv-"):]
+    if problem:
+        row["note"] = problem
+        return row
     if row["version"] != L.LAYOUT_VERSION:
         row["note"] = f"layout v{row['version']}, not this shmkv's v{L.LAYOUT_VERSION}"
         return row
@@ -740,7 +761,7 @@ def _read_pool(row: dict, entry: str) -> None:
 
     try:
         segment = Segment.open(f"/{entry}")
-    except ShmKVError as exc:
+    except (ShmKVError, OSError, ValueError) as exc:  # replaced since it was judged
         row["note"] = str(exc)
         return
     try:
@@ -760,7 +781,7 @@ def _read_pool(row: dict, entry: str) -> None:
         row["processes"], row["alive"] = len(active), len(live)
         row["creator_alive"] = any(pids[slot] == creator for slot in live)
         row["note"] = f"{layout.config.num_blocks} blocks, creator pid {creator}"
-    except (ShmKVError, OSError) as exc:
+    except (ShmKVError, OSError, ValueError) as exc:
         row["note"] = f"unreadable: {exc}"
     finally:
         segment.close()
@@ -809,7 +830,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             why = r["cleanup"]
             if r["idle"]:
                 why += f"; it takes {human_bytes(r['memory_bytes'])} of /dev/shm"
-            note = f"{why}; {r['note']}" if r["note"] else why
+            note = (r["note"] if why in r["note"]  # what it is says why it is left alone
+                    else f"{why}; {r['note']}" if r["note"] else why)
         else:
             note = f"ORPHAN ({r['cleanup']}); {r['note']}" if r["orphan"] else r["note"]
         print(f"{r['kind']:<10} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "

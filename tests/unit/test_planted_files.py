@@ -4,6 +4,7 @@ joined with a timeout, so a call that would block fails the test instead of hang
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -172,3 +173,33 @@ class _Registry:
 
     def collect(self):
         return self._collector.collect()
+
+
+def test_ls_lists_planted_objects_as_what_they_are(pool_name, planted):
+    """``shmkv ls`` (and ``--json``, the same rows) lists a directory or a symbolic link
+    planted at a pool's path, and a FIFO at a publisher position's, as what each is, left
+    alone and never opened (before: a raw ``ValueError: Invalid parameter(s)`` traceback
+    from posix_ipc for the directory, ``shmkv ls: [Errno 40] Too many levels of symbolic
+    links`` for the link)."""
+    planted(SHM + L.segment_name(pool_name), "directory")
+    planted(SHM + L.segment_name(f"{pool_name}s"), "symlink")
+    fifo = planted(SHM + L.sibling_segment_name("pub", pool_name, L.PUBLISHER_STATE_VERSION))
+    expected = {
+        ("pool", pool_name): "a directory, not a regular file: left alone",
+        ("pool", f"{pool_name}s"): "a symbolic link, not a regular file: left alone",
+        ("publisher", pool_name): "a FIFO, not a regular file: left alone",
+    }
+    listed = shmkv("ls", "--json", "--prefix", pool_name, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(listed.stdout)}
+    for key, note in expected.items():
+        assert rows[key]["note"].startswith(note), rows[key]
+    assert rows[("pool", f"{pool_name}s")]["bytes"] == len("/dev/zero")  # the link's own
+    assert rows[("pool", pool_name)]["processes"] is None
+    table = shmkv("ls", "--prefix", pool_name, timeout=60)
+    assert table.returncode == 0 and "Traceback" not in table.stderr, table.stderr
+    for (kind, name), note in expected.items():
+        line = next(line for line in table.stdout.splitlines()
+                    if line.startswith(kind) and f" {name} " in line)
+        assert note in line, line
+    assert os.path.exists(fifo)  # left where it is
