@@ -689,7 +689,8 @@ def _object_row(entry: str) -> dict | None:
 
     path = f"/dev/shm/{entry}"
     base = entry[len("sem."):] if entry.startswith("sem.") else entry
-    if not (base.startswith("shmkv-") or base.startswith("shmkv_")):
+    region_of = L.offload_data_region_pool(entry)
+    if not (base.startswith("shmkv-") or base.startswith("shmkv_") or region_of):
         return None
     try:
         st = os.lstat(path)
@@ -705,6 +706,11 @@ def _object_row(entry: str) -> dict | None:
     problem = _foreign(st)
     if problem and not stat.S_ISREG(st.st_mode):
         problem = f"{file_type(st.st_mode)}, {problem}"
+    if region_of:
+        row.update(kind="data region", name=region_of, pool=region_of,
+                   note=problem or f"the vLLM offload tier's data region of pool {region_of} "
+                   "(its chunks' KV bytes)")
+        return row
     if entry.startswith("sem."):
         row["kind"] = "lock" if base.endswith(".lock") else "semaphore"
         if base.startswith("shmkv_bell-"):
@@ -717,15 +723,20 @@ def _object_row(entry: str) -> dict | None:
         row["name"] = base.removesuffix(".alive")
         row["note"] = problem or ""
         return row
-    head, sep, version = base.rpartition("-v")
+    replicas = base.endswith(L.OFFLOAD_REPLICAS_SUFFIX)
+    head, sep, version = base.removesuffix(L.OFFLOAD_REPLICAS_SUFFIX).rpartition("-v")
     if sep and version.isdigit():
         row["version"] = int(version)
     if base.startswith("shmkv_"):
         kind, _, rest = head[len("shmkv_"):].partition("-")
         known = {"ch": "channel", "pub": "publisher", "stats": "stats", "bt": "tables",
-                 "kv": "kv store"}
+                 "kv": "kv store", "offload": "tier table", "sglang": "page store"}
         row["kind"] = known.get(kind, "sibling")
         row["name"] = rest if kind in known else head[len("shmkv_"):]
+        if kind == "offload":
+            row["kind"] = "tier locks" if replicas else "tier table"
+            row["note"] = ("the vLLM offload tier's replica lock file (a lock per replica row)"
+                           if replicas else "the vLLM offload tier's table (keys, counters)")
         if problem:
             row["note"] = problem
         elif kind == "pub":
@@ -791,7 +802,7 @@ def _name_owning_pools(rows: list[dict]) -> None:
     """Adds to each sibling object the pool it belongs to, by name."""
     pools = sorted((r["name"] for r in rows if r["kind"] == "pool"), key=len, reverse=True)
     for r in rows:
-        if r["kind"] in ("pool", "lock", "liveness"):
+        if r["kind"] in ("pool", "lock", "liveness") or "pool" in r:
             continue
         bare = r["name"].removeprefix("shmkv_bell-")
         owner = next((p for p in pools if bare == p or bare.startswith(p + "-")
@@ -818,7 +829,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no shmkv objects in /dev/shm"
               + (f" whose name starts with {args.prefix!r}" if args.prefix else ""))
         return EXIT_OK
-    print(f"{'KIND':<10} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
+    print(f"{'KIND':<11} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
           f"{'CREATOR':<8} {'LIFETIME':<8} NOTE")
     for r in rows:
         procs = "" if r["processes"] is None else f"{r['alive']}/{r['processes']}"
@@ -834,7 +845,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     else f"{why}; {r['note']}" if r["note"] else why)
         else:
             note = f"ORPHAN ({r['cleanup']}); {r['note']}" if r["orphan"] else r["note"]
-        print(f"{r['kind']:<10} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
+        print(f"{r['kind']:<11} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
               f"{procs:>9} {creator:<8} {lifetime:<8} {note}".rstrip("; "))
     pools = [r for r in rows if r["kind"] == "pool"]
     orphans = sum(r["orphan"] for r in rows)
