@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shmkv.errors import UsageError
+from shmkv.errors import SegmentError, UsageError
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shmkv.pool.event_log import decode_event
 from shmkv.pool.tier_counters import TierCounts, TierFiles, read_tier_counts
@@ -85,8 +85,9 @@ class PoolSnapshot:
     log_lost: int
     engines: dict[int, dict] = field(default_factory=dict)  # slot -> stats row as a dict
     tier: TierCounts | None = None  # the vLLM offload tier's or SGLang store's counters
-    # what was found at a tier's path instead of a tier (a FIFO, a directory...): not read
-    tier_notes: list[str] = field(default_factory=list)
+    # what was found at a tier's or the stats segment's path instead (a FIFO, a directory,
+    # another user's file...): not read
+    notes: list[str] = field(default_factory=list)
 
     @property
     def in_use(self) -> int:
@@ -151,7 +152,12 @@ class PoolMetrics:
                 alive = [s for s in others if table.is_alive(s)]
                 dead = [s for s in others if not table.is_alive(s)]
                 tier = read_tier_counts(pool, tier_files)
-            rows = read_stats(pool.pool_name)
+            notes = list(tier_files.notes)
+            try:
+                rows = read_stats(pool.pool_name)
+            except SegmentError as exc:  # something planted at its path: not read
+                rows = None
+                notes.append(f"stats: not read: {exc}")
             engines = {}
             if rows is not None:
                 for slot in range(len(rows)):
@@ -168,7 +174,7 @@ class PoolMetrics:
                 lock_acquisitions=counters[3], events_logged=counters[4],
                 events_dropped=counters[5], evictions=self._evictions, stored=self._stored,
                 resets=self._resets, log_lost=self._lost, engines=engines, tier=tier,
-                tier_notes=tier_files.notes)
+                notes=notes)
 
     # ------------------------------------------------------------------ prometheus
 

@@ -20,7 +20,7 @@ from shmkv.cli.common import (
     attach_pool,
     missing_pool_message,
 )
-from shmkv.errors import ShmKVError, UsageError
+from shmkv.errors import SegmentError, ShmKVError, UsageError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import decode_holder
@@ -233,12 +233,20 @@ def _print_siblings(name: str) -> None:
     from shmkv.publisher import saved_position
     from shmkv.stats import read_stats
 
-    saved = saved_position(name)
+    try:
+        saved = saved_position(name)
+    except SegmentError as exc:  # something planted at its path: not read
+        saved = None
+        print(f"publisher: not read: {exc}")
     if saved is not None:
         print(f"publisher: {'running' if saved['running'] else 'not running'} (last pid "
               f"{saved['pid']}), next seq {saved['next_seq']}, {saved['published']} batches "
               f"sent, {saved['lost']} events lost")
-    rows = read_stats(name)
+    try:
+        rows = read_stats(name)
+    except SegmentError as exc:
+        rows = None
+        print(f"stats: not read: {exc}")
     if rows is not None:
         recorded = int((rows["pid"] != 0).sum())
         print(f"stats: {recorded} slot(s) recorded, {int(rows['queries'].sum()):,} prefix "
@@ -568,7 +576,7 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
     ]
     if s.tier is not None:
         lines += ["  " + line for line in tier_lines(s.tier)]
-    lines += ["  " + note for note in s.tier_notes]
+    lines += ["  " + note for note in s.notes]
     for slot, row in sorted(s.engines.items()):
         waits, holds = row["lock_wait_count"], row["lock_hold_count"]
         mean_wait = row["lock_wait_sum_ns"] / waits / 1e3 if waits else 0.0
@@ -684,8 +692,8 @@ def _object_row(entry: str) -> dict | None:
     is, left alone and never opened."""
     import pwd
 
+    from shmkv.pool.segment import file_type
     from shmkv.pool.siblings import _foreign
-    from shmkv.pool.tier_counters import file_type
 
     path = f"/dev/shm/{entry}"
     base = entry[len("sem."):] if entry.startswith("sem.") else entry

@@ -32,6 +32,7 @@ import numpy as np
 
 from shmkv.pool import layout as L
 from shmkv.pool.liveness import pid_alive
+from shmkv.pool.segment import file_type
 
 ROW_WORDS = 8
 ROW_BYTES = 8 * ROW_WORDS
@@ -104,16 +105,6 @@ class TierCounts:
     loaded: int = 0
     cross_replica_hits: int = 0
     rows: list[dict] = field(default_factory=list)  # replica: row, key, live, counters
-
-
-_FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-               (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def file_type(mode: int) -> str:
-    """What a file of ``st_mode`` ``mode`` is, in words ("a FIFO", "a directory"...)."""
-    return next((words for test, words in _FILE_TYPES if test(mode)), "a regular file")
 
 
 def _planted(path: str, what: str) -> str:
@@ -287,4 +278,4 @@ def read_tier_counts(pool, files: TierFiles | None = None) -> TierCounts | None:
 
 
 __all__ = ["COUNTER_NAMES", "ROW_WORDS", "TierCounts", "TierFiles", "add", "block_bytes",
-           "file_type", "read_tier_counts", "reset_row", "row_preference", "sglang_counters_offset"]
+           "read_tier_counts", "reset_row", "row_preference", "sglang_counters_offset"]

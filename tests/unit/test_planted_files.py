@@ -128,7 +128,7 @@ def test_a_special_file_at_a_tier_path_is_a_note_in_stats_inspect_and_metrics(
         assert done, "PoolMetrics.snapshot blocked"
         assert "error" not in box, box
         assert box["result"].tier is None
-        assert [n for n in box["result"].tier_notes if n.startswith(note)], box
+        assert [n for n in box["result"].notes if n.startswith(note)], box
         done, box = _in_thread(lambda: prometheus_client.generate_latest(
             _Registry(PoolMetrics(pool))))
         assert done and "error" not in box, box
@@ -157,7 +157,7 @@ def test_another_users_file_at_a_tier_path_is_not_read(pool_name):
         os.close(fd)
         snap = PoolMetrics(pool).snapshot()
         assert snap.tier is None
-        assert snap.tier_notes == [
+        assert snap.notes == [
             f"tier: {path} is owned by uid 65534, not by this user (uid 0): not read (not "
             "shmkv's: another user or program made it; its owner, or root, can remove it)"]
     finally:
@@ -203,3 +203,41 @@ def test_ls_lists_planted_objects_as_what_they_are(pool_name, planted):
                     if line.startswith(kind) and f" {name} " in line)
         assert note in line, line
     assert os.path.exists(fifo)  # left where it is
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_special_file_at_the_stats_or_publisher_path_is_a_note(pool_name, planted, kind):
+    """A FIFO or a directory at the pool's stats segment's path stops neither the metrics
+    scrape nor ``shmkv stats`` / ``shmkv inspect`` (a note says it was not read), and one
+    at its publisher position's path does not stop ``inspect`` (before: rc 2 with a
+    SegmentError, or a raw ``ValueError: Invalid parameter(s)`` traceback from posix_ipc
+    for a directory, and an error out of every scrape)."""
+    pool = BlockPool.create(pool_name, 8)
+    try:
+        stats = planted(SHM + L.sibling_segment_name("stats", pool_name, L.STATS_VERSION), kind)
+        pub = planted(SHM + L.sibling_segment_name("pub", pool_name,
+                                                   L.PUBLISHER_STATE_VERSION), kind)
+        done, box = _in_thread(lambda: PoolMetrics(pool).snapshot())
+        assert done and "error" not in box, box
+        assert [n for n in box["result"].notes if n.startswith("stats: not read: ")
+                and n.endswith("refusing to use it" if kind == "fifo" else
+                               "its owner, or root, can remove it)")], box
+        for cmd in (("stats", pool_name, "--count", "1", "--no-clear"), ("inspect", pool_name)):
+            out = shmkv(*cmd, timeout=60)
+            assert out.returncode == 0, (cmd, out.stdout, out.stderr)
+            assert "Traceback" not in out.stderr
+            assert "stats: not read: stats segment" in out.stdout, out.stdout
+        assert "publisher: not read: publisher state" in out.stdout, out.stdout
+        assert os.path.lexists(stats) and os.path.lexists(pub)
+    finally:
+        pool.close()
+
+
+def test_a_directory_at_a_pools_path_is_a_segment_error(pool_name, planted):
+    """``shmkv inspect NAME`` with a directory at /dev/shm/shmkv-NAME-v8 says what is there
+    (before: a raw ``ValueError: Invalid parameter(s)`` traceback from posix_ipc)."""
+    path = planted(SHM + L.segment_name(pool_name), "directory")
+    out = shmkv("inspect", pool_name, timeout=60)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    assert f"{path} is a directory, not a shared-memory segment" in out.stderr, out.stderr
