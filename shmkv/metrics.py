@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shmkv.errors import UsageError
+from shmkv.errors import SegmentError, UsageError
 from shmkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from shmkv.pool.event_log import decode_event
-from shmkv.pool.tier_counters import TierCounts, read_tier_counts
+from shmkv.pool.tier_counters import TierCounts, TierFiles, read_tier_counts
 from shmkv.stats import LOCK_BUCKETS_S, read_stats
 
 
@@ -85,6 +85,9 @@ class PoolSnapshot:
     log_lost: int
     engines: dict[int, dict] = field(default_factory=dict)  # slot -> stats row as a dict
     tier: TierCounts | None = None  # the vLLM offload tier's or SGLang store's counters
+    # what was found at a tier's or the stats segment's path instead (a FIFO, a directory,
+    # another user's file...): not read
+    notes: list[str] = field(default_factory=list)
 
     @property
     def in_use(self) -> int:
@@ -136,7 +139,7 @@ class PoolMetrics:
             pool = self.pool
             if self._has_log:
                 self._tail_log()
-            with pool.lock():
+            with TierFiles(pool.pool_name) as tier_files, pool.lock():  # opened before
                 hdr = pool.header_snapshot()
                 free = pool.get_num_free_blocks()
                 usage = pool.get_usage()
@@ -148,8 +151,13 @@ class PoolMetrics:
                 others = [s for s in table.active_slots() if s != pool.slot]
                 alive = [s for s in others if table.is_alive(s)]
                 dead = [s for s in others if not table.is_alive(s)]
-                tier = read_tier_counts(pool)
-            rows = read_stats(pool.pool_name)
+                tier = read_tier_counts(pool, tier_files)
+            notes = list(tier_files.notes)
+            try:
+                rows = read_stats(pool.pool_name)
+            except SegmentError as exc:  # something planted at its path: not read
+                rows = None
+                notes.append(f"stats: not read: {exc}")
             engines = {}
             if rows is not None:
                 for slot in range(len(rows)):
@@ -165,7 +173,8 @@ class PoolMetrics:
                 reaped=counters[0], repairs=counters[1], takeovers=counters[2],
                 lock_acquisitions=counters[3], events_logged=counters[4],
                 events_dropped=counters[5], evictions=self._evictions, stored=self._stored,
-                resets=self._resets, log_lost=self._lost, engines=engines, tier=tier)
+                resets=self._resets, log_lost=self._lost, engines=engines, tier=tier,
+                notes=notes)
 
     # ------------------------------------------------------------------ prometheus
 

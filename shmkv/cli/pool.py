@@ -8,6 +8,7 @@ import argparse
 import multiprocessing as mp
 import os
 import random
+import stat
 import sys
 import time
 
@@ -19,12 +20,12 @@ from shmkv.cli.common import (
     attach_pool,
     missing_pool_message,
 )
-from shmkv.errors import ShmKVError, UsageError
+from shmkv.errors import SegmentError, ShmKVError, UsageError
 from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
-from shmkv.pool.tier_counters import read_tier_counts
+from shmkv.pool.tier_counters import TierFiles, read_tier_counts
 
 # ---------------------------------------------------------------------------- demo
 
@@ -171,10 +172,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         # The holder as it stands before this command takes the lock (inside its own hold
         # the header would name the inspect itself).
         holder = pool.holder()
-        with pool.lock():
+        with TierFiles(args.name) as tier_files, pool.lock():  # the files opened before
             hdr = pool.header_snapshot()  # as of this hold
             violations = collect_violations(pool)
-            tier = read_tier_counts(pool)
+            tier = read_tier_counts(pool, tier_files)
         if getattr(args, "keys", False):
             from shmkv.cli.keys import print_keys
 
@@ -217,6 +218,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_siblings(args.name)
         if tier is not None:
             print("\n".join(tier_lines(tier)))
+        for note in tier_files.notes:
+            print(note)
         print("invariants: " + ("OK" if not violations else f"{len(violations)} broken"))
         for v in violations:
             print(f"  {v}")
@@ -230,12 +233,20 @@ def _print_siblings(name: str) -> None:
     from shmkv.publisher import saved_position
     from shmkv.stats import read_stats
 
-    saved = saved_position(name)
+    try:
+        saved = saved_position(name)
+    except SegmentError as exc:  # something planted at its path: not read
+        saved = None
+        print(f"publisher: not read: {exc}")
     if saved is not None:
         print(f"publisher: {'running' if saved['running'] else 'not running'} (last pid "
               f"{saved['pid']}), next seq {saved['next_seq']}, {saved['published']} batches "
               f"sent, {saved['lost']} events lost")
-    rows = read_stats(name)
+    try:
+        rows = read_stats(name)
+    except SegmentError as exc:
+        rows = None
+        print(f"stats: not read: {exc}")
     if rows is not None:
         recorded = int((rows["pid"] != 0).sum())
         print(f"stats: {recorded} slot(s) recorded, {int(rows['queries'].sum()):,} prefix "
@@ -565,6 +576,7 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
     ]
     if s.tier is not None:
         lines += ["  " + line for line in tier_lines(s.tier)]
+    lines += ["  " + note for note in s.notes]
     for slot, row in sorted(s.engines.items()):
         waits, holds = row["lock_wait_count"], row["lock_hold_count"]
         mean_wait = row["lock_wait_sum_ns"] / waits / 1e3 if waits else 0.0
@@ -674,15 +686,22 @@ def list_objects(prefix: str | None = None) -> list[dict]:
 
 
 def _object_row(entry: str) -> dict | None:
-    """The row of one entry of /dev/shm; None if it is not shmkv's (or just went)."""
+    """The row of one entry of /dev/shm; None if it is not shmkv's (or just went). Read
+    without following a link; anything that is not a regular file of this user (a FIFO, a
+    directory, a link, another user's file: /dev/shm is world-writable) is listed as what it
+    is, left alone and never opened."""
     import pwd
+
+    from shmkv.pool.segment import file_type
+    from shmkv.pool.siblings import _foreign
 
     path = f"/dev/shm/{entry}"
     base = entry[len("sem."):] if entry.startswith("sem.") else entry
-    if not (base.startswith("shmkv-") or base.startswith("shmkv_")):
+    region_of = L.offload_data_region_pool(entry)
+    if not (base.startswith("shmkv-") or base.startswith("shmkv_") or region_of):
         return None
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
     try:
@@ -692,35 +711,59 @@ def _object_row(entry: str) -> dict | None:
     row = {"entry": entry, "owner": owner, "bytes": st.st_size, "kind": "other",
            "name": base, "version": None, "processes": None, "alive": None,
            "creator_alive": None, "note": ""}
+    problem = _foreign(st)
+    if problem and not stat.S_ISREG(st.st_mode):
+        problem = f"{file_type(st.st_mode)}, {problem}"
+    if region_of:
+        row.update(kind="data region", name=region_of, pool=region_of,
+                   note=problem or f"the vLLM offload tier's data region of pool {region_of} "
+                   "(its chunks' KV bytes)")
+        return row
     if entry.startswith("sem."):
         row["kind"] = "lock" if base.endswith(".lock") else "semaphore"
         if base.startswith("shmkv_bell-"):
             row["kind"] = "doorbell"
         row["name"] = base.removesuffix(".lock")
+        row["note"] = problem or ""
         return row
     if entry.endswith(".alive"):
         row["kind"] = "liveness"
         row["name"] = base.removesuffix(".alive")
+        row["note"] = problem or ""
         return row
-    head, sep, version = base.rpartition("-v")
+    replicas = base.endswith(L.OFFLOAD_REPLICAS_SUFFIX)
+    head, sep, version = base.removesuffix(L.OFFLOAD_REPLICAS_SUFFIX).rpartition("-v")
     if sep and version.isdigit():
         row["version"] = int(version)
     if base.startswith("shmkv_"):
         kind, _, rest = head[len("shmkv_"):].partition("-")
         known = {"ch": "channel", "pub": "publisher", "stats": "stats", "bt": "tables",
-                 "kv": "kv store"}
+                 "kv": "kv store", "offload": "tier table", "sglang": "page store"}
         row["kind"] = known.get(kind, "sibling")
         row["name"] = rest if kind in known else head[len("shmkv_"):]
-        if kind == "pub":
+        if kind == "offload":
+            row["kind"] = "tier locks" if replicas else "tier table"
+            row["note"] = ("the vLLM offload tier's replica lock file (a lock per replica row)"
+                           if replicas else "the vLLM offload tier's table (keys, counters)")
+        if problem:
+            row["note"] = problem
+        elif kind == "pub":
             from shmkv.publisher import saved_position
 
-            saved = saved_position(rest) if row["version"] == L.PUBLISHER_STATE_VERSION else None
+            try:
+                saved = (saved_position(rest)
+                         if row["version"] == L.PUBLISHER_STATE_VERSION else None)
+            except (ShmKVError, OSError, ValueError) as exc:
+                saved, row["note"] = None, f"unreadable: {exc}"
             if saved:
                 row["note"] = (f"next seq {saved['next_seq']}, "
                                f"{'running' if saved['running'] else 'stopped'}")
         return row
     row["kind"] = "pool"
     row["name"] = head[len("shmkv-"):] if sep else base[len("shmkv-"):]
+    if problem:
+        row["note"] = problem
+        return row
     if row["version"] != L.LAYOUT_VERSION:
         row["note"] = f"layout v{row['version']}, not this shmkv's v{L.LAYOUT_VERSION}"
         return row
@@ -737,7 +780,7 @@ def _read_pool(row: dict, entry: str) -> None:
 
     try:
         segment = Segment.open(f"/{entry}")
-    except ShmKVError as exc:
+    except (ShmKVError, OSError, ValueError) as exc:  # replaced since it was judged
         row["note"] = str(exc)
         return
     try:
@@ -757,7 +800,7 @@ def _read_pool(row: dict, entry: str) -> None:
         row["processes"], row["alive"] = len(active), len(live)
         row["creator_alive"] = any(pids[slot] == creator for slot in live)
         row["note"] = f"{layout.config.num_blocks} blocks, creator pid {creator}"
-    except (ShmKVError, OSError) as exc:
+    except (ShmKVError, OSError, ValueError) as exc:
         row["note"] = f"unreadable: {exc}"
     finally:
         segment.close()
@@ -767,7 +810,7 @@ def _name_owning_pools(rows: list[dict]) -> None:
     """Adds to each sibling object the pool it belongs to, by name."""
     pools = sorted((r["name"] for r in rows if r["kind"] == "pool"), key=len, reverse=True)
     for r in rows:
-        if r["kind"] in ("pool", "lock", "liveness"):
+        if r["kind"] in ("pool", "lock", "liveness") or "pool" in r:
             continue
         bare = r["name"].removeprefix("shmkv_bell-")
         owner = next((p for p in pools if bare == p or bare.startswith(p + "-")
@@ -794,7 +837,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no shmkv objects in /dev/shm"
               + (f" whose name starts with {args.prefix!r}" if args.prefix else ""))
         return EXIT_OK
-    print(f"{'KIND':<10} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
+    print(f"{'KIND':<11} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
           f"{'CREATOR':<8} {'LIFETIME':<8} NOTE")
     for r in rows:
         procs = "" if r["processes"] is None else f"{r['alive']}/{r['processes']}"
@@ -806,10 +849,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             why = r["cleanup"]
             if r["idle"]:
                 why += f"; it takes {human_bytes(r['memory_bytes'])} of /dev/shm"
-            note = f"{why}; {r['note']}" if r["note"] else why
+            note = (r["note"] if why in r["note"]  # what it is says why it is left alone
+                    else f"{why}; {r['note']}" if r["note"] else why)
         else:
             note = f"ORPHAN ({r['cleanup']}); {r['note']}" if r["orphan"] else r["note"]
-        print(f"{r['kind']:<10} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
+        print(f"{r['kind']:<11} {r['name']:<44} {r['owner']:<8} {r['bytes']:>13,} "
               f"{procs:>9} {creator:<8} {lifetime:<8} {note}".rstrip("; "))
     pools = [r for r in rows if r["kind"] == "pool"]
     orphans = sum(r["orphan"] for r in rows)

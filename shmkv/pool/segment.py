@@ -56,6 +56,32 @@ def _problems(st: os.stat_result) -> list[str]:
     return out
 
 
+_FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_type(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words ("a FIFO", "a directory"...)."""
+    return next((words for test, words in _FILE_TYPES if test(mode)), "a regular file")
+
+
+def _shm_open(shm_name: str, what: str) -> posix_ipc.SharedMemory:
+    """``posix_ipc.SharedMemory(shm_name)``, with a directory or a symbolic link planted at
+    its path (posix_ipc's bare ``ValueError: Invalid parameter(s)``, ``[Errno 40]``) refused
+    as a SegmentError naming the path and what is there."""
+    try:
+        return posix_ipc.SharedMemory(shm_name)
+    except (ValueError, OSError) as exc:
+        path = f"{SHM_DIR}/{shm_name.lstrip('/')}"
+        try:
+            kind = file_type(os.lstat(path).st_mode)
+        except OSError:
+            kind = "unreadable"
+        raise SegmentError(f"{what} {path} is {kind}, not a shared-memory segment; refusing "
+                           "to use it (not shmkv's: its owner, or root, can remove it)") from exc
+
+
 def check_fd(fd: int, what: str) -> None:
     """Refuses an opened file or segment that is not a regular file of this user with mode
     0600 (SegmentError naming ``what``: kind and name)."""
@@ -191,7 +217,7 @@ def open_shm(shm_name: str, what: str, *, create: bool = False,
         except posix_ipc.ExistentialError:
             shm = None
     if shm is None:
-        shm = posix_ipc.SharedMemory(shm_name)
+        shm = _shm_open(shm_name, what)
     try:
         check_fd(shm.fd, f"{what} {shm_name}")
     except BaseException:
@@ -244,7 +270,7 @@ class Segment:
             SegmentNotFoundError: no segment of that name.
         """
         try:
-            shm = posix_ipc.SharedMemory(shm_name)
+            shm = _shm_open(shm_name, "segment")
         except posix_ipc.ExistentialError as exc:
             raise SegmentNotFoundError(f"no shared-memory segment named {shm_name}") from exc
         try:

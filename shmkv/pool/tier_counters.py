@@ -24,6 +24,7 @@ chunk is advice: a row reused by another replica reads as the same producer.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from shmkv.pool import layout as L
 from shmkv.pool.liveness import pid_alive
+from shmkv.pool.segment import file_type
 
 ROW_WORDS = 8
 ROW_BYTES = 8 * ROW_WORDS
@@ -105,15 +107,82 @@ class TierCounts:
     rows: list[dict] = field(default_factory=list)  # replica: row, key, live, counters
 
 
-def _pread(path: str, size: int, offset: int) -> bytes | None:
+def _planted(path: str, what: str) -> str:
+    return (f"tier: {path} is {what}: not read (not shmkv's: another user or program made "
+            "it; its owner, or root, can remove it)")
+
+
+def _open(path: str) -> tuple[int | None, str | None]:
+    """(descriptor, None) of a tier file that is a regular file of this user, opened without
+    following a link or blocking; (None, a note naming the path and what it is) for anything
+    else at the path; (None, None) if there is nothing there."""
     try:
         fd = os.open(path, _READ)
-    except OSError:
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        try:
+            what = file_type(os.lstat(path).st_mode)
+        except OSError:
+            what = "unreadable"
+        return None, _planted(path, f"{what} ({exc.strerror})")
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        return None, _planted(path, f"unreadable ({exc.strerror})")
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None, _planted(path, f"{file_type(st.st_mode)}, not a regular file")
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        return None, _planted(path, f"owned by uid {st.st_uid}, not by this user "
+                                    f"(uid {os.geteuid()})")
+    return fd, None
+
+
+class TierFiles:
+    """A pool's tier files (the vLLM offload tier's table, the SGLang page store), opened and
+    judged before the pool lock is taken: nothing that could wait runs under the node-wide
+    lock, and :func:`read_tier_counts` only reads them. Anything other than a regular file of
+    this user at a tier's path (a FIFO, a directory, a link, another user's file: /dev/shm is
+    world-writable) is not read; ``notes`` name each. Close it (or use it as a context
+    manager)."""
+
+    def __init__(self, pool_name: str) -> None:
+        self.notes: list[str] = []
+        self.fds: dict[str, int] = {}
+        try:
+            for kind, version in (("offload", L.OFFLOAD_TIER_VERSION),
+                                  ("sglang", L.SGLANG_STORE_VERSION)):
+                fd, note = _open("/dev/shm" + L.sibling_segment_name(kind, pool_name, version))
+                if fd is not None:
+                    self.fds[kind] = fd
+                if note:
+                    self.notes.append(note)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> TierFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pread(fd: int | None, size: int, offset: int) -> bytes | None:
+    if fd is None:
         return None
     try:
         return os.pread(fd, size, offset)
-    finally:
-        os.close(fd)
+    except OSError:
+        return None
 
 
 def _owned_by(head: bytes, owner_offset: int, pool_id: bytes) -> bool:
@@ -129,9 +198,8 @@ def _rows(block: bytes, num_rows: int) -> np.ndarray:
     return np.frombuffer(block, np.int64, (num_rows + 1) * ROW_WORDS).reshape(-1, ROW_WORDS)
 
 
-def _offload(pool_name: str, pool_id: bytes) -> TierCounts | None:
-    path = "/dev/shm" + L.sibling_segment_name("offload", pool_name, L.OFFLOAD_TIER_VERSION)
-    head = _pread(path, OFFLOAD_COUNTERS_OFFSET + block_bytes(OFFLOAD_MAX_REPLICAS), 0)
+def _offload(fd: int | None, pool_id: bytes) -> TierCounts | None:
+    head = _pread(fd, OFFLOAD_COUNTERS_OFFSET + block_bytes(OFFLOAD_MAX_REPLICAS), 0)
     if head is None or len(head) < OFFLOAD_COUNTERS_OFFSET:
         return None
     words = np.frombuffer(head, np.int64, OFFLOAD_COUNTERS_OFFSET // 8)
@@ -152,16 +220,15 @@ def _offload(pool_name: str, pool_id: bytes) -> TierCounts | None:
     return out
 
 
-def _sglang(pool_name: str, pool_id: bytes) -> TierCounts | None:
-    path = "/dev/shm" + L.sibling_segment_name("sglang", pool_name, L.SGLANG_STORE_VERSION)
-    head = _pread(path, SGLANG_HEADER_BYTES, 0)
+def _sglang(fd: int | None, pool_id: bytes) -> TierCounts | None:
+    head = _pread(fd, SGLANG_HEADER_BYTES, 0)
     if head is None or len(head) < SGLANG_HEADER_BYTES:
         return None
     magic, version, num_pages, page_bytes, _, num_rows = SGLANG_HEADER.unpack_from(head, 0)
     if (magic != L.SGLANG_STORE_MAGIC or version != L.SGLANG_STORE_VERSION
             or not _owned_by(head, L.SGLANG_STORE_OWNER_OFFSET, pool_id)):
         return None
-    block = _pread(path, block_bytes(num_rows), sglang_counters_offset(num_pages, page_bytes))
+    block = _pread(fd, block_bytes(num_rows), sglang_counters_offset(num_pages, page_bytes))
     rows = _rows(block or b"", num_rows)
     out = TierCounts("SGLang page store", "pages", num_pages)
     for r in range(num_rows):
@@ -185,14 +252,20 @@ def _totals(out: TierCounts, node: np.ndarray) -> None:
     out.cross_replica_hits = int(node[C_CROSS])
 
 
-def read_tier_counts(pool) -> TierCounts | None:
+def read_tier_counts(pool, files: TierFiles | None = None) -> TierCounts | None:
     """The counters of the tier whose chunks ``pool`` (an attached ``BlockPool``) describes
     (the vLLM offload tier's table, or the SGLang page store), and its chunks by state; None
-    when the pool has no tier of this shmkv's version, or only one left by an earlier pool of
-    its name. Reads the pool's block rows: call it with the pool lock held for one instant's
-    figures."""
+    when the pool has no tier of this shmkv's version, only one left by an earlier pool of
+    its name, or something else at the tier's path (``files.notes`` names it). Reads the
+    pool's block rows: call it with the pool lock held for one instant's figures, and with
+    ``files`` (the pool's :class:`TierFiles`) opened before the lock was taken; without
+    ``files`` it opens (and closes) them itself."""
+    if files is None:
+        with TierFiles(pool.pool_name) as opened:
+            return read_tier_counts(pool, opened)
     pool_id = bytes(pool.header_snapshot()["pool_id"])
-    out = _offload(pool.pool_name, pool_id) or _sglang(pool.pool_name, pool_id)
+    out = (_offload(files.fds.get("offload"), pool_id)
+           or _sglang(files.fds.get("sglang"), pool_id))
     if out is None:
         return None
     rows = pool.block_rows()
@@ -204,5 +277,5 @@ def read_tier_counts(pool) -> TierCounts | None:
     return out
 
 
-__all__ = ["COUNTER_NAMES", "ROW_WORDS", "TierCounts", "add", "block_bytes",
+__all__ = ["COUNTER_NAMES", "ROW_WORDS", "TierCounts", "TierFiles", "add", "block_bytes",
            "read_tier_counts", "reset_row", "row_preference", "sglang_counters_offset"]

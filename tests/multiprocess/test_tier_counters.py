@@ -5,6 +5,7 @@ store alike, after real replicas (spawned processes) stored and loaded."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -159,3 +160,49 @@ def test_sglang_store_counters_show_in_stats_and_inspect(spawn_ctx):
             store.close()
         BlockPool.unlink(name)
         unlink_pool_siblings(name)
+
+
+def test_ls_tells_the_vllm_tier_files_apart():
+    """`shmkv ls` lists a vLLM tier's table and replica lock file each as what it is, and
+    its data region (vLLM's file, usually the biggest object) as a row of its own, with its
+    bytes and its pool, in the table and in --json alike (before: the table and the lock
+    file were both `sibling` rows, and the data region was not listed at all)."""
+    pytest.importorskip("vllm.v1.kv_offload.base")
+    import json
+
+    from shmkv.pool import layout as L
+    from shmkv.vllm import SharedCPUOffloadingManager
+    from shmkv.vllm.region import region_path
+
+    name = unique_pool_name("tierls")
+    manager = None
+    try:
+        manager = SharedCPUOffloadingManager(name, 16, label="replica", replica_id="engine")
+        # The data region is the plain /dev/shm file vLLM's workers map; 1 MiB stands in
+        # for one here (no GPU workers in this test).
+        with open(region_path(name), "xb") as f:
+            f.truncate(1 << 20)
+        out = shmkv("ls", "--json", "--prefix", name)
+        assert out.returncode == 0, out.stderr
+        rows = {r["entry"]: r for r in json.loads(out.stdout)}
+        table = rows[L.sibling_segment_name("offload", name, L.OFFLOAD_TIER_VERSION)[1:]]
+        locks = rows[L.offload_replicas_path(name).removeprefix("/dev/shm/")]
+        region = rows[region_path(name).removeprefix("/dev/shm/")]
+        assert (table["kind"], table["name"], table["pool"]) == ("tier table", name, name)
+        assert (locks["kind"], locks["name"], locks["pool"]) == ("tier locks", name, name)
+        assert (region["kind"], region["name"], region["pool"]) == ("data region", name, name)
+        assert region["bytes"] == 1 << 20
+        assert table["note"].startswith("the vLLM offload tier's table")
+        assert locks["note"].startswith("the vLLM offload tier's replica lock file")
+        assert region["note"].startswith("the vLLM offload tier's data region of pool")
+        text = shmkv("ls", "--prefix", name)
+        assert text.returncode == 0, text.stderr
+        line = next(line for line in text.stdout.splitlines() if line.startswith("data region"))
+        assert f" {name} " in line and " 1,048,576 " in line, line
+        for kind in ("tier table", "tier locks"):
+            assert any(line.startswith(kind) for line in text.stdout.splitlines()), text.stdout
+    finally:
+        if manager is not None:
+            manager.close()
+        SharedCPUOffloadingManager.unlink(name)
+    assert not [e for e in os.listdir("/dev/shm") if name in e]
