@@ -137,6 +137,10 @@ class Verdict:
     lifetime: str = ""
     idle: bool = False  # a pool meant to stay that no live process holds
     memory_bytes: int = 0  # what it takes in /dev/shm (allocated, not its nominal size)
+    # what was judged: the object's inode, and a pool's header ``pool_id`` (``remove``
+    # removes an object only while the one at its name is still this one, still to go)
+    ino: int = field(default=0, repr=False)
+    pool_id: bytes = field(default=b"", repr=False)
 
     @property
     def path(self) -> str:
@@ -557,6 +561,9 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
             v.remove, v.reason = True, f"no channel names it (made {age:.0f} s ago)"
     for entry, v in out.items():
         v.memory_bytes = stats[entry].st_blocks * 512
+        v.ino = stats[entry].st_ino
+    for pool in pools.values():
+        pool.verdict.pool_id = pool.pool_id
     return [out[e] for e in stats if e in out]
 
 
@@ -719,19 +726,95 @@ def unlink_pool_siblings(pool: str) -> list[str]:
     return removed
 
 
+CHANGED = "changed since it was judged: left alone"
+
+
+def _now_ino(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+class _Recheck:
+    """Whether an object a plan said to remove is, right before its removal, still the very
+    object judged (its inode, a pool's ``pool_id``) and still to go, as judged afresh."""
+
+    def __init__(self, verdicts: list[Verdict]) -> None:
+        self.planned = {v.entry: v for v in verdicts}
+        self.pools = {v.name: v for v in verdicts
+                      if v.kind == "pool" and v.entry.endswith(f"-v{L.LAYOUT_VERSION}")}
+
+    def pool_now(self, name: str) -> _Pool | None:
+        """The pool named ``name`` judged now (with ``--include-idle`` if the plan removed
+        it so); None if there is none of this layout version."""
+        try:
+            entry = L.segment_name(name)[1:]
+            st = os.lstat(f"{SHM_DIR}/{entry}")
+        except (OSError, UsageError):
+            return None
+        planned = self.pools.get(name)
+        return _assess_pool(entry, name, st, bool(planned and planned.idle and planned.remove))
+
+    def pool_as_planned(self, name: str) -> bool:
+        """The pool at ``name`` is now what the plan saw: the same pool, still to go, or
+        none, as the plan found none."""
+        planned = self.pools.get(name)
+        now = self.pool_now(name)
+        if planned is None or not planned.ino:
+            return now is None
+        return (now is not None and now.ino == planned.ino and now.pool_id == planned.pool_id
+                and now.verdict.remove)
+
+    def still(self, v: Verdict) -> bool:
+        if _now_ino(v.path) != v.ino:
+            return False
+        if v.kind == "pool":
+            return self.pool_as_planned(v.name)
+        if v.kind in ("lock", "liveness") or v.kind == "offload data region":
+            return self.pool_as_planned(v.pool or v.name)
+        if v.entry.startswith("shmkv_") and v.entry.endswith(L.OFFLOAD_REPLICAS_SUFFIX):
+            table = self.planned.get(v.entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)])
+            return _now_ino(f"{SHM_DIR}/{v.entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)]}") == (
+                table.ino if table is not None else None)
+        if v.entry.startswith("shmkv_"):
+            try:
+                st = os.lstat(v.path)
+            except OSError:
+                return False
+            pools = {}
+            if v.pool and (pool := self.pool_now(v.pool)) is not None:
+                pools[v.pool] = pool
+            return _assess_sibling(v.entry, st, pools).remove
+        return True  # a doorbell: the very semaphore judged (its inode)
+
+
 def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     """Removes what ``verdicts`` say to remove: siblings, then doorbells, then pools (with
-    their lock and liveness file). Returns (verdict, removed) for each, False when the
-    object had gone meanwhile."""
+    their lock and liveness file). Right before each removal the object is judged again:
+    one that is no longer the object the plan judged (removed and made again meanwhile,
+    e.g. by ``shmkv create``), or no longer to go (a process attached meanwhile), is left
+    alone, its verdict turned to kept with the reason ``CHANGED``. Returns (verdict,
+    removed) for each, False when the object had gone meanwhile or was left alone."""
     done = []
     order = {"doorbell": 1, "pool": 2, "lock": 3, "liveness": 3}
     pools_removed = set()
+    pools_kept = set()
+    check = _Recheck(verdicts)
     for v in sorted((v for v in verdicts if v.remove), key=lambda v: order.get(v.kind, 0)):
+        if v.kind in ("lock", "liveness") and v.pool in pools_removed:
+            done.append((v, not os.path.exists(v.path)))  # went with its pool
+            continue
+        if (v.kind in ("lock", "liveness") and v.pool in pools_kept) or not check.still(v):
+            if v.kind == "pool":
+                pools_kept.add(v.name)
+            if os.path.lexists(v.path):
+                v.remove, v.reason = False, CHANGED
+            done.append((v, False))
+            continue
         if v.kind == "pool":  # with its lock and liveness file; each tier has its verdict
             ok = unlink_pool_files(v.name)
             pools_removed.add(v.name)
-        elif v.kind in ("lock", "liveness") and v.pool in pools_removed:
-            ok = not os.path.exists(v.path)  # went with its pool
         elif v.kind == "doorbell" or v.entry.startswith("sem."):
             try:
                 posix_ipc.unlink_semaphore("/" + v.entry[len("sem."):])
@@ -752,7 +835,7 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     return done
 
 
-__all__ = ["DOORBELL_GRACE_S", "Unlinked", "Verdict", "human_bytes", "in_scope", "memory_of",
-           "owner_record", "plan", "pool_identity", "remove", "stays_text", "tier_of",
+__all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "human_bytes", "in_scope",
+           "memory_of", "owner_record", "plan", "pool_identity", "remove", "stays_text", "tier_of",
            "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
            "unlink_pool_siblings", "unlink_tiers", "write_owner"]

@@ -303,3 +303,52 @@ def test_unlink_says_what_it_frees(pool_name):
     assert siblings.human_bytes(freed).endswith("KiB")
     assert [siblings.human_bytes(n) for n in (0, 1023, 1536, 5 << 20, 3 << 30, 1 << 42)] == [
         "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB", "4096.0 GiB"]
+
+
+def _make_and_close(name: str, stays: bool) -> None:
+    pool = BlockPool.create(name, 8)
+    if stays:
+        pool.mark_stays("a test")
+    pool.close()
+
+
+def _orphan(name: str, stays: bool = False) -> None:
+    """Makes a pool whose creator closed it and exited: an orphan, or with ``stays`` one
+    meant to stay (as ``shmkv create`` makes)."""
+    p = mp.get_context("spawn").Process(target=_make_and_close, args=(name, stays))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+
+
+def test_a_pool_made_again_between_plan_and_remove_is_left_alone(pool_name):
+    # An orphan is judged; before the plan is carried out it is removed (another cleanup)
+    # and made again under its name, meant to stay: the plan must not remove the new pool.
+    _orphan(pool_name)
+    entry = L.segment_name(pool_name)[1:]
+    plan = siblings.plan(prefix=pool_name)
+    judged = next(v for v in plan if v.entry == entry)
+    assert judged.remove and judged.lifetime == "orphan" and judged.pool_id
+    BlockPool.unlink(pool_name)
+    _orphan(pool_name, stays=True)
+    new_id = siblings.pool_identity(pool_name)[2]
+    assert new_id != judged.pool_id
+    done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
+    assert done[entry] == (False, siblings.CHANGED)
+    assert done[f"sem.{entry}.lock"][0] is False and done[f"{entry}.alive"][0] is False
+    assert all(os.path.exists(p) for p in (f"/dev/shm/{entry}", f"/dev/shm/{entry}.alive",
+                                           f"/dev/shm/sem.{entry}.lock"))
+    assert siblings.pool_identity(pool_name)[2] == new_id
+    # judged afresh, the new pool stays
+    assert not _verdict(entry).remove
+
+
+def test_a_pool_attached_to_between_plan_and_remove_is_left_alone(pool_name):
+    _orphan(pool_name)
+    entry = L.segment_name(pool_name)[1:]
+    plan = siblings.plan(prefix=pool_name)
+    assert next(v for v in plan if v.entry == entry).remove
+    with BlockPool.attach(pool_name):
+        done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
+        assert done[entry] == (False, siblings.CHANGED)
+        assert os.path.exists(f"/dev/shm/{entry}")
