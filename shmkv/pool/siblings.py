@@ -47,10 +47,13 @@ import posix_ipc
 
 from shmkv.errors import SegmentNotFoundError, UsageError
 from shmkv.pool import layout as L
-from shmkv.pool.liveness import pid_alive, process_start_ticks
+from shmkv.pool.liveness import own_pid_namespace, pid_alive, process_gone, process_start_ticks
 
 SHM_DIR = "/dev/shm"
 DOORBELL_GRACE_S = 60.0
+# A pool being created whose liveness file no process holds a lock on: its creator (in any
+# pid namespace) may be between making the file and taking its slot for this long.
+CREATING_GRACE_S = 60.0
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock, as in liveness.py
 _DOORBELL_FIELD = L.CHANNEL_HEADER_DTYPE.fields["doorbell"][1]
 
@@ -70,6 +73,7 @@ def owner_record(pool_name: str | None = None, *, creator: bool = True) -> np.nd
         pid = os.getpid()
         rec["creator_pid"] = pid
         rec["creator_start_ticks"] = process_start_ticks(pid)
+        rec["creator_pid_ns"] = own_pid_namespace()
     if pool_name is not None:
         identity = pool_identity(pool_name)
         if identity is None:
@@ -234,8 +238,9 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
         state = int(hdr["state"])
         stays = stays_text(int(hdr["retention"]), bytes(hdr["stays_by"]))
         if state == L.STATE_INITIALIZING:
-            if pid_alive(creator):
-                return keep(f"being created by pid {creator}", creator, "scoped")
+            creating = _creating(entry, name, creator)
+            if creating:
+                return keep(creating, creator, "scoped")
             return _Pool(Verdict(entry, "pool", name, True,
                                  f"its creator pid {creator} died while creating it",
                                  lifetime="orphan"),
@@ -291,17 +296,44 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
                  creator, st.st_ino, pool_id, tier_of)
 
 
+def _creating(entry: str, name: str, creator: int) -> str | None:
+    """Why a pool in state INITIALIZING may still be being created, or None when its
+    creator provably died creating it. The header records the creator's pid but not its pid
+    namespace, so a pid test alone proves nothing (the creator may be in a container); the
+    proof is the liveness file: the creator makes it, then holds a lock on it (its slot)
+    until it exits. Kept: while a process has the creator's pid here, while the liveness
+    file is missing (not made yet, or the creator died before: ``shmkv unlink`` removes the
+    pool), while a process holds a lock on it, and for ``CREATING_GRACE_S`` after it was
+    made."""
+    if pid_alive(creator):
+        return f"being created by pid {creator}"
+    path = f"{SHM_DIR}/{entry}.alive"
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return (f"being created by pid {creator} (of another pid namespace?), or its creator "
+                f"died before making its liveness file: left alone; `shmkv unlink {name}` "
+                "removes it")
+    if _any_lock_held(path):
+        return f"being created by pid {creator} (a live process holds its liveness file)"
+    age = time.time() - st.st_mtime
+    if age < CREATING_GRACE_S:
+        return f"being created by pid {creator} (its liveness file is {age:.0f} s old)"
+    return None
+
+
 def _slot_alive(entry: str, slot: int, procs: np.ndarray) -> bool:
     """A slot is live by the liveness rule (``AliveLocks.is_alive``); without the pool's
-    ``.alive`` file, while its pid lives with the recorded start time."""
+    ``.alive`` file, unless its row's process is provably gone (``process_gone``: a row of
+    another pid namespace counts as alive)."""
     from shmkv.errors import SegmentError
-    from shmkv.pool.liveness import AliveLocks
+    from shmkv.pool.liveness import AliveLocks, recorded_process_gone
 
     path = f"{SHM_DIR}/{entry}.alive"
     try:
         locks = AliveLocks(path, create=False, procs=procs)
     except SegmentError:
-        return pid_alive(int(procs[slot]["pid"]), int(procs[slot]["start_ticks"]))
+        return not recorded_process_gone(procs[slot])
     try:
         return locks.is_alive(slot)
     finally:
@@ -361,6 +393,7 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
         v.reason = "corrupt owner record: left alone"
         return v
     creator, ticks = int(rec["creator_pid"]), int(rec["creator_start_ticks"])
+    creator_ns = int(rec["creator_pid_ns"])
     try:
         pool_name = bytes(rec["pool_name"]).decode()
         if pool_name:
@@ -372,8 +405,11 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
     if running:
         v.reason = "a publisher is running on it"
         return v
-    if creator > 0 and pid_alive(creator, ticks):
-        v.reason = f"its creator pid {creator} is alive"
+    if creator > 0 and not process_gone(creator, ticks, creator_ns):
+        v.reason = (f"its creator pid {creator} is alive" if pid_alive(creator, ticks)
+                    and creator_ns == own_pid_namespace() else
+                    f"its creator pid {creator} is of another pid namespace (or of one not "
+                    "recorded): it may be alive")
         return v
     who = f"its creator pid {creator} is dead" if creator > 0 else ""
     if not pool_name:
