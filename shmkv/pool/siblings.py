@@ -810,19 +810,25 @@ class _Recheck:
         if v.kind in ("lock", "liveness") or v.kind == "offload data region":
             return self.pool_as_planned(v.pool or v.name)
         if v.entry.startswith("shmkv_") and v.entry.endswith(L.OFFLOAD_REPLICAS_SUFFIX):
-            table = self.planned.get(v.entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)])
-            return _now_ino(f"{SHM_DIR}/{v.entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)]}") == (
-                table.ino if table is not None else None)
+            table = v.entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)]  # it goes with its table
+            if _now_ino(f"{SHM_DIR}/{table}") is None:
+                return not _any_lock_held(v.path)
+            return self.sibling_to_go(table)
         if v.entry.startswith("shmkv_"):
-            try:
-                st = os.lstat(v.path)
-            except OSError:
-                return False
-            pools = {}
-            if v.pool and (pool := self.pool_now(v.pool)) is not None:
-                pools[v.pool] = pool
-            return _assess_sibling(v.entry, st, pools).remove
+            return self.sibling_to_go(v.entry)
         return True  # a doorbell: the very semaphore judged (its inode)
+
+    def sibling_to_go(self, entry: str) -> bool:
+        """The sibling segment ``entry`` judged now is to go."""
+        try:
+            st = os.lstat(f"{SHM_DIR}/{entry}")
+        except OSError:
+            return False
+        first = _assess_sibling(entry, st, {})
+        pools = {}
+        if first.pool and (pool := self.pool_now(first.pool)) is not None:
+            pools[first.pool] = pool
+        return _assess_sibling(entry, st, pools).remove if pools else first.remove
 
 
 def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
