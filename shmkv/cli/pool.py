@@ -405,7 +405,9 @@ def add_unlink_parser(sub) -> None:
                             "tiers (HiSparse's host pool, known by its header: a pool of its "
                             "own named <name>.host stays), and what is named after the pool "
                             "alone (publisher position, stats, the vLLM offload tier's table "
-                            "and data region), whether the pool is meant to stay or not, "
+                            "and data region, the SGLang page store, and the earlier versions "
+                            "of these an older shmkv made, when they are regular files of "
+                            "this user), whether the pool is meant to stay or not, "
                             "and says how much of /dev/shm that frees. Processes that have it "
                             "mapped keep working. Exit 2 if there is no such pool (as every "
                             "command).")

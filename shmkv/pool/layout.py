@@ -829,6 +829,9 @@ class SiblingKind:
     version: int
     magic: int
     owner_offset: int
+    # earlier versions of a kind named after its pool alone, which ``shmkv unlink`` also
+    # removes (a pool used before and after an upgrade of shmkv has both)
+    past_versions: tuple[int, ...] = ()
 
 
 SIBLING_KINDS: dict[str, SiblingKind] = {
@@ -837,13 +840,14 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
                     CHANNEL_OWNER_OFFSET),
         SiblingKind("bt", "block tables", BT_LAYOUT_VERSION, BT_MAGIC, BT_OWNER_OFFSET),
         SiblingKind("kv", "KV store", KV_LAYOUT_VERSION, KV_MAGIC, KV_OWNER_OFFSET),
-        SiblingKind("stats", "stats", STATS_VERSION, STATS_MAGIC, STATS_OWNER_OFFSET),
+        SiblingKind("stats", "stats", STATS_VERSION, STATS_MAGIC, STATS_OWNER_OFFSET,
+                    past_versions=(1, 2)),
         SiblingKind("pub", "publisher position", PUBLISHER_STATE_VERSION,
-                    PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET),
+                    PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET, past_versions=(1, 2)),
         SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
-                    OFFLOAD_TIER_OWNER_OFFSET),
+                    OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2)),
         SiblingKind("sglang", "SGLang page store", SGLANG_STORE_VERSION, SGLANG_STORE_MAGIC,
-                    SGLANG_STORE_OWNER_OFFSET),
+                    SGLANG_STORE_OWNER_OFFSET, past_versions=(1,)),
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"

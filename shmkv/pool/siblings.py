@@ -376,6 +376,8 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
             errors="replace")
     if int(version) != spec.version:
         v.reason = f"version {version}, not this shmkv's v{spec.version}: left alone"
+        if kind_name in L.POOL_NAMED_SIBLINGS and int(version) in spec.past_versions:
+            v.reason += f" (`shmkv unlink {name}` removes it with its pool)"
         return v
     if len(head_bytes) < spec.owner_offset + L.OWNER_DTYPE.itemsize:
         v.reason = f"corrupt: {st.st_size} bytes, too small for a {spec.what} header: left alone"
@@ -702,6 +704,7 @@ def _pool_paths(pool: str, tiers: tuple[str, ...]) -> list[str]:
     paths += [SHM_DIR + L.sibling_segment_name(kind, pool, L.SIBLING_KINDS[kind].version)
               for kind in L.POOL_NAMED_SIBLINGS]
     paths.append(L.offload_replicas_path(pool))
+    paths += [path for path, _ in _past_versions(pool)]
     try:
         paths += [f"{SHM_DIR}/{e}" for e in sorted(os.listdir(SHM_DIR))
                   if L.offload_data_region_pool(e) == pool]
@@ -739,10 +742,46 @@ def unlink_pool(pool: str, tiers: tuple[str, ...]) -> Unlinked:
     return Unlinked(found, extras, freed)
 
 
+def _past_versions(pool: str) -> list[tuple[str, str]]:
+    """(path, what) of the earlier versions of each sibling named after ``pool`` alone
+    (``SiblingKind.past_versions``), with the offload tier table's replica lock file."""
+    out = []
+    for kind in L.POOL_NAMED_SIBLINGS:
+        spec = L.SIBLING_KINDS[kind]
+        for version in spec.past_versions:
+            path = SHM_DIR + L.sibling_segment_name(kind, pool, version)
+            out.append((path, f"{spec.what} v{version}"))
+            if kind == "offload":
+                out.append((path + L.OFFLOAD_REPLICAS_SUFFIX,
+                            f"offload replica locks v{version}"))
+    return out
+
+
+def unlink_past_versions(pool: str) -> list[str]:
+    """Removes the earlier versions of what is named after ``pool`` alone (an earlier shmkv
+    made them: ``_past_versions``), each only if it is a regular file of this user; returns
+    what each removed object is (``"offload tier table v2"``, ...)."""
+    removed = []
+    for path, what in _past_versions(pool):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if _foreign(st):  # a link, FIFO, directory or another user's file: left alone
+            continue
+        try:
+            os.unlink(path)
+            removed.append(what)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def unlink_pool_siblings(pool: str) -> list[str]:
     """Removes what is named after ``pool`` alone besides the pool itself
-    (``layout.POOL_NAMED_SIBLINGS``, then the offload data region); returns what each
-    removed object is (``"stats"``, ``"offload data region"``, ...)."""
+    (``layout.POOL_NAMED_SIBLINGS``, their earlier versions (``unlink_past_versions``), then
+    the offload data region); returns what each removed object is (``"stats"``,
+    ``"offload data region"``, ...)."""
     L.validate_pool_name(pool)
     removed = []
     for kind in L.POOL_NAMED_SIBLINGS:
@@ -757,6 +796,7 @@ def unlink_pool_siblings(pool: str) -> list[str]:
         removed.append("offload replica locks")
     except FileNotFoundError:
         pass
+    removed += unlink_past_versions(pool)
     if unlink_offload_data_region(pool):
         removed.append("offload data region")
     return removed
@@ -879,5 +919,5 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 
 __all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "human_bytes", "in_scope",
            "memory_of", "owner_record", "plan", "pool_identity", "remove", "stays_text", "tier_of",
-           "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
+           "unlink_offload_data_region", "unlink_past_versions", "unlink_pool", "unlink_pool_files",
            "unlink_pool_siblings", "unlink_tiers", "write_owner"]
