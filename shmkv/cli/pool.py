@@ -448,6 +448,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
             extra = f" ({human_bytes(siblings.memory_of(verdicts, v.name))} of /dev/shm)"
         print(f"kept {_describe(v)}: {v.reason}{extra}")
     freed = sum(v.memory_bytes for v in removed)
+    staying = [v.name for v in removed if v.kind == "pool" and v.idle]
+    if args.prefix and staying:
+        print(f"--include-idle with --prefix {args.prefix!r} "
+              f"{'would remove' if args.dry_run else 'removed'} {len(staying)} pool(s) meant "
+              f"to stay whose name starts with it: {', '.join(staying)}")
     idle = [v for v in kept if v.kind == "pool" and v.idle]
     print(f"{len(removed)} object(s) {'to remove' if args.dry_run else 'removed'} "
           f"({human_bytes(freed)} of /dev/shm{' to free' if args.dry_run else ' freed'}), "
@@ -465,9 +470,10 @@ def _check_prefix(prefix: str) -> None:
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", prefix):
-        raise UsageError(f"--prefix {prefix!r}: give the start of the names to act on, in "
-                         "the characters of a pool name (letters, digits, '.', '_', '-', "
-                         "'+'); leave --prefix out for every object")
+        raise UsageError(f"--prefix {prefix!r}: give the start of the names to act on (it "
+                         "matches every name starting with it), in the characters of a pool "
+                         "name (letters, digits, '.', '_', '-', '+'); leave --prefix out for "
+                         "every object; `shmkv unlink NAME` removes one pool")
 
 
 def add_cleanup_parser(sub) -> None:
@@ -489,8 +495,10 @@ def add_cleanup_parser(sub) -> None:
                          help="also remove the pools meant to stay that no live process "
                          "holds (with their siblings and data regions)")
     cleanup.add_argument("--prefix", metavar="PREFIX",
-                         help="only objects whose name, and whose pool's name, starts with "
-                         "PREFIX (e.g. one test run's names)")
+                         help="only objects whose name, or whose pool's name, starts with "
+                         "PREFIX: the start of names (e.g. every name of one test run), "
+                         "which matches every pool whose name starts with it; to remove one "
+                         "pool, use `shmkv unlink NAME`")
     cleanup.set_defaults(func=cmd_cleanup)
 
 
@@ -837,7 +845,8 @@ def add_ls_parser(sub) -> None:
     p.add_argument("--all", action="store_true", help="also pool locks and liveness files")
     p.add_argument("--json", action="store_true", help="a JSON list, for scripts")
     p.add_argument("--prefix", metavar="PREFIX",
-                   help="only objects whose name starts with PREFIX")
+                   help="only objects whose name, or whose pool's name, starts with PREFIX "
+                   "(the start of names, which may match several pools)")
     p.set_defaults(func=cmd_ls)
 
 

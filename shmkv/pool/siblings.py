@@ -145,6 +145,8 @@ class Verdict:
     # removes an object only while the one at its name is still this one, still to go)
     ino: int = field(default=0, repr=False)
     pool_id: bytes = field(default=b"", repr=False)
+    # a doorbell's: the entries of the channels naming it (it goes with them)
+    channels: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def path(self) -> str:
@@ -445,26 +447,44 @@ def plan(now: float | None = None, *, include_idle: bool = False,
         now: the time doorbells' ages are counted to (default: now).
         include_idle: also remove the pools meant to stay (``BlockPool.mark_stays``, or
             made before pools recorded it) that no live process holds, with what is theirs.
-        prefix: only the objects whose name starts with it, and whose pool's name (if they
-            belong to one) does too (``in_scope``); every object is still read, so each
-            verdict is the one an unscoped plan gives.
+        prefix: only the objects whose name, or whose pool's name, starts with it
+            (``in_scope``: a prefix of names, which may match several pools). Every object
+            is still read, so each verdict is the one an unscoped plan gives, except that
+            nothing in scope goes because something out of scope goes: an object whose
+            removal rests on its pool's (or a doorbell on its channels') is kept when that
+            pool (or one of those channels) is out of scope.
 
     Raises:
         UsageError: an empty ``prefix``.
     """
     if prefix is not None and not (isinstance(prefix, str) and prefix):
-        raise UsageError(f"prefix {prefix!r}: give the start of the names to clean up (a "
-                         "pool's name, or a test run's), or no prefix at all for every "
-                         "object")
+        raise UsageError(f"prefix {prefix!r}: give the start of the names to clean up (of "
+                         "every pool and sibling whose name starts with it; `shmkv unlink "
+                         "NAME` removes one pool), or no prefix at all for every object")
     verdicts = _plan(time.time() if now is None else now, include_idle)
-    return verdicts if prefix is None else [v for v in verdicts if in_scope(v, prefix)]
+    if prefix is None:
+        return verdicts
+    scoped = [v for v in verdicts if in_scope(v, prefix)]
+    entries = {v.entry for v in scoped}
+    for v in scoped:
+        if not v.remove:
+            continue
+        if v.pool and not v.pool.startswith(prefix) and "removed too" in v.reason:
+            v.remove, v.reason = False, (f"its pool {v.pool} is to go, but its name does not "
+                                         f"start with {prefix!r}: left alone")
+    gone = {v.entry for v in scoped if v.remove}
+    for v in scoped:
+        if v.remove and v.channels and not set(v.channels) <= (entries & gone):
+            v.remove, v.reason = False, (
+                "its channel(s) are to go, but not all of them with this cleanup: left alone")
+    return scoped
 
 
 def in_scope(v: Verdict, prefix: str) -> bool:
-    """Whether a scoped cleanup (``--prefix``) may touch ``v``: its name starts with
-    ``prefix``, and so does the name of the pool it belongs to, if any (so nothing in scope
-    goes because a pool outside the scope goes)."""
-    return (v.name or "").startswith(prefix) and (not v.pool or v.pool.startswith(prefix))
+    """Whether a scoped cleanup (``--prefix``) or listing may touch ``v``: its own name
+    starts with ``prefix``, or the name of the pool it belongs to does (so a pool's
+    siblings named after a serving run go with it)."""
+    return (v.name or "").startswith(prefix) or bool(v.pool and v.pool.startswith(prefix))
 
 
 def _plan(now: float, include_idle: bool) -> list[Verdict]:
@@ -584,6 +604,7 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
         channels = naming.get(bell, [])
         if channels:
             v.pool = next((c.pool for c in channels if c.pool), None)
+            v.channels = tuple(c.entry for c in channels)
             kept = [c.name for c in channels if not c.remove]
             if kept:
                 v.reason = f"its channel(s) {', '.join(kept)} stay"

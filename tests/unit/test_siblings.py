@@ -263,7 +263,7 @@ def test_a_tier_stays_with_the_pool_it_is_the_tier_of(pool_name):
 
 
 def test_a_scoped_plan_sees_only_its_names(pool_name):
-    """plan(prefix=...) gives only the objects whose name (and pool's name) starts with the
+    """plan(prefix=...) gives only the objects whose name (or pool's name) starts with the
     prefix, each with the verdict of the whole plan; an empty prefix is refused."""
     import pytest
 
@@ -286,8 +286,11 @@ def test_a_scoped_plan_sees_only_its_names(pool_name):
         assert os.path.exists(f"/dev/shm{L.segment_name(other)}")
         with pytest.raises(UsageError, match="prefix ''"):
             siblings.plan(prefix="")
+        # in scope by its own name, or by its pool's
         stray = siblings.Verdict("x", "stats", f"{pool_name}-s", True, "", pool=other)
-        assert not siblings.in_scope(stray, pool_name)  # its pool is outside the scope
+        assert siblings.in_scope(stray, pool_name)
+        run = siblings.Verdict("x", "channel", other, True, "", pool=f"{pool_name}-q")
+        assert siblings.in_scope(run, pool_name) and not siblings.in_scope(run, "zz")
     finally:
         BlockPool.unlink(other)
 
