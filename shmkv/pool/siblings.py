@@ -228,9 +228,10 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
             return keep(f"corrupt: {len(head)} bytes, smaller than a pool header: left alone")
         hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
         if int(hdr["magic"]) != L.MAGIC:
-            what = ("no header yet (being created, or its creator died making it)"
-                    if int(hdr["magic"]) == 0 else f"corrupt header (magic {int(hdr['magic']):#x})")
-            return keep(f"{what}: left alone")
+            if int(hdr["magic"]) == 0:
+                return keep("no header yet (being created, or its creator died making it): "
+                            f"left alone; `shmkv unlink {name}` removes it")
+            return keep(f"corrupt header (magic {int(hdr['magic']):#x}): left alone")
         if int(hdr["layout_version"]) != L.LAYOUT_VERSION:
             return keep(f"corrupt header: layout_version {int(hdr['layout_version'])} in a "
                         f"v{L.LAYOUT_VERSION} name: left alone")

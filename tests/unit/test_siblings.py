@@ -359,3 +359,16 @@ def test_a_pool_attached_to_between_plan_and_remove_is_left_alone(pool_name):
         done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
         assert done[entry] == (False, siblings.CHANGED)
         assert os.path.exists(f"/dev/shm/{entry}")
+
+
+def test_a_pool_without_a_header_is_left_to_shmkv_unlink(pool_name):
+    # Its creator was killed before writing the header: cleanup cannot tell it from a pool
+    # being made, so it keeps it and names the command that removes it.
+    entry = L.segment_name(pool_name)[1:]
+    fd = os.open(f"/dev/shm/{entry}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    v = _verdict(entry)
+    assert not v.remove and v.reason.endswith(f"`shmkv unlink {pool_name}` removes it")
+    assert siblings.unlink_pool(pool_name, ()).found
+    assert not os.path.exists(f"/dev/shm/{entry}")
