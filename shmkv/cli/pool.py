@@ -461,7 +461,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
              else "; no orphaned pools")
           + (f"; {len(idle)} idle pool(s) meant to stay kept (`shmkv unlink NAME` or "
              "--include-idle removes them)" if idle else "")
-          + (f"; only names starting with {args.prefix!r}" if args.prefix else ""))
+          + (f"; only objects whose name, or whose pool's name, starts with {args.prefix!r}"
+             if args.prefix else ""))
     return EXIT_OK
 
 
@@ -650,7 +651,8 @@ def add_stats_parser(sub) -> None:
 # ---------------------------------------------------------------------------- ls
 
 def list_objects(prefix: str | None = None) -> list[dict]:
-    """Every shmkv object in /dev/shm (``prefix``: those whose name starts with it): pools
+    """Every shmkv object in /dev/shm (``prefix``: those whose name, or whose pool's name,
+    starts with it, ``siblings.in_scope``): pools
     (with owner, size, processes, creator alive, whether each is meant to stay), their locks
     and liveness files, and sibling objects (channels, doorbells, publisher positions,
     stats, block tables...), each with the pool it belongs to if any."""
@@ -802,7 +804,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not rows:
         print("no shmkv objects in /dev/shm"
-              + (f" whose name starts with {args.prefix!r}" if args.prefix else ""))
+              + (f" whose name, or whose pool's name, starts with {args.prefix!r}"
+                 if args.prefix else ""))
         return EXIT_OK
     print(f"{'KIND':<10} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
           f"{'CREATOR':<8} {'LIFETIME':<8} NOTE")
