@@ -26,9 +26,17 @@ The rules (issue 15, item 6, and issue 21):
 - an object of another user, not a regular file, too short, with a torn or foreign header,
   or of another layout version is listed with the reason and left alone.
 
+- a process of another pid namespace is never taken for dead: a slot is judged by its
+  lock on the ``.alive`` file (kernel-arbitrated, valid across namespaces), else by its
+  pid only when its row records this process's namespace; a pool being created stays while
+  its ``.alive`` file is missing, locked, or younger than ``CREATING_GRACE_S``; a sibling's
+  creator is alive unless its owner record names this namespace and that pid is gone.
+
 :func:`plan` decides without changing anything (``--dry-run`` and ``shmkv ls`` use it);
-:func:`remove` carries a plan out. A process attaching at the very moment its pool is
-removed keeps working on the unlinked pool (as after ``shmkv unlink``).
+:func:`remove` carries a plan out, judging each object again right before removing it (the
+same inode, a pool's same ``pool_id``, still to go; otherwise it is left alone). A process
+attaching in the instant between that check and the removal keeps working on the unlinked
+pool (as after ``shmkv unlink``).
 """
 
 from __future__ import annotations

@@ -312,17 +312,21 @@ def test_unlink_says_what_it_frees(pool_name):
         "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB", "4096.0 GiB"]
 
 
-def _make_and_close(name: str, stays: bool) -> None:
+def _make_and_close(name: str, stays: bool, stats: bool) -> None:
+    from shmkv.stats import PoolStats
+
     pool = BlockPool.create(name, 8)
     if stays:
         pool.mark_stays("a test")
+    if stats:
+        PoolStats.open(pool).close()
     pool.close()
 
 
-def _orphan(name: str, stays: bool = False) -> None:
+def _orphan(name: str, stays: bool = False, stats: bool = False) -> None:
     """Makes a pool whose creator closed it and exited: an orphan, or with ``stays`` one
-    meant to stay (as ``shmkv create`` makes)."""
-    p = mp.get_context("spawn").Process(target=_make_and_close, args=(name, stays))
+    meant to stay (as ``shmkv create`` makes); with ``stats``, with its stats segment."""
+    p = mp.get_context("spawn").Process(target=_make_and_close, args=(name, stays, stats))
     p.start()
     p.join(60)
     assert p.exitcode == 0
@@ -372,3 +376,19 @@ def test_a_pool_without_a_header_is_left_to_shmkv_unlink(pool_name):
     assert not v.remove and v.reason.endswith(f"`shmkv unlink {pool_name}` removes it")
     assert siblings.unlink_pool(pool_name, ()).found
     assert not os.path.exists(f"/dev/shm/{entry}")
+
+
+def test_a_sibling_made_again_between_plan_and_remove_is_left_alone(pool_name):
+    # The same with a pool's stats segment: the plan judged the orphan's; the new pool's,
+    # under the same name, stays.
+    _orphan(pool_name, stats=True)
+    stats = L.sibling_segment_name("stats", pool_name, L.STATS_VERSION)[1:]
+    plan = siblings.plan(prefix=pool_name)
+    assert next(v for v in plan if v.entry == stats).remove
+    siblings.unlink_pool(pool_name, ())
+    _orphan(pool_name, stays=True, stats=True)
+    done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
+    assert done[stats] == (False, siblings.CHANGED)
+    assert os.path.exists(f"/dev/shm/{stats}")
+    assert not _verdict(stats).remove
+    siblings.unlink_pool(pool_name, ())
