@@ -416,7 +416,9 @@ def add_unlink_parser(sub) -> None:
                             "tiers (HiSparse's host pool, known by its header: a pool of its "
                             "own named <name>.host stays), and what is named after the pool "
                             "alone (publisher position, stats, the vLLM offload tier's table "
-                            "and data region), whether the pool is meant to stay or not, "
+                            "and data region, the SGLang page store, and the earlier versions "
+                            "of these an older shmkv made, when they are regular files of "
+                            "this user), whether the pool is meant to stay or not, "
                             "and says how much of /dev/shm that frees. Processes that have it "
                             "mapped keep working. Exit 2 if there is no such pool (as every "
                             "command).")
@@ -457,6 +459,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
             extra = f" ({human_bytes(siblings.memory_of(verdicts, v.name))} of /dev/shm)"
         print(f"kept {_describe(v)}: {v.reason}{extra}")
     freed = sum(v.memory_bytes for v in removed)
+    staying = [v.name for v in removed if v.kind == "pool" and v.idle]
+    if args.prefix and staying:
+        print(f"--include-idle with --prefix {args.prefix!r} "
+              f"{'would remove' if args.dry_run else 'removed'} {len(staying)} pool(s) meant "
+              f"to stay whose name starts with it: {', '.join(staying)}")
     idle = [v for v in kept if v.kind == "pool" and v.idle]
     print(f"{len(removed)} object(s) {'to remove' if args.dry_run else 'removed'} "
           f"({human_bytes(freed)} of /dev/shm{' to free' if args.dry_run else ' freed'}), "
@@ -465,7 +472,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
              else "; no orphaned pools")
           + (f"; {len(idle)} idle pool(s) meant to stay kept (`shmkv unlink NAME` or "
              "--include-idle removes them)" if idle else "")
-          + (f"; only names starting with {args.prefix!r}" if args.prefix else ""))
+          + (f"; only objects whose name, or whose pool's name, starts with {args.prefix!r}"
+             if args.prefix else ""))
     return EXIT_OK
 
 
@@ -474,9 +482,10 @@ def _check_prefix(prefix: str) -> None:
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", prefix):
-        raise UsageError(f"--prefix {prefix!r}: give the start of the names to act on, in "
-                         "the characters of a pool name (letters, digits, '.', '_', '-', "
-                         "'+'); leave --prefix out for every object")
+        raise UsageError(f"--prefix {prefix!r}: give the start of the names to act on (it "
+                         "matches every name starting with it), in the characters of a pool "
+                         "name (letters, digits, '.', '_', '-', '+'); leave --prefix out for "
+                         "every object; `shmkv unlink NAME` removes one pool")
 
 
 def add_cleanup_parser(sub) -> None:
@@ -498,8 +507,10 @@ def add_cleanup_parser(sub) -> None:
                          help="also remove the pools meant to stay that no live process "
                          "holds (with their siblings and data regions)")
     cleanup.add_argument("--prefix", metavar="PREFIX",
-                         help="only objects whose name, and whose pool's name, starts with "
-                         "PREFIX (e.g. one test run's names)")
+                         help="only objects whose name, or whose pool's name, starts with "
+                         "PREFIX: the start of names (e.g. every name of one test run), "
+                         "which matches every pool whose name starts with it; to remove one "
+                         "pool, use `shmkv unlink NAME`")
     cleanup.set_defaults(func=cmd_cleanup)
 
 
@@ -652,7 +663,8 @@ def add_stats_parser(sub) -> None:
 # ---------------------------------------------------------------------------- ls
 
 def list_objects(prefix: str | None = None) -> list[dict]:
-    """Every shmkv object in /dev/shm (``prefix``: those whose name starts with it): pools
+    """Every shmkv object in /dev/shm (``prefix``: those whose name, or whose pool's name,
+    starts with it, ``siblings.in_scope``): pools
     (with owner, size, processes, creator alive, whether each is meant to stay), their locks
     and liveness files, and sibling objects (channels, doorbells, publisher positions,
     stats, block tables...), each with the pool it belongs to if any."""
@@ -693,7 +705,7 @@ def _object_row(entry: str) -> dict | None:
     import pwd
 
     from shmkv.pool.segment import file_type
-    from shmkv.pool.siblings import _foreign
+    from shmkv.pool.siblings import foreign_reason
 
     path = f"/dev/shm/{entry}"
     base = entry[len("sem."):] if entry.startswith("sem.") else entry
@@ -711,7 +723,7 @@ def _object_row(entry: str) -> dict | None:
     row = {"entry": entry, "owner": owner, "bytes": st.st_size, "kind": "other",
            "name": base, "version": None, "processes": None, "alive": None,
            "creator_alive": None, "note": ""}
-    problem = _foreign(st)
+    problem = foreign_reason(st)
     if problem and not stat.S_ISREG(st.st_mode):
         problem = f"{file_type(st.st_mode)}, {problem}"
     if region_of:
@@ -835,7 +847,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not rows:
         print("no shmkv objects in /dev/shm"
-              + (f" whose name starts with {args.prefix!r}" if args.prefix else ""))
+              + (f" whose name, or whose pool's name, starts with {args.prefix!r}"
+                 if args.prefix else ""))
         return EXIT_OK
     print(f"{'KIND':<11} {'NAME':<44} {'OWNER':<8} {'BYTES':>13} {'PROCS':>9} "
           f"{'CREATOR':<8} {'LIFETIME':<8} NOTE")
@@ -879,7 +892,8 @@ def add_ls_parser(sub) -> None:
     p.add_argument("--all", action="store_true", help="also pool locks and liveness files")
     p.add_argument("--json", action="store_true", help="a JSON list, for scripts")
     p.add_argument("--prefix", metavar="PREFIX",
-                   help="only objects whose name starts with PREFIX")
+                   help="only objects whose name, or whose pool's name, starts with PREFIX "
+                   "(the start of names, which may match several pools)")
     p.set_defaults(func=cmd_ls)
 
 

@@ -238,7 +238,7 @@ channel's header (it has no header of its own), and a pool has its lock semaphor
 ``.alive`` file (above).
 
 Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and holds an
-*owner record* (``OWNER_DTYPE``, 112 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
+*owner record* (``OWNER_DTYPE``, 120 bytes) at the offset ``SIBLING_KINDS`` gives for its kind;
 ``shmkv cleanup`` (``shmkv/pool/siblings.py``) reads only these to decide whose a sibling is:
 
 | field                 | type | meaning |
@@ -250,6 +250,7 @@ Every sibling segment starts with `magic` (u64, 0) and `version` (u32, 8), and h
 | `pool_ino`            | u64  | inode of the pool segment in /dev/shm when the segment was made: a pool re-created under the same name is another pool |
 | `pool_name`           | S64  | the pool the segment belongs to; empty: none |
 | `pool_id`             | V16  | that pool's header `pool_id` when the segment was made: the pool itself, whatever its name, creator pid or inode |
+| `creator_pid_ns`      | u64  | the inode of the creator's pid namespace (``/proc/self/ns/pid``), 0 if unknown: `creator_pid` and `creator_start_ticks` mean something only to a reader in the same namespace; a creator of another (or an unknown) namespace counts as alive |
 
 A sibling is its creator's while the creator lives, and its pool's while that very pool is in
 use; when both are gone (or the pool is being removed as orphaned) cleanup removes it, and a
@@ -788,10 +789,10 @@ OWNER_MAGIC = 0x1A5E_4B76_6F77_6E31
 OWNER_DTYPE = np.dtype(
     {
         "names": ["owner_magic", "creator_pid", "pool_creator_pid", "creator_start_ticks",
-                  "pool_ino", "pool_name", "pool_id"],
-        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}", "V16"],
-        "offsets": [0, 8, 12, 16, 24, 32, 96],
-        "itemsize": 112,
+                  "pool_ino", "pool_name", "pool_id", "creator_pid_ns"],
+        "formats": ["<u8", "<i4", "<u4", "<u8", "<u8", f"S{MAX_POOL_NAME_CHARS}", "V16", "<u8"],
+        "offsets": [0, 8, 12, 16, 24, 32, 96, 112],
+        "itemsize": 120,
     }
 )
 
@@ -828,6 +829,9 @@ class SiblingKind:
     version: int
     magic: int
     owner_offset: int
+    # earlier versions of a kind named after its pool alone, which ``shmkv unlink`` also
+    # removes (a pool used before and after an upgrade of shmkv has both)
+    past_versions: tuple[int, ...] = ()
 
 
 SIBLING_KINDS: dict[str, SiblingKind] = {
@@ -836,13 +840,14 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
                     CHANNEL_OWNER_OFFSET),
         SiblingKind("bt", "block tables", BT_LAYOUT_VERSION, BT_MAGIC, BT_OWNER_OFFSET),
         SiblingKind("kv", "KV store", KV_LAYOUT_VERSION, KV_MAGIC, KV_OWNER_OFFSET),
-        SiblingKind("stats", "stats", STATS_VERSION, STATS_MAGIC, STATS_OWNER_OFFSET),
+        SiblingKind("stats", "stats", STATS_VERSION, STATS_MAGIC, STATS_OWNER_OFFSET,
+                    past_versions=(1, 2)),
         SiblingKind("pub", "publisher position", PUBLISHER_STATE_VERSION,
-                    PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET),
+                    PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET, past_versions=(1, 2)),
         SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
-                    OFFLOAD_TIER_OWNER_OFFSET),
+                    OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2)),
         SiblingKind("sglang", "SGLang page store", SGLANG_STORE_VERSION, SGLANG_STORE_MAGIC,
-                    SGLANG_STORE_OWNER_OFFSET),
+                    SGLANG_STORE_OWNER_OFFSET, past_versions=(1,)),
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"

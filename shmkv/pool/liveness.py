@@ -280,8 +280,16 @@ def recorded_process_gone(row) -> bool:
     being filled in (not yet active), a row of another pid namespace, no /proc."""
     if int(row["state"]) != SLOT_ACTIVE:
         return False
-    pid, ns = int(row["pid"]), int(row["pid_ns"])
-    if pid <= 0 or ns == 0 or ns != own_pid_namespace():
+    return process_gone(int(row["pid"]), int(row["start_ticks"]), int(row["pid_ns"]))
+
+
+def process_gone(pid: int, start_ticks: int, pid_ns: int) -> bool:
+    """Whether the process recorded as ``pid`` (started at ``start_ticks``, 0 if unknown) in
+    the pid namespace ``pid_ns`` is provably gone: the namespace is this process's, and the
+    pid no longer runs, is a zombie, or runs a process started at another tick. False
+    whenever it cannot be told: no pid, a namespace of 0 (unknown) or another one, no
+    /proc."""
+    if pid <= 0 or pid_ns == 0 or pid_ns != own_pid_namespace():
         return False
     status = _proc_stat(pid)
     if status is None:
@@ -289,8 +297,7 @@ def recorded_process_gone(row) -> bool:
     state, ticks = status
     if state in (b"Z", b"X"):
         return True
-    recorded = int(row["start_ticks"])
-    return recorded != 0 and ticks != 0 and ticks != recorded
+    return start_ticks != 0 and ticks != 0 and ticks != start_ticks
 
 
 def _proc_stat(pid: int) -> tuple[bytes, int] | None:

@@ -26,9 +26,17 @@ The rules (issue 15, item 6, and issue 21):
 - an object of another user, not a regular file, too short, with a torn or foreign header,
   or of another layout version is listed with the reason and left alone.
 
+- a process of another pid namespace is never taken for dead: a slot is judged by its
+  lock on the ``.alive`` file (kernel-arbitrated, valid across namespaces), else by its
+  pid only when its row records this process's namespace; a pool being created stays while
+  its ``.alive`` file is missing, locked, or younger than ``CREATING_GRACE_S``; a sibling's
+  creator is alive unless its owner record names this namespace and that pid is gone.
+
 :func:`plan` decides without changing anything (``--dry-run`` and ``shmkv ls`` use it);
-:func:`remove` carries a plan out. A process attaching at the very moment its pool is
-removed keeps working on the unlinked pool (as after ``shmkv unlink``).
+:func:`remove` carries a plan out, judging each object again right before removing it (the
+same inode, a pool's same ``pool_id``, still to go; otherwise it is left alone). A process
+attaching in the instant between that check and the removal keeps working on the unlinked
+pool (as after ``shmkv unlink``).
 """
 
 from __future__ import annotations
@@ -47,10 +55,13 @@ import posix_ipc
 
 from shmkv.errors import SegmentNotFoundError, UsageError
 from shmkv.pool import layout as L
-from shmkv.pool.liveness import pid_alive, process_start_ticks
+from shmkv.pool.liveness import own_pid_namespace, pid_alive, process_gone, process_start_ticks
 
 SHM_DIR = "/dev/shm"
 DOORBELL_GRACE_S = 60.0
+# A pool being created whose liveness file no process holds a lock on: its creator (in any
+# pid namespace) may be between making the file and taking its slot for this long.
+CREATING_GRACE_S = 60.0
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock, as in liveness.py
 _DOORBELL_FIELD = L.CHANNEL_HEADER_DTYPE.fields["doorbell"][1]
 
@@ -70,6 +81,7 @@ def owner_record(pool_name: str | None = None, *, creator: bool = True) -> np.nd
         pid = os.getpid()
         rec["creator_pid"] = pid
         rec["creator_start_ticks"] = process_start_ticks(pid)
+        rec["creator_pid_ns"] = own_pid_namespace()
     if pool_name is not None:
         identity = pool_identity(pool_name)
         if identity is None:
@@ -137,13 +149,21 @@ class Verdict:
     lifetime: str = ""
     idle: bool = False  # a pool meant to stay that no live process holds
     memory_bytes: int = 0  # what it takes in /dev/shm (allocated, not its nominal size)
+    # what was judged: the object's inode, and a pool's header ``pool_id`` (``remove``
+    # removes an object only while the one at its name is still this one, still to go)
+    ino: int = field(default=0, repr=False)
+    pool_id: bytes = field(default=b"", repr=False)
+    # a doorbell's: the entries of the channels naming it (it goes with them)
+    channels: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def path(self) -> str:
         return f"{SHM_DIR}/{self.entry}"
 
 
-def _foreign(st: os.stat_result) -> str | None:
+def foreign_reason(st: os.stat_result) -> str | None:
+    """Why an object at a shmkv name is not this user's shmkv object (not a regular file,
+    or another user's), or None if it may be."""
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file: left alone"
     if st.st_uid != os.geteuid():
@@ -205,7 +225,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
         return _Pool(Verdict(entry, "pool", name, False, reason, lifetime=lifetime), creator,
                      st.st_ino, pool_id, tier_of)
 
-    problem = _foreign(st)
+    problem = foreign_reason(st)
     if problem:
         return keep(problem)
     try:
@@ -218,9 +238,10 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
             return keep(f"corrupt: {len(head)} bytes, smaller than a pool header: left alone")
         hdr = np.frombuffer(head, L.HEADER_DTYPE, count=1)[0]
         if int(hdr["magic"]) != L.MAGIC:
-            what = ("no header yet (being created, or its creator died making it)"
-                    if int(hdr["magic"]) == 0 else f"corrupt header (magic {int(hdr['magic']):#x})")
-            return keep(f"{what}: left alone")
+            if int(hdr["magic"]) == 0:
+                return keep("no header yet (being created, or its creator died making it): "
+                            f"left alone; `shmkv unlink {name}` removes it")
+            return keep(f"corrupt header (magic {int(hdr['magic']):#x}): left alone")
         if int(hdr["layout_version"]) != L.LAYOUT_VERSION:
             return keep(f"corrupt header: layout_version {int(hdr['layout_version'])} in a "
                         f"v{L.LAYOUT_VERSION} name: left alone")
@@ -230,8 +251,9 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
         state = int(hdr["state"])
         stays = stays_text(int(hdr["retention"]), bytes(hdr["stays_by"]))
         if state == L.STATE_INITIALIZING:
-            if pid_alive(creator):
-                return keep(f"being created by pid {creator}", creator, "scoped")
+            creating = _creating(entry, name, creator)
+            if creating:
+                return keep(creating, creator, "scoped")
             return _Pool(Verdict(entry, "pool", name, True,
                                  f"its creator pid {creator} died while creating it",
                                  lifetime="orphan"),
@@ -287,17 +309,44 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
                  creator, st.st_ino, pool_id, tier_of)
 
 
+def _creating(entry: str, name: str, creator: int) -> str | None:
+    """Why a pool in state INITIALIZING may still be being created, or None when its
+    creator provably died creating it. The header records the creator's pid but not its pid
+    namespace, so a pid test alone proves nothing (the creator may be in a container); the
+    proof is the liveness file: the creator makes it, then holds a lock on it (its slot)
+    until it exits. Kept: while a process has the creator's pid here, while the liveness
+    file is missing (not made yet, or the creator died before: ``shmkv unlink`` removes the
+    pool), while a process holds a lock on it, and for ``CREATING_GRACE_S`` after it was
+    made."""
+    if pid_alive(creator):
+        return f"being created by pid {creator}"
+    path = f"{SHM_DIR}/{entry}.alive"
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return (f"being created by pid {creator} (of another pid namespace?), or its creator "
+                f"died before making its liveness file: left alone; `shmkv unlink {name}` "
+                "removes it")
+    if _any_lock_held(path):
+        return f"being created by pid {creator} (a live process holds its liveness file)"
+    age = time.time() - st.st_mtime
+    if age < CREATING_GRACE_S:
+        return f"being created by pid {creator} (its liveness file is {age:.0f} s old)"
+    return None
+
+
 def _slot_alive(entry: str, slot: int, procs: np.ndarray) -> bool:
     """A slot is live by the liveness rule (``AliveLocks.is_alive``); without the pool's
-    ``.alive`` file, while its pid lives with the recorded start time."""
+    ``.alive`` file, unless its row's process is provably gone (``process_gone``: a row of
+    another pid namespace counts as alive)."""
     from shmkv.errors import SegmentError
-    from shmkv.pool.liveness import AliveLocks
+    from shmkv.pool.liveness import AliveLocks, recorded_process_gone
 
     path = f"{SHM_DIR}/{entry}.alive"
     try:
         locks = AliveLocks(path, create=False, procs=procs)
     except SegmentError:
-        return pid_alive(int(procs[slot]["pid"]), int(procs[slot]["start_ticks"]))
+        return not recorded_process_gone(procs[slot])
     try:
         return locks.is_alive(slot)
     finally:
@@ -312,7 +361,7 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
     if spec is None or not version.isdigit():
         return Verdict(entry, "unknown", base, False, "not a kind this shmkv knows: left alone")
     v = Verdict(entry, spec.what, name, False, "")
-    problem = _foreign(st)
+    problem = foreign_reason(st)
     if problem:
         v.reason = problem
         return v
@@ -340,6 +389,8 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
             errors="replace")
     if int(version) != spec.version:
         v.reason = f"version {version}, not this shmkv's v{spec.version}: left alone"
+        if kind_name in L.POOL_NAMED_SIBLINGS and int(version) in spec.past_versions:
+            v.reason += f" (`shmkv unlink {name}` removes it with its pool)"
         return v
     if len(head_bytes) < spec.owner_offset + L.OWNER_DTYPE.itemsize:
         v.reason = f"corrupt: {st.st_size} bytes, too small for a {spec.what} header: left alone"
@@ -357,6 +408,7 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
         v.reason = "corrupt owner record: left alone"
         return v
     creator, ticks = int(rec["creator_pid"]), int(rec["creator_start_ticks"])
+    creator_ns = int(rec["creator_pid_ns"])
     try:
         pool_name = bytes(rec["pool_name"]).decode()
         if pool_name:
@@ -368,8 +420,11 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
     if running:
         v.reason = "a publisher is running on it"
         return v
-    if creator > 0 and pid_alive(creator, ticks):
-        v.reason = f"its creator pid {creator} is alive"
+    if creator > 0 and not process_gone(creator, ticks, creator_ns):
+        v.reason = (f"its creator pid {creator} is alive" if pid_alive(creator, ticks)
+                    and creator_ns == own_pid_namespace() else
+                    f"its creator pid {creator} is of another pid namespace (or of one not "
+                    "recorded): it may be alive")
         return v
     who = f"its creator pid {creator} is dead" if creator > 0 else ""
     if not pool_name:
@@ -403,26 +458,44 @@ def plan(now: float | None = None, *, include_idle: bool = False,
         now: the time doorbells' ages are counted to (default: now).
         include_idle: also remove the pools meant to stay (``BlockPool.mark_stays``, or
             made before pools recorded it) that no live process holds, with what is theirs.
-        prefix: only the objects whose name starts with it, and whose pool's name (if they
-            belong to one) does too (``in_scope``); every object is still read, so each
-            verdict is the one an unscoped plan gives.
+        prefix: only the objects whose name, or whose pool's name, starts with it
+            (``in_scope``: a prefix of names, which may match several pools). Every object
+            is still read, so each verdict is the one an unscoped plan gives, except that
+            nothing in scope goes because something out of scope goes: an object whose
+            removal rests on its pool's (or a doorbell on its channels') is kept when that
+            pool (or one of those channels) is out of scope.
 
     Raises:
         UsageError: an empty ``prefix``.
     """
     if prefix is not None and not (isinstance(prefix, str) and prefix):
-        raise UsageError(f"prefix {prefix!r}: give the start of the names to clean up (a "
-                         "pool's name, or a test run's), or no prefix at all for every "
-                         "object")
+        raise UsageError(f"prefix {prefix!r}: give the start of the names to clean up (of "
+                         "every pool and sibling whose name starts with it; `shmkv unlink "
+                         "NAME` removes one pool), or no prefix at all for every object")
     verdicts = _plan(time.time() if now is None else now, include_idle)
-    return verdicts if prefix is None else [v for v in verdicts if in_scope(v, prefix)]
+    if prefix is None:
+        return verdicts
+    scoped = [v for v in verdicts if in_scope(v, prefix)]
+    entries = {v.entry for v in scoped}
+    for v in scoped:
+        if not v.remove:
+            continue
+        if v.pool and not v.pool.startswith(prefix) and "removed too" in v.reason:
+            v.remove, v.reason = False, (f"its pool {v.pool} is to go, but its name does not "
+                                         f"start with {prefix!r}: left alone")
+    gone = {v.entry for v in scoped if v.remove}
+    for v in scoped:
+        if v.remove and v.channels and not set(v.channels) <= (entries & gone):
+            v.remove, v.reason = False, (
+                "its channel(s) are to go, but not all of them with this cleanup: left alone")
+    return scoped
 
 
 def in_scope(v: Verdict, prefix: str) -> bool:
-    """Whether a scoped cleanup (``--prefix``) may touch ``v``: its name starts with
-    ``prefix``, and so does the name of the pool it belongs to, if any (so nothing in scope
-    goes because a pool outside the scope goes)."""
-    return (v.name or "").startswith(prefix) and (not v.pool or v.pool.startswith(prefix))
+    """Whether a scoped cleanup (``--prefix``) or listing may touch ``v``: its own name
+    starts with ``prefix``, or the name of the pool it belongs to does (so a pool's
+    siblings named after a serving run go with it)."""
+    return (v.name or "").startswith(prefix) or bool(v.pool and v.pool.startswith(prefix))
 
 
 def _plan(now: float, include_idle: bool) -> list[Verdict]:
@@ -475,7 +548,7 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
             owner = out[seg]
             v.remove = owner.remove  # BlockPool.unlink removes it with the pool
             v.reason = f"goes with its pool {name}" if owner.remove else f"its pool {name} stays"
-        elif problem := _foreign(st):
+        elif problem := foreign_reason(st):
             v.reason = problem
         elif kind == "liveness" and _any_lock_held(f"{SHM_DIR}/{entry}"):
             v.reason = "a live process holds a lock on it"
@@ -491,7 +564,7 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
             table = out.get(entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)])
             v = Verdict(entry, "offload replica locks", table.pool if table else "", False, "",
                         pool=table.pool if table else "")
-            if problem := _foreign(st):
+            if problem := foreign_reason(st):
                 v.reason = problem
             elif table is not None:
                 v.remove = table.remove
@@ -512,7 +585,7 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
         out[entry] = v
         kept = [o for o in out.values()
                 if o.kind == "pool" and o.name == pool_name and not o.remove]
-        if problem := _foreign(st):
+        if problem := foreign_reason(st):
             v.reason = problem
         elif kept:
             v.reason = f"its pool {pool_name} stays ({kept[0].reason})"
@@ -536,12 +609,13 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
         if v.kind == "unknown":
             v.reason = "not a kind this shmkv knows: left alone"
             continue
-        if problem := _foreign(st):
+        if problem := foreign_reason(st):
             v.reason = problem
             continue
         channels = naming.get(bell, [])
         if channels:
             v.pool = next((c.pool for c in channels if c.pool), None)
+            v.channels = tuple(c.entry for c in channels)
             kept = [c.name for c in channels if not c.remove]
             if kept:
                 v.reason = f"its channel(s) {', '.join(kept)} stay"
@@ -557,6 +631,9 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
             v.remove, v.reason = True, f"no channel names it (made {age:.0f} s ago)"
     for entry, v in out.items():
         v.memory_bytes = stats[entry].st_blocks * 512
+        v.ino = stats[entry].st_ino
+    for pool in pools.values():
+        pool.verdict.pool_id = pool.pool_id
     return [out[e] for e in stats if e in out]
 
 
@@ -612,7 +689,7 @@ def tier_of(pool_name: str) -> bytes | None:
     None when it is a pool of its own, or not a readable shmkv pool of this user and layout
     version (then it is nobody's tier: left alone)."""
     found = _pool_header(pool_name)
-    if found is None or _foreign(found[0]):
+    if found is None or foreign_reason(found[0]):
         return None
     hdr = found[1]
     if int(hdr["magic"]) != L.MAGIC or int(hdr["layout_version"]) != L.LAYOUT_VERSION:
@@ -659,6 +736,7 @@ def _pool_paths(pool: str, tiers: tuple[str, ...]) -> list[str]:
     paths += [SHM_DIR + L.sibling_segment_name(kind, pool, L.SIBLING_KINDS[kind].version)
               for kind in L.POOL_NAMED_SIBLINGS]
     paths.append(L.offload_replicas_path(pool))
+    paths += [path for path, _ in _past_versions(pool)]
     try:
         paths += [f"{SHM_DIR}/{e}" for e in sorted(os.listdir(SHM_DIR))
                   if L.offload_data_region_pool(e) == pool]
@@ -696,10 +774,46 @@ def unlink_pool(pool: str, tiers: tuple[str, ...]) -> Unlinked:
     return Unlinked(found, extras, freed)
 
 
+def _past_versions(pool: str) -> list[tuple[str, str]]:
+    """(path, what) of the earlier versions of each sibling named after ``pool`` alone
+    (``SiblingKind.past_versions``), with the offload tier table's replica lock file."""
+    out = []
+    for kind in L.POOL_NAMED_SIBLINGS:
+        spec = L.SIBLING_KINDS[kind]
+        for version in spec.past_versions:
+            path = SHM_DIR + L.sibling_segment_name(kind, pool, version)
+            out.append((path, f"{spec.what} v{version}"))
+            if kind == "offload":
+                out.append((path + L.OFFLOAD_REPLICAS_SUFFIX,
+                            f"offload replica locks v{version}"))
+    return out
+
+
+def unlink_past_versions(pool: str) -> list[str]:
+    """Removes the earlier versions of what is named after ``pool`` alone (an earlier shmkv
+    made them: ``_past_versions``), each only if it is a regular file of this user; returns
+    what each removed object is (``"offload tier table v2"``, ...)."""
+    removed = []
+    for path, what in _past_versions(pool):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if foreign_reason(st):  # a link, FIFO, directory or another user's file: left alone
+            continue
+        try:
+            os.unlink(path)
+            removed.append(what)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def unlink_pool_siblings(pool: str) -> list[str]:
     """Removes what is named after ``pool`` alone besides the pool itself
-    (``layout.POOL_NAMED_SIBLINGS``, then the offload data region); returns what each
-    removed object is (``"stats"``, ``"offload data region"``, ...)."""
+    (``layout.POOL_NAMED_SIBLINGS``, their earlier versions (``unlink_past_versions``), then
+    the offload data region); returns what each removed object is (``"stats"``,
+    ``"offload data region"``, ...)."""
     L.validate_pool_name(pool)
     removed = []
     for kind in L.POOL_NAMED_SIBLINGS:
@@ -714,24 +828,107 @@ def unlink_pool_siblings(pool: str) -> list[str]:
         removed.append("offload replica locks")
     except FileNotFoundError:
         pass
+    removed += unlink_past_versions(pool)
     if unlink_offload_data_region(pool):
         removed.append("offload data region")
     return removed
 
 
+CHANGED = "changed since it was judged: left alone"
+
+
+def _now_ino(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+class _Recheck:
+    """Whether an object a plan said to remove is, right before its removal, still the very
+    object judged (its inode, a pool's ``pool_id``) and still to go, as judged afresh."""
+
+    def __init__(self, verdicts: list[Verdict]) -> None:
+        self.planned = {v.entry: v for v in verdicts}
+        self.pools = {v.name: v for v in verdicts
+                      if v.kind == "pool" and v.entry.endswith(f"-v{L.LAYOUT_VERSION}")}
+
+    def pool_now(self, name: str) -> _Pool | None:
+        """The pool named ``name`` judged now (with ``--include-idle`` if the plan removed
+        it so); None if there is none of this layout version."""
+        try:
+            entry = L.segment_name(name)[1:]
+            st = os.lstat(f"{SHM_DIR}/{entry}")
+        except (OSError, UsageError):
+            return None
+        planned = self.pools.get(name)
+        return _assess_pool(entry, name, st, bool(planned and planned.idle and planned.remove))
+
+    def pool_as_planned(self, name: str) -> bool:
+        """The pool at ``name`` is now what the plan saw: the same pool, still to go, or
+        none, as the plan found none."""
+        planned = self.pools.get(name)
+        now = self.pool_now(name)
+        if planned is None or not planned.ino:
+            return now is None
+        return (now is not None and now.ino == planned.ino and now.pool_id == planned.pool_id
+                and now.verdict.remove)
+
+    def still(self, v: Verdict) -> bool:
+        if _now_ino(v.path) != v.ino:
+            return False
+        if v.kind == "pool":
+            return self.pool_as_planned(v.name)
+        if v.kind in ("lock", "liveness") or v.kind == "offload data region":
+            return self.pool_as_planned(v.pool or v.name)
+        if v.entry.startswith("shmkv_") and v.entry.endswith(L.OFFLOAD_REPLICAS_SUFFIX):
+            table = v.entry[:-len(L.OFFLOAD_REPLICAS_SUFFIX)]  # it goes with its table
+            if _now_ino(f"{SHM_DIR}/{table}") is None:
+                return not _any_lock_held(v.path)
+            return self.sibling_to_go(table)
+        if v.entry.startswith("shmkv_"):
+            return self.sibling_to_go(v.entry)
+        return True  # a doorbell: the very semaphore judged (its inode)
+
+    def sibling_to_go(self, entry: str) -> bool:
+        """The sibling segment ``entry`` judged now is to go."""
+        try:
+            st = os.lstat(f"{SHM_DIR}/{entry}")
+        except OSError:
+            return False
+        first = _assess_sibling(entry, st, {})
+        pools = {}
+        if first.pool and (pool := self.pool_now(first.pool)) is not None:
+            pools[first.pool] = pool
+        return _assess_sibling(entry, st, pools).remove if pools else first.remove
+
+
 def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     """Removes what ``verdicts`` say to remove: siblings, then doorbells, then pools (with
-    their lock and liveness file). Returns (verdict, removed) for each, False when the
-    object had gone meanwhile."""
+    their lock and liveness file). Right before each removal the object is judged again:
+    one that is no longer the object the plan judged (removed and made again meanwhile,
+    e.g. by ``shmkv create``), or no longer to go (a process attached meanwhile), is left
+    alone, its verdict turned to kept with the reason ``CHANGED``. Returns (verdict,
+    removed) for each, False when the object had gone meanwhile or was left alone."""
     done = []
     order = {"doorbell": 1, "pool": 2, "lock": 3, "liveness": 3}
     pools_removed = set()
+    pools_kept = set()
+    check = _Recheck(verdicts)
     for v in sorted((v for v in verdicts if v.remove), key=lambda v: order.get(v.kind, 0)):
+        if v.kind in ("lock", "liveness") and v.pool in pools_removed:
+            done.append((v, not os.path.exists(v.path)))  # went with its pool
+            continue
+        if (v.kind in ("lock", "liveness") and v.pool in pools_kept) or not check.still(v):
+            if v.kind == "pool":
+                pools_kept.add(v.name)
+            if os.path.lexists(v.path):
+                v.remove, v.reason = False, CHANGED
+            done.append((v, False))
+            continue
         if v.kind == "pool":  # with its lock and liveness file; each tier has its verdict
             ok = unlink_pool_files(v.name)
             pools_removed.add(v.name)
-        elif v.kind in ("lock", "liveness") and v.pool in pools_removed:
-            ok = not os.path.exists(v.path)  # went with its pool
         elif v.kind == "doorbell" or v.entry.startswith("sem."):
             try:
                 posix_ipc.unlink_semaphore("/" + v.entry[len("sem."):])
@@ -752,7 +949,8 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     return done
 
 
-__all__ = ["DOORBELL_GRACE_S", "Unlinked", "Verdict", "human_bytes", "in_scope", "memory_of",
-           "owner_record", "plan", "pool_identity", "remove", "stays_text", "tier_of",
-           "unlink_offload_data_region", "unlink_pool", "unlink_pool_files",
-           "unlink_pool_siblings", "unlink_tiers", "write_owner"]
+__all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "foreign_reason", "human_bytes",
+           "in_scope", "memory_of", "owner_record", "plan", "pool_identity", "remove",
+           "stays_text", "tier_of", "unlink_offload_data_region", "unlink_past_versions",
+           "unlink_pool", "unlink_pool_files", "unlink_pool_siblings", "unlink_tiers",
+           "write_owner"]

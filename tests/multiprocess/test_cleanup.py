@@ -462,6 +462,100 @@ def test_unlink_removes_everything_named_after_the_pool(name):
         _remove_all(other)
 
 
+def test_unlink_removes_what_an_earlier_shmkv_named_after_the_pool(name):
+    """After an upgrade, `shmkv unlink` also takes the earlier versions of the siblings
+    named after the pool (a vLLM tier table v2 and its replica lock file, an SGLang page
+    store v1), counted in the memory freed; a link, FIFO, directory or another user's file
+    at such a name is left alone."""
+    old = {L.sibling_segment_name("offload", name, 2): 8192,
+           L.sibling_segment_name("offload", name, 2) + L.OFFLOAD_REPLICAS_SUFFIX: 4096,
+           L.sibling_segment_name("sglang", name, 1): 4096}
+    BlockPool.create(name, 8).close()
+    for entry, size in old.items():
+        fd = os.open(f"/dev/shm{entry}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.write(fd, b"\1" * size)  # pages of /dev/shm, as the old shmkv's files took
+        os.close(fd)
+    memory = _memory(name)
+    out = shmkv("unlink", name)
+    assert out.returncode == 0, out.stderr
+    assert ("offload tier table v2, offload replica locks v2, SGLang page store v1"
+            in out.stdout), out.stdout
+    assert f"{_human(memory)} of /dev/shm freed" in out.stdout, (out.stdout, memory)
+    assert _objects(name) == [], out.stdout
+    # not regular files of this user: left alone
+    table = f"/dev/shm{L.sibling_segment_name('offload', name, 2)}"
+    store = f"/dev/shm{L.sibling_segment_name('sglang', name, 1)}"
+    pub = f"/dev/shm{L.sibling_segment_name('pub', name, 2)}"
+    stats = f"/dev/shm{L.sibling_segment_name('stats', name, 1)}"
+    target = f"/dev/shm/{name}-target"
+    with open(target, "wb") as f:
+        f.write(b"\1")
+    os.mkfifo(table, 0o600)
+    os.mkdir(store, 0o700)
+    os.symlink(target, pub)
+    planted = [table, store, pub]
+    if os.geteuid() == 0:
+        with open(stats, "wb") as f:
+            f.write(b"\1")
+        os.chown(stats, FOREIGN_UID, FOREIGN_UID)
+        planted.append(stats)
+    try:
+        BlockPool.create(name, 8).close()
+        out = shmkv("unlink", name)
+        assert out.returncode == 0, out.stderr
+        assert f"removed pool {name}: " in out.stdout, out.stdout
+        assert all(os.path.lexists(p) for p in planted + [target]), out.stdout
+    finally:
+        os.rmdir(store)
+        _remove_all(name)
+
+
+def _run(code: str) -> None:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_prefix_takes_a_pools_siblings_named_after_a_run(name):
+    """`--prefix` matches an object by its own name or its pool's: `cleanup --prefix POOL`
+    takes the pool's orphaned channel (named after the serving run) and its doorbell, and
+    `ls --prefix RUN` lists them; a sibling in scope by its own name stays while its pool,
+    out of the scope, is not removed with it."""
+    pool, run = f"{name}-p", f"{name}-run"
+    _run(f"from shmkv import BlockPool\nfrom shmkv.messages import Channel\n"
+         f"p = BlockPool.create({pool!r}, 8)\nChannel.create({run + '-s0-in'!r}, pool={pool!r})\n"
+         "p.close()")
+    assert any(e.startswith(f"shmkv_ch-{run}") for e in _objects(name))
+    ls = shmkv("ls", "--prefix", run)
+    listed = [line.split()[:2] for line in ls.stdout.splitlines()]
+    assert ls.returncode == 0 and ["channel", f"{run}-s0-in"] in listed, ls.stdout
+    assert ["doorbell", f"shmkv_bell-{run}-s0-in"] in listed, ls.stdout
+    ls = shmkv("ls", "--prefix", pool)
+    assert ["channel", f"{run}-s0-in"] in [line.split()[:2] for line in ls.stdout.splitlines()]
+    out = shmkv("cleanup", "--prefix", run)  # its pool is out of this scope: the channel stays
+    assert out.returncode == 0 and "\n0 object(s) removed" in "\n" + out.stdout, out.stdout
+    assert f"its pool {pool} is to go, but its name does not start with" in out.stdout
+    assert any(e.startswith(f"shmkv_ch-{run}") for e in _objects(name))
+    out = shmkv("cleanup", "--prefix", pool)
+    assert out.returncode == 0, out.stderr
+    assert f"removed pool {pool}" in out.stdout and f"ch-{run}-s0-in" in out.stdout
+    assert _objects(name) == [], out.stdout
+
+
+def test_include_idle_with_a_prefix_names_each_staying_pool_it_removes(name):
+    for n in (name, f"{name}b"):
+        assert shmkv("create", n, "--blocks", "16").returncode == 0
+    out = shmkv("cleanup", "--prefix", name, "--include-idle", "--dry-run")
+    assert (f"--include-idle with --prefix {name!r} would remove 2 pool(s) meant to stay "
+            f"whose name starts with it: {name}, {name}b") in out.stdout, out.stdout
+    out = shmkv("cleanup", "--prefix", name, "--include-idle")
+    assert f"removed 2 pool(s) meant to stay whose name starts with it: {name}, {name}b" \
+        in out.stdout, out.stdout
+    assert _objects(name) == []
+    help_text = shmkv("cleanup", "--help").stdout
+    assert "shmkv unlink NAME" in " ".join(help_text.split())
+
+
 def test_an_offload_data_region_goes_with_its_pool(name):
     """cleanup keeps a data region while its pool lives and removes it once the pool is
     gone; another user's region is listed and left alone."""

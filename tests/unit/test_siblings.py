@@ -73,6 +73,10 @@ def test_a_half_made_pool_stays_while_its_creator_lives(pool_name):
     with open(path, "r+b") as f:
         f.seek(L.HEADER_DTYPE.fields["creator_pid"][1])
         f.write(struct.pack("<I", dead))
+    v = _verdict(entry)  # its creator may be of another pid namespace: the .alive file tells
+    assert not v.remove and v.reason.startswith(f"being created by pid {dead} (its liveness")
+    made = time.time() - siblings.CREATING_GRACE_S - 1
+    os.utime(f"{path}.alive", (made, made))
     v = _verdict(entry)
     assert v.remove and v.reason == f"its creator pid {dead} died while creating it"
     lock = _verdict(f"sem.{entry}.lock")
@@ -259,7 +263,7 @@ def test_a_tier_stays_with_the_pool_it_is_the_tier_of(pool_name):
 
 
 def test_a_scoped_plan_sees_only_its_names(pool_name):
-    """plan(prefix=...) gives only the objects whose name (and pool's name) starts with the
+    """plan(prefix=...) gives only the objects whose name (or pool's name) starts with the
     prefix, each with the verdict of the whole plan; an empty prefix is refused."""
     import pytest
 
@@ -282,8 +286,11 @@ def test_a_scoped_plan_sees_only_its_names(pool_name):
         assert os.path.exists(f"/dev/shm{L.segment_name(other)}")
         with pytest.raises(UsageError, match="prefix ''"):
             siblings.plan(prefix="")
+        # in scope by its own name, or by its pool's
         stray = siblings.Verdict("x", "stats", f"{pool_name}-s", True, "", pool=other)
-        assert not siblings.in_scope(stray, pool_name)  # its pool is outside the scope
+        assert siblings.in_scope(stray, pool_name)
+        run = siblings.Verdict("x", "channel", other, True, "", pool=f"{pool_name}-q")
+        assert siblings.in_scope(run, pool_name) and not siblings.in_scope(run, "zz")
     finally:
         BlockPool.unlink(other)
 
@@ -303,3 +310,85 @@ def test_unlink_says_what_it_frees(pool_name):
     assert siblings.human_bytes(freed).endswith("KiB")
     assert [siblings.human_bytes(n) for n in (0, 1023, 1536, 5 << 20, 3 << 30, 1 << 42)] == [
         "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 GiB", "4096.0 GiB"]
+
+
+def _make_and_close(name: str, stays: bool, stats: bool) -> None:
+    from shmkv.stats import PoolStats
+
+    pool = BlockPool.create(name, 8)
+    if stays:
+        pool.mark_stays("a test")
+    if stats:
+        PoolStats.open(pool).close()
+    pool.close()
+
+
+def _orphan(name: str, stays: bool = False, stats: bool = False) -> None:
+    """Makes a pool whose creator closed it and exited: an orphan, or with ``stays`` one
+    meant to stay (as ``shmkv create`` makes); with ``stats``, with its stats segment."""
+    p = mp.get_context("spawn").Process(target=_make_and_close, args=(name, stays, stats))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+
+
+def test_a_pool_made_again_between_plan_and_remove_is_left_alone(pool_name):
+    # An orphan is judged; before the plan is carried out it is removed (another cleanup)
+    # and made again under its name, meant to stay: the plan must not remove the new pool.
+    _orphan(pool_name)
+    entry = L.segment_name(pool_name)[1:]
+    plan = siblings.plan(prefix=pool_name)
+    judged = next(v for v in plan if v.entry == entry)
+    assert judged.remove and judged.lifetime == "orphan" and judged.pool_id
+    BlockPool.unlink(pool_name)
+    _orphan(pool_name, stays=True)
+    new_id = siblings.pool_identity(pool_name)[2]
+    assert new_id != judged.pool_id
+    done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
+    assert done[entry] == (False, siblings.CHANGED)
+    assert done[f"sem.{entry}.lock"][0] is False and done[f"{entry}.alive"][0] is False
+    assert all(os.path.exists(p) for p in (f"/dev/shm/{entry}", f"/dev/shm/{entry}.alive",
+                                           f"/dev/shm/sem.{entry}.lock"))
+    assert siblings.pool_identity(pool_name)[2] == new_id
+    # judged afresh, the new pool stays
+    assert not _verdict(entry).remove
+
+
+def test_a_pool_attached_to_between_plan_and_remove_is_left_alone(pool_name):
+    _orphan(pool_name)
+    entry = L.segment_name(pool_name)[1:]
+    plan = siblings.plan(prefix=pool_name)
+    assert next(v for v in plan if v.entry == entry).remove
+    with BlockPool.attach(pool_name):
+        done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
+        assert done[entry] == (False, siblings.CHANGED)
+        assert os.path.exists(f"/dev/shm/{entry}")
+
+
+def test_a_pool_without_a_header_is_left_to_shmkv_unlink(pool_name):
+    # Its creator was killed before writing the header: cleanup cannot tell it from a pool
+    # being made, so it keeps it and names the command that removes it.
+    entry = L.segment_name(pool_name)[1:]
+    fd = os.open(f"/dev/shm/{entry}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    v = _verdict(entry)
+    assert not v.remove and v.reason.endswith(f"`shmkv unlink {pool_name}` removes it")
+    assert siblings.unlink_pool(pool_name, ()).found
+    assert not os.path.exists(f"/dev/shm/{entry}")
+
+
+def test_a_sibling_made_again_between_plan_and_remove_is_left_alone(pool_name):
+    # The same with a pool's stats segment: the plan judged the orphan's; the new pool's,
+    # under the same name, stays.
+    _orphan(pool_name, stats=True)
+    stats = L.sibling_segment_name("stats", pool_name, L.STATS_VERSION)[1:]
+    plan = siblings.plan(prefix=pool_name)
+    assert next(v for v in plan if v.entry == stats).remove
+    siblings.unlink_pool(pool_name, ())
+    _orphan(pool_name, stays=True, stats=True)
+    done = {v.entry: (ok, v.reason) for v, ok in siblings.remove(plan)}
+    assert done[stats] == (False, siblings.CHANGED)
+    assert os.path.exists(f"/dev/shm/{stats}")
+    assert not _verdict(stats).remove
+    siblings.unlink_pool(pool_name, ())
