@@ -143,7 +143,7 @@ def _runs(args, cfg, workload, plan, progress: bool, stop,
                    else sweep.with_capacity(cfg, pool, routing, c))
         runner = Runner(run_cfg, workload, progress=progress,
                         progress_label=f"run {k} of {len(plan)}")
-        result = runner.run()
+        result = runner.run(signalled=lambda: stop.signum)
         runners.append(runner)
         results.append(result)
         if args.verbose:
@@ -162,7 +162,7 @@ def _single(args, cfg, workload, trace, progress: bool, stop) -> int:
     from shmkv.serve import report
     from shmkv.serve.runner import Runner
 
-    result = Runner(cfg, workload, progress=progress).run()
+    result = Runner(cfg, workload, progress=progress).run(signalled=lambda: stop.signum)
     if result.interrupted:
         stop.ignore()  # on its way out: later signals change neither the report nor the code
     f = result.figures

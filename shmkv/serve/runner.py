@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 
@@ -457,11 +458,13 @@ class Runner:
 
     # ------------------------------------------------------------------ run
 
-    def run(self) -> RunResult:
+    def run(self, signalled: Callable[[], int | None] = lambda: None) -> RunResult:
         """Sets up, serves, tears down. SIGINT and SIGTERM are blocked in this thread for the
         run and taken by a watcher thread (``sigwait``), which only sets ``interrupted``: a
         signal then never interrupts a wait on a semaphore (which fails with EINTR, as
-        ``posix_ipc.SignalError``) half way through a pool call or a receive."""
+        ``posix_ipc.SignalError``) half way through a pool call or a receive. ``signalled``
+        gives the signal the caller's own handler took before this run masked them (a Ctrl-C
+        while the front end started), if one did: the run then stops as soon as it can."""
         signals = {signal.SIGINT, signal.SIGTERM}
         self.ctx = _context(self.cfg.model_free)
         # The resource tracker unblocks both once it has started (multiprocessing's own
@@ -475,6 +478,8 @@ class Runner:
             self.interrupted = self.interrupted or signal.Signals(signum).name  # the first
 
         old_handlers = {s: signal.signal(s, on_signal) for s in signals}
+        if (signum := signalled()) is not None:  # taken before the mask: by the caller
+            self.interrupted = signal.Signals(signum).name
         stop = threading.Event()
 
         def watch() -> None:

@@ -246,8 +246,13 @@ def test_ctrl_c_during_start_up_exits_130_cleanly(tmp_path, delay_s):
     torch, the pools and channels being made, the children starting): exit 130 with no
     traceback from the front end or its fork server, no process of the run left, and
     nothing in /dev/shm with the run's names. The instants count from the intro line, which
-    the front end prints right before the first run starts its processes."""
-    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *SMALL, "--plot", ""],
+    the front end prints right before the first run starts its processes. The workload is
+    long enough (four runs of 200 conversations) that every instant falls inside the run on a
+    fast machine too: a signal after the run's end would test nothing of start-up."""
+    out = tmp_path / "run.json"
+    long_run = [*SMALL[:2], "--conversations", "200", *SMALL[4:]]
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "run", *long_run,
+                             "--json", str(out), "--plot", ""],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=tmp_path, start_new_session=True)
     children: set[int] = set()
@@ -267,6 +272,8 @@ def test_ctrl_c_during_start_up_exits_130_cleanly(tmp_path, delay_s):
             proc.communicate()
     assert proc.returncode == 130, first + stdout + stderr
     assert "Traceback" not in stderr, stderr
+    if out.exists():  # the report of a run stopped part-way, never of one that finished
+        assert any(p.startswith("interrupted") for p in json.loads(out.read_text())["problems"])
     assert run_leftovers(proc.pid) == []
     assert _wait_gone(children) == []
 
