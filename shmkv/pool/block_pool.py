@@ -1895,6 +1895,13 @@ class BlockPool:
         return self._header[0].copy()
 
     @property
+    def generation(self) -> bytes:
+        """The pool's ``pool_id`` (16 random bytes drawn at its creation, never changed):
+        the generation of a tier made with this pool, which every other object of the tier
+        records (``shmkv/pool/lifecycle.py``)."""
+        return bytes(self.header_snapshot()["pool_id"])
+
+    @property
     def segment_views(self) -> SegmentViews:
         """The segment's structured views (header words, block rows, process table,
         ledger...), as ``shmkv.pool.recovery`` reads them; raw shared state, for recovery

@@ -321,6 +321,10 @@ Changelog
   Later, with no version bump (the fields sit in padding that every v8 pool has as zeros,
   and no reader of v8 reads them): header `retention` (offset 304) and `stays_by` (308).
   A v8 pool whose `retention` is 0 was made before them and is kept, as a pool that stays.
+- v9: no field moves. A pool's `pool_id` is the generation of the tier made with it: every
+  other object of the tier records it and is never believed without it
+  (``shmkv/pool/lifecycle.py``). The version is in the pool's name, so a release that did not
+  record generations (v8) never opens a v9 tier, nor v9 its: each makes its own.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -342,7 +346,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -809,9 +813,11 @@ STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner
 PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
-OFFLOAD_TIER_VERSION = 3  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
+OFFLOAD_TIER_VERSION = 4  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
 # rows, per-chunk job bits, the data region's tag and the replica identity; v3: the counter
-# block (shmkv/pool/tier_counters.py) after the header
+# block (shmkv/pool/tier_counters.py) after the header; v4: the tier's generation (its pool's
+# pool_id) in the table, the data region's trailer and the replica lock file, and the version
+# in the data region's name (shmkv/pool/lifecycle.py)
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
 OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
 SGLANG_STORE_VERSION = 2  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages;
@@ -845,7 +851,7 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
         SiblingKind("pub", "publisher position", PUBLISHER_STATE_VERSION,
                     PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET, past_versions=(1, 2)),
         SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
-                    OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2)),
+                    OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2, 3)),
         SiblingKind("sglang", "SGLang page store", SGLANG_STORE_VERSION, SGLANG_STORE_MAGIC,
                     SGLANG_STORE_OWNER_OFFSET, past_versions=(1,)),
     )
@@ -857,8 +863,12 @@ DOORBELL_PREFIX = "/shmkv_bell-"
 POOL_NAMED_SIBLINGS = ("pub", "stats", "offload", "sglang")
 # The vLLM offload tier's data region is vLLM's own file (its CPU worker names it
 # ``/dev/shm/vllm_offload_<engine_id>.mmap``, plus a suffix per rank); shmkv picks the
-# engine id, ``shmkv_offload_data-<pool>``, so every replica maps the same bytes.
-OFFLOAD_DATA_REGION_PREFIX = "vllm_offload_shmkv_offload_data-"  # + pool + ".mmap..."
+# engine id, ``shmkv_offload<version>_data-<pool>``, so every replica of this tier version
+# maps the same bytes, and a replica of another version never finds them.
+OFFLOAD_DATA_REGION_PREFIX = f"vllm_offload_shmkv_offload{OFFLOAD_TIER_VERSION}_data-"
+# The earlier name (tier versions 1-3), which ``shmkv unlink`` also removes.
+PAST_OFFLOAD_DATA_REGION_PREFIX = "vllm_offload_shmkv_offload_data-"
+OFFLOAD_REGION_MAKING = ".making-"  # a region being made: ``<region path>.making-<random>``
 
 
 OFFLOAD_REPLICAS_SUFFIX = ".replicas"  # the offload tier's replica lock file, beside its table
@@ -876,11 +886,13 @@ def offload_data_region_engine_id(pool: str) -> str:
     return OFFLOAD_DATA_REGION_PREFIX[len("vllm_offload_"):] + validate_pool_name(pool)
 
 
-def offload_data_region_pool(entry: str) -> str | None:
-    """The pool a /dev/shm entry is the offload data region of, or None if it is not one."""
-    if not entry.startswith(OFFLOAD_DATA_REGION_PREFIX):
+def offload_data_region_pool(entry: str, prefix: str = OFFLOAD_DATA_REGION_PREFIX
+                             ) -> str | None:
+    """The pool a /dev/shm entry is the offload data region of (made, or being made:
+    ``.making-``), or None if it is not one. ``prefix``: another tier version's name."""
+    if not entry.startswith(prefix):
         return None
-    pool, sep, _ = entry[len(OFFLOAD_DATA_REGION_PREFIX):].partition(".mmap")
+    pool, sep, _ = entry[len(prefix):].partition(".mmap")
     return pool if sep and pool else None
 
 

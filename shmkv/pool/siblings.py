@@ -55,6 +55,7 @@ import posix_ipc
 
 from shmkv.errors import SegmentNotFoundError, UsageError
 from shmkv.pool import layout as L
+from shmkv.pool import lifecycle as LC
 from shmkv.pool.liveness import own_pid_namespace, pid_alive, process_gone, process_start_ticks
 
 SHM_DIR = "/dev/shm"
@@ -286,6 +287,9 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
         return keep(f"{said}{len(live)} live process(es) attached (pid {pids})"
                     + ("; POISONED: `shmkv recover` can repair it" if poisoned else ""),
                     creator, lifetime)
+    held = LC.holders(name)  # a tier's workers hold it without attaching (lifecycle rule 4)
+    if held:
+        return keep(f"{said}{'; '.join(held)}", creator, lifetime)
     creator_row = [s for s in active if int(procs[s]["pid"]) == creator]
     ticks = int(procs[creator_row[0]]["start_ticks"]) if creator_row else 0
     if pid_alive(creator, ticks):
@@ -765,9 +769,11 @@ def unlink_pool(pool: str, tiers: tuple[str, ...]) -> Unlinked:
     /dev/shm that the removed files took."""
     L.validate_pool_name(pool)
     before = _files(_pool_paths(pool, tiers))
+    identity = pool_identity(pool)
     found = unlink_pool_files(pool)
+    generation = identity[2] if identity is not None and found else None
     extras = [f"{name.rpartition('.')[2]} tier" for name in unlink_tiers(pool, tiers)]
-    extras += unlink_pool_siblings(pool)
+    extras += unlink_pool_siblings(pool, generation)
     after = _files(list(before))
     freed = sum(nbytes for path, (ino, nbytes) in before.items()
                 if after.get(path, (None, 0))[0] != ino)
@@ -809,32 +815,31 @@ def unlink_past_versions(pool: str) -> list[str]:
     return removed
 
 
-def unlink_pool_siblings(pool: str) -> list[str]:
+def unlink_pool_siblings(pool: str, generation: bytes | None = None) -> list[str]:
     """Removes what is named after ``pool`` alone besides the pool itself
-    (``layout.POOL_NAMED_SIBLINGS``, their earlier versions (``unlink_past_versions``), then
-    the offload data region); returns what each removed object is (``"stats"``,
-    ``"offload data region"``, ...)."""
+    (``layout.POOL_NAMED_SIBLINGS``, their earlier versions (``unlink_past_versions``), and
+    the offload tier's objects of ``generation``: ``lifecycle.remove_objects``; None: of
+    any); returns what each removed object is (``"stats"``, ``"offload data region"``, ...).
+    Call it once the pool is gone (a tier goes root first)."""
     L.validate_pool_name(pool)
     removed = []
     for kind in L.POOL_NAMED_SIBLINGS:
+        if kind == "offload":
+            continue  # with the tier's other objects, by generation, below
         spec = L.SIBLING_KINDS[kind]
         try:
             posix_ipc.unlink_shared_memory(L.sibling_segment_name(kind, pool, spec.version))
             removed.append(spec.what)
         except posix_ipc.ExistentialError:
             pass
-    try:
-        os.unlink(L.offload_replicas_path(pool))
-        removed.append("offload replica locks")
-    except FileNotFoundError:
-        pass
+    removed += LC.remove_objects(pool, generation)
     removed += unlink_past_versions(pool)
-    if unlink_offload_data_region(pool):
-        removed.append("offload data region")
     return removed
 
 
 CHANGED = "changed since it was judged: left alone"
+# The objects of a vLLM offload tier besides its pool (their verdicts' kinds).
+_TIER_KINDS = ("offload tier table", "offload replica locks", "offload data region")
 
 
 def _now_ino(path: str) -> int | None:
@@ -911,13 +916,25 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     alone, its verdict turned to kept with the reason ``CHANGED``. Returns (verdict,
     removed) for each, False when the object had gone meanwhile or was left alone."""
     done = []
-    order = {"doorbell": 1, "pool": 2, "lock": 3, "liveness": 3}
-    pools_removed = set()
+    # A tier goes root first (``lifecycle.py``, rule 5): its pool, then its other objects,
+    # each only if it records the removed pool's generation.
+    order = {"doorbell": 1, "pool": 2, "lock": 3, "liveness": 3, **dict.fromkeys(_TIER_KINDS, 4)}
+    pools_removed: dict[str, bytes] = {}
+    tiers_removed: dict[str, list[str]] = {}
     pools_kept = set()
     check = _Recheck(verdicts)
     for v in sorted((v for v in verdicts if v.remove), key=lambda v: order.get(v.kind, 0)):
         if v.kind in ("lock", "liveness") and v.pool in pools_removed:
             done.append((v, not os.path.exists(v.path)))  # went with its pool
+            continue
+        if v.kind in _TIER_KINDS and v.pool in pools_removed:
+            if v.pool not in tiers_removed:
+                tiers_removed[v.pool] = LC.remove_objects(v.pool, pools_removed[v.pool] or None,
+                                                          past=False)
+            gone = not os.path.lexists(v.path)
+            if not gone:
+                v.remove, v.reason = False, CHANGED  # a tier made again meanwhile: its own
+            done.append((v, gone))
             continue
         if (v.kind in ("lock", "liveness") and v.pool in pools_kept) or not check.still(v):
             if v.kind == "pool":
@@ -928,7 +945,7 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
             continue
         if v.kind == "pool":  # with its lock and liveness file; each tier has its verdict
             ok = unlink_pool_files(v.name)
-            pools_removed.add(v.name)
+            pools_removed[v.name] = v.pool_id
         elif v.kind == "doorbell" or v.entry.startswith("sem."):
             try:
                 posix_ipc.unlink_semaphore("/" + v.entry[len("sem."):])

@@ -59,7 +59,6 @@ second shared structure with its own crash story; LRU is what the shared tier of
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -88,8 +87,7 @@ from shmkv.pool import layout as L
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
-from shmkv.pool.segment import Segment
-from shmkv.pool.siblings import unlink_offload_data_region
+from shmkv.pool.siblings import unlink_pool
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 from shmkv.vllm.compat import EVENT_METADATA_ONLY, ConfigInfoMapping
 from shmkv.vllm.identity import check_identity
@@ -99,10 +97,8 @@ from shmkv.vllm.replicas import (
     ReplicaLocks,
     join,
     reap_gone,
-    refuse_earlier_replicas,
     release_row,
     replica_key,
-    replica_locks_path,
 )
 from shmkv.vllm.stats import (
     GAUGE_INTERVAL_S,
@@ -301,15 +297,14 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         self._as_int = use_int_block_hashes()
         if replica_id is not None and not (isinstance(replica_id, str) and replica_id):
             raise UsageError(f"replica_id must be a non-empty str, got {replica_id!r}")
-        refuse_earlier_replicas(pool)
         self._pool, created = open_pool(
             pool, num_chunks, max_processes, event_log_bytes,
             {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})
         try:
             self._tier = open_tier_table(self._pool, pool, num_chunks, created)
             try:
-                self._locks = ReplicaLocks(pool)
                 with self._pool.lock():
+                    self._locks = ReplicaLocks(pool, self._pool.generation)
                     self._row = join(self._tier, self._locks,
                                      replica_key(replica_id or secrets.token_hex(16)), pool)
                 # The tier is complete (its table, a replica joined): it stays in /dev/shm
@@ -317,6 +312,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 # line left an orphan, which `shmkv cleanup` removes).
                 self._pool.mark_stays(STAYS_BY)
             except BaseException:
+                if getattr(self, "_locks", None) is not None:
+                    self._locks.close()
                 self._tier.close()
                 raise
         except BaseException:
@@ -390,8 +387,9 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
 
     @staticmethod
     def unlink(pool: str) -> bool:
-        """Removes the pool, its tier table, its replica lock file and its data region from
-        /dev/shm (mappings of processes still attached stay valid until they close).
+        """Removes the tier whole, root first (``shmkv/pool/lifecycle.py``): the pool, then
+        its tier table, replica lock file and data region, as ``shmkv unlink --force`` does
+        (mappings of processes still attached stay valid until they close).
 
         Returns:
             True if anything was removed.
@@ -399,14 +397,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         Raises:
             UsageError: a bad pool name.
         """
-        L.validate_pool_name(pool)
-        removed = BlockPool.unlink(pool)
-        removed = Segment.unlink(tier_table_name(pool)) or removed
-        try:
-            os.unlink(replica_locks_path(pool))
-        except FileNotFoundError:
-            pass
-        return bool(unlink_offload_data_region(pool)) or removed
+        found, removed, _ = unlink_pool(pool, BlockPool.TIERS)
+        return found or bool(removed)
 
     @property
     def pool(self) -> BlockPool:
@@ -563,8 +555,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
             if self._region_lost():
                 raise SegmentError(
                     f"offload tier {self.pool_name!r}: the data region was replaced while "
-                    "this replica's workers mapped the old one, so no chunk of it may be "
-                    "loaded here; restart this replica"
+                    "this replica's workers mapped the old one (or they never bound this "
+                    "tier's), so no chunk of it may be loaded here; restart this replica"
                 )
             block_ids = []
             known: dict[OffloadKey, tuple[int, int]] = {}
@@ -667,17 +659,22 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
 
     def _region_lost(self) -> bool:
         """Whether this replica's workers map another data region than the one the tier
-        describes (it was replaced under them: ``region.py``); their bytes are not the
-        tier's, so this replica gets no hit and stores nothing."""
+        describes (it was replaced under them: ``region.py``), or none of them bound the
+        tier's region (they joined a removed tier of the same name: vLLM builds a replica's
+        workers before its scheduler); their bytes are not the tier's, so this replica gets
+        no hit and stores nothing. A replica with no worker is trusted only while no
+        region is bound at all (nothing holds bytes)."""
         mine = self._thdr[W_REPLICA_REGION + self._row]  # tier.replica_region[row]
-        if not mine or mine == self._thdr[W_REGION_TAG]:
+        if mine == self._thdr[W_REGION_TAG]:  # bound to the tier's region, or no region yet
             return False
         if not self._warned_region:
             self._warned_region = True
             logger.error(
-                "shmkv offload tier %r: the data region was replaced while this replica's "
-                "workers had the old one mapped; this replica gets no hits and stores nothing "
-                "from the tier until it is restarted", self.pool_name)
+                "shmkv offload tier %r: %s; this replica gets no hits and stores nothing "
+                "from the tier until it is restarted", self.pool_name,
+                "the data region was replaced while this replica's workers had the old one "
+                "mapped" if mine else "no worker of this replica bound the tier's data "
+                "region (its workers joined a tier of the same name, removed since)")
         return True
 
     def prepare_store(self, keys: Collection[OffloadKey],

@@ -2,13 +2,14 @@
 
 Every replica's workers map ONE file, ``/dev/shm/vllm_offload_<engine id>.mmap`` with the
 engine id named after the pool, through vLLM's own ``SharedOffloadRegion``. The file is one
-page longer than vLLM maps: its trailer holds ``REGION_MAGIC`` and a random non-zero tag,
-and the tier table holds the tag of the region its chunk metadata describes. So:
+page longer than vLLM maps: its trailer holds ``REGION_MAGIC``, a random non-zero tag and
+the tier's generation (its pool's ``pool_id``: ``shmkv/pool/lifecycle.py``), and the tier
+table holds the tag of the region its chunk metadata describes. So:
 
-- a region and a pool belong together only when the tags agree. A region left by an earlier
-  pool of the name, or a pool whose region was removed, is never believed: the worker that
-  finds it so makes a fresh region (all zeros, pages reserved), binds its tag, and drops
-  every chunk the tier described, since their bytes are gone;
+- a region and a pool belong together only when the tags and the generations agree. A
+  region left by an earlier pool of the name, or a pool whose region was removed, is never
+  believed: the worker that finds it so makes a fresh region (all zeros, pages reserved),
+  binds its tag, and drops every chunk the tier described, since their bytes are gone;
 - each replica row records the tag its workers mapped, per process: a row whose workers
   mapped different regions is marked mixed (``_bind_row``); a replica whose workers map
   another region than the tier's (the file was replaced under them, under one of them) gets
@@ -29,10 +30,11 @@ import numpy as np
 
 from shmkv.errors import SegmentError
 from shmkv.pool import layout as L
+from shmkv.pool import lifecycle as LC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd, open_checked, reserve
 from shmkv.vllm.identity import check_identity, refuse_foreign_replica
-from shmkv.vllm.replicas import ReplicaLocks, join, refuse_earlier_replicas, replica_key
+from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
 from shmkv.vllm.tier import (
     REGION_MIXED,
     W_LRU_DIRTY,
@@ -52,9 +54,10 @@ def region_path(pool: str) -> str:
     return f"/dev/shm/vllm_offload_{L.offload_data_region_engine_id(pool)}.mmap"
 
 
-def read_tag(path: str, data_bytes: int) -> int | None:
+def read_tag(path: str, data_bytes: int, generation: bytes) -> int | None:
     """The tag in the region file's trailer; None if there is no file; 0 if it is not a
-    region of ``data_bytes`` bytes made by shmkv.
+    region of ``data_bytes`` bytes made by shmkv for the tier's ``generation`` (a removed
+    tier's region is never believed: ``shmkv/pool/lifecycle.py``).
 
     Raises:
         SegmentError: the file is a link, another user's, or not mode 0600.
@@ -66,15 +69,18 @@ def read_tag(path: str, data_bytes: int) -> int | None:
     try:
         if os.fstat(fd).st_size != data_bytes + TRAILER_BYTES:
             return 0
-        trailer = os.pread(fd, 24, data_bytes)
+        trailer = os.pread(fd, LC.REGION_TRAILER.size, data_bytes)
     finally:
         os.close(fd)
-    if trailer[:16] != REGION_MAGIC:
+    if len(trailer) < LC.REGION_TRAILER.size:
         return 0
-    return int.from_bytes(trailer[16:24], "little", signed=True)
+    magic, tag, found = LC.REGION_TRAILER.unpack(trailer)
+    if magic != REGION_MAGIC or found != generation:
+        return 0
+    return tag
 
 
-def _make_file(path: str, data_bytes: int) -> tuple[str, int]:
+def _make_file(path: str, data_bytes: int, generation: bytes) -> tuple[str, int]:
     """A new region file under a temporary name beside ``path``: (its path, its tag)."""
     tmp = f"{path}.making-{secrets.token_hex(6)}"
     size = data_bytes + TRAILER_BYTES
@@ -90,7 +96,7 @@ def _make_file(path: str, data_bytes: int) -> tuple[str, int]:
         os.fchmod(fd, 0o600)
         reserve(fd, size, f"the offload tier's data region {path}")  # NoSpaceError
         tag = secrets.randbits(63) or 1
-        os.pwrite(fd, REGION_MAGIC + tag.to_bytes(8, "little", signed=True), data_bytes)
+        os.pwrite(fd, LC.REGION_TRAILER.pack(REGION_MAGIC, tag, generation), data_bytes)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -131,16 +137,17 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
             than MAKER_WAIT_S to make the region.
     """
     path = region_path(pool_name)
+    generation = pool.generation
     deadline = time.monotonic() + MAKER_WAIT_S
     while True:
         with pool.lock():
             bound = tier.words[W_REGION_TAG]
-            if bound and read_tag(path, data_bytes) == bound:
+            if bound and read_tag(path, data_bytes, generation) == bound:
                 _bind_row(tier, row, bound)
                 return bound
         if locks.try_region_maker():
             try:
-                return _make_and_bind(pool, tier, row, path, data_bytes)
+                return _make_and_bind(pool, tier, row, path, data_bytes, generation)
             finally:
                 locks.release_region_maker()
         if time.monotonic() > deadline:
@@ -152,19 +159,22 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
 
 
 def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
-                   data_bytes: int) -> int:
+                   data_bytes: int, generation: bytes) -> int:
     with pool.lock():  # another maker may have bound it before this one got the byte
         bound = tier.words[W_REGION_TAG]
-        if bound and read_tag(path, data_bytes) == bound:
+        if bound and read_tag(path, data_bytes, generation) == bound:
             _bind_row(tier, row, bound)
             return bound
-    tmp, tag = _make_file(path, data_bytes)  # out of the lock: reserving pages takes time
+    # out of the lock: reserving pages takes time
+    tmp, tag = _make_file(path, data_bytes, generation)
     try:
         with pool.lock():
-            read_tag(path, data_bytes)  # refuses a foreign file planted meanwhile
+            read_tag(path, data_bytes, generation)  # refuses a foreign file planted meanwhile
             os.rename(tmp, path)
+            # Whatever the tier described lived in another region (or none): no key of the
+            # pool names bytes of this one, whether the table had a region bound or not.
+            _forget_chunks(pool)
             if tier.words[W_REGION_TAG]:
-                _forget_chunks(pool)
                 tier.words[W_LRU_DIRTY] = 1  # the next holder rebuilds the free stack (lru.py)
             tier.words[W_REGION_TAG] = tag
             _bind_row(tier, row, tag)
@@ -175,22 +185,22 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
     return tag
 
 
-def check_mapped(fd: int, path: str, data_bytes: int, tag: int) -> None:
+def check_mapped(fd: int, path: str, data_bytes: int, tag: int, generation: bytes) -> None:
     """Checks that the file vLLM's region opened (``fd``) is the bound region.
 
     Raises:
         SegmentError: it is another file (replaced between the binding and vLLM's open).
     """
     check_fd(fd, f"the offload tier's data region {path}")
-    trailer = os.pread(fd, 24, data_bytes)
-    if trailer != REGION_MAGIC + tag.to_bytes(8, "little", signed=True):
+    trailer = os.pread(fd, LC.REGION_TRAILER.size, data_bytes)
+    if trailer != LC.REGION_TRAILER.pack(REGION_MAGIC, tag, generation):
         raise SegmentError(f"the offload tier's data region {path} was replaced while this "
                            "worker mapped it; start the worker again")
 
 
 def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_id: str,
                    data_bytes: int, identity: dict | None = None
-                   ) -> tuple[ReplicaLocks, int]:
+                   ) -> tuple[ReplicaLocks, int, bytes]:
     """A GPU worker's start: checks its replica's ``identity`` against the tier's (and
     records it if it is the first), joins its replica's row (``replica_id``, one per engine
     start), binds the data region to the pool (making it if needed) and returns (its hold on the
@@ -206,13 +216,18 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
         SegmentError: a foreign or insecure region file, or no room in /dev/shm.
     """
     process = {"label": "vllm-offload-worker"}
-    refuse_earlier_replicas(pool_name)
     if identity is not None:
         refuse_foreign_replica(pool_name, identity, process)
     pool, created = open_pool(pool_name, num_chunks, max_processes, None, process)
     try:
         tier = open_tier_table(pool, pool_name, num_chunks, created)
-        locks = ReplicaLocks(pool_name)
+        generation = pool.generation
+        try:
+            with pool.lock():
+                locks = ReplicaLocks(pool_name, generation)
+        except BaseException:
+            tier.close()
+            raise
         try:
             with pool.lock():
                 if identity is not None:
@@ -226,4 +241,4 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
             tier.close()
     finally:
         pool.close()
-    return locks, tag
+    return locks, tag, generation

@@ -37,13 +37,13 @@ import errno
 import fcntl
 import hashlib
 import os
-import stat
 import struct
 
 import numpy as np
 
-from shmkv.errors import LayoutMismatchError, PoolFullError, SegmentError
+from shmkv.errors import PoolFullError, SegmentError
 from shmkv.pool import layout as L
+from shmkv.pool import lifecycle as LC
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.segment import open_checked
 from shmkv.vllm.tier import MAX_REPLICAS, W_REPLICA_FILE, TierTable
@@ -68,61 +68,40 @@ def _flock(lock_type: int, byte: int) -> bytes:
     return _FLOCK.pack(lock_type, os.SEEK_SET, byte, 1, 0)
 
 
-def _earlier_replicas_live(path: str) -> bool:
-    """Whether a process holds a lock on the replica lock file at ``path`` (a regular file
-    of this user; anything else is not a tier's, and proves nothing)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            return False
-        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET,
-                                                                0, 0, 0))
-        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
-    finally:
-        os.close(fd)
-
-
-def refuse_earlier_replicas(pool: str) -> None:
-    """Refuses to use the pool's tier while replicas of an earlier shmkv, whose tier table
-    has an earlier version, run on it: their job bits, region tag and eviction order live
-    in their own table, so a chunk one of them still moves could be handed to this
-    replica, and the other way round. Upgrades of that kind take a restart of every
-    replica of the tier, not a rolling one. Nothing is touched.
-
-    Raises:
-        LayoutMismatchError: naming the earlier version and what to do.
-    """
-    for version in range(1, L.OFFLOAD_TIER_VERSION):
-        path = (f"/dev/shm{L.sibling_segment_name('offload', pool, version)}"
-                f"{L.OFFLOAD_REPLICAS_SUFFIX}")
-        if _earlier_replicas_live(path):
-            raise LayoutMismatchError(
-                f"pool {pool!r}: replicas of an earlier shmkv (offload tier v{version}, this "
-                f"one v{L.OFFLOAD_TIER_VERSION}) are running on this tier ({path} is held); "
-                "the two cannot share it. Stop every replica of the earlier version, then "
-                f"start this one (`shmkv unlink {pool}` removes the earlier tier's files); "
-                "or give this replica another shmkv_pool")
-
-
 class ReplicaLocks:
     """This process's descriptor of the replica lock file, and the rows it belongs to."""
 
-    def __init__(self, pool: str) -> None:
-        """Opens the pool's replica lock file, making it (mode 0600) if it is missing.
+    def __init__(self, pool: str, generation: bytes) -> None:
+        """Opens the pool's replica lock file of the tier's ``generation``, making it (mode
+        0600) if it is missing, or if the file there is a removed tier's that no process
+        holds any more (caller holds the pool lock: ``shmkv/pool/lifecycle.py``, rule 1).
 
         Raises:
             SegmentError: the file is a link, another user's, or not mode 0600.
+            LayoutMismatchError: the file is of another generation and processes hold it.
         """
         path = replica_locks_path(pool)
         what = "the tier's replica lock file"
-        try:
-            fd = open_checked(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, what)
-        except FileExistsError:
-            fd = open_checked(path, os.O_RDWR, what)
+        while True:
+            try:
+                fd = open_checked(path, os.O_RDWR, what)
+            except FileNotFoundError:
+                try:
+                    LC.make_lock_file(path, generation)
+                except FileExistsError:
+                    pass
+                continue
+            found = LC.read_lock_file_generation(fd)
+            if found == generation:
+                break
+            try:
+                if LC.locked_bytes(fd):
+                    LC.check_generation(what, path, found, generation, pool)
+                stale = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+            if os.stat(path, follow_symlinks=False).st_ino == stale:
+                os.unlink(path)  # a removed tier's, held by nobody: made again below
         self.path = path
         self._fd = fd
         self._inode = os.fstat(fd).st_ino

@@ -137,6 +137,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         self.shmkv_max_processes = int(extra.get("shmkv_max_processes",
                                                  DEFAULT_MAX_PROCESSES))
         self._worker_locks: ReplicaLocks | None = None
+        self._generation = b""  # the tier's, once this process joined as a worker
 
     @property
     def shmkv_replica_id(self) -> str:
@@ -193,13 +194,13 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 of the tier touched).
             SegmentError: a foreign or insecure region file, or no room in /dev/shm.
         """
-        locks, tag = join_as_worker(self.shmkv_pool, self.num_chunks, self.shmkv_max_processes,
-                                    self.shmkv_replica_id,
-                                    self.num_chunks * self.kv_bytes_per_chunk,
-                                    identity=self.replica_identity())
+        locks, tag, generation = join_as_worker(
+            self.shmkv_pool, self.num_chunks, self.shmkv_max_processes, self.shmkv_replica_id,
+            self.num_chunks * self.kv_bytes_per_chunk, identity=self.replica_identity())
         if self._worker_locks is not None:
             self._worker_locks.close()
         self._worker_locks = locks
+        self._generation = generation
         return tag
 
     def open_data_region(self, rank: int | None) -> SharedOffloadRegion:
@@ -227,7 +228,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         )
         try:
             check_mapped(region.fd, region_path(self.shmkv_pool),
-                         self.num_chunks * self.kv_bytes_per_chunk, tag)
+                         self.num_chunks * self.kv_bytes_per_chunk, tag, self._generation)
         except BaseException:
             region.cleanup()
             raise

@@ -15,6 +15,8 @@ the tier):
                pool's reap count the orphans were last collected at (lru.py)
     word 10    the inode of the replica lock file the tier's rows are held on (replicas.py);
                0: none recorded yet
+    words 12-13 the tier's generation: the pool_id of the pool the table was made with
+               (``shmkv/pool/lifecycle.py``); a table of another generation is never used
     words 16.. MAX_REPLICAS replica keys, one per replica row (0: the row is free)
     words 80.. MAX_REPLICAS region tags: the region the row's workers mapped (0: no worker;
                REGION_MIXED: its workers mapped different regions, region.py)
@@ -49,6 +51,7 @@ from shmkv.errors import (
     SegmentNotFoundError,
 )
 from shmkv.pool import layout as L
+from shmkv.pool import lifecycle as LC
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
@@ -65,6 +68,7 @@ BODY_AT = COUNTERS_AT + 4096  # the counter block, padded to a page
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
 W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
 W_REPLICA_FILE = 10  # replicas.py
+W_GENERATION_TIER = LC.TABLE_GENERATION_WORD  # words 12-13: the pool's pool_id
 REGION_MIXED = -1  # a row whose workers mapped different regions: never the tier's tag
 PENDING_BIT = L.PENDING_GROUP_BIT  # the group-id bit of a chunk whose store is in flight
 W_REPLICA_KEYS = TC.OFFLOAD_REPLICA_KEYS_WORD
@@ -143,24 +147,33 @@ class TierTable:
 def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
                     created: bool) -> TierTable:
     """Opens (or makes) the tier table of ``pool`` under its lock, so that one process
-    initialises it; ``created``: the pool was just made, so any table found is stale.
+    initialises it; ``created``: this process just made the pool, so any table found is
+    of an earlier generation. A table recording another generation than the pool's is
+    never used (``shmkv/pool/lifecycle.py``, rules 1 and 3).
 
     Raises:
-        LayoutMismatchError: the table is foreign, of another version or chunk count.
+        LayoutMismatchError: the table is foreign, of another version or chunk count; or
+            the pool lost its table while other processes hold the tier.
     """
     name = tier_table_name(pool_name)
     size = table_bytes(num_chunks)
+    generation = pool.generation
     with pool.lock():
-        try:
-            seg = Segment.open(name)
-        except SegmentNotFoundError:
+        seg = _open_table(name)
+        if seg is not None and not created:
+            found = _recorded_generation(seg)
+            if found is not None and found != generation:  # a removed tier's table
+                seg.close()
+                seg = None
+        if seg is not None and created and len(seg.buf) != size:
+            seg.close()
+            seg = None
+        if seg is None:
+            if not created:
+                _forget_for_new_table(pool, pool_name)
+            Segment.unlink(name)  # an earlier generation's, if any (nobody believes it)
             seg = Segment.create(name, size)
             created = True
-        else:
-            if created and len(seg.buf) != size:  # left by an earlier pool of this name
-                seg.close()
-                Segment.unlink(name)
-                seg = Segment.create(name, size)
         try:
             hdr = np.frombuffer(seg.buf, np.int64, 16)
             if len(seg.buf) < size and not created:
@@ -173,6 +186,8 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
                 seg.buf[:size] = bytes(size)
                 write_owner(seg.buf, L.OFFLOAD_TIER_OWNER_OFFSET,
                             owner_record(pool_name, creator=False))
+                at = 8 * W_GENERATION_TIER
+                seg.buf[at:at + LC.GENERATION_BYTES] = generation
                 hdr[W_VERSION_CHUNKS] = (num_chunks << 32) | TIER_VERSION
                 hdr[W_LRU_DIRTY] = 1  # the first holder builds the free stack (lru.py)
                 hdr[W_MAGIC] = np.int64(TIER_MAGIC)  # last: the table is complete
@@ -193,6 +208,53 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
         except BaseException:
             seg.close()
             raise
+
+
+def _open_table(name: str) -> Segment | None:
+    try:
+        return Segment.open(name)
+    except SegmentNotFoundError:
+        return None
+
+
+def _recorded_generation(seg: Segment) -> bytes | None:
+    """The generation a complete table records; None for one whose filler has not
+    finished (or died half way): it is filled again, with the pool's."""
+    if len(seg.buf) < HEADER_BYTES or not int.from_bytes(seg.buf[:8], "little"):
+        return None
+    at = 8 * W_GENERATION_TIER
+    return bytes(seg.buf[at:at + LC.GENERATION_BYTES])
+
+
+def _forget_for_new_table(pool: BlockPool, pool_name: str) -> None:
+    """Before a table is made again for a pool that outlived its own (removed alone, by
+    hand or a tmp cleaner): refuses while any other process holds the tier, since they keep
+    using the old table; else forgets every key of the pool, whose bytes no table vouches
+    for now (caller holds the pool lock).
+
+    Raises:
+        LayoutMismatchError: other processes hold the tier (each reason named).
+    """
+    pool.reap_dead()
+    others = [p for p in pool.processes() if not p["self"] and p["alive"]]
+    reasons = LC.holders(pool_name)
+    if others:
+        reasons.insert(0, f"{len(others)} process(es) attached to the pool (pid "
+                          f"{', '.join(str(p['pid']) for p in others)})")
+    if reasons:
+        raise LayoutMismatchError(
+            f"pool {pool_name!r}: its tier table {tier_table_name(pool_name)} was removed "
+            f"while the tier is in use ({'; '.join(reasons)}): the pool's keys name bytes "
+            "that no table vouches for. Stop every replica of the tier and start them "
+            f"again (`shmkv unlink --force {pool_name}` removes the tier), or use another "
+            "shmkv_pool"
+        )
+    rows = pool.block_rows()
+    keyed = np.flatnonzero(rows["hash_num_tokens"] != L.NO_HASH_TOKENS)
+    del rows
+    keyed = keyed[keyed > 0].tolist()
+    if keyed:
+        pool.evict_blocks(keyed)
 
 
 MEDIUM = "CPU"

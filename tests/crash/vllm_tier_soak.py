@@ -44,7 +44,7 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     ("read", job, [ok per chunk]); exits once its core is gone and its queue is empty."""
     from shmkv.vllm.region import join_as_worker, region_path
 
-    locks, _ = join_as_worker(pool, NUM_CHUNKS, 32, engine_id, NUM_CHUNKS * CHUNK_BYTES)
+    locks, _, _ = join_as_worker(pool, NUM_CHUNKS, 32, engine_id, NUM_CHUNKS * CHUNK_BYTES)
     region = np.memmap(region_path(pool), np.uint8, "r+", 0, (NUM_CHUNKS, CHUNK_BYTES))
     acks.put("ready")
     slice_bytes = CHUNK_BYTES // WRITE_SLICES

@@ -88,10 +88,11 @@ def test_a_killed_engine_cores_chunks_wait_for_its_workers(spawn_ctx, tier, job)
     SIGKILLed too, B gets exactly them."""
     pool, model_dir = tier
     worker = Replica(spawn_ctx, replica_worker, pool, model_dir, "A", TIER_BYTES)
+    worker_b = Replica(spawn_ctx, replica_worker, pool, model_dir, "B", TIER_BYTES)
     core = None
+    assert worker.get()[0] == "ready" and worker_b.get()[0] == "ready"
     scheduler = make_scheduler(pool, model_dir, TIER_BYTES, engine_id="B")
     try:
-        assert worker.get()[0] == "ready"
         if job == "load":  # B stores the prompt A will load
             stored, jobs = step_until_stores(scheduler, "b-0", prompt(0))
             report_jobs_done(scheduler, jobs)
@@ -114,6 +115,7 @@ def test_a_killed_engine_cores_chunks_wait_for_its_workers(spawn_ctx, tier, job)
         if core is not None:
             core.stop()
         worker.stop()
+        worker_b.stop()
     _check_clean(pool)
 
 

@@ -93,13 +93,13 @@ def test_a_removed_region_is_never_a_hit(spawn_ctx, tier):
         a = run_request(scheduler_a, "a-1", PROMPT)
         assert a == {"loaded": [], "stored": []}
         assert worker_a.ask(("read", stored)) == [b"A" * 16] * 6  # its old bytes, unshared
-        num_chunks = scheduler_b.connector.connector_scheduler.manager.num_chunks
-        with SharedCPUOffloadingManager(pool, num_chunks) as fresh:  # no chunk was lost
-            ctx = ReqContext("all")
-            keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(num_chunks)]
-            out = fresh.prepare_store(keys, ctx)
-            assert out is not None and len(out.keys_to_store) == num_chunks
-            fresh.complete_store(keys, ctx, success=False)
+        fresh = scheduler_b.connector.connector_scheduler.manager  # no chunk was lost
+        num_chunks = fresh.num_chunks
+        ctx = ReqContext("all")
+        keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(num_chunks)]
+        out = fresh.prepare_store(keys, ctx)
+        assert out is not None and len(out.keys_to_store) == num_chunks
+        fresh.complete_store(keys, ctx, success=False)
     finally:
         for scheduler in (scheduler_a, scheduler_b):
             if scheduler is not None:

@@ -82,7 +82,7 @@ def test_a_fifo_at_the_data_region_path_is_refused_without_blocking(pool_name, p
     from shmkv.vllm.region import read_tag, region_path
 
     path = planted(region_path(pool_name))
-    done, box = _in_thread(lambda: read_tag(path, 4096))
+    done, box = _in_thread(lambda: read_tag(path, 4096, bytes(16)))
     assert done, "read_tag blocked on a FIFO"
     assert isinstance(box.get("error"), SegmentError), box
     assert "not a regular file" in str(box["error"]) and path in str(box["error"])
@@ -96,7 +96,7 @@ def test_a_special_file_at_the_replica_lock_path_is_a_segment_error(pool_name, p
     from shmkv.vllm.replicas import ReplicaLocks, replica_locks_path
 
     path = planted(replica_locks_path(pool_name), kind)
-    done, box = _in_thread(lambda: ReplicaLocks(pool_name))
+    done, box = _in_thread(lambda: ReplicaLocks(pool_name, bytes(16)))
     assert done, "ReplicaLocks blocked"
     assert isinstance(box.get("error"), SegmentError), box
     assert path in str(box["error"])

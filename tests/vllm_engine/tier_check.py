@@ -33,7 +33,8 @@ def _report(pool_name: str) -> dict:
         pool.reap_dead()
         num_chunks = pool.num_gpu_blocks - 1
         tier = open_tier_table(pool, pool_name, num_chunks, False)
-        locks = ReplicaLocks(pool_name)
+        with pool.lock():
+            locks = ReplicaLocks(pool_name, pool.generation)
         try:
             with pool.lock():
                 reap_gone(tier, locks)
