@@ -393,9 +393,22 @@ def add_recover_parser(sub) -> None:
 # ---------------------------------------------------------------------------- unlink
 
 def cmd_unlink(args: argparse.Namespace) -> int:
-    from shmkv.pool.siblings import human_bytes, unlink_pool
+    from shmkv.pool.siblings import human_bytes, tier_in_use, unlink_pool
 
     L.validate_pool_name(args.name)
+    in_use = tier_in_use(args.name)
+    if in_use and not args.force:
+        print(f"shmkv unlink: pool {args.name} is a shared tier in use ({'; '.join(in_use)}): "
+              "removed now, its running replicas would go on alone on a tier that no other "
+              "process, `shmkv ls`, `stats` or `metrics` sees, and their next restart would "
+              "be cold. Stop them first, or pass --force to remove it anyway",
+              file=sys.stderr)
+        return EXIT_PROBLEM
+    if in_use:
+        print(f"shmkv unlink: --force: removing pool {args.name} while in use "
+              f"({'; '.join(in_use)}); its running replicas keep their mappings, share "
+              "nothing with replicas started from now on, and lose what they stored at their "
+              "next restart", file=sys.stderr)
     found, extras, freed = unlink_pool(args.name, BlockPool.TIERS)
     if found:
         print(f"removed pool {args.name}" + (f" (and its {', '.join(extras)})"
@@ -420,9 +433,14 @@ def add_unlink_parser(sub) -> None:
                             "of these an older shmkv made, when they are regular files of "
                             "this user), whether the pool is meant to stay or not, "
                             "and says how much of /dev/shm that frees. Processes that have it "
-                            "mapped keep working. Exit 2 if there is no such pool (as every "
-                            "command).")
+                            "mapped keep working. A shared tier (vLLM offload tier, SGLang "
+                            "page store) is removed whole, its pool first, and is refused "
+                            "(exit 1) while a process holds it, unless --force. Exit 2 if "
+                            "there is no such pool (as every command).")
     unlink.add_argument("name", help="pool name")
+    unlink.add_argument("--force", action="store_true",
+                        help="remove a shared tier even while replicas hold it (they go on "
+                        "alone on the removed tier)")
     unlink.set_defaults(func=cmd_unlink)
 
 

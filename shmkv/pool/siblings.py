@@ -197,6 +197,7 @@ class _Pool:
         self.ino = ino
         self.pool_id = pool_id
         self.tier_of = tier_of
+        self.live_pids: list[int] = []  # live processes attached
 
 
 def stays_text(retention: int, stays_by: bytes) -> str | None:
@@ -284,9 +285,11 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
     said = f"{stays}; " if stays else ""
     if live:
         pids = ", ".join(str(int(procs[s]["pid"])) for s in live)
-        return keep(f"{said}{len(live)} live process(es) attached (pid {pids})"
+        kept = keep(f"{said}{len(live)} live process(es) attached (pid {pids})"
                     + ("; POISONED: `shmkv recover` can repair it" if poisoned else ""),
                     creator, lifetime)
+        kept.live_pids = [int(procs[s]["pid"]) for s in live]
+        return kept
     held = LC.holders(name)  # a tier's workers hold it without attaching (lifecycle rule 4)
     if held:
         return keep(f"{said}{'; '.join(held)}", creator, lifetime)
@@ -641,6 +644,29 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
     return [out[e] for e in stats if e in out]
 
 
+def tier_in_use(pool: str) -> list[str]:
+    """Why the shared tier of ``pool`` (a vLLM offload tier, an SGLang page store) is in
+    use, one phrase each: processes attached to its pool, replica processes holding its
+    replica lock file, a data region being made (``lifecycle.holders``). Empty when the
+    pool has no tier or nothing holds it. ``shmkv unlink`` refuses a tier in use."""
+    tier_paths = (SHM_DIR + LC.table_name(pool), LC.lock_file_path(pool),
+                  SHM_DIR + L.sibling_segment_name("sglang", pool, L.SGLANG_STORE_VERSION))
+    if not any(os.path.lexists(p) for p in tier_paths):
+        return []
+    reasons = []
+    entry = L.segment_name(pool)[1:]
+    try:
+        st = os.lstat(f"{SHM_DIR}/{entry}")
+    except OSError:
+        st = None
+    if st is not None:
+        judged = _assess_pool(entry, pool, st, True)
+        if judged.live_pids:
+            reasons.append(f"{len(judged.live_pids)} process(es) attached to its pool (pid "
+                           f"{', '.join(map(str, judged.live_pids))})")
+    return reasons + LC.holders(pool)
+
+
 def memory_of(verdicts: list[Verdict], pool: str) -> int:
     """The /dev/shm memory of a pool and of what goes with it (its lock, liveness file,
     siblings, data region: the verdicts naming it as their pool)."""
@@ -968,6 +994,6 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 
 __all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "foreign_reason", "human_bytes",
            "in_scope", "memory_of", "owner_record", "plan", "pool_identity", "remove",
-           "stays_text", "tier_of", "unlink_offload_data_region", "unlink_past_versions",
-           "unlink_pool", "unlink_pool_files", "unlink_pool_siblings", "unlink_tiers",
+           "stays_text", "tier_in_use", "tier_of", "unlink_offload_data_region",
+           "unlink_past_versions", "unlink_pool", "unlink_pool_files", "unlink_pool_siblings", "unlink_tiers",
            "write_owner"]

@@ -194,6 +194,31 @@ def test_a_table_removed_alone_never_lets_the_pool_answer_hit(tier):
     assert c.load(2) == b"C" * CHUNK_BYTES
 
 
+@pytest.mark.timeout(120)
+def test_unlink_refuses_a_tier_in_use_and_force_says_what_is_lost(tier):
+    """`shmkv unlink` of a tier whose replica's worker holds it is refused (exit 1), naming
+    the hold, and removes nothing; with --force the tier goes whole, root first, the command
+    saying what the running replicas lose; a replica started afterwards makes a new
+    generation, and the old replica's bytes are never its hits."""
+    name, replica = tier
+    a = replica("A")
+    a.store(1, ord("A"))
+    before = _tier_objects(name)
+    out = shmkv("unlink", name)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "is a shared tier in use" in out.stderr and "--force" in out.stderr
+    assert _tier_objects(name) == before
+    forced = shmkv("unlink", "--force", name)
+    assert forced.returncode == 0, forced.stderr
+    assert "while in use" in forced.stderr and "next restart" in forced.stderr
+    assert _tier_objects(name) == []
+    b = replica("B")
+    assert b.generation != a.generation
+    assert b.load(1) is None
+    a.store(2, ord("A"))  # the old replica goes on alone, on its own generation
+    assert a.load(2) == b"A" * CHUNK_BYTES and b.load(2) is None
+
+
 def _earlier_release(tmp_path: Path) -> Path:
     """The tree of ``EARLIER_RELEASE`` (shmkv before tier generations), unpacked."""
     try:
