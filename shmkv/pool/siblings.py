@@ -995,5 +995,5 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 __all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "foreign_reason", "human_bytes",
            "in_scope", "memory_of", "owner_record", "plan", "pool_identity", "remove",
            "stays_text", "tier_in_use", "tier_of", "unlink_offload_data_region",
-           "unlink_past_versions", "unlink_pool", "unlink_pool_files", "unlink_pool_siblings", "unlink_tiers",
-           "write_owner"]
+           "unlink_past_versions", "unlink_pool", "unlink_pool_files", "unlink_pool_siblings",
+           "unlink_tiers", "write_owner"]

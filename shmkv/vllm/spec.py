@@ -63,6 +63,29 @@ class SharedOffloadingConnector(OffloadingConnector):
             _VLLM_CONFIG.reset(token)
 
 
+def refuse_unsupported_layout(parallel: Any) -> None:
+    """Refuses, before anything of the tier is made or sized, a parallel layout the shared
+    tier does not support: pipeline parallelism. vLLM's CPU offloading sizes a chunk, and
+    each worker's slot in it, from the worker's own stage's layers, so the stages of one
+    engine (and its scheduler, which sees every layer) would disagree on the tier's chunk
+    layout and chunk count, and an uneven split makes their slots differ in size.
+
+    Raises:
+        UsageError: naming the layout and what runs instead.
+    """
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise UsageError(
+            f"the shared offload tier does not support pipeline parallelism "
+            f"(pipeline_parallel_size={pp}, tensor_parallel_size="
+            f"{getattr(parallel, 'tensor_parallel_size', 1)}): vLLM's CPU offloading lays a "
+            "chunk out from each stage's own layers, so the stages of one engine would "
+            "disagree on the tier's chunk layout. Run the engine with "
+            "pipeline_parallel_size=1 (tensor and data parallelism share the tier), or "
+            "leave the shared tier out of this engine"
+        )
+
+
 class SharedCPUOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec with one node-wide tier: ``get_manager()`` returns a
     :class:`SharedCPUOffloadingManager` on the pool named by ``shmkv_pool``, and the worker
@@ -131,6 +154,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 "\"SharedOffloadingConnector\" and \"kv_connector_module_path\": "
                 "\"shmkv.vllm\" in --kv-transfer-config"
             )
+        refuse_unsupported_layout(vllm_config.parallel_config)
         super().__init__(config)
         self.vllm_config = vllm_config
         self.shmkv_pool: str = pool

@@ -48,9 +48,10 @@ def start_variants(pool: str, model_dir: str, to_parent) -> None:
 
 @pytest.mark.timeout(240)
 def test_replicas_whose_kv_differs_are_refused_naming_the_field(spawn_ctx, tmp_path):
-    """The tier's first replica is TP2 x PP1; a TP1 x PP2 replica (same world size, same
-    per-worker page), one with hf_overrides, one with another PYTHONHASHSEED and one built
-    by vLLM's plain OffloadingConnector are refused; an equal replica starts."""
+    """The tier's first replica is TP2 x PP1; a TP1 x PP2 replica is refused for its layout
+    (pipeline parallelism), never as another replica; one with hf_overrides, one with
+    another PYTHONHASHSEED and one built by vLLM's plain OffloadingConnector are refused
+    naming the field; an equal replica starts."""
     pool = unique_pool_name("idn")
     model_dir = write_model_dir(str(tmp_path / "model"))
     to_parent = spawn_ctx.Queue()
@@ -64,11 +65,10 @@ def test_replicas_whose_kv_differs_are_refused_naming_the_field(spawn_ctx, tmp_p
         first.connector.shutdown()
         SharedCPUOffloadingManager.unlink(pool)
     assert answers["same"] is None
-    tp_pp = answers["TP1xPP2"]
-    assert tp_pp.startswith("LayoutMismatchError")
-    assert "tensor_parallel_size: this replica 1, the tier 2" in tp_pp
-    assert "pipeline_parallel_size: this replica 2, the tier 1" in tp_pp
-    assert f"shmkv unlink {pool}" in tp_pp
+    tp_pp = answers["TP1xPP2"]  # refused for its layout, never as "another replica"
+    assert tp_pp.startswith("UsageError"), tp_pp
+    assert "does not support pipeline parallelism (pipeline_parallel_size=2" in tp_pp
+    assert "differs from the replicas" not in tp_pp
     assert "hf_overrides: this replica '{\"num_hidden_layers\": 1}', the tier '{}'" in \
         answers["hf_overrides"]
     assert "hash_seed: this replica 'PYTHONHASHSEED digest" in answers["hash seed"]
