@@ -820,8 +820,9 @@ OFFLOAD_TIER_VERSION = 4  # the vLLM offload tier's table (shmkv/vllm/tier.py); 
 # in the data region's name (shmkv/pool/lifecycle.py)
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
 OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
-SGLANG_STORE_VERSION = 2  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages;
-# v2: the counter rows in the header, the counter block and the page producers after the pages
+SGLANG_STORE_VERSION = 3  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages;
+# v2: the counter rows in the header, the counter block and the page producers after the pages;
+# v3: no layout change: the version follows the pool's v9, so a release of v2 never opens it
 SGLANG_STORE_MAGIC = 0x5C1A_46E5_70A6_E301
 SGLANG_STORE_OWNER_OFFSET = 3968  # in its 4 KiB header, after the store's identity
 
@@ -853,7 +854,7 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
         SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
                     OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2, 3)),
         SiblingKind("sglang", "SGLang page store", SGLANG_STORE_VERSION, SGLANG_STORE_MAGIC,
-                    SGLANG_STORE_OWNER_OFFSET, past_versions=(1,)),
+                    SGLANG_STORE_OWNER_OFFSET, past_versions=(1, 2)),
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"

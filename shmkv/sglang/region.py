@@ -1,6 +1,10 @@
-"""The page store's data region: one sibling segment ``/shmkv_sglang-<pool>-v1`` holding
-the store's identity and the bytes of every page, named after the pool whose blocks
-describe them.
+"""The page store's data region: one sibling segment ``/shmkv_sglang-<pool>-v<version>``
+holding the store's identity and the bytes of every page, named after the pool whose blocks
+describe them. The store is a tier of two objects with one life (``shmkv/pool/lifecycle.py``):
+its generation is the pool's ``pool_id``, which the region records in its owner record, and
+the format version is in both names (the pool's layout version, the region's store version),
+so a release of another format never opens this one's store, nor removes it: each makes its
+own.
 
 Layout (little-endian):
 
@@ -47,7 +51,6 @@ import errno
 import fcntl
 import mmap
 import os
-import stat
 import struct
 import time
 from collections.abc import Callable
@@ -283,38 +286,6 @@ def _make(pool: BlockPool, fd: int, path: str, pool_name: str, num_pages: int,
         raise
 
 
-def _retire_earlier_store(pool: BlockPool, pool_name: str) -> None:
-    """Removes a page region an earlier shmkv made for this pool (an earlier store version)
-    when no other process is attached to the pool; refuses while one is, since instances
-    of the earlier version would read their region's bytes for keys whose pages this
-    version writes into its own. A file there that is not a regular file of this user is
-    not an earlier store, and is left alone.
-
-    Raises:
-        LayoutMismatchError: other processes are attached while the earlier region exists.
-    """
-    for version in range(1, L.SGLANG_STORE_VERSION):
-        path = SHM_DIR + L.sibling_segment_name("sglang", pool_name, version)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            continue
-        others = [p["pid"] for p in pool.processes() if p["alive"] and p["pid"] != os.getpid()]
-        if others:
-            raise LayoutMismatchError(
-                f"store {pool_name!r}: instances of an earlier shmkv (page store v{version}, "
-                f"this one v{L.SGLANG_STORE_VERSION}) may be running on it ({path} exists and "
-                f"processes {others[:8]} are attached); the two cannot share it. Stop every "
-                "instance of the earlier version, then start this one; or use another "
-                "store name")
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: bytes,
                 check_identity: Callable[[bytes], None]) -> PageRegion:
     """Maps the pool's page store, making it (with ``identity``) if it is missing, left by
@@ -332,7 +303,6 @@ def open_region(pool: BlockPool, pool_name: str, page_bytes: int, identity: byte
     if len(identity) > IDENTITY_MAX:
         raise LayoutMismatchError(
             f"the SGLang store identity is {len(identity)} bytes; at most {IDENTITY_MAX} fit")
-    _retire_earlier_store(pool, pool_name)
     num_pages = pool.num_gpu_blocks - 1
     name, path = region_name(pool_name), region_path(pool_name)
     num_rows = pool.layout.config.max_processes
