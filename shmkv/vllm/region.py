@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
 from shmkv.vllm.tier import (
     REGION_MIXED,
     W_LRU_DIRTY,
+    W_REGION_INODE,
     W_REGION_TAG,
     TierTable,
     open_pool,
@@ -52,6 +54,20 @@ MAKER_WAIT_S = 120.0  # how long a worker waits for another to make the region
 def region_path(pool: str) -> str:
     """The data region's path (the first of vLLM's files for its engine id)."""
     return f"/dev/shm/vllm_offload_{L.offload_data_region_engine_id(pool)}.mmap"
+
+
+def bound_tag(tier: TierTable, path: str, data_bytes: int, generation: bytes) -> int:
+    """The tag of the tier's bound region if the file at ``path`` is that very region (its
+    trailer's tag and generation, and the inode the binding recorded); 0 otherwise
+    (caller holds the pool lock)."""
+    bound = tier.words[W_REGION_TAG]
+    if not bound or read_tag(path, data_bytes, generation) != bound:
+        return 0
+    try:
+        inode = os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return 0
+    return bound if inode == tier.words[W_REGION_INODE] else 0
 
 
 def read_tag(path: str, data_bytes: int, generation: bytes) -> int | None:
@@ -141,8 +157,8 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
     deadline = time.monotonic() + MAKER_WAIT_S
     while True:
         with pool.lock():
-            bound = tier.words[W_REGION_TAG]
-            if bound and read_tag(path, data_bytes, generation) == bound:
+            bound = bound_tag(tier, path, data_bytes, generation)
+            if bound:
                 _bind_row(tier, row, bound)
                 return bound
         if locks.try_region_maker():
@@ -161,8 +177,8 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
 def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
                    data_bytes: int, generation: bytes) -> int:
     with pool.lock():  # another maker may have bound it before this one got the byte
-        bound = tier.words[W_REGION_TAG]
-        if bound and read_tag(path, data_bytes, generation) == bound:
+        bound = bound_tag(tier, path, data_bytes, generation)
+        if bound:
             _bind_row(tier, row, bound)
             return bound
     # out of the lock: reserving pages takes time
@@ -171,6 +187,7 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
         with pool.lock():
             read_tag(path, data_bytes, generation)  # refuses a foreign file planted meanwhile
             os.rename(tmp, path)
+            tier.words[W_REGION_INODE] = os.stat(path, follow_symlinks=False).st_ino
             # Whatever the tier described lived in another region (or none): no key of the
             # pool names bytes of this one, whether the table had a region bound or not.
             _forget_chunks(pool)
@@ -185,7 +202,15 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
     return tag
 
 
-def check_mapped(fd: int, path: str, data_bytes: int, tag: int, generation: bytes) -> None:
+class RegionBinding(NamedTuple):
+    """The region a worker bound: its tag, the tier's generation, the file's inode."""
+
+    tag: int
+    generation: bytes
+    inode: int
+
+
+def check_mapped(fd: int, path: str, data_bytes: int, binding: RegionBinding) -> None:
     """Checks that the file vLLM's region opened (``fd``) is the bound region.
 
     Raises:
@@ -193,14 +218,15 @@ def check_mapped(fd: int, path: str, data_bytes: int, tag: int, generation: byte
     """
     check_fd(fd, f"the offload tier's data region {path}")
     trailer = os.pread(fd, LC.REGION_TRAILER.size, data_bytes)
-    if trailer != LC.REGION_TRAILER.pack(REGION_MAGIC, tag, generation):
+    if (trailer != LC.REGION_TRAILER.pack(REGION_MAGIC, binding.tag, binding.generation)
+            or os.fstat(fd).st_ino != binding.inode):
         raise SegmentError(f"the offload tier's data region {path} was replaced while this "
                            "worker mapped it; start the worker again")
 
 
 def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_id: str,
                    data_bytes: int, identity: dict | None = None
-                   ) -> tuple[ReplicaLocks, int, bytes]:
+                   ) -> tuple[ReplicaLocks, RegionBinding]:
     """A GPU worker's start: checks its replica's ``identity`` against the tier's (and
     records it if it is the first), joins its replica's row (``replica_id``, one per engine
     start), binds the data region to the pool (making it if needed) and returns (its hold on the
@@ -234,6 +260,8 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
                     check_identity(tier, pool_name, identity)
                 row = join(tier, locks, replica_key(replica_id), pool_name)
             tag = bind_region(pool, tier, locks, row, pool_name, data_bytes)
+            with pool.lock():
+                binding = RegionBinding(tag, generation, int(tier.words[W_REGION_INODE]))
         except BaseException:
             locks.close()
             raise
@@ -241,4 +269,4 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
             tier.close()
     finally:
         pool.close()
-    return locks, tag, generation
+    return locks, binding

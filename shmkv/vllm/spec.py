@@ -30,7 +30,7 @@ from shmkv.vllm.manager import (
     SHMKV_LOCK_WAIT_S,
     SharedCPUOffloadingManager,
 )
-from shmkv.vllm.region import check_mapped, join_as_worker, region_path
+from shmkv.vllm.region import RegionBinding, check_mapped, join_as_worker, region_path
 from shmkv.vllm.replicas import ReplicaLocks
 
 #: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
@@ -161,7 +161,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         self.shmkv_max_processes = int(extra.get("shmkv_max_processes",
                                                  DEFAULT_MAX_PROCESSES))
         self._worker_locks: ReplicaLocks | None = None
-        self._generation = b""  # the tier's, once this process joined as a worker
+        self._binding: RegionBinding | None = None  # once this process joined as a worker
 
     @property
     def shmkv_replica_id(self) -> str:
@@ -218,14 +218,14 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 of the tier touched).
             SegmentError: a foreign or insecure region file, or no room in /dev/shm.
         """
-        locks, tag, generation = join_as_worker(
+        locks, binding = join_as_worker(
             self.shmkv_pool, self.num_chunks, self.shmkv_max_processes, self.shmkv_replica_id,
             self.num_chunks * self.kv_bytes_per_chunk, identity=self.replica_identity())
         if self._worker_locks is not None:
             self._worker_locks.close()
         self._worker_locks = locks
-        self._generation = generation
-        return tag
+        self._binding = binding
+        return binding.tag
 
     def open_data_region(self, rank: int | None) -> SharedOffloadRegion:
         """Joins the replica as a worker, binds the data region to the pool and maps it
@@ -242,7 +242,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
             SegmentError: a foreign or insecure region file, no room in /dev/shm, or the
                 file replaced while it was being mapped.
         """
-        tag = self.join_replica_as_worker()
+        self.join_replica_as_worker()
         region = SharedOffloadRegion(
             engine_id=L.offload_data_region_engine_id(self.shmkv_pool),
             num_chunks=self.num_chunks, rank=rank,
@@ -252,7 +252,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         )
         try:
             check_mapped(region.fd, region_path(self.shmkv_pool),
-                         self.num_chunks * self.kv_bytes_per_chunk, tag, self._generation)
+                         self.num_chunks * self.kv_bytes_per_chunk, self._binding)
         except BaseException:
             region.cleanup()
             raise

@@ -15,6 +15,8 @@ the tier):
                pool's reap count the orphans were last collected at (lru.py)
     word 10    the inode of the replica lock file the tier's rows are held on (replicas.py);
                0: none recorded yet
+    word 11    the inode of the bound data region (region.py): a copy renamed over it,
+               trailer and all, is another file, never the bound region
     words 12-13 the tier's generation: the pool_id of the pool the table was made with
                (``shmkv/pool/lifecycle.py``); a table of another generation is never used
     words 16.. MAX_REPLICAS replica keys, one per replica row (0: the row is free)
@@ -68,6 +70,7 @@ BODY_AT = COUNTERS_AT + 4096  # the counter block, padded to a page
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
 W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
 W_REPLICA_FILE = 10  # replicas.py
+W_REGION_INODE = 11  # region.py
 W_GENERATION_TIER = LC.TABLE_GENERATION_WORD  # words 12-13: the pool's pool_id
 REGION_MIXED = -1  # a row whose workers mapped different regions: never the tier's tag
 PENDING_BIT = L.PENDING_GROUP_BIT  # the group-id bit of a chunk whose store is in flight

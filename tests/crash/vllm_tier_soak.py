@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import queue
 import random
+import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -44,8 +46,11 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     ("read", job, [ok per chunk]); exits once its core is gone and its queue is empty."""
     from shmkv.vllm.region import join_as_worker, region_path
 
-    locks, _, _ = join_as_worker(pool, NUM_CHUNKS, 32, engine_id, NUM_CHUNKS * CHUNK_BYTES)
-    region = np.memmap(region_path(pool), np.uint8, "r+", 0, (NUM_CHUNKS, CHUNK_BYTES))
+    try:
+        locks, _ = join_as_worker(pool, NUM_CHUNKS, 32, engine_id, NUM_CHUNKS * CHUNK_BYTES)
+        region = np.memmap(region_path(pool), np.uint8, "r+", 0, (NUM_CHUNKS, CHUNK_BYTES))
+    except _refusals() as exc:
+        _refused(acks, exc)
     acks.put("ready")
     slice_bytes = CHUNK_BYTES // WRITE_SLICES
     while True:
@@ -68,6 +73,26 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     del region
     locks.close()
     acks.cancel_join_thread()  # nobody reads them any more: never wait to flush them
+
+
+REFUSED = 3  # the exit code of a process the tier refused at start, naming why
+UNEXPECTED = 4  # the exit code of a process that met an error the tier should never raise
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """The errors the tier may refuse a starting process with, each naming the object and
+    what to do."""
+    from shmkv.errors import LayoutMismatchError, PoolFullError, SegmentError
+
+    return (LayoutMismatchError, PoolFullError, SegmentError)
+
+
+def _refused(acks, exc: BaseException) -> None:
+    """Reports a refusal to the other process of the replica and exits REFUSED."""
+    acks.put(("refused", f"{type(exc).__name__}: {exc}"))
+    acks.close()
+    acks.join_thread()
+    raise SystemExit(REFUSED)
 
 
 def _gone(pid: int) -> bool:
@@ -141,28 +166,53 @@ class _Jobs:
 
 
 def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
-         guard_off: bool = False, joined=None) -> None:
+         guard_off: bool = False, joined=None, trust_rows: bool = False) -> None:
     """An engine core: serves random prompts against the tier, loading hits (its worker
     checks every byte) and storing misses with up to MAX_STORES_IN_FLIGHT stores in flight;
     now and then resets with stores in flight. ``counters``: [loads checked, wrong chunks,
-    stores, resets]. ``joined`` (an Event) is set once the core and its worker have both
-    joined the replica's row."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
-
-    from shmkv.errors import SegmentError
+    stores, resets] and, if it has a fifth, steps served. ``joined`` (an Event) is set once
+    the core and its worker have both joined the replica's row. ``trust_rows`` (a race
+    detector): this core believes its replica's row whatever region its workers mapped
+    (the region binding ignored). Exits
+    REFUSED if the tier refused it or its worker at start, UNEXPECTED (with the traceback
+    on stderr) on any other error."""
     from shmkv.vllm import SharedCPUOffloadingManager
 
     rng = random.Random(seed)
-    manager = SharedCPUOffloadingManager(pool, NUM_CHUNKS, replica_id=engine_id,
-                                         max_processes=32)
+    ready = acks.get(timeout=120)  # vLLM builds a replica's workers before its scheduler
+    if ready != "ready":
+        raise SystemExit(REFUSED)  # its worker was refused
+    try:
+        manager = SharedCPUOffloadingManager(pool, NUM_CHUNKS, replica_id=engine_id,
+                                             max_processes=32)
+    except _refusals() as exc:
+        print(f"refused: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(REFUSED) from None
     if guard_off:  # the race detector: this core ignores every replica's job bits
         manager._jobs = memoryview(bytearray(8 * len(manager._jobs))).cast("Q")
-    assert acks.get(timeout=120) == "ready"
+    if trust_rows:  # the race detector: this core ignores the region binding
+        manager._region_lost = lambda: False
     if joined is not None:
         joined.set()
+    try:
+        _serve(manager, rng, stop, counters, commands, acks)
+    except Exception:  # noqa: BLE001 (reported, and the exit code says it)
+        traceback.print_exc()
+        raise SystemExit(UNEXPECTED) from None
+
+
+def _serve(manager, rng, stop, counters, commands, acks) -> None:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from shmkv.errors import SegmentError
+
     jobs = _Jobs(manager, commands, acks, counters)
     ctx = ReqContext("")
+    steps = len(counters) > 4  # [4]: the steps served, where the caller counts them
     while not stop.is_set():
+        if steps:
+            with counters.get_lock():
+                counters[4] += 1
         jobs.take_acks(block=len(jobs.stores) >= MAX_STORES_IN_FLIGHT)
         prompt = rng.randrange(NUM_PROMPTS)
         keys = [offload_key(prompt, c) for c in range(KEYS_PER_PROMPT)]

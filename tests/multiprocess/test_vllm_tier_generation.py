@@ -60,8 +60,8 @@ class Replica:
     then its engine core's manager, as vLLM builds them."""
 
     def __init__(self, pool: str, replica: str) -> None:
-        self.locks, self.tag, self.generation = join_as_worker(
-            pool, NUM_CHUNKS, 16, replica, DATA_BYTES)
+        self.locks, binding = join_as_worker(pool, NUM_CHUNKS, 16, replica, DATA_BYTES)
+        self.tag, self.generation = binding.tag, binding.generation
         self.region = np.memmap(region_path(pool), np.uint8, "r+", 0, (NUM_CHUNKS, CHUNK_BYTES))
         self.core: SharedCPUOffloadingManager | None = None
         self.pool, self.replica = pool, replica

@@ -10,7 +10,7 @@ def worker_that_dies(pool: str, num_chunks: int, data_bytes: int, replica: str) 
     warm-up (its process exits before its engine core ever attaches)."""
     from shmkv.vllm.region import join_as_worker
 
-    locks, _, _ = join_as_worker(pool, num_chunks, 16, replica, data_bytes)
+    locks, _ = join_as_worker(pool, num_chunks, 16, replica, data_bytes)
     os._exit(0)  # no close: the kernel drops its locks, as for a crash
 
 

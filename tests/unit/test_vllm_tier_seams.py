@@ -45,9 +45,9 @@ def tier():
         return m
 
     def worker(replica: str) -> int:
-        locks, tag, _ = join_as_worker(name, NUM_CHUNKS, 16, replica, DATA_BYTES)
+        locks, binding = join_as_worker(name, NUM_CHUNKS, 16, replica, DATA_BYTES)
         opened.append(locks)
-        return tag
+        return binding.tag
 
     yield name, manager, worker
     for thing in reversed(opened):
@@ -156,3 +156,25 @@ def test_a_replica_no_worker_of_which_bound_the_region_is_cut_off(tier):
     assert a.prepare_store([key(2)], CTX) is None
     with pytest.raises(SegmentError, match="data region was replaced|no worker"):
         a.prepare_load([key(1)], CTX)
+
+
+def test_a_copy_of_the_region_renamed_over_it_is_never_the_bound_region(tier):
+    """The region is copied, trailer and all, and the copy renamed over it (a backup
+    restored, a file manager's move): the next worker does not take it for the bound region
+    (another inode), makes a fresh one and the tier forgets its chunks; the replica whose
+    worker maps the original gets no hit."""
+    import shutil
+
+    name, manager, worker = tier
+    old = worker("A")
+    a = manager("A")
+    _store(a, [1])
+    path = region_path(name)
+    shutil.copyfile(path, path + ".copy")
+    os.chmod(path + ".copy", 0o600)
+    os.rename(path + ".copy", path)
+    assert worker("B") != old
+    b = manager("B")
+    assert b.lookup(key(1), CTX) == MISS
+    _store(b, [1])
+    assert a.lookup(key(1), CTX) == MISS
