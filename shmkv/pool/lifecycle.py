@@ -136,7 +136,9 @@ def locked_bytes(fd: int, first: int = 0, count: int = 0) -> bool:
     return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
-def _open_read(path: str) -> int | None:
+def open_read(path: str) -> int | None:
+    """A read-only descriptor of ``path`` (never through a link, never blocking); None if
+    it cannot be opened."""
     try:
         return os.open(path, _READ)
     except OSError:
@@ -152,7 +154,7 @@ def holders(pool: str) -> list[str]:
     Empty: nothing but the pool's own processes can hold it."""
     reasons = []
     path = lock_file_path(pool)
-    fd = _open_read(path)
+    fd = open_read(path)
     if fd is not None:
         try:
             if locked_bytes(fd):
@@ -195,7 +197,7 @@ def remove_objects(pool: str, generation: bytes | None, *, past: bool = True) ->
                 "offload data region" not in removed:  # one file per rank: said once
             removed.append("offload data region")
     path = lock_file_path(pool)
-    fd = _open_read(path)
+    fd = open_read(path)
     if fd is not None:
         try:
             mine = ours(read_lock_file_generation(fd))
@@ -226,7 +228,7 @@ REGION_TRAILER = struct.Struct("<16sq16s")  # magic, tag, generation (shmkv/vllm
 
 def _table_generation(name: str) -> bytes | None:
     """The generation a tier table records; None if there is no table (or not a file)."""
-    fd = _open_read(SHM_DIR + name)
+    fd = open_read(SHM_DIR + name)
     if fd is None:
         return None
     try:
@@ -238,7 +240,7 @@ def _table_generation(name: str) -> bytes | None:
 
 def _region_generation(path: str) -> bytes:
     """The generation a data region's trailer records (zeros: none, or not a region)."""
-    fd = _open_read(path)
+    fd = open_read(path)
     if fd is None:
         return bytes(GENERATION_BYTES)
     try:

@@ -823,10 +823,15 @@ def _past_versions(pool: str) -> list[tuple[str, str]]:
 
 def unlink_past_versions(pool: str) -> list[str]:
     """Removes the earlier versions of what is named after ``pool`` alone (an earlier shmkv
-    made them: ``_past_versions``), each only if it is a regular file of this user; returns
-    what each removed object is (``"offload tier table v2"``, ...)."""
+    made them: ``_past_versions``), each only if it is a regular file of this user, and an
+    earlier offload tier only while none of its replicas holds its lock file (it is that
+    release's running tier); returns what each removed object is (``"offload tier table
+    v2"``, ...)."""
     removed = []
+    running = earlier_tiers_running(pool)
     for path, what in _past_versions(pool):
+        if any(path.startswith(table) for table in running):
+            continue
         try:
             st = os.lstat(path)
         except OSError:
@@ -839,6 +844,25 @@ def unlink_past_versions(pool: str) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def earlier_tiers_running(pool: str) -> list[str]:
+    """The paths of the earlier offload tier tables named after ``pool`` whose replica lock
+    file a process holds: an earlier release's tier, running."""
+    running = []
+    for version in L.SIBLING_KINDS["offload"].past_versions:
+        table = SHM_DIR + L.sibling_segment_name("offload", pool, version)
+        fd = LC.open_read(table + L.OFFLOAD_REPLICAS_SUFFIX)
+        if fd is None:
+            continue
+        try:
+            if LC.locked_bytes(fd):
+                running.append(table)
+        except OSError:
+            running.append(table)
+        finally:
+            os.close(fd)
+    return running
 
 
 def unlink_pool_siblings(pool: str, generation: bytes | None = None) -> list[str]:
@@ -858,7 +882,7 @@ def unlink_pool_siblings(pool: str, generation: bytes | None = None) -> list[str
             removed.append(spec.what)
         except posix_ipc.ExistentialError:
             pass
-    removed += LC.remove_objects(pool, generation)
+    removed += LC.remove_objects(pool, generation, past=not earlier_tiers_running(pool))
     removed += unlink_past_versions(pool)
     return removed
 

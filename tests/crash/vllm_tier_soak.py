@@ -13,9 +13,11 @@ overwritten after its new owner wrote it.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import queue
 import random
+import signal
 import sys
 import time
 import traceback
@@ -44,6 +46,7 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     """A GPU worker: joins the replica, maps the region; executes its core's jobs in order,
     ("write", job, chunks, keys) -> ("written", job) and ("read", job, chunks, keys) ->
     ("read", job, [ok per chunk]); exits once its core is gone and its queue is empty."""
+    faulthandler.register(signal.SIGUSR1)  # a stuck worker's stack, on demand
     from shmkv.vllm.region import join_as_worker, region_path
 
     try:
@@ -73,6 +76,18 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     del region
     locks.close()
     acks.cancel_join_thread()  # nobody reads them any more: never wait to flush them
+
+
+def add(counters, i: int, n: int) -> None:
+    """Adds ``n`` to ``counters[i]``: under the array's lock where it has one (shared by
+    every core), plainly where it has none (one core's own: a core SIGKILLed while holding
+    a shared lock would stop every other core at its next count)."""
+    lock = getattr(counters, "get_lock", None)
+    if lock is None:
+        counters[i] += n
+        return
+    with lock():
+        counters[i] += n
 
 
 REFUSED = 3  # the exit code of a process the tier refused at start, naming why
@@ -147,8 +162,7 @@ class _Jobs:
         keys = self.stores.pop(job)
         with self.manager.lock:
             self.manager.complete_store(keys, ReqContext(""))
-        with self.counters.get_lock():
-            self.counters[2] += 1
+        add(self.counters, 2, 1)
 
     def read(self, chunks: list[int], keys: list[bytes]) -> list[bool]:
         job = self.send("read", chunks, keys)
@@ -176,6 +190,7 @@ def core(pool: str, engine_id: str, seed: int, stop, counters, commands, acks,
     (the region binding ignored). Exits
     REFUSED if the tier refused it or its worker at start, UNEXPECTED (with the traceback
     on stderr) on any other error."""
+    faulthandler.register(signal.SIGUSR1)  # a stuck core's stack, on demand
     from shmkv.vllm import SharedCPUOffloadingManager
 
     rng = random.Random(seed)
@@ -211,8 +226,7 @@ def _serve(manager, rng, stop, counters, commands, acks) -> None:
     steps = len(counters) > 4  # [4]: the steps served, where the caller counts them
     while not stop.is_set():
         if steps:
-            with counters.get_lock():
-                counters[4] += 1
+            add(counters, 4, 1)
         jobs.take_acks(block=len(jobs.stores) >= MAX_STORES_IN_FLIGHT)
         prompt = rng.randrange(NUM_PROMPTS)
         keys = [offload_key(prompt, c) for c in range(KEYS_PER_PROMPT)]
@@ -225,9 +239,8 @@ def _serve(manager, rng, stop, counters, commands, acks) -> None:
                 spec = None
         if spec is not None:
             oks = jobs.read(spec.block_ids.tolist(), hits)
-            with counters.get_lock():
-                counters[0] += len(oks)
-                counters[1] += oks.count(False)
+            add(counters, 0, len(oks))
+            add(counters, 1, oks.count(False))
             with manager.lock:
                 manager.complete_load(hits, ctx)
         misses = [k for k, s in zip(keys, states, strict=True) if s == LookupResult.MISS]
@@ -238,6 +251,5 @@ def _serve(manager, rng, stop, counters, commands, acks) -> None:
                 jobs.send("write", out.store_spec.block_ids.tolist(), out.keys_to_store)
         if rng.random() < 0.05:  # a reset while stores are in flight
             jobs.reset()
-            with counters.get_lock():
-                counters[3] += 1
+            add(counters, 3, 1)
     manager.close()
