@@ -147,17 +147,20 @@ def open_read(path: str) -> int | None:
 
 # ------------------------------------------------------------------ who holds a tier
 
-def holders(pool: str) -> list[str]:
+def holders(pool: str, generation: bytes | None = None) -> list[str]:
     """Why the offload tier of ``pool`` is held beyond its pool's attached processes (which
     the caller judges): a replica lock file some process holds a byte of (every engine core
     and GPU worker of a replica, from the moment it joins), or a data region being made.
-    Empty: nothing but the pool's own processes can hold it."""
+    ``generation``: only a lock file of that generation counts (one of another holds
+    another tier). Empty: nothing but the pool's own processes can hold it."""
     reasons = []
     path = lock_file_path(pool)
     fd = open_read(path)
     if fd is not None:
         try:
-            if locked_bytes(fd):
+            if generation is not None and read_lock_file_generation(fd) != generation:
+                pass
+            elif locked_bytes(fd):
                 reasons.append(f"replica processes (engine cores, GPU workers) hold {path}")
         except OSError:
             reasons.append(f"{path} cannot be read for locks: kept")

@@ -644,11 +644,12 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
     return [out[e] for e in stats if e in out]
 
 
-def tier_in_use(pool: str) -> list[str]:
+def tier_in_use(pool: str, generation: bytes | None = None) -> list[str]:
     """Why the shared tier of ``pool`` (a vLLM offload tier, an SGLang page store) is in
     use, one phrase each: processes attached to its pool, replica processes holding its
-    replica lock file, a data region being made (``lifecycle.holders``). Empty when the
-    pool has no tier or nothing holds it. ``shmkv unlink`` refuses a tier in use."""
+    replica lock file (of ``generation``, if given), a data region being made
+    (``lifecycle.holders``). Empty when the pool has no tier or nothing holds it. ``shmkv
+    unlink`` refuses a tier in use."""
     tier_paths = (SHM_DIR + LC.table_name(pool), LC.lock_file_path(pool),
                   SHM_DIR + L.sibling_segment_name("sglang", pool, L.SGLANG_STORE_VERSION))
     if not any(os.path.lexists(p) for p in tier_paths):
@@ -664,7 +665,19 @@ def tier_in_use(pool: str) -> list[str]:
         if judged.live_pids:
             reasons.append(f"{len(judged.live_pids)} process(es) attached to its pool (pid "
                            f"{', '.join(map(str, judged.live_pids))})")
-    return reasons + LC.holders(pool)
+    return reasons + LC.holders(pool, generation)
+
+
+def discard_unused_tier(pool: str, generation: bytes, tiers: tuple[str, ...]) -> bool:
+    """Removes the tier of ``pool`` that this process made (``generation``: its pool's
+    ``pool_id``) and was then refused for, so that a refused start leaves /dev/shm as it
+    found it; a tier that another process joined meanwhile (attached, or holding its
+    replica lock file) stays, as does a pool of the name made again since. Returns whether
+    it was removed. Call it with this process's own handles closed."""
+    identity = pool_identity(pool)
+    if identity is None or identity[2] != generation or tier_in_use(pool, generation):
+        return False
+    return unlink_pool(pool, tiers).found
 
 
 def memory_of(verdicts: list[Verdict], pool: str) -> int:
@@ -1016,7 +1029,8 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
     return done
 
 
-__all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "foreign_reason", "human_bytes",
+__all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "discard_unused_tier",
+           "foreign_reason", "human_bytes",
            "in_scope", "memory_of", "owner_record", "plan", "pool_identity", "remove",
            "stays_text", "tier_in_use", "tier_of", "unlink_offload_data_region",
            "unlink_past_versions", "unlink_pool", "unlink_pool_files", "unlink_pool_siblings",

@@ -87,7 +87,7 @@ from shmkv.pool import layout as L
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
-from shmkv.pool.siblings import unlink_pool
+from shmkv.pool.siblings import discard_unused_tier, unlink_pool
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 from shmkv.vllm.compat import EVENT_METADATA_ONLY, ConfigInfoMapping
 from shmkv.vllm.identity import check_identity
@@ -317,7 +317,10 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 self._tier.close()
                 raise
         except BaseException:
+            generation = self._pool.generation
             self._pool.close()
+            if created:  # nothing half made stays behind a refused start
+                discard_unused_tier(pool, generation, BlockPool.TIERS)
             raise
         self._bit = 1 << self._row
         self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set

@@ -29,11 +29,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shmkv.errors import SegmentError
+from shmkv.errors import NoSpaceError, SegmentError
 from shmkv.pool import layout as L
 from shmkv.pool import lifecycle as LC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import check_fd, open_checked, reserve
+from shmkv.pool.siblings import discard_unused_tier
 from shmkv.vllm.identity import check_identity, refuse_foreign_replica
 from shmkv.vllm.replicas import ReplicaLocks, join, replica_key
 from shmkv.vllm.tier import (
@@ -44,6 +45,7 @@ from shmkv.vllm.tier import (
     TierTable,
     open_pool,
     open_tier_table,
+    table_bytes,
 )
 
 REGION_MAGIC = b"shmkv-kv-region1"  # 16 bytes
@@ -244,10 +246,12 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
     process = {"label": "vllm-offload-worker"}
     if identity is not None:
         refuse_foreign_replica(pool_name, identity, process)
+    _check_room(pool_name, num_chunks, data_bytes)
     pool, created = open_pool(pool_name, num_chunks, max_processes, None, process)
+    generation = pool.generation
+    refused = True
     try:
         tier = open_tier_table(pool, pool_name, num_chunks, created)
-        generation = pool.generation
         try:
             with pool.lock():
                 locks = ReplicaLocks(pool_name, generation)
@@ -267,6 +271,29 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
             raise
         finally:
             tier.close()
+        refused = False
     finally:
         pool.close()
+        if refused and created:  # nothing half made stays behind a refused start
+            discard_unused_tier(pool_name, generation, BlockPool.TIERS)
     return locks, binding
+
+
+def _check_room(pool_name: str, num_chunks: int, data_bytes: int) -> None:
+    """Refuses a worker that would make the tier in a /dev/shm without room for its data
+    region and table, before it makes anything (a replica joining a tier whose region is
+    there needs no room).
+
+    Raises:
+        NoSpaceError: naming both sizes and what to do.
+    """
+    if os.path.lexists(region_path(pool_name)):
+        return
+    need = data_bytes + TRAILER_BYTES + table_bytes(num_chunks)
+    st = os.statvfs(os.path.dirname(region_path(pool_name)))
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise NoSpaceError(
+            f"the offload tier {pool_name!r} needs at least {need:,} bytes in /dev/shm (its "
+            f"data region and table) and {free:,} are free: lower cpu_bytes_to_use, or give "
+            "/dev/shm more room (docker run --shm-size=...); nothing was made")

@@ -9,7 +9,6 @@ import contextvars
 from typing import Any
 
 from vllm import platforms
-from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -146,7 +145,10 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 "not use on ROCm (its workers would keep private buffers behind a shared "
                 "manager); use vLLM's own CPUOffloadingSpec there"
             )
-        vllm_config = _VLLM_CONFIG.get() or get_current_vllm_config_or_none()
+        # Only SharedOffloadingConnector hands the spec vLLM's whole config; with vLLM's
+        # plain connector a worker would otherwise make the tier before its engine core is
+        # refused, leaving a full-size region behind a crash-looping replica.
+        vllm_config = _VLLM_CONFIG.get()
         if vllm_config is None:
             raise UsageError(
                 "SharedCPUOffloadingSpec needs vLLM's whole config to check that replicas "

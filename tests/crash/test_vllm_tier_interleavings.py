@@ -343,7 +343,7 @@ def test_the_interleavings_see_wrong_kv_when_the_region_binding_is_ignored(tmp_p
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("seed", range(20))
 def test_interleavings_long(tmp_path, seed):
-    """The interleavings for ten minutes per seed (``scripts/tier_soak.sh`` runs them for
+    """The interleavings for ten minutes per seed (``scripts/tier_soak.py`` runs them for
     hours)."""
     r = run_interleavings(seed=seed, seconds=600, tmp=tmp_path)
     assert r["wrong"] == 0 and r["left"] == []

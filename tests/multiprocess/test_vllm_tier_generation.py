@@ -283,8 +283,15 @@ def test_a_stale_lock_file_of_another_generation(tier):
         import fcntl
 
         fcntl.fcntl(holder, fcntl.F_OFD_SETLK, LC._FLOCK.pack(fcntl.F_RDLCK, 0, 5, 1, 0))
+        with open(path, "rb") as f:
+            planted = f.read()
         with pytest.raises(LayoutMismatchError, match=r"generation 020202020202, the pool"):
             replica("B")
+        # the refused start made the pool and table, and took them back: only the
+        # planted file is left, as it was
+        assert _tier_objects(name) == [os.path.basename(path)]
+        with open(path, "rb") as f:
+            assert f.read() == planted
     finally:
         os.close(holder)
         os.unlink(path)
