@@ -193,9 +193,19 @@ def _remove(path: str) -> None:
         pass
 
 
+PLAN = {"start": 6, "kill core": 3, "kill worker then core": 1, "cleanup": 2,
+        "cleanup --include-idle": 2, "remove table": 1, "remove region": 1,
+        "replace region": 1, "remove lock file": 1, "unlink --force": 1, "stop all": 0.5,
+        "earlier release": 1}
+# The race detector's plan: replicas come and go while the region is removed or replaced,
+# the one fault whose rule (the region binding) its cores ignore.
+DETECTOR_PLAN = {"start": 4, "kill core": 2, "remove region": 1, "replace region": 1}
+
+
 def run_interleavings(seed: int, seconds: float, tmp: Path, trust_rows: bool = False,
-                      earlier: bool = True) -> dict:
-    """Runs the driver for ``seconds``; returns what happened (counters, actions, exit codes)."""
+                      earlier: bool = True, plan: dict[str, float] | None = None) -> dict:
+    """Runs the driver for ``seconds``, choosing each action by the weights of ``plan``
+    (default ``PLAN``); returns what happened (counters, actions, exit codes)."""
     print(f"interleavings seed {seed}")
     rng = random.Random(seed)
     ctx = mp.get_context("spawn")
@@ -218,29 +228,29 @@ def run_interleavings(seed: int, seconds: float, tmp: Path, trust_rows: bool = F
             r.codes = r.end()
             ended.append(r)
 
-    plan = [
-        ("start", 5), ("kill core", 3), ("kill worker then core", 1), ("cleanup", 2),
-        ("cleanup --include-idle", 2), ("remove table", 1), ("remove region", 1),
-        ("replace region", 1), ("remove lock file", 1), ("unlink --force", 1),
-        ("stop all", 1), ("earlier release", 1 if tree is not None else 0),
-    ]
-    names, weights = zip(*plan, strict=True)
+    weights_of = dict(PLAN if plan is None else plan)
+    if tree is None:
+        weights_of.pop("earlier release", None)
+    names, weights = zip(*weights_of.items(), strict=True)
     for _ in range(2):
         start()
-    deadline = time.monotonic() + seconds
     try:
+        for r in replicas:  # the clock starts once the first replicas serve
+            r.joined.wait(STOP_WAIT_S)
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.1, 0.5))
+            time.sleep(rng.uniform(0.2, 0.8))
             reap()
+            serving = [r for r in replicas if r.joined.is_set()]
             action = rng.choices(names, weights)[0]
             actions[action] = actions.get(action, 0) + 1
             began = time.monotonic()
             if action == "start" and len(replicas) < MAX_LIVE:
                 start()
-            elif action == "kill core" and replicas:
-                rng.choice(replicas).kill("core")
-            elif action == "kill worker then core" and replicas:
-                victim = rng.choice(replicas)
+            elif action == "kill core" and serving:
+                rng.choice(serving).kill("core")
+            elif action == "kill worker then core" and serving:
+                victim = rng.choice(serving)
                 victim.kill("worker")
                 time.sleep(0.05)
                 victim.kill("core")
@@ -324,7 +334,7 @@ def test_no_interleaving_loads_wrong_kv(tmp_path):
     assert not bad, bad
     assert r["stuck"] == [], r["stuck"]
     assert r["left"] == [], r["left"]
-    assert r["checked"] > 100 and r["steps"] > 1000, r
+    assert r["checked"] >= 50 and r["steps"] >= 300, r  # it served while all this happened
 
 
 @pytest.mark.timeout(420)
@@ -335,7 +345,7 @@ def test_the_interleavings_see_wrong_kv_when_the_region_binding_is_ignored(tmp_p
     """The race detector: the same driver, every core trusting its replica's row whatever
     region its workers mapped."""
     r = run_interleavings(seed=4401, seconds=60, tmp=tmp_path, trust_rows=True,
-                          earlier=False)
+                          earlier=False, plan=DETECTOR_PLAN)
     assert r["wrong"] == 0
 
 
