@@ -24,12 +24,10 @@ import json
 import os
 from typing import Any
 
-from shmkv.errors import LayoutMismatchError, SegmentError, SegmentNotFoundError, UsageError
+from shmkv.errors import LayoutMismatchError, UsageError
 from shmkv.model_files import model_files_digest
-from shmkv.pool.block_pool import BlockPool
-from shmkv.pool.segment import Segment
 from shmkv.vllm.compat import VLLM_RELEASE
-from shmkv.vllm.tier import IDENTITY_MAX, MEDIUM, TierTable, open_tier_table, tier_table_name
+from shmkv.vllm.tier import IDENTITY_MAX, TierTable
 
 # Non-cryptographic hashes of vLLM's prefix cache: their NONE_HASH seed is random per
 # process unless PYTHONHASHSEED is set (vllm.v1.core.kv_cache_utils.resolve_none_hash_seed).
@@ -152,32 +150,3 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
         )
 
 
-def refuse_foreign_replica(pool: str, identity: dict, process: dict) -> None:
-    """Checks ``identity`` against the one the tier recorded, if the pool and its table
-    exist, BEFORE this process sizes, joins or binds anything: a replica whose chunk
-    geometry differs would otherwise be refused only for its chunk count, or (a worker,
-    which vLLM builds before its scheduler) replace the data region first. Records nothing.
-
-    Raises:
-        LayoutMismatchError: the identities differ (every differing field named).
-    """
-    try:
-        bp = BlockPool.attach(pool, **process)
-    except SegmentError:  # missing, or still being made: open_pool decides
-        return
-    try:
-        if bp.medium != MEDIUM or bp.hash_block_size != 1:
-            return  # not a tier: open_pool says so
-        try:
-            seg = Segment.open(tier_table_name(pool))
-        except SegmentNotFoundError:
-            return
-        seg.close()
-        tier = open_tier_table(bp, pool, bp.num_gpu_blocks - 1, False)
-        try:
-            with bp.lock():
-                check_identity(tier, pool, identity, record=False)
-        finally:
-            tier.close()
-    finally:
-        bp.close()

@@ -87,18 +87,15 @@ from shmkv.pool import layout as L
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
-from shmkv.pool.siblings import discard_unused_tier, unlink_pool
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
 from shmkv.vllm.compat import EVENT_METADATA_ONLY, ConfigInfoMapping
 from shmkv.vllm.identity import check_identity
+from shmkv.vllm.lifecycle import MEDIUM, join_as_core, remove_tier
 from shmkv.vllm.lru import TierLRU
 from shmkv.vllm.recency import MISS, PENDING, READY, RequestRecency, pack_rank
 from shmkv.vllm.replicas import (
-    ReplicaLocks,
-    join,
     reap_gone,
     release_row,
-    replica_key,
 )
 from shmkv.vllm.stats import (
     GAUGE_INTERVAL_S,
@@ -110,14 +107,11 @@ from shmkv.vllm.stats import (
 )
 from shmkv.vllm.step_lookup import StepLookupCalls, StepLookups, StepRegion
 from shmkv.vllm.tier import (
-    MEDIUM,
     PENDING_BIT,
     W_GENERATION,
     W_REAPED_SEEN,
     W_REGION_TAG,
     W_REPLICA_REGION,
-    open_pool,
-    open_tier_table,
     tier_table_name,
 )
 
@@ -127,7 +121,6 @@ __all__ = ["SHMKV_CROSS_REPLICA_HITS", "SHMKV_LOCK_HOLDS", "SHMKV_LOCK_HOLD_S",
 
 logger = logging.getLogger("shmkv.vllm")
 
-STAYS_BY = "vllm tier"  # what `shmkv ls` says keeps the tier's pool (BlockPool.mark_stays)
 LOCK_RECORD_FOLD = 1024  # pool lock holds recorded before they are folded into totals
 REAP_INTERVAL_S = 0.05  # how often a process waiting on another's store checks for the dead
 
@@ -297,31 +290,10 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         self._as_int = use_int_block_hashes()
         if replica_id is not None and not (isinstance(replica_id, str) and replica_id):
             raise UsageError(f"replica_id must be a non-empty str, got {replica_id!r}")
-        self._pool, created = open_pool(
-            pool, num_chunks, max_processes, event_log_bytes,
+        joined = join_as_core(
+            pool, num_chunks, max_processes, event_log_bytes, replica_id or secrets.token_hex(16),
             {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})
-        try:
-            self._tier = open_tier_table(self._pool, pool, num_chunks, created)
-            try:
-                with self._pool.lock():
-                    self._locks = ReplicaLocks(pool, self._pool.generation)
-                    self._row = join(self._tier, self._locks,
-                                     replica_key(replica_id or secrets.token_hex(16)), pool)
-                # The tier is complete (its table, a replica joined): it stays in /dev/shm
-                # for restarted replicas until `shmkv unlink` (a maker that died before this
-                # line left an orphan, which `shmkv cleanup` removes).
-                self._pool.mark_stays(STAYS_BY)
-            except BaseException:
-                if getattr(self, "_locks", None) is not None:
-                    self._locks.close()
-                self._tier.close()
-                raise
-        except BaseException:
-            generation = self._pool.generation
-            self._pool.close()
-            if created:  # nothing half made stays behind a refused start
-                discard_unused_tier(pool, generation, BlockPool.TIERS)
-            raise
+        self._pool, self._tier, self._locks, self._row = joined
         self._bit = 1 << self._row
         self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set
         self._warned_region = False
@@ -390,9 +362,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
 
     @staticmethod
     def unlink(pool: str) -> bool:
-        """Removes the tier whole, root first (``shmkv/pool/lifecycle.py``): the pool, then
-        its tier table, replica lock file and data region, as ``shmkv unlink --force`` does
-        (mappings of processes still attached stay valid until they close).
+        """Removes the tier whole, root first (``lifecycle.remove_tier``), as ``shmkv unlink
+        --force`` does (mappings of processes still attached stay valid until they close).
 
         Returns:
             True if anything was removed.
@@ -400,8 +371,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         Raises:
             UsageError: a bad pool name.
         """
-        found, removed, _ = unlink_pool(pool, BlockPool.TIERS)
-        return found or bool(removed)
+        return remove_tier(pool)
 
     @property
     def pool(self) -> BlockPool:

@@ -9,6 +9,7 @@ import contextvars
 from typing import Any
 
 from vllm import platforms
+from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -21,7 +22,8 @@ from shmkv.errors import UsageError
 from shmkv.pool import layout as L
 from shmkv.vllm.compat import IMPLICIT_STEP_REGION, VLLM_RELEASE, spec_cpu_info
 from shmkv.vllm.cpu_worker import CPUTransferWorker
-from shmkv.vllm.identity import platform_name, refuse_foreign_replica, replica_identity
+from shmkv.vllm.identity import platform_name, replica_identity
+from shmkv.vllm.lifecycle import join_as_worker, refuse_foreign_replica
 from shmkv.vllm.manager import (
     SHMKV_CROSS_REPLICA_HITS,
     SHMKV_LOCK_HOLD_S,
@@ -29,7 +31,7 @@ from shmkv.vllm.manager import (
     SHMKV_LOCK_WAIT_S,
     SharedCPUOffloadingManager,
 )
-from shmkv.vllm.region import RegionBinding, check_mapped, join_as_worker, region_path
+from shmkv.vllm.region import RegionBinding, check_mapped, region_path
 from shmkv.vllm.replicas import ReplicaLocks
 
 #: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
@@ -145,11 +147,13 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 "not use on ROCm (its workers would keep private buffers behind a shared "
                 "manager); use vLLM's own CPUOffloadingSpec there"
             )
-        # Only SharedOffloadingConnector hands the spec vLLM's whole config; with vLLM's
-        # plain connector a worker would otherwise make the tier before its engine core is
-        # refused, leaving a full-size region behind a crash-looping replica.
-        vllm_config = _VLLM_CONFIG.get()
-        if vllm_config is None:
+        # With vLLM's plain connector (whose workers have a current config too) a worker
+        # would otherwise make the tier before its engine core is refused, leaving a
+        # full-size region behind a crash-looping replica: every process refuses it.
+        vllm_config = _VLLM_CONFIG.get() or get_current_vllm_config_or_none()
+        connector = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector",
+                            None)
+        if vllm_config is None or connector != SharedOffloadingConnector.__name__:
             raise UsageError(
                 "SharedCPUOffloadingSpec needs vLLM's whole config to check that replicas "
                 "sharing the tier hold the same KV: set \"kv_connector\": "

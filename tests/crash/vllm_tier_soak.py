@@ -47,7 +47,8 @@ def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     ("write", job, chunks, keys) -> ("written", job) and ("read", job, chunks, keys) ->
     ("read", job, [ok per chunk]); exits once its core is gone and its queue is empty."""
     faulthandler.register(signal.SIGUSR1)  # a stuck worker's stack, on demand
-    from shmkv.vllm.region import join_as_worker, region_path
+    from shmkv.vllm.lifecycle import join_as_worker
+    from shmkv.vllm.region import region_path
 
     try:
         locks, _ = join_as_worker(pool, NUM_CHUNKS, 32, engine_id, NUM_CHUNKS * CHUNK_BYTES)

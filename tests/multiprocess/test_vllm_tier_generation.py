@@ -26,7 +26,8 @@ from shmkv.errors import LayoutMismatchError  # noqa: E402
 from shmkv.pool import lifecycle as LC  # noqa: E402
 from shmkv.pool.segment import Segment  # noqa: E402
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
-from shmkv.vllm.region import join_as_worker, region_path  # noqa: E402
+from shmkv.vllm.lifecycle import join_as_worker  # noqa: E402
+from shmkv.vllm.region import region_path  # noqa: E402
 from shmkv.vllm.replicas import ReplicaLocks, replica_locks_path  # noqa: E402
 from shmkv.vllm.tier import tier_table_name  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402

@@ -8,7 +8,7 @@ import os
 def worker_that_dies(pool: str, num_chunks: int, data_bytes: int, replica: str) -> None:
     """Replica A's GPU worker: makes (or joins) the tier, maps nothing more, and dies during
     warm-up (its process exits before its engine core ever attaches)."""
-    from shmkv.vllm.region import join_as_worker
+    from shmkv.vllm.lifecycle import join_as_worker
 
     locks, _ = join_as_worker(pool, num_chunks, 16, replica, data_bytes)
     os._exit(0)  # no close: the kernel drops its locks, as for a crash

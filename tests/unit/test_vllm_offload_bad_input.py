@@ -39,7 +39,7 @@ from shmkv.vllm import (  # noqa: E402
     data_region_engine_id,
     tier_table_name,
 )
-from shmkv.vllm import tier as tier_module  # noqa: E402
+from shmkv.vllm import lifecycle as tier_module  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 
 CTX = ReqContext("")
@@ -281,7 +281,7 @@ def test_the_tier_is_marked_to_stay_once_complete(spec_pool):
     while a process holds it; a complete tier is marked to stay, so `shmkv cleanup` keeps it
     for restarted replicas once every replica is gone."""
     from shmkv.pool import siblings
-    from shmkv.vllm.tier import open_pool
+    from shmkv.vllm.lifecycle import open_pool
 
     bp, created = open_pool(spec_pool, 4, 8, None, {"label": "maker"})
     assert created and bp.stays_by is None

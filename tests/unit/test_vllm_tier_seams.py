@@ -18,7 +18,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  
 
 from shmkv.errors import SegmentError  # noqa: E402
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
-from shmkv.vllm.region import join_as_worker, region_path  # noqa: E402
+from shmkv.vllm.lifecycle import join_as_worker  # noqa: E402
+from shmkv.vllm.region import region_path  # noqa: E402
 from shmkv.vllm.replicas import reap_gone, replica_locks_path  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 

@@ -25,8 +25,8 @@ def _report(pool_name: str) -> dict:
     from shmkv.errors import InvariantViolation
     from shmkv.pool import layout as L
     from shmkv.pool.block_pool import BlockPool
+    from shmkv.vllm.lifecycle import open_tier_table
     from shmkv.vllm.replicas import ReplicaLocks, reap_gone
-    from shmkv.vllm.tier import open_tier_table
 
     pool = BlockPool.attach(pool_name, label="tier-check")
     try:
