@@ -25,10 +25,10 @@ The rules, each stated once, here:
    pool found without its table (the table removed alone) has keys whose bytes nothing
    vouches for: the table is made again only while nobody else holds the tier, and the pool
    forgets every key in the same lock hold; while others hold it, the process is refused.
-4. **Held.** A tier is held while a process is attached to its pool, while a process holds
-   any byte of its replica lock file (every engine core and GPU worker of a replica takes its
-   row's byte the moment it joins, before it maps the region), or while a worker makes its
-   data region (the maker's byte). :func:`holders` says who.
+4. **Held.** A tier is held while a process is attached to its pool, or holds any byte of
+   its replica lock file: every engine core and GPU worker of a replica takes its row's byte
+   the moment it joins, before it maps the region, and a worker making the data region takes
+   the maker's byte. :func:`holders` says who.
 5. **Removed whole, root first.** The pool goes first; then each other object goes only if
    it records the removed generation (or none, being unfinished), so a tier made again
    meanwhile under the same name keeps its objects. Never while the tier is held, unless
@@ -150,7 +150,9 @@ def open_read(path: str) -> int | None:
 def holders(pool: str, generation: bytes | None = None) -> list[str]:
     """Why the offload tier of ``pool`` is held beyond its pool's attached processes (which
     the caller judges): a replica lock file some process holds a byte of (every engine core
-    and GPU worker of a replica, from the moment it joins), or a data region being made.
+    and GPU worker of a replica, from the moment it joins; a worker making the data region
+    also holds the maker's byte, so a region under its temporary name is held while it is
+    being made, and a stale one, its maker dead, is not).
     ``generation``: only a lock file of that generation counts (one of another holds
     another tier). Empty: nothing but the pool's own processes can hold it."""
     reasons = []
@@ -166,9 +168,6 @@ def holders(pool: str, generation: bytes | None = None) -> list[str]:
             reasons.append(f"{path} cannot be read for locks: kept")
         finally:
             os.close(fd)
-    making = [p for p in region_paths(pool) if L.OFFLOAD_REGION_MAKING in p]
-    if making:
-        reasons.append(f"a worker is making the data region ({making[0]})")
     return reasons
 
 

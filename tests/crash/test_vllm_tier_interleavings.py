@@ -156,7 +156,12 @@ class Replica:
 
 
 def _earlier_tree(tmp: Path) -> Path | None:
-    """The earlier release's tree, unpacked (None where git history lacks it)."""
+    """The earlier release's tree, unpacked (None where git history lacks it, or where the
+    vLLM installed is not the 0.33 it runs on)."""
+    import vllm
+
+    if not vllm.__version__.startswith("0.33."):
+        return None
     try:
         data = subprocess.run(["git", "-C", str(ROOT), "archive", EARLIER_RELEASE, "shmkv"],
                               capture_output=True, timeout=60, check=True).stdout
