@@ -119,7 +119,8 @@ def test_run_shared_pool_json_report_and_plot(tmp_path):
             "prompt block takes 2: 64 per group in each private pool)") in done.stdout
     base = min(f["compare"][:2], key=lambda c: (c["ttft_p99_s"], -c["prefix_hit_rate"]))
     assert (f"shared pool (prefix-aware) against the best baseline router, private pools "
-            f"with {base['routing']} (its TTFT p99 is the lowest of the baselines'): hit rate "
+            f"with {base['routing']} (the lowest TTFT p99 of the baselines sglang-cache-aware "
+            f"and llm-d-scorer; round-robin is no baseline): hit rate "
             f"{f['prefix_hit_rate']:.1%} against {base['prefix_hit_rate']:.1%}"
             ) in " ".join(done.stdout.split())
     assert f["ttft_p99_s"] >= f["ttft_p50_s"] > 0 and f["queued_p99_s"] >= 0
