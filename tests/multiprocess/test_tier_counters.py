@@ -104,7 +104,8 @@ def test_vllm_tier_counters_show_in_stats_inspect_and_metrics(spawn_ctx):
         b.prepare_load(theirs + mine[:1], ctx)
         b.complete_load(theirs + mine[:1], ctx)
         _assert_cli_shows(name, [
-            "tier     vLLM offload tier: 16 chunks, 8 in use with data (0 being stored), 0 held",
+            "tier     vLLM offload tier: 16 chunks, 8 with data"
+            " (50.0% full; 0 being stored), 0 held",
             "node   8 chunks stored, 6 loaded, 4 cross-replica hits",
             "row 0 gone: 6 stored, 1 loaded, 0 cross-replica hits",
             "row 1 live: 2 stored, 5 loaded, 4 cross-replica hits",
@@ -150,7 +151,8 @@ def test_sglang_store_counters_show_in_stats_and_inspect(spawn_ctx):
         rows = sorted([(slot_a, "gone: 3 stored, 0 loaded, 0 cross-replica hits"),
                        (slot_b, "live: 1 stored, 3 loaded, 2 cross-replica hits")])
         _assert_cli_shows(name, [
-            "tier     SGLang page store: 8 pages, 4 in use with data (0 being stored), 0 held",
+            "tier     SGLang page store: 8 pages, 4 with data"
+            " (50.0% full; 0 being stored), 0 held",
             "node   4 pages stored, 3 loaded, 2 cross-replica hits",
             *[f"row {slot} {text}" for slot, text in rows],
         ], "sglang")
