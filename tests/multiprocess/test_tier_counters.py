@@ -208,3 +208,57 @@ def test_ls_tells_the_vllm_tier_files_apart():
             manager.close()
         SharedCPUOffloadingManager.unlink(name)
     assert not [e for e in os.listdir("/dev/shm") if name in e]
+
+
+# ------------------------------------------------------------------ a killed replica
+
+def _vllm_replica_killed(name: str, num_chunks: int, ready) -> None:
+    """A replica that stores 2 chunks, says so, and waits to be SIGKILLed."""
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from shmkv.vllm import SharedCPUOffloadingManager
+    from tests.multiprocess.offload_workers import prompt_key
+
+    manager = SharedCPUOffloadingManager(name, num_chunks, label="replica-k",
+                                         replica_id="engine-k")
+    ctx = ReqContext("k")
+    manager.on_new_request(ctx)
+    keys = [prompt_key(2, i) for i in range(2)]
+    manager.prepare_store(keys, ctx)
+    manager.complete_store(keys, ctx)
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_killed_replicas_row_is_gone_at_once(spawn_ctx):
+    """A replica SIGKILLed (no other replica joined since, so its row is still marked):
+    `shmkv inspect` and `shmkv stats` show its row gone, read from the replica lock file's
+    byte that its processes held, not live."""
+    pytest.importorskip("vllm.v1.kv_offload.base")
+    from shmkv.pool.tier_counters import OFFLOAD_REPLICA_FILE_WORD
+    from shmkv.vllm.tier import W_REPLICA_FILE
+
+    assert OFFLOAD_REPLICA_FILE_WORD == W_REPLICA_FILE
+    name = unique_pool_name("tierk")
+    ready = spawn_ctx.Event()
+    k = spawn_ctx.Process(target=_vllm_replica_killed, args=(name, 8, ready))
+    try:
+        k.start()
+        assert ready.wait(120)
+        live = [line for line in _tier_section(shmkv("inspect", name).stdout)
+                if line.startswith("row")]
+        assert len(live) == 1 and " live: 2 stored" in live[0], live
+        k.kill()
+        k.join(30)
+        expected = ["tier     vLLM offload tier: 8 chunks, 2 with data (25.0% full; 0 being "
+                    "stored), 0 held", "node   2 chunks stored, 0 loaded, 0 cross-replica hits",
+                    "row 0 gone: 2 stored, 0 loaded, 0 cross-replica hits"]
+        _assert_cli_shows(name, expected, "killed")
+    finally:
+        if k.is_alive():
+            k.kill()
+            k.join(30)
+        BlockPool.unlink(name)
+        unlink_pool_siblings(name)
