@@ -17,7 +17,7 @@ from shmkv.events import BlockRemoved, BlockStored  # noqa: E402
 from shmkv.stats import LOCK_BUCKETS_S, PoolStats, read_stats, unlink_stats  # noqa: E402
 from tests.ecosystem_helpers import free_port, shmkv, start_shmkv  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 N = 20  # requests per scheduler: enough to evict in a 40-block pool
 
 

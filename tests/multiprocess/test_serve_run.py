@@ -18,7 +18,7 @@ from tests.helpers import interrupt_once_serving, pid_running, run_leftovers
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--schedulers", "2", "--conversations", "6", "--blocks", "256",
          "--max-model-len", "512"]

@@ -18,7 +18,7 @@ from tests.conftest import unique_pool_name
 from tests.ecosystem_helpers import shmkv
 from tests.multiprocess.conftest import join_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def _tier_section(text: str) -> list[str]:
