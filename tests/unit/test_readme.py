@@ -214,6 +214,7 @@ def test_the_default_run_and_ci_run_name_the_same_markers():
     addopts), the README names both and the command that runs every test, and CI runs that
     command (`.ci/run`'s last pytest line selects every marker)."""
     import shlex
+
     import tomllib
 
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
