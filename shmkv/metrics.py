@@ -1,17 +1,21 @@
-"""Prometheus metrics of a live pool, with vLLM's names where the meaning is the same.
+"""Prometheus metrics of a live pool, every one under a ``shmkv_`` name.
 
 ``PoolMetrics(pool)`` reads a pool from any process (it needs an attached handle of its
 own) and serves as a ``prometheus_client`` collector; ``shmkv metrics NAME --port P``
 serves it over HTTP. Every metric has the label ``pool``; per-process ones also
 ``engine``, the process-table slot (vLLM labels its per-engine metrics ``engine`` too).
+None is exported under vLLM's ``vllm:`` names: a vLLM server exports those for its own
+cache, and a pool's figures are another cache's (a tier's chunks are kept when no request
+holds them, so "in use" says nothing of how full a tier is).
 
 | metric | type | labels | meaning |
 |---|---|---|---|
-| `vllm:kv_cache_usage_perc` | gauge | pool | fraction of blocks in use (vLLM's ``usage``, 0..1) |
-| `vllm:prefix_cache_queries_total` | counter | pool, engine | prompt tokens looked up in the prefix cache |
-| `vllm:prefix_cache_hits_total` | counter | pool, engine | of them found |
+| `shmkv_blocks_in_use_ratio` | gauge | pool | fraction of blocks held (ref count above 0), 0..1 |
+| `shmkv_blocks_with_data_ratio` | gauge | pool | fraction of blocks holding data: held, or cached with a key (a tier's chunks with data), 0..1 |
+| `shmkv_prefix_cache_queries_total` | counter | pool, engine | prompt tokens looked up in the prefix cache |
+| `shmkv_prefix_cache_hits_total` | counter | pool, engine | of them found |
 | `shmkv_prefix_cache_requests_total` | counter | pool, engine | lookups (new requests) |
-| `shmkv_blocks` | gauge | pool, state | blocks `total` (without the null block), `free`, `in_use`, `cached` (holding a key) |
+| `shmkv_blocks` | gauge | pool, state | blocks `total` (without the null block), `free`, `in_use`, `cached` (keys), `with_data` (held or keyed) |
 | `shmkv_evictions_total` | counter | pool | cached keys evicted (``BlockRemoved`` keys in the event log) |
 | `shmkv_blocks_stored_total` | counter | pool | blocks cached (``BlockStored`` hashes) |
 | `shmkv_prefix_cache_resets_total` | counter | pool | ``AllBlocksCleared`` |
@@ -70,7 +74,7 @@ class PoolSnapshot:
     num_blocks: int  # without the null block
     free: int
     cached: int
-    usage: float
+    with_data: int  # blocks held or holding a key (a tier's chunks with data)
     alive: int
     dead: int
     reaped: int
@@ -94,12 +98,32 @@ class PoolSnapshot:
         return self.num_blocks - self.free
 
     @property
+    def in_use_ratio(self) -> float:
+        """Blocks held (ref count above 0) per block, the null block left out."""
+        return self.in_use / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def with_data_ratio(self) -> float:
+        """Blocks holding data (held, or cached with a key) per block: how full the pool is;
+        for a tier, its chunks with data per chunk."""
+        return self.with_data / self.num_blocks if self.num_blocks else 0.0
+
+    @property
     def queries(self) -> int:
         return sum(e["queries"] for e in self.engines.values())
 
     @property
     def hits(self) -> int:
         return sum(e["hits"] for e in self.engines.values())
+
+
+def blocks_with_data(pool) -> int:
+    """The pool's blocks that hold data: held (ref count above 0) or holding a key, the
+    null block left out. Call it under the pool lock."""
+    from shmkv.pool import layout as L
+
+    rows = pool.block_rows()[1:]
+    return int(((rows["hash_num_tokens"] != L.NO_HASH_TOKENS) | (rows["ref_cnt"] > 0)).sum())
 
 
 class PoolMetrics:
@@ -142,8 +166,8 @@ class PoolMetrics:
             with TierFiles(pool.pool_name) as tier_files, pool.lock():  # opened before
                 hdr = pool.header_snapshot()
                 free = pool.get_num_free_blocks()
-                usage = pool.get_usage()
                 cached = len(pool.cached_block_hash_to_block)
+                with_data = blocks_with_data(pool)
                 counters = (int(hdr["num_reaped"]), int(hdr["epoch"]) - 1,
                             int(hdr["num_takeovers"]), int(hdr["lock_seq"]),
                             int(hdr["next_event_seq"]), int(hdr["num_events_dropped"]))
@@ -169,7 +193,7 @@ class PoolMetrics:
                                      for name in row.dtype.names}
             return PoolSnapshot(
                 pool=pool.pool_name, num_blocks=pool.num_gpu_blocks - 1, free=free,
-                cached=cached, usage=usage, alive=len(alive), dead=len(dead),
+                cached=cached, with_data=with_data, alive=len(alive), dead=len(dead),
                 reaped=counters[0], repairs=counters[1], takeovers=counters[2],
                 lock_acquisitions=counters[3], events_logged=counters[4],
                 events_dropped=counters[5], evictions=self._evictions, stored=self._stored,
@@ -199,12 +223,17 @@ class PoolMetrics:
             fam.add_metric([name], value)
             return fam
 
-        yield gauge("vllm:kv_cache_usage_perc",
-                    "KV-cache usage. 1 means 100 percent usage.", s.usage)
+        yield gauge("shmkv_blocks_in_use_ratio", "Fraction of the pool's blocks held (ref "
+                    "count above 0), the null block left out; 0..1.", s.in_use_ratio)
+        yield gauge("shmkv_blocks_with_data_ratio", "Fraction of the pool's blocks holding "
+                    "data: held, or cached with a key (a tier's chunks with data); 0..1.",
+                    s.with_data_ratio)
         blocks = GaugeMetricFamily("shmkv_blocks", "Blocks of the pool by state (the null "
-                                   "block left out).", labels=["pool", "state"])
+                                   "block left out): total, free, in_use, cached (keys), "
+                                   "with_data (held or keyed).", labels=["pool", "state"])
         for state, value in (("total", s.num_blocks), ("free", s.free),
-                             ("in_use", s.in_use), ("cached", s.cached)):
+                             ("in_use", s.in_use), ("cached", s.cached),
+                             ("with_data", s.with_data)):
             blocks.add_metric([name, state], value)
         yield blocks
         procs = GaugeMetricFamily("shmkv_attached_processes", "Processes attached to the "
@@ -236,11 +265,11 @@ class PoolMetrics:
                           "exporter counted them.", s.log_lost)
 
         queries = CounterMetricFamily(
-            "vllm:prefix_cache_queries",
+            "shmkv_prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
             labels=["pool", "engine"])
         hits = CounterMetricFamily(
-            "vllm:prefix_cache_hits",
+            "shmkv_prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
             labels=["pool", "engine"])
         requests = CounterMetricFamily(

@@ -88,8 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that an unknown option is reported by the
+    command's own parser (``shmkv cleanup --prefx``: cleanup's usage, not the top level's),
+    with the closest option it has when one is close."""
+    import difflib
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        before = argv.index(args.command) > argv.index(extra[0])  # `shmkv --bogus ls`
+        command = parser if before else subs.choices[args.command]
+        options = [o for a in command._actions for o in a.option_strings]
+        hint = difflib.get_close_matches(extra[0].split("=", 1)[0], options, n=1)
+        command.error(f"unrecognized arguments: {' '.join(extra)}"
+                      + (f" (did you mean {hint[0]}?)" if hint else ""))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # `shmkv events NAME | head`: the reader left; not an error

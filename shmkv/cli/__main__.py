@@ -2,6 +2,6 @@
 
 import sys
 
-from shmkv.cli import main
+from shmkv.__main__ import run
 
-sys.exit(main())
+sys.exit(run())

@@ -151,9 +151,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def add_metrics_parser(sub) -> None:
     p = sub.add_parser("metrics", help="serve a pool's Prometheus metrics over HTTP",
                        description="Serves a live pool's metrics at http://ADDR:PORT/metrics "
-                       "(vLLM's names where the meaning is the same: vllm:kv_cache_usage_perc,"
-                       " vllm:prefix_cache_queries/hits; shmkv_* for the rest, see "
-                       "shmkv/metrics.py) until SIGTERM or Ctrl-C. Needs prometheus-client "
+                       "(every name shmkv_*, never vLLM's vllm:* ones: "
+                       "shmkv_blocks_with_data_ratio, shmkv_blocks_in_use_ratio, "
+                       "shmkv_prefix_cache_queries/hits...; see docs/metrics.md) until "
+                       "SIGTERM or Ctrl-C. Needs prometheus-client "
                        "(pip install 'shmkv[metrics]').")
     p.add_argument("name", help="pool name")
     p.add_argument("--port", type=int, required=True,

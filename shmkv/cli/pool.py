@@ -167,6 +167,8 @@ RETENTION_WORDS = {
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from shmkv.metrics import blocks_with_data
+
     pool = attach_pool(args.name, label="shmkv-inspect")
     try:
         # The holder as it stands before this command takes the lock (inside its own hold
@@ -176,6 +178,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             hdr = pool.header_snapshot()  # as of this hold
             violations = collect_violations(pool)
             tier = read_tier_counts(pool, tier_files)
+            with_data = blocks_with_data(pool)
         if getattr(args, "keys", False):
             from shmkv.cli.keys import print_keys
 
@@ -207,7 +210,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         free = pool.get_num_free_blocks()
         cached = len(pool.cached_block_hash_to_block)
         print(f"blocks: {blocks_text(n)}, {free} free, {n - 1 - free} in use, "
-              f"{cached} cached keys, usage {pool.get_usage():.1%}")
+              f"{cached} cached keys; {usage_text(n - 1 - free, with_data, n - 1)}")
         print("processes:")
         for proc in pool.processes():
             if proc["self"]:
@@ -592,7 +595,7 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
     lines = [
         f"pool {s.pool}  {time.strftime('%H:%M:%S')}",
         f"  blocks   {blocks_text(s.num_blocks + 1)}, {s.free} free, {s.in_use} in use, "
-        f"{s.cached} cached keys, usage {s.usage:.1%}",
+        f"{s.cached} cached keys; {usage_text(s.in_use, s.with_data, s.num_blocks)}",
         f"  procs    {s.alive} alive, {s.dead} dead (not reaped); {s.reaped} reaped, "
         f"{s.repairs} repairs, {s.takeovers} lock take-overs",
         f"  lock     {s.lock_acquisitions:,} holds"
@@ -616,13 +619,25 @@ def _format_snapshot(s, prev, dt: float) -> list[str]:
     return lines
 
 
+def usage_text(in_use: int, with_data: int, num_blocks: int) -> str:
+    """How full a pool is, both ways (``shmkv stats``, ``shmkv inspect``): the blocks holding
+    data (held, or cached with a key: a tier's chunks with data, which no request holds
+    between a store and a load) and the blocks held, each per usable block."""
+    def pct(n: int) -> str:
+        return f"{n / num_blocks:.1%}" if num_blocks else "0.0%"
+
+    return f"holding data {pct(with_data)}, held {pct(in_use)}"
+
+
 def tier_lines(tier) -> list[str]:
     """A tier's chunks and counters (``shmkv stats``, ``shmkv inspect``): the node's, then
     one line per replica row (a vLLM replica, an SGLang process slot)."""
     unit = tier.unit
+    full = tier.chunks_with_data / tier.num_chunks if tier.num_chunks else 0.0
     lines = [
-        f"tier     {tier.kind}: {tier.num_chunks:,} {unit}, {tier.chunks_with_data:,} in use "
-        f"with data ({tier.chunks_storing:,} being stored), {tier.chunks_held:,} held",
+        f"tier     {tier.kind}: {tier.num_chunks:,} {unit}, {tier.chunks_with_data:,} with "
+        f"data ({full:.1%} full; {tier.chunks_storing:,} being stored), {tier.chunks_held:,} "
+        "held",
         f"  node   {tier.stored:,} {unit} stored, {tier.loaded:,} loaded, "
         f"{tier.cross_replica_hits:,} cross-replica hits",
     ]

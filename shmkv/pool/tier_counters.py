@@ -23,6 +23,7 @@ chunk is advice: a row reused by another replica reads as the same producer.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import struct
@@ -45,6 +46,7 @@ OFFLOAD_COUNTERS_OFFSET = 4096  # right after the tier table's 4 KiB header
 OFFLOAD_MAX_REPLICAS = 64
 OFFLOAD_REPLICA_KEYS_WORD = 16  # the tier table's replica keys: words 16..79
 OFFLOAD_VERSION_WORD = 1  # TIER_VERSION | num_chunks << 32
+OFFLOAD_REPLICA_FILE_WORD = 10  # the inode of the tier's replica lock file (shmkv/vllm/tier.py)
 SGLANG_HEADER = struct.Struct("<QI4xQQQQ")  # magic, version, pages, page bytes, id len, rows
 SGLANG_HEADER_BYTES = 4096
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -146,8 +148,9 @@ class TierFiles:
     judged before the pool lock is taken: nothing that could wait runs under the node-wide
     lock, and :func:`read_tier_counts` only reads them. Anything other than a regular file of
     this user at a tier's path (a FIFO, a directory, a link, another user's file: /dev/shm is
-    world-writable) is not read; ``notes`` name each. Close it (or use it as a context
-    manager)."""
+    world-writable) is not read; ``notes`` name each. The offload tier's replica lock file is
+    opened too: a replica row is live only while a process holds its byte. Close it (or use
+    it as a context manager)."""
 
     def __init__(self, pool_name: str) -> None:
         self.notes: list[str] = []
@@ -160,6 +163,11 @@ class TierFiles:
                     self.fds[kind] = fd
                 if note:
                     self.notes.append(note)
+            fd, note = _open(L.offload_replicas_path(pool_name))
+            if fd is not None:
+                self.fds["replicas"] = fd
+            if note:
+                self.notes.append(note)
         except BaseException:
             self.close()
             raise
@@ -198,7 +206,32 @@ def _rows(block: bytes, num_rows: int) -> np.ndarray:
     return np.frombuffer(block, np.int64, (num_rows + 1) * ROW_WORDS).reshape(-1, ROW_WORDS)
 
 
-def _offload(fd: int | None, pool_id: bytes) -> TierCounts | None:
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64 / aarch64
+
+
+def _row_held(replicas_fd: int | None, recorded_inode: int):
+    """``held(row)``: whether a process holds replica row ``row``'s byte of the tier's replica
+    lock file (``F_OFD_GETLK``: the kernel drops a killed process's locks at once); None
+    when that cannot be told (no file, or not the one the tier recorded: a replaced file
+    never makes a live replica read as gone)."""
+    if replicas_fd is None or not recorded_inode:
+        return None
+    try:
+        if os.fstat(replicas_fd).st_ino != recorded_inode:
+            return None
+    except OSError:
+        return None
+
+    def held(row: int) -> bool:
+        probe = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, row, 1, 0)
+        answer = fcntl.fcntl(replicas_fd, fcntl.F_OFD_GETLK, probe)
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+    return held
+
+
+def _offload(fd: int | None, pool_id: bytes, replicas_fd: int | None = None
+             ) -> TierCounts | None:
     head = _pread(fd, OFFLOAD_COUNTERS_OFFSET + block_bytes(OFFLOAD_MAX_REPLICAS), 0)
     if head is None or len(head) < OFFLOAD_COUNTERS_OFFSET:
         return None
@@ -211,10 +244,14 @@ def _offload(fd: int | None, pool_id: bytes) -> TierCounts | None:
     rows = _rows(head[OFFLOAD_COUNTERS_OFFSET:], OFFLOAD_MAX_REPLICAS)
     keys = words[OFFLOAD_REPLICA_KEYS_WORD:OFFLOAD_REPLICA_KEYS_WORD + OFFLOAD_MAX_REPLICAS]
     out = TierCounts("vLLM offload tier", "chunks", version >> 32)
+    held = _row_held(replicas_fd, int(words[OFFLOAD_REPLICA_FILE_WORD]))
     for r in range(OFFLOAD_MAX_REPLICAS):
         row = rows[r + 1]
         if row[C_KEY]:
-            live = bool(row[C_LIVE]) and int(keys[r]) == int(row[C_KEY])
+            # a row stays marked until another replica reaps it; its processes' lock on the
+            # row's byte goes with the last of them (a SIGKILL included)
+            live = (bool(row[C_LIVE]) and int(keys[r]) == int(row[C_KEY])
+                    and (held is None or held(r)))
             out.rows.append(_row_dict(r, f"{int(row[C_KEY]) & (2**64 - 1):016x}", live, row))
     _totals(out, rows[0])
     return out
@@ -264,7 +301,7 @@ def read_tier_counts(pool, files: TierFiles | None = None) -> TierCounts | None:
         with TierFiles(pool.pool_name) as opened:
             return read_tier_counts(pool, opened)
     pool_id = bytes(pool.header_snapshot()["pool_id"])
-    out = (_offload(files.fds.get("offload"), pool_id)
+    out = (_offload(files.fds.get("offload"), pool_id, files.fds.get("replicas"))
            or _sglang(files.fds.get("sglang"), pool_id))
     if out is None:
         return None

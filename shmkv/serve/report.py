@@ -404,8 +404,10 @@ def _ms(seconds: float | None) -> str:
 
 
 def best_baseline(runs: list[dict]) -> dict | None:
-    """The private-pool run with a router users run (``BASELINE_ROUTERS``) that gave the
-    lowest TTFT p99 (then the highest hit rate); None if there is none."""
+    """The best baseline: of the private-pool runs with a router users run for prefix reuse
+    (``BASELINE_ROUTERS``: SGLang's cache-aware router and llm-d's scorer), the one with the
+    lowest TTFT p99 (then the highest hit rate). Round-robin and least-loaded runs are no
+    baselines, whatever their figures. None if no baseline ran."""
     from shmkv.serve.routing import BASELINE_ROUTERS
 
     base = [f for f in runs if f["pool"] == "private" and f["routing"] in BASELINE_ROUTERS
@@ -415,23 +417,51 @@ def best_baseline(runs: list[dict]) -> dict | None:
     return min(base, key=lambda f: (f["ttft_p99_s"], -f["prefix_hit_rate"]))
 
 
-def gain_text(shared: dict, base: dict) -> str:
-    """The shared run against the best baseline, in hit rate and TTFT p99, whichever way
-    they go."""
+# Two TTFT p99s within this fraction of each other are a tie: one run's p99 rests on its two
+# or three slowest requests, and the same configuration's p99 moves by more than this from
+# one run to the next on a quiet machine (far more on a busy one).
+TTFT_TIE_BAND = 0.10
+
+
+def ttft_text(t_s: float, t_b: float) -> str:
+    """The shared run's TTFT p99 (``t_s``) against the baseline's (``t_b``): ``1.50x higher:
+    a loss``, ``2.00x lower: a gain``, and within :data:`TTFT_TIE_BAND` a tie, saying so."""
+    if not (t_b > 0 and t_s > 0):
+        return "not measured"
+    ratio = t_s / t_b
+    way = (f"{1 / ratio:.2f}x lower" if ratio < 1 else f"{ratio:.2f}x higher" if ratio > 1
+           else "equal")
+    if max(ratio, 1 / ratio) <= 1 + TTFT_TIE_BAND:
+        return f"{way}, within the {TTFT_TIE_BAND:.0%} taken as noise: a tie"
+    return f"{way}: {'a gain' if ratio < 1 else 'a loss'}"
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def gain_text(shared: dict, base: dict, runs: list[dict] | None = None) -> str:
+    """The shared run against the best baseline (:func:`best_baseline` of ``runs``), in hit
+    rate and TTFT p99, whichever way they go, naming the rule that chose it: the baselines
+    that ran, and the private-pool routers that are no baselines."""
+    from shmkv.serve.routing import BASELINE_ROUTERS
+
+    runs = [base] if runs is None else runs
+    private = list(dict.fromkeys(f["routing"] for f in runs if f["pool"] == "private"))
+    baselines = [r for r in private if r in BASELINE_ROUTERS] or [base["routing"]]
+    others = [r for r in private if r not in BASELINE_ROUTERS]
+    rule = (f"the lowest TTFT p99 of the baselines {_and(baselines)}" if len(baselines) > 1
+            else "the only baseline that ran")
+    if others:
+        rule += f"; {_and(others)} {'is' if len(others) == 1 else 'are'} no baseline"
     d_hit = 100 * (shared["prefix_hit_rate"] - base["prefix_hit_rate"])
     t_s, t_b = shared["ttft_p99_s"], base["ttft_p99_s"]
-    if t_b > 0 and t_s > 0:
-        ratio = t_s / t_b
-        how = (f"{1 / ratio:.2f}x lower" if ratio < 1 else
-               "equal" if ratio == 1 else f"{ratio:.2f}x higher: a loss")
-    else:
-        how = "not measured"
     hit_how = ("a gain" if d_hit > 0.05 else "a loss" if d_hit < -0.05 else "no change")
     return (f"  shared pool ({shared['routing']}) against the best baseline router, private "
-            f"pools with {base['routing']} (its TTFT p99 is the lowest of the baselines'): "
+            f"pools with {base['routing']} ({rule}): "
             f"hit rate {shared['prefix_hit_rate']:.1%} against {base['prefix_hit_rate']:.1%} "
             f"({d_hit:+.1f} points, {hit_how}); TTFT p99 {_ms(t_s)} ms against {_ms(t_b)} ms "
-            f"({how})")
+            f"({ttft_text(t_s, t_b)})")
 
 
 def comparison_text(runs: list[dict]) -> str:
@@ -461,7 +491,7 @@ def comparison_text(runs: list[dict]) -> str:
     shared = next((f for f in runs if f["pool"] == "shared"), None)
     base = best_baseline(runs)
     if shared is not None and base is not None:
-        lines.append(_wrap(gain_text(shared, base), "    "))
+        lines.append(_wrap(gain_text(shared, base, runs), "    "))
     if not first.get("model_free"):
         checked = sum(f["tokens_checked"] for f in runs)
         wrong = sum(f["token_mismatches"] for f in runs)

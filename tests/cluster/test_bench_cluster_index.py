@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("zmq")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -20,7 +20,7 @@ redis = pytest.importorskip("redis")
 from shmkv.cluster_index import PrefixRouter, RedisPrefixIndex  # noqa: E402
 from shmkv.publisher import pool_identity  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 JOIN_S = 60
 
 

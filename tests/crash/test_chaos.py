@@ -23,7 +23,7 @@ from tests.crash import chaos
 from tests.crash.conftest import KILLED
 from tests.helpers import FakeRequest
 
-pytestmark = [pytest.mark.crash, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.crash, pytest.mark.multiprocess, pytest.mark.long]
 
 LOCK_TIMEOUT_S = 10.0
 STALL_BOUND_S = LOCK_TIMEOUT_S + 2.0  # the lock timeout plus a margin for the repair
@@ -96,8 +96,8 @@ def test_chaos_with_publisher_threads_forks_and_corrupt_chains(kernel):
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_chaos_soak(kernel):
-    """The same, 600 kills. Out of the default run (``-m "not slow"`` in pyproject.toml);
-    run it with ``python -m pytest -q -m slow``."""
+    """The same, 600 kills. Out of the default run (``-m "not long and not slow"`` in
+    pyproject.toml); run it with ``python -m pytest -q -m slow``."""
     report = run_and_report(kernel=kernel, workers=4, kills=600)
     assert_survived(report, 600)
 

@@ -25,7 +25,7 @@ from tests.conftest import KERNELS
 from tests.crash import scenarios as S
 from tests.crash.conftest import KILLED
 
-pytestmark = [pytest.mark.crash, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.crash, pytest.mark.multiprocess, pytest.mark.long]
 
 MAX_POINTS = 3000  # a call with more stores than this is a bug in the harness
 

@@ -24,7 +24,7 @@ from tests.crash.offload_scenarios import (  # noqa: E402
     victim_keys,
 )
 
-pytestmark = pytest.mark.crash
+pytestmark = [pytest.mark.crash, pytest.mark.long]
 NUM_CHUNKS = 8
 MAX_STORES = 400
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

@@ -26,7 +26,7 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.crash import vllm_tier_soak as soak  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
 
-pytestmark = [pytest.mark.crash, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.crash, pytest.mark.multiprocess, pytest.mark.long]
 
 REPLICAS = 4
 

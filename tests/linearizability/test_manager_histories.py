@@ -27,7 +27,7 @@ from tests.linearizability.harness import run_interleaved  # noqa: E402
 from tests.linearizability.manager_workers import MANAGER_KWARGS, manager_config  # noqa: E402
 from tests.linearizability.recordings import rewrite_history  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from tests.linearizability.checker import FinalState, check  # noqa: E402
 from tests.linearizability.harness import run_history, run_interleaved  # noqa: E402
 from tests.linearizability.recordings import rewrite_history  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 @pytest.fixture(autouse=True)

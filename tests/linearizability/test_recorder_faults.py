@@ -21,6 +21,8 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.linearizability.checker import FinalState, check  # noqa: E402
 from tests.linearizability.recordings import rewrite_history  # noqa: E402
 
+pytestmark = pytest.mark.long
+
 
 def test_a_full_disk_never_fails_nor_changes_a_pool_call(kernel, tmp_path):
     """The history file stops growing after its first record (RLIMIT_FSIZE: EFBIG, a short

@@ -14,7 +14,7 @@ import pytest
 from tests.ecosystem_helpers import ROOT, command_env
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def test_bench_gpu_transfers_smoke(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

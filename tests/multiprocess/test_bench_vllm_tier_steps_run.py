@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 pytest.importorskip("einops")  # vLLM's model inspection imports it (vllm_peer/requirements)
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -16,7 +16,7 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import table_workers  # noqa: E402
 from tests.multiprocess.conftest import JOIN_TIMEOUT_S, join_processes, kill_processes  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 NUM_READERS = 2
 LAST_STEP = 60

@@ -23,7 +23,7 @@ from shmkv.pool import siblings
 from tests.multiprocess import cleanup_workers as workers
 from tests.multiprocess.conftest import join_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 # The tests that create, list or clean up objects by what /dev/shm holds (`shmkv cleanup`,
@@ -87,8 +87,9 @@ def test_the_cleanup_tests_leave_other_pools_byte_identical(spawn_ctx):
         assert not verdicts[live].remove
         before = _files([stays, orphan, live])
         assert len(before) == 9, before  # segment, lock and liveness file of each
+        # -m "": every marker (most of these tests are `long`, left out by default)
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "-k", "not run_stopped_half_way", *CLEANUP_TESTS],
+                              "-m", "", "-k", "not run_stopped_half_way", *CLEANUP_TESTS],
                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=840)
         assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
         assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]

@@ -25,7 +25,7 @@ from tests.conftest import unique_pool_name
 from tests.multiprocess import cleanup_workers as workers
 from tests.multiprocess.conftest import join_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 FOREIGN_UID = 4242
 

@@ -12,7 +12,7 @@ import pytest
 
 from shmkv import BlockPool
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

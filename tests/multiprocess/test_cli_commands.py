@@ -18,7 +18,7 @@ from shmkv.cli import build_parser
 from shmkv.pool import siblings
 from tests.ecosystem_helpers import ROOT, command_env, serve_requests, shmkv, start_shmkv
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 COMMANDS = {"demo", "create", "inspect", "stats", "events", "publish", "metrics", "recover",
             "unlink", "ls", "cleanup", "bench"}

@@ -21,7 +21,7 @@ from shmkv.events import short_hash
 from tests.ecosystem_helpers import command_env, shmkv
 from tests.helpers import run_leftovers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -16,7 +16,7 @@ from tests.conftest import unique_pool_name
 from tests.multiprocess.conftest import join_processes
 from tests.multiprocess.fd_limit_workers import attach_under_limits
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 @pytest.mark.parametrize("create", [False, True], ids=["attach", "create"])

@@ -26,7 +26,7 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import rank_workers  # noqa: E402
 from tests.multiprocess.conftest import join_processes, kill_processes  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 MAX_NEW_TOKENS = 6
 

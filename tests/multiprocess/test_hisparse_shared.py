@@ -14,7 +14,7 @@ from tests.conftest import unique_pool_name
 from tests.multiprocess import hisparse_workers as W
 from tests.multiprocess.conftest import join_processes, run_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 @pytest.mark.parametrize("kernel", ["python", "c"])

@@ -25,7 +25,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.lock import decode_holder, lock_name
 from tests.conftest import unique_pool_name
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 _ATTACHER = """
 import sys

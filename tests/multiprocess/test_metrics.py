@@ -17,7 +17,7 @@ from shmkv.events import BlockRemoved, BlockStored  # noqa: E402
 from shmkv.stats import LOCK_BUCKETS_S, PoolStats, read_stats, unlink_stats  # noqa: E402
 from tests.ecosystem_helpers import free_port, shmkv, start_shmkv  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 N = 20  # requests per scheduler: enough to evict in a 40-block pool
 
 
@@ -95,7 +95,7 @@ def test_scraped_metrics_match_the_pool(metrics_pool, spawn_ctx):
         s = scrape(port)
 
         # the pool: usage, blocks
-        assert value(s, "vllm:kv_cache_usage_perc") == pytest.approx(pool.get_usage())
+        assert value(s, "shmkv_blocks_in_use_ratio") == pytest.approx(pool.get_usage())
         assert value(s, "shmkv_blocks", state="total") == 39
         assert value(s, "shmkv_blocks", state="free") == pool.get_num_free_blocks()
         assert value(s, "shmkv_blocks", state="in_use") == 39 - pool.get_num_free_blocks()
@@ -110,9 +110,9 @@ def test_scraped_metrics_match_the_pool(metrics_pool, spawn_ctx):
         assert len(rows) == 2
         for slot, row in rows.items():
             engine = str(slot)
-            assert value(s, "vllm:prefix_cache_queries_total", engine=engine) == \
+            assert value(s, "shmkv_prefix_cache_queries_total", engine=engine) == \
                 row["queries"] == N * (48 + 24)
-            assert value(s, "vllm:prefix_cache_hits_total", engine=engine) == row["hits"]
+            assert value(s, "shmkv_prefix_cache_hits_total", engine=engine) == row["hits"]
             assert value(s, "shmkv_prefix_cache_requests_total", engine=engine) == N
             for what in ("wait", "hold"):
                 count = row[f"lock_{what}_count"]
@@ -146,7 +146,7 @@ def test_scraped_metrics_match_the_pool(metrics_pool, spawn_ctx):
         assert value(s, "shmkv_reaped_processes_total") == 1
         pool.free_blocks(held)
         s = scrape(port)
-        assert value(s, "vllm:kv_cache_usage_perc") == pytest.approx(pool.get_usage())
+        assert value(s, "shmkv_blocks_in_use_ratio") == pytest.approx(pool.get_usage())
     finally:
         release.set()
         for p in procs:

@@ -33,7 +33,7 @@ from tests.ecosystem_helpers import (  # noqa: E402
     start_shmkv,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 SEQ = 8  # bytes of a sequence number
 
 

@@ -21,6 +21,8 @@ from shmkv.publisher import (  # noqa: E402
     is_loopback_endpoint,
 )
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.parametrize("endpoint, local", [
     ("tcp://127.0.0.1:5557", True), ("tcp://127.3.4.5:1", True), ("tcp://[::1]:5557", True),

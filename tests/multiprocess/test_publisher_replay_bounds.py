@@ -19,7 +19,7 @@ from shmkv.publisher import (  # noqa: E402
 )
 from tests.ecosystem_helpers import free_port, serve_requests, start_shmkv  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def _rss_mb(pid: int) -> float:

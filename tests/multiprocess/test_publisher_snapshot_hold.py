@@ -15,6 +15,8 @@ from shmkv.events import decode_batch, external_block_hash  # noqa: E402
 from shmkv.publisher import KVEventPublisher  # noqa: E402
 from tests.helpers import make_request  # noqa: E402
 
+pytestmark = pytest.mark.long
+
 
 def test_the_snapshot_builds_hashes_and_the_batch_outside_the_lock(pool_name, monkeypatch):
     """The hashes and the batch are built after the holds (they once were built under the

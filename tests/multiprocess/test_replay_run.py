@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import interrupt_once_serving, pid_running, run_leftovers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 

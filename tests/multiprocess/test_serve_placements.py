@@ -27,7 +27,7 @@ from tests.multiprocess.test_serve_run import (
 
 pytest.importorskip("torch")
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 @pytest.mark.parametrize("kv", ["device", "host"])

@@ -16,7 +16,7 @@ from tests.multiprocess import sglang_workers as W  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
 from tests.sglang_helpers import HostBuffer, make_backend, page_indices  # noqa: E402
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180), pytest.mark.long]
 STORE_BYTES = 1 << 20
 KEYS = [f"page{i}" for i in range(6)]
 

@@ -23,7 +23,7 @@ from shmkv.sglang.store import open_pool
 from tests.multiprocess import sglang_store_workers as W
 from tests.multiprocess.conftest import join_processes
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120), pytest.mark.long]
 NUM_PAGES = 16
 STORE_BYTES = NUM_PAGES * W.PAGE_BYTES
 NAMES = [f"page{i}" for i in range(6)]

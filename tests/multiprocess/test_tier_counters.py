@@ -18,7 +18,7 @@ from tests.conftest import unique_pool_name
 from tests.ecosystem_helpers import shmkv
 from tests.multiprocess.conftest import join_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def _tier_section(text: str) -> list[str]:
@@ -104,7 +104,8 @@ def test_vllm_tier_counters_show_in_stats_inspect_and_metrics(spawn_ctx):
         b.prepare_load(theirs + mine[:1], ctx)
         b.complete_load(theirs + mine[:1], ctx)
         _assert_cli_shows(name, [
-            "tier     vLLM offload tier: 16 chunks, 8 in use with data (0 being stored), 0 held",
+            "tier     vLLM offload tier: 16 chunks, 8 with data"
+            " (50.0% full; 0 being stored), 0 held",
             "node   8 chunks stored, 6 loaded, 4 cross-replica hits",
             "row 0 gone: 6 stored, 1 loaded, 0 cross-replica hits",
             "row 1 live: 2 stored, 5 loaded, 4 cross-replica hits",
@@ -150,7 +151,8 @@ def test_sglang_store_counters_show_in_stats_and_inspect(spawn_ctx):
         rows = sorted([(slot_a, "gone: 3 stored, 0 loaded, 0 cross-replica hits"),
                        (slot_b, "live: 1 stored, 3 loaded, 2 cross-replica hits")])
         _assert_cli_shows(name, [
-            "tier     SGLang page store: 8 pages, 4 in use with data (0 being stored), 0 held",
+            "tier     SGLang page store: 8 pages, 4 with data"
+            " (50.0% full; 0 being stored), 0 held",
             "node   4 pages stored, 3 loaded, 2 cross-replica hits",
             *[f"row {slot} {text}" for slot, text in rows],
         ], "sglang")
@@ -206,3 +208,57 @@ def test_ls_tells_the_vllm_tier_files_apart():
             manager.close()
         SharedCPUOffloadingManager.unlink(name)
     assert not [e for e in os.listdir("/dev/shm") if name in e]
+
+
+# ------------------------------------------------------------------ a killed replica
+
+def _vllm_replica_killed(name: str, num_chunks: int, ready) -> None:
+    """A replica that stores 2 chunks, says so, and waits to be SIGKILLed."""
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from shmkv.vllm import SharedCPUOffloadingManager
+    from tests.multiprocess.offload_workers import prompt_key
+
+    manager = SharedCPUOffloadingManager(name, num_chunks, label="replica-k",
+                                         replica_id="engine-k")
+    ctx = ReqContext("k")
+    manager.on_new_request(ctx)
+    keys = [prompt_key(2, i) for i in range(2)]
+    manager.prepare_store(keys, ctx)
+    manager.complete_store(keys, ctx)
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_killed_replicas_row_is_gone_at_once(spawn_ctx):
+    """A replica SIGKILLed (no other replica joined since, so its row is still marked):
+    `shmkv inspect` and `shmkv stats` show its row gone, read from the replica lock file's
+    byte that its processes held, not live."""
+    pytest.importorskip("vllm.v1.kv_offload.base")
+    from shmkv.pool.tier_counters import OFFLOAD_REPLICA_FILE_WORD
+    from shmkv.vllm.tier import W_REPLICA_FILE
+
+    assert OFFLOAD_REPLICA_FILE_WORD == W_REPLICA_FILE
+    name = unique_pool_name("tierk")
+    ready = spawn_ctx.Event()
+    k = spawn_ctx.Process(target=_vllm_replica_killed, args=(name, 8, ready))
+    try:
+        k.start()
+        assert ready.wait(120)
+        live = [line for line in _tier_section(shmkv("inspect", name).stdout)
+                if line.startswith("row")]
+        assert len(live) == 1 and " live: 2 stored" in live[0], live
+        k.kill()
+        k.join(30)
+        expected = ["tier     vLLM offload tier: 8 chunks, 2 with data (25.0% full; 0 being "
+                    "stored), 0 held", "node   2 chunks stored, 0 loaded, 0 cross-replica hits",
+                    "row 0 gone: 2 stored, 0 loaded, 0 cross-replica hits"]
+        _assert_cli_shows(name, expected, "killed")
+    finally:
+        if k.is_alive():
+            k.kill()
+            k.join(30)
+        BlockPool.unlink(name)
+        unlink_pool_siblings(name)

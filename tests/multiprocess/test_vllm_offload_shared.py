@@ -28,7 +28,7 @@ from tests.multiprocess.offload_workers import (  # noqa: E402
     scripted_peer,
 )
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.crash]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.crash, pytest.mark.long]
 
 SIGKILLED = -signal.SIGKILL
 

@@ -22,7 +22,7 @@ from tests.multiprocess.vllm_scheduler_driver import (  # noqa: E402
     write_model_dir,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 @pytest.mark.timeout(180)

@@ -16,7 +16,7 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
 from tests.multiprocess.vllm_scheduler_driver import make_scheduler, write_model_dir  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 VARIANTS = {
     "same": {"parallel": {"tensor_parallel_size": 2}},

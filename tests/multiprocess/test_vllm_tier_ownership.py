@@ -30,7 +30,7 @@ from tests.multiprocess.vllm_scheduler_driver import (  # noqa: E402
     write_model_dir,
 )
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.crash]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.crash, pytest.mark.long]
 
 CHUNK_BYTES = 2 * 2 * BLOCK_SIZE * 4 * 16 * 2  # 2 layers x K/V, one block per chunk
 TIER_BYTES = 12 * CHUNK_BYTES  # 12 chunks

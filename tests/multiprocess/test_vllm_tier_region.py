@@ -29,7 +29,7 @@ from tests.multiprocess.vllm_scheduler_driver import (  # noqa: E402
     write_model_dir,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 TIER_BYTES = 1 << 20
 PROMPT = [1 + (i * 7) % 900 for i in range(6 * BLOCK_SIZE + 5)]  # six chunks

@@ -163,21 +163,45 @@ def test_comparison_says_the_gain_against_the_best_baseline_router():
     # round-robin's p99 is lower still, but it is no baseline: llm-d's is the best of them
     gain = " ".join(" ".join(lines[6:-2]).split())
     assert gain == ("shared pool (least-loaded) against the best baseline router, private "
-                    "pools with llm-d-scorer (its TTFT p99 is the lowest of the baselines'): "
+                    "pools with llm-d-scorer (the lowest TTFT p99 of the baselines "
+                    "sglang-cache-aware and llm-d-scorer; round-robin is no baseline): "
                     "hit rate 30.0% against 25.0% (+5.0 points, a gain); TTFT p99 20 ms "
-                    "against 40 ms (2.00x lower)")
+                    "against 40 ms (2.00x lower: a gain)")
     assert lines[-2] == ("  generated tokens checked against the model's no-cache reference: "
                          "200, 0 different")
     assert lines[-1].startswith("  every request finished; every pool valid after its run")
     loss = report.gain_text(_figures(routing="least-loaded", saved=200, ttft_p99_s=0.03),
                             runs[2])
     assert "(-5.0 points, a loss)" in loss and "(0.75x higher: a loss)" not in loss
-    assert "TTFT p99 30 ms against 40 ms (1.33x lower)" in loss
+    assert "TTFT p99 30 ms against 40 ms (1.33x lower: a gain)" in loss
     worse = report.gain_text(_figures(routing="least-loaded", ttft_p99_s=0.06), runs[2])
     assert "TTFT p99 60 ms against 40 ms (1.50x higher: a loss)" in worse
+    assert "(the only baseline that ran)" in worse
     bad = report.comparison_text([_figures(pool_valid=False, requests=9)])
     assert bad.splitlines()[-1].startswith("  every request did NOT finish; every pool NOT "
                                            "valid")
+
+
+def test_comparison_names_the_rule_and_calls_a_close_ttft_a_tie():
+    """The best baseline is the lower TTFT p99 of SGLang's and llm-d's routers, said so, even
+    when round-robin's is lower; an equal TTFT p99 (or one within the noise band, stated) is
+    a tie, not a loss; outside the band it is a gain or a loss."""
+    lat = {"ttft_p50_s": 0.004, "requests_per_scheduler": [3, 3, 2, 2], "imbalance": 1.5}
+    runs = [_figures(routing="prefix-aware", **dict(lat, ttft_p99_s=0.106)),
+            _figures("private", "sglang-cache-aware", **dict(lat, ttft_p99_s=0.120)),
+            _figures("private", "llm-d-scorer", **dict(lat, ttft_p99_s=0.106)),
+            _figures("private", **dict(lat, ttft_p99_s=0.090))]
+    gain = " ".join(report.comparison_text(runs).split())
+    assert ("against the best baseline router, private pools with llm-d-scorer (the lowest "
+            "TTFT p99 of the baselines sglang-cache-aware and llm-d-scorer; round-robin is no "
+            "baseline)") in gain
+    assert ("TTFT p99 106 ms against 106 ms (equal, within the 10% taken as noise: a tie)"
+            ) in gain and "a loss" not in gain
+    assert report.ttft_text(0.1105, 0.106) == "1.04x higher, within the 10% taken as noise: a tie"
+    assert report.ttft_text(0.100, 0.106) == "1.06x lower, within the 10% taken as noise: a tie"
+    assert report.ttft_text(0.117, 0.106) == "1.10x higher: a loss"
+    assert report.ttft_text(0.090, 0.106) == "1.18x lower: a gain"
+    assert report.ttft_text(0.0, 0.106) == "not measured"
 
 
 def test_run_line_and_intro():

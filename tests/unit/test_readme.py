@@ -207,3 +207,23 @@ def test_readme_says_what_skipped_tests_need():
     assert missing == []
     for need in ("CUDA", "redis-server", "SGLang", "vLLM 0.33.0"):
         assert need in section, need
+
+
+def test_the_default_run_and_ci_run_name_the_same_markers():
+    """The README's test command leaves out the `long` and `slow` markers (pyproject.toml's
+    addopts), the README names both and the command that runs every test, and CI runs that
+    command (`.ci/run`'s last pytest line selects every marker)."""
+    import shlex
+
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["addopts"]
+    args = shlex.split(addopts)
+    assert args[args.index("-m") + 1] == "not long and not slow"
+    text = README.read_text()
+    assert "`long`" in text and "`slow`" in text
+    assert "python -m pytest -q -m \"\"" in text
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith("python -m pytest")]
+    assert ci == ['python -m pytest -q -m ""']

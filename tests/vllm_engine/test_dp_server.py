@@ -21,7 +21,7 @@ from tests.vllm_engine.engines import ROOT, end_process_group, engine_env
 from tests.vllm_engine.test_engine_tier import BLOCK, FULL_BLOCK_TOKENS, P
 from tests.vllm_engine.tier_check import tier_report
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900), pytest.mark.long]
 START_TIMEOUT_S = 300.0
 
 

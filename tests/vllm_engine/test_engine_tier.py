@@ -22,7 +22,7 @@ import pytest
 from tests.vllm_engine.engines import Engine
 from tests.vllm_engine.tier_check import region_tag, tier_report
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900), pytest.mark.long]
 
 BLOCK = 32
 PROMPT_TOKENS = 700

@@ -20,7 +20,7 @@ import pytest
 from tests.vllm_upstream import run as upstream
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager")
-pytestmark = pytest.mark.differential
+pytestmark = [pytest.mark.differential, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
