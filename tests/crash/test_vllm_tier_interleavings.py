@@ -44,7 +44,7 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.crash import vllm_tier_soak as soak  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
 
-pytestmark = [pytest.mark.crash, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.crash, pytest.mark.multiprocess, pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
 EARLIER_RELEASE = "d1248c4^"  # tier table v2 on a pool of layout v8: no generations

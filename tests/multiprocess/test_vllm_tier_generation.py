@@ -34,7 +34,7 @@ from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import tier_generation_workers as workers  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

@@ -24,7 +24,7 @@ from tests.multiprocess.vllm_scheduler_driver import (  # noqa: E402
     write_model_dir,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def _shm_of(pool: str) -> dict[str, str]:
