@@ -573,6 +573,8 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
                         pool=table.pool if table else "")
             if problem := foreign_reason(st):
                 v.reason = problem
+            elif table is not None and table.remove and _any_lock_held(f"{SHM_DIR}/{entry}"):
+                v.reason = "a live process holds a lock on it (a replica of a removed tier)"
             elif table is not None:
                 v.remove = table.remove
                 v.reason = ("goes with its tier table" if table.remove
@@ -835,16 +837,31 @@ def _past_versions(pool: str) -> list[tuple[str, str]]:
 
 
 def unlink_past_versions(pool: str) -> list[str]:
-    """Removes the earlier versions of what is named after ``pool`` alone (an earlier shmkv
-    made them: ``_past_versions``), each only if it is a regular file of this user, and an
-    earlier offload tier only while none of its replicas holds its lock file (it is that
-    release's running tier); returns what each removed object is (``"offload tier table
-    v2"``, ...)."""
+    """Removes what an earlier shmkv named after ``pool`` (``_past_versions``), as a whole
+    and root first: its pools of an earlier layout version (with their lock and liveness
+    file), then its siblings, each only if it is a regular file of this user; and nothing
+    while that release's tier runs (a process attached to its pool, or holding its replica
+    lock file), since removing a piece of a running tier is what lets it load another's
+    bytes. Returns what each removed object is (``"pool v8"``, ``"offload tier table v2"``,
+    ...)."""
+    from shmkv.pool.liveness import alive_path
+    from shmkv.pool.lock import unlink_semaphore
+
+    if earlier_release_running(pool):
+        return []
     removed = []
-    running = earlier_tiers_running(pool)
+    for seg, version in _earlier_pools(pool):
+        try:
+            posix_ipc.unlink_shared_memory(seg)
+            removed.append(f"pool v{version}")
+        except posix_ipc.ExistentialError:
+            pass
+        unlink_semaphore(seg)
+        try:
+            os.unlink(alive_path(seg))
+        except FileNotFoundError:
+            pass
     for path, what in _past_versions(pool):
-        if any(path.startswith(table) for table in running):
-            continue
         try:
             st = os.lstat(path)
         except OSError:
@@ -857,6 +874,32 @@ def unlink_past_versions(pool: str) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def _earlier_pools(pool: str) -> list[tuple[str, int]]:
+    """(segment name, layout version) of the pools of an earlier layout version named
+    ``pool`` that are regular files of this user."""
+    out = []
+    for version in range(1, L.LAYOUT_VERSION):
+        seg = f"/shmkv-{pool}-v{version}"
+        try:
+            st = os.lstat(SHM_DIR + seg)
+        except OSError:
+            continue
+        if not foreign_reason(st):
+            out.append((seg, version))
+    return out
+
+
+def earlier_release_running(pool: str) -> bool:
+    """Whether an earlier release's tier named after ``pool`` runs: a process attached to
+    one of its pools (a lock on the pool's liveness file), or holding the replica lock file
+    of one of its offload tier tables."""
+    from shmkv.pool.liveness import alive_path
+
+    if earlier_tiers_running(pool):
+        return True
+    return any(_any_lock_held(alive_path(seg)) for seg, _ in _earlier_pools(pool))
 
 
 def earlier_tiers_running(pool: str) -> list[str]:
@@ -895,7 +938,7 @@ def unlink_pool_siblings(pool: str, generation: bytes | None = None) -> list[str
             removed.append(spec.what)
         except posix_ipc.ExistentialError:
             pass
-    removed += LC.remove_objects(pool, generation, past=not earlier_tiers_running(pool))
+    removed += LC.remove_objects(pool, generation, past=not earlier_release_running(pool))
     removed += unlink_past_versions(pool)
     return removed
 

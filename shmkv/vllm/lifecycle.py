@@ -98,22 +98,17 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
     refused = True
     try:
         tier = open_tier_table(pool, pool_name, num_chunks, created)
+        locks = None
         try:
-            with pool.lock():
+            with pool.lock():  # the lock file and the row in one hold: never a gap between
                 locks = ReplicaLocks(pool_name, generation)
-        except BaseException:
-            tier.close()
-            raise
-        try:
-            with pool.lock():
                 if identity is not None:
                     check_identity(tier, pool_name, identity)
                 row = join(tier, locks, replica_key(replica_id), pool_name)
-            tag = bind_region(pool, tier, locks, row, pool_name, data_bytes)
-            with pool.lock():
-                binding = RegionBinding(tag, generation, int(tier.words[W_REGION_INODE]))
+            binding = bind_region(pool, tier, locks, row, pool_name, data_bytes)
         except BaseException:
-            locks.close()
+            if locks is not None:
+                locks.close()
             raise
         finally:
             tier.close()
@@ -312,8 +307,8 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
             if found is not None and found != generation:  # a removed tier's table
                 seg.close()
                 seg = None
-        if seg is not None and created and len(seg.buf) != size:
-            seg.close()
+        if seg is not None and created:  # an earlier generation's: never zeroed in place,
+            seg.close()  # where its processes may still map it; made again (a new inode)
             seg = None
         if seg is None:
             if not created:
@@ -404,9 +399,10 @@ def _forget_for_new_table(pool: BlockPool, pool_name: str) -> None:
 # ------------------------------------------------------------------ binding the data region
 
 def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
-                pool_name: str, data_bytes: int) -> int:
+                pool_name: str, data_bytes: int) -> RegionBinding:
     """Makes sure the region file is the one the tier describes, making it if it is
-    missing or not bound, and records it as replica row ``row``'s; returns its tag.
+    missing or not bound, and records it as replica row ``row``'s; returns the binding
+    (tag, generation, inode), read in the hold that bound it.
 
     Raises:
         SegmentError: a foreign or insecure file, no room, or another worker took longer
@@ -420,7 +416,7 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
             bound = bound_tag(tier, path, data_bytes, generation)
             if bound:
                 _bind_row(tier, row, bound)
-                return bound
+                return RegionBinding(bound, generation, int(tier.words[W_REGION_INODE]))
         if locks.try_region_maker():
             try:
                 return _make_and_bind(pool, tier, row, path, data_bytes, generation)
@@ -434,12 +430,12 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
         time.sleep(0.01)
 
 def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
-                   data_bytes: int, generation: bytes) -> int:
+                   data_bytes: int, generation: bytes) -> RegionBinding:
     with pool.lock():  # another maker may have bound it before this one got the byte
         bound = bound_tag(tier, path, data_bytes, generation)
         if bound:
             _bind_row(tier, row, bound)
-            return bound
+            return RegionBinding(bound, generation, int(tier.words[W_REGION_INODE]))
     # out of the lock: reserving pages takes time
     tmp, tag = make_file(path, data_bytes, generation)
     try:
@@ -454,11 +450,13 @@ def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
                 tier.words[W_LRU_DIRTY] = 1  # the next holder rebuilds the free stack (lru.py)
             tier.words[W_REGION_TAG] = tag
             _bind_row(tier, row, tag)
+            binding = RegionBinding(tag, generation, int(tier.words[W_REGION_INODE]))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return tag
+    return binding
+
 
 def _bind_row(tier: TierTable, row: int, tag: int) -> None:
     """Records that a process of replica row ``row`` maps the region tagged ``tag``. The

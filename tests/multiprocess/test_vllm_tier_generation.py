@@ -250,23 +250,22 @@ def test_an_earlier_release_never_meets_this_tier(tier, tmp_path):
     on the same pool name after a current replica stored key 1, finds nothing of this tier:
     it misses key 1 (it would load zeros: its worker makes its own region), and what it
     stores is not a hit here. Each side loads exactly its own bytes, and a current replica
-    started afterwards maps this tier's region, not the earlier release's."""
+    started afterwards maps this tier's region, not the earlier release's. Once the earlier
+    replica has stopped, this release's unlink removes the earlier tier whole, its v8 pool
+    first (the fixture's teardown finds nothing of the name left)."""
     tree = _earlier_release(tmp_path)
     name, replica = tier
     new = replica("N")
     new.store(1, ord("N"))
-    try:
-        out = _run_earlier(tree, workers.EARLIER_RELEASE_REPLICA, name, str(NUM_CHUNKS),
-                           str(DATA_BYTES))
-        assert out.returncode == 0, out.stderr
-        seen = json.loads(out.stdout.strip().splitlines()[-1])
-        assert seen == {"lookup_1": "MISS"}, seen
-        later = replica("M")
-        assert later.load(1) == b"N" * CHUNK_BYTES
-        assert later.load(2) is None
-    finally:
-        done = _run_earlier(tree, workers.EARLIER_RELEASE_UNLINK, name)
-        assert done.returncode == 0, done.stderr
+    out = _run_earlier(tree, workers.EARLIER_RELEASE_REPLICA, name, str(NUM_CHUNKS),
+                       str(DATA_BYTES))
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"lookup_1": "MISS"}, seen
+    later = replica("M")
+    assert later.load(1) == b"N" * CHUNK_BYTES
+    assert later.load(2) is None
+    assert os.path.exists(f"/dev/shm/shmkv-{name}-v8")  # the earlier tier, idle, kept
 
 
 @pytest.mark.timeout(120)

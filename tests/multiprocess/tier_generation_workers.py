@@ -45,10 +45,3 @@ print(json.dumps(out), flush=True)
 m.close()
 locks.close()
 """
-
-EARLIER_RELEASE_UNLINK = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-from shmkv.vllm import SharedCPUOffloadingManager
-SharedCPUOffloadingManager.unlink(sys.argv[2])
-"""
