@@ -28,7 +28,7 @@ from shmkv.errors import LayoutMismatchError, SegmentError, SegmentNotFoundError
 from shmkv.model_files import model_files_digest
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
-from shmkv.vllm.compat import VLLM_RELEASE
+from shmkv.vllm.compat import VLLM_RELEASE, VLLM_RELEASE_VERSION
 from shmkv.vllm.tier import IDENTITY_MAX, MEDIUM, TierTable, open_tier_table, tier_table_name
 
 # Non-cryptographic hashes of vLLM's prefix cache: their NONE_HASH seed is random per
@@ -114,6 +114,7 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
         "hash_seed": hash_seed_identity(cache.prefix_caching_hash_algo),
         "platform": platform_name(current_platform),
         "vllm_release": ".".join(map(str, VLLM_RELEASE)),
+        "vllm_version": VLLM_RELEASE_VERSION,
     }
 
 
