@@ -19,8 +19,9 @@ hold them (vLLM up to 0.33 passes the device side as a ``GPULoadStoreSpec`` of b
 worker turns back into block ids of its own tensors, refusing an address that is not the
 start of one of their rows); the group's first block sits ``block_indices[g] % bpc``
 sub-blocks into its first chunk (a chunk holds ``bpc`` blocks). Device block k of the group
-is sub-block ``skip + k`` of the group's chunk list. For each layer reference of the group, the first
-``page_size_bytes`` of the block's row are copied (the rest of a padded row is not KV).
+is sub-block ``skip + k`` of the group's chunk list. For each layer reference of the group,
+the first ``page_size_bytes`` of the block's row are copied (the rest of a padded row is not
+KV).
 
 Copies are batched by runs: consecutive device blocks that land on consecutive sub-blocks
 (within a chunk, or across chunks when the region view's rows are contiguous) move as one
