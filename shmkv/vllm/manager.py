@@ -91,7 +91,7 @@ from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.segment import Segment
 from shmkv.pool.siblings import unlink_offload_data_region
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
-from shmkv.vllm.compat import EVENT_METADATA_ONLY, ConfigInfoMapping
+from shmkv.vllm.compat import EVENT_METADATA_ONLY, EVENT_REQ_CONTEXT, ConfigInfoMapping
 from shmkv.vllm.identity import check_identity
 from shmkv.vllm.lru import TierLRU
 from shmkv.vllm.recency import MISS, PENDING, READY, RequestRecency, pack_rank
@@ -890,8 +890,11 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 self._lru.push_free(block_ids)
             if success:
                 if self.events is not None:
+                    # vLLM 0.34 marks a store as evictable later and names its request.
+                    extra = ({"removal_expected": True, "req_context": req_context}
+                             if EVENT_REQ_CONTEXT else {})
                     self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
-                                                       removed=False))
+                                                       removed=False, **extra))
                 self._log_stored(done_keys)
             elif self.events is not None and EVENT_METADATA_ONLY:
                 self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
