@@ -1,8 +1,8 @@
-"""vLLM 0.33.0's own tests of the KV-cache layer (``tests/v1/core/`` of its source
-distribution), run unchanged against shmkv's classes.
+"""The installed vLLM release's own tests of the KV-cache layer (``tests/v1/core/`` of its
+source distribution), run unchanged against shmkv's classes.
 
-The test files are not in this repository: ``python tests/vllm_upstream/fetch.py`` unpacks them
-into ``tests/vllm_upstream/_upstream/`` (``.ci/run`` does). They run in one pytest subprocess
+The test files are not in this repository: ``python tests/vllm_upstream/fetch.py`` unpacks the
+installed release's into ``tests/vllm_upstream/_upstream/<release>/`` (``.ci/run`` does). They run in one pytest subprocess
 with ``shmkv_upstream_plugin`` (the shims, the deselect list of ``expectations.py``), so the
 rebinding of vLLM's names never reaches this session, where the differential tests need
 vLLM's own classes. Each file below is one test here: it fails listing every upstream test of
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.differential
 @pytest.fixture(scope="module")
 def results():
     if not upstream.fetched():
-        pytest.skip("vLLM's tests are not fetched: python tests/vllm_upstream/fetch.py")
+        pytest.skip(f"vLLM {upstream.RELEASE}'s tests are not fetched: "
+                    "python tests/vllm_upstream/fetch.py")
     return upstream.run_upstream("shmkv", upstream.FILES)
 
 
