@@ -1691,18 +1691,22 @@ class BlockPool:
         """
         self._lock.mutate("touch", self._kernel.touch, blocks)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
+                    evict_first: bool = False) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
         first). Blocks reaching zero go back to the free queue: unhashed ones to the front,
-        hashed ones to the back. The null block is skipped.
+        hashed ones to the back, or to the front too with ``evict_first`` (blocks whose
+        bytes another tier holds, to be reused before other cached blocks; they keep their
+        keys until reused). The null block is skipped.
 
         Raises:
             UsageError: a block id out of range, or a block freed more times than it is
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
+        caching = self.enable_caching and not evict_first  # False: every block to the front
         if not self._tiers and not self._reuse_watchers:  # the common case, inline
-            self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
+            self._lock.mutate("free", self._kernel.free, ordered_blocks, caching)
             return
         if self._tiers:
             # As vLLM's pool, blocks of another pool (a tier's) are freed in theirs, after
@@ -1715,21 +1719,21 @@ class BlockPool:
                     other.setdefault(pool, []).append(block)
             if other:
                 self._free_own([b for b in ordered_blocks
-                                if getattr(b, "_pool", self) is self])
+                                if getattr(b, "_pool", self) is self], caching)
                 for pool, blocks in other.items():
-                    pool.free_blocks(blocks)
+                    pool.free_blocks(blocks, evict_first=evict_first)
                 return
-        self._free_own(ordered_blocks)
+        self._free_own(ordered_blocks, caching)
 
-    def _free_own(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def _free_own(self, blocks: Iterable[KVCacheBlock], caching: bool) -> None:
         """``free_blocks`` of this pool's own blocks; blocks unpinned with a watcher get
         their reuse stamp in the same hold (``poll_reuse``)."""
         if not self._reuse_watchers:
-            self._lock.mutate("free", self._kernel.free, blocks, self.enable_caching)
+            self._lock.mutate("free", self._kernel.free, blocks, caching)
             return
         blocks = list(blocks)
         with self._lock:
-            self._lock.mutate("free", self._kernel.free, blocks, self.enable_caching)
+            self._lock.mutate("free", self._kernel.free, blocks, caching)
             self._stamp_watched(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
