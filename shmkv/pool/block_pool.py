@@ -1349,10 +1349,10 @@ class BlockPool:
         mm_idx = 0
         for position, _ in cached:
             end = (position + 1) * block_size
-            keys, mm_idx = self._event_extra_keys(request, position * block_size, end, mm_idx)
+            keys, mm_idx = self.generate_event_extra_keys(request, position * block_size, end, mm_idx)
             block_keys.append(keys)
             if lookahead_ids is not None:
-                lookahead_ids.append(self._lookahead_token_ids(request, end))
+                lookahead_ids.append(self.get_lookahead_token_ids(request, end))
         extra_keys = to_event_extra_keys(block_keys)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
@@ -1369,16 +1369,18 @@ class BlockPool:
             lookahead_token_ids=lookahead_ids,
         )
 
-    def _event_extra_keys(self, request, start: int, end: int, mm_idx: int):
+    def generate_event_extra_keys(self, request, start: int, end: int, start_mm_idx: int):
         """A block's extra keys for its event: over the same window as its hash (the block
-        and, with lookahead, the tokens after it)."""
+        and, with lookahead, the tokens after it), and the multimodal index to go on from
+        (vLLM 0.34's public name)."""
         if self.num_hash_lookahead_tokens:
             return generate_lookahead_block_hash_extra_keys(
-                request, start, end, end + self.num_hash_lookahead_tokens, mm_idx)
-        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+                request, start, end, end + self.num_hash_lookahead_tokens, start_mm_idx)
+        return generate_block_hash_extra_keys(request, start, end, start_mm_idx)
 
-    def _lookahead_token_ids(self, request, block_end: int) -> list[int]:
-        """The tokens after a block that its hash covers (``BlockStored.lookahead_token_ids``)."""
+    def get_lookahead_token_ids(self, request, block_end: int) -> list[int]:
+        """The tokens after a block that its hash covers (``BlockStored.lookahead_token_ids``;
+        vLLM 0.34's public name)."""
         return list(request.all_token_ids[block_end:block_end + self.num_hash_lookahead_tokens])
 
     def cache_partial_block(
@@ -1529,7 +1531,7 @@ class BlockPool:
         parent = (external_block_hash(request.block_hashes[num_hash_blocks - 2], as_int)
                   if num_hash_blocks > 1 else None)
         start = num_tokens - hbs
-        extra_keys, _ = self._event_extra_keys(request, start, num_tokens, 0)
+        extra_keys, _ = self.generate_event_extra_keys(request, start, num_tokens, 0)
         lora = getattr(request, "lora_request", None)
         return BlockStored(
             block_hashes=[external_block_hash(block_hash, as_int)],
@@ -1542,7 +1544,7 @@ class BlockPool:
             extra_keys=to_event_extra_keys([extra_keys]),
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
-            lookahead_token_ids=([self._lookahead_token_ids(request, num_tokens)]
+            lookahead_token_ids=([self.get_lookahead_token_ids(request, num_tokens)]
                                  if self.num_hash_lookahead_tokens else None),
         )
 
