@@ -1349,7 +1349,8 @@ class BlockPool:
         mm_idx = 0
         for position, _ in cached:
             end = (position + 1) * block_size
-            keys, mm_idx = self.generate_event_extra_keys(request, position * block_size, end, mm_idx)
+            keys, mm_idx = self.generate_event_extra_keys(request, position * block_size, end,
+                                                          mm_idx)
             block_keys.append(keys)
             if lookahead_ids is not None:
                 lookahead_ids.append(self.get_lookahead_token_ids(request, end))

@@ -2,9 +2,9 @@
 source distribution), run unchanged against shmkv's classes.
 
 The test files are not in this repository: ``python tests/vllm_upstream/fetch.py`` unpacks the
-installed release's into ``tests/vllm_upstream/_upstream/<release>/`` (``.ci/run`` does). They run in one pytest subprocess
-with ``shmkv_upstream_plugin`` (the shims, the deselect list of ``expectations.py``), so the
-rebinding of vLLM's names never reaches this session, where the differential tests need
+installed release's into ``tests/vllm_upstream/_upstream/<release>/`` (``.ci/run`` does). They
+run in one pytest subprocess with ``shmkv_upstream_plugin`` (the shims, the deselect list of
+``expectations.py``), so the rebinding of vLLM's names never reaches this session, where the differential tests need
 vLLM's own classes. Each file below is one test here: it fails listing every upstream test of
 that file that failed on shmkv. Without vLLM, or without the fetched files, it skips.
 
@@ -14,6 +14,10 @@ By hand (``SHMKV_UPSTREAM_TARGET=vllm`` runs them against vLLM itself)::
 """
 
 from __future__ import annotations
+
+import json
+import os
+from collections import Counter
 
 import pytest
 
@@ -28,7 +32,15 @@ def results():
     if not upstream.fetched():
         pytest.skip(f"vLLM {upstream.RELEASE}'s tests are not fetched: "
                     "python tests/vllm_upstream/fetch.py")
-    return upstream.run_upstream("shmkv", upstream.FILES)
+    results = upstream.run_upstream("shmkv", upstream.FILES)
+    summary = os.environ.get("SHMKV_UPSTREAM_SUMMARY")
+    if summary:  # the release matrix's figures (scripts/vllm_matrix.py)
+        total = Counter()
+        for counts in upstream.tabulate(results).values():
+            total.update(counts)
+        with open(summary, "w") as out:
+            json.dump({"release": upstream.RELEASE, **total}, out)
+    return results
 
 
 # The first test waits for the whole upstream session (its fixture).
