@@ -4,9 +4,10 @@ source distribution), run unchanged against shmkv's classes.
 The test files are not in this repository: ``python tests/vllm_upstream/fetch.py`` unpacks the
 installed release's into ``tests/vllm_upstream/_upstream/<release>/`` (``.ci/run`` does). They
 run in one pytest subprocess with ``shmkv_upstream_plugin`` (the shims, the deselect list of
-``expectations.py``), so the rebinding of vLLM's names never reaches this session, where the differential tests need
-vLLM's own classes. Each file below is one test here: it fails listing every upstream test of
-that file that failed on shmkv. Without vLLM, or without the fetched files, it skips.
+``expectations.py``), so the rebinding of vLLM's names never reaches this session, where the
+differential tests need vLLM's own classes. Each file below is one test here: it fails listing
+every upstream test of that file that failed on shmkv. Without vLLM, or without the fetched
+files, it skips.
 
 By hand (``SHMKV_UPSTREAM_TARGET=vllm`` runs them against vLLM itself)::
 
