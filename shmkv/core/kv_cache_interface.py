@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields, replace
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 from fractions import Fraction
-from math import prod
+from math import lcm, prod
 from typing import Any, TypeVar
 
 __all__ = [
@@ -115,7 +115,7 @@ class KVQuantMode(IntEnum):
     OCTAVE_K3V3_COMPACT = 14
 
 
-class KVCacheSpecKind(str, Enum):
+class KVCacheSpecKind(StrEnum):
     """The kind of a spec, as published in KV-event metadata."""
 
     FULL_ATTENTION = "full_attention"
@@ -239,6 +239,11 @@ class HiSparseHotSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return self.page_size
 
+    def get_block_stride_alignment(self) -> int:
+        """A hot block's stride is a whole number of its pages, and of the alignment asked
+        for."""
+        return lcm(self.page_size, super().get_block_stride_alignment())
+
     @property
     def block_table_token_alignment(self) -> int | None:
         return None
@@ -307,6 +312,8 @@ class AttentionSpec(KVCacheSpec):
     page_size_padded: int | None = None
     num_head_slots: int | None = None
     state_content_bytes: int | None = None
+    # The page's head slots are grouped by KV head (each head one contiguous run of bytes).
+    kv_head_major_slots: bool = False
     tokens_per_state: int | Fraction = 1
 
     def __post_init__(self) -> None:
@@ -378,6 +385,7 @@ def _base_attention_kwargs(spec: AttentionSpec) -> dict[str, Any]:
         "page_size_padded": spec.page_size_padded,
         "num_head_slots": spec.num_head_slots,
         "state_content_bytes": spec.state_content_bytes,
+        "kv_head_major_slots": spec.kv_head_major_slots,
     }
 
 
@@ -577,6 +585,7 @@ class MambaSpec(KVCacheSpec):
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
+    state_alignment: int = 1  # bytes: each state starts at a multiple of it in the page
     page_size_padded: int | None = None
     mamba_type: str = "MAMBA2"
     mamba_cache_mode: str = "none"
@@ -587,9 +596,17 @@ class MambaSpec(KVCacheSpec):
     tokens_per_state: int = -1  # type: ignore[assignment]
     tp_replicated: bool = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.page_size_padded is not None:
+            assert self.page_size_padded % self.state_alignment == 0, (
+                "page_size_padded must be aligned to state_alignment"
+            )
+
     @property
     def state_content_size_bytes(self) -> int:
-        return sum(prod(shape) * get_dtype_size(dtype)
+        align = self.state_alignment
+        return sum(cdiv(prod(shape) * get_dtype_size(dtype), align) * align
                    for shape, dtype in zip(self.shapes, self.dtypes, strict=False))
 
     @property
@@ -779,7 +796,7 @@ class KVCacheTensor:
     host_resident: bool = False
 
 
-class KVCacheGroupRole(str, Enum):
+class KVCacheGroupRole(StrEnum):
     DEFAULT = "default"
     HISPARSE_SOURCE = "hisparse_source"
     HISPARSE_INDEXER = "hisparse_indexer"
@@ -813,6 +830,14 @@ class KVCacheConfig:
     hisparse_host_block_stride: int | None = None
     hisparse_shared_host_pool: bool = False
     kv_tp_replicas: int = 1
+    # New blocks must be zeroed: Mamba state is read before it is written, and a block
+    # reused under another precision could decode stale bytes. Set from the groups at
+    # construction.
+    needs_kv_cache_zeroing: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needs_kv_cache_zeroing = (self.has_mamba_layers
+                                       or self.has_mixed_precision_kv_cache)
 
     @property
     def transfer_group_ids(self) -> tuple[int, ...]:
@@ -842,8 +867,3 @@ class KVCacheConfig:
         }
         return len(precisions) > 1
 
-    @property
-    def needs_kv_cache_zeroing(self) -> bool:
-        """New blocks must be zeroed: Mamba state is read before it is written, and a block
-        reused under another precision could decode stale bytes."""
-        return self.has_mamba_layers or self.has_mixed_precision_kv_cache

@@ -4,8 +4,14 @@ arguments and behaviour (``vllm/v1/core/kv_cache_manager.py``), over an attached
 Each scheduler process builds its own ``KVCacheManager`` (its own coordinator and per-request
 block lists) on the one shared ``BlockPool``; a scheduler written for vLLM uses it by changing
 its imports. Requests may be vLLM's own ``Request`` objects (duck typed) or ``shmkv.Request``:
-``status``, ``num_preemptions``, ``num_in_flight_tokens`` and ``skip_reading_prefix_cache``
-are read when present and default to a fresh request's values otherwise.
+``status``, ``num_preemptions`` and ``num_in_flight_tokens`` are read when present and default
+to a fresh request's values otherwise.
+
+How far a request may read the prefix cache follows the vLLM its request comes from: vLLM
+0.34's ``prefix_cache_hit_limit`` (0: no lookup, e.g. prompt logprobs; n: at most n tokens;
+None: unbounded) and ``get_max_cache_hit_length``, or, on a request of vLLM 0.33 or before,
+``skip_reading_prefix_cache`` (True is a limit of 0). ``shmkv.Request`` carries the newest
+form.
 
 Cross-process atomicity (the choice, and why):
 
@@ -150,6 +156,26 @@ class KVCacheBlocks:
 
     def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+def prefix_cache_hit_limit(request: Any) -> int | None:
+    """How many leading tokens ``request`` may read from the prefix cache (None: no limit),
+    from vLLM 0.34's ``prefix_cache_hit_limit`` or an older request's
+    ``skip_reading_prefix_cache``."""
+    if hasattr(request, "prefix_cache_hit_limit"):
+        return request.prefix_cache_hit_limit
+    return 0 if getattr(request, "skip_reading_prefix_cache", False) else None
+
+
+def max_cache_hit_length_of(request: Any, bound: int | None = None) -> int:
+    """The longest prefix-cache hit ``request`` may get: ``num_tokens - 1``, its hit limit
+    and ``bound``, whichever is least (vLLM 0.34's ``Request.get_max_cache_hit_length``,
+    called when the request has it)."""
+    getter = getattr(request, "get_max_cache_hit_length", None)
+    if getter is not None:
+        return getter(bound)
+    limits = (request.num_tokens - 1, prefix_cache_hit_limit(request), bound)
+    return min(limit for limit in limits if limit is not None)
 
 
 def _status_name(request: Any) -> str | None:
@@ -317,8 +343,20 @@ class KVCacheManager:
         return stats
 
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        """Whether a prefix-cache lookup may run for ``request``."""
-        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
+        """Whether a prefix-cache lookup may run for ``request`` (its hit limit is not 0)."""
+        return self.enable_caching and prefix_cache_hit_limit(request) != 0
+
+    def get_num_cached_tokens(self, request: Any) -> int:
+        """How many of ``request``'s tokens the prefix cache holds now (at most
+        ``num_tokens - 1``), or 0 when it may not read the cache: a probe that takes no
+        references, allocates nothing, emits no events and starts no lookup hold, for a
+        request that may never be scheduled (vLLM 0.34's cache-aware admission)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        with self._lock:
+            _, num_hit, _ = self.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1)
+        return num_hit
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         """Counts one lookup (the scheduler calls it, as in vLLM)."""
@@ -338,12 +376,12 @@ class KVCacheManager:
         """The request's prefix-cache hit: (blocks, hit tokens, shared prefix boundary).
 
         The hit is at most ``num_tokens - 1`` tokens (the last token is always recomputed for
-        its logits). A non-empty hit starts a lookup hold (module docstring).
+        its logits), the request's hit limit, and ``max_cache_hit_length`` if given. A
+        non-empty hit starts a lookup hold (module docstring).
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
+        max_cache_hit_length = max_cache_hit_length_of(request, max_cache_hit_length)
         with self._lock:
             computed, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
                 request.block_hashes, max_cache_hit_length)
@@ -378,8 +416,7 @@ class KVCacheManager:
             return (*self.get_computed_blocks(request, max_cache_hit_length), False)
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0, False
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
+        max_cache_hit_length = max_cache_hit_length_of(request, max_cache_hit_length)
         fa_group_id = coordinator.full_attention_group_id
         with self._lock:
             computed, per_group = coordinator.find_longest_cache_hit_per_group(

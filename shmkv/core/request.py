@@ -1,4 +1,4 @@
-"""A light request, with the attributes of vLLM 0.33.0's ``vllm.v1.request.Request`` that the
+"""A light request, with the attributes of vLLM 0.34.0's ``vllm.v1.request.Request`` that the
 KV-cache layer reads (same names), and small stand-ins for the objects it refers to.
 
     hasher = RequestBlockHasher(16, sha256, none_hash(sha256))
@@ -148,6 +148,9 @@ class Request:
         prompt_is_token_ids: mixed prompts: True where the position is a real token; the
             other positions read as 0 in ``all_token_ids``.
         session_id: published in ``BlockStored`` events.
+        prefix_cache_hit_limit: how many leading tokens may be read from the prefix cache:
+            None (the default) for no limit, 0 to skip the lookup (vLLM does for prompt
+            logprobs), n to score the prompt from token n.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class Request:
         prompt_embeds: Any = None,
         prompt_is_token_ids: Sequence[bool] | None = None,
         session_id: str | None = None,
+        prefix_cache_hit_limit: int | None = None,
     ) -> None:
         if block_hasher is not None and not callable(block_hasher):
             raise UsageError(f"block_hasher must be callable, got {type(block_hasher).__name__}")
@@ -169,6 +173,10 @@ class Request:
         self.lora_request = lora_request
         self.cache_salt = cache_salt
         self.session_id = session_id
+        if prefix_cache_hit_limit is not None and prefix_cache_hit_limit < 0:
+            raise UsageError(f"prefix_cache_hit_limit must be None or >= 0, got "
+                             f"{prefix_cache_hit_limit}")
+        self.prefix_cache_hit_limit = prefix_cache_hit_limit
         self.mm_features = list(mm_features) if mm_features else []
         self.prompt_embeds = prompt_embeds
         self.prompt_is_token_ids = prompt_is_token_ids
@@ -220,6 +228,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
+
+    def get_max_cache_hit_length(self, bound: int | None = None) -> int:
+        """The longest prefix-cache hit allowed: ``num_tokens - 1`` (the last token is
+        recomputed for its logits), ``prefix_cache_hit_limit`` and ``bound``, whichever is
+        least."""
+        limits = (self.num_tokens - 1, self.prefix_cache_hit_limit, bound)
+        return min(limit for limit in limits if limit is not None)
+
+    @property
+    def skip_reading_external_kv(self) -> bool:
+        """Whether a KV connector's hits are skipped: they are not bounded by the hit
+        limit, so a bounded request reads the local prefix cache only."""
+        return self.prefix_cache_hit_limit is not None
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append generated tokens, then hash any blocks they completed."""

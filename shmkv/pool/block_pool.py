@@ -1349,10 +1349,11 @@ class BlockPool:
         mm_idx = 0
         for position, _ in cached:
             end = (position + 1) * block_size
-            keys, mm_idx = self._event_extra_keys(request, position * block_size, end, mm_idx)
+            keys, mm_idx = self.generate_event_extra_keys(request, position * block_size, end,
+                                                          mm_idx)
             block_keys.append(keys)
             if lookahead_ids is not None:
-                lookahead_ids.append(self._lookahead_token_ids(request, end))
+                lookahead_ids.append(self.get_lookahead_token_ids(request, end))
         extra_keys = to_event_extra_keys(block_keys)
         start, end = num_cached_blocks * block_size, num_full_blocks * block_size
         return BlockStored(
@@ -1369,16 +1370,18 @@ class BlockPool:
             lookahead_token_ids=lookahead_ids,
         )
 
-    def _event_extra_keys(self, request, start: int, end: int, mm_idx: int):
+    def generate_event_extra_keys(self, request, start: int, end: int, start_mm_idx: int):
         """A block's extra keys for its event: over the same window as its hash (the block
-        and, with lookahead, the tokens after it)."""
+        and, with lookahead, the tokens after it), and the multimodal index to go on from
+        (vLLM 0.34's public name)."""
         if self.num_hash_lookahead_tokens:
             return generate_lookahead_block_hash_extra_keys(
-                request, start, end, end + self.num_hash_lookahead_tokens, mm_idx)
-        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+                request, start, end, end + self.num_hash_lookahead_tokens, start_mm_idx)
+        return generate_block_hash_extra_keys(request, start, end, start_mm_idx)
 
-    def _lookahead_token_ids(self, request, block_end: int) -> list[int]:
-        """The tokens after a block that its hash covers (``BlockStored.lookahead_token_ids``)."""
+    def get_lookahead_token_ids(self, request, block_end: int) -> list[int]:
+        """The tokens after a block that its hash covers (``BlockStored.lookahead_token_ids``;
+        vLLM 0.34's public name)."""
         return list(request.all_token_ids[block_end:block_end + self.num_hash_lookahead_tokens])
 
     def cache_partial_block(
@@ -1529,7 +1532,7 @@ class BlockPool:
         parent = (external_block_hash(request.block_hashes[num_hash_blocks - 2], as_int)
                   if num_hash_blocks > 1 else None)
         start = num_tokens - hbs
-        extra_keys, _ = self._event_extra_keys(request, start, num_tokens, 0)
+        extra_keys, _ = self.generate_event_extra_keys(request, start, num_tokens, 0)
         lora = getattr(request, "lora_request", None)
         return BlockStored(
             block_hashes=[external_block_hash(block_hash, as_int)],
@@ -1542,7 +1545,7 @@ class BlockPool:
             extra_keys=to_event_extra_keys([extra_keys]),
             group_idx=group_id,
             session_id=getattr(request, "session_id", None),
-            lookahead_token_ids=([self._lookahead_token_ids(request, num_tokens)]
+            lookahead_token_ids=([self.get_lookahead_token_ids(request, num_tokens)]
                                  if self.num_hash_lookahead_tokens else None),
         )
 
@@ -1691,18 +1694,22 @@ class BlockPool:
         """
         self._lock.mutate("touch", self._kernel.touch, blocks)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
+                    evict_first: bool = False) -> None:
         """Drops one reference from each block, given in eviction order (first evicted
         first). Blocks reaching zero go back to the free queue: unhashed ones to the front,
-        hashed ones to the back. The null block is skipped.
+        hashed ones to the back, or to the front too with ``evict_first`` (blocks whose
+        bytes another tier holds, to be reused before other cached blocks; they keep their
+        keys until reused). The null block is skipped.
 
         Raises:
             UsageError: a block id out of range, or a block freed more times than it is
                 referenced (a double free), or more times than this process references it.
                 Nothing is changed then.
         """
+        caching = self.enable_caching and not evict_first  # False: every block to the front
         if not self._tiers and not self._reuse_watchers:  # the common case, inline
-            self._lock.mutate("free", self._kernel.free, ordered_blocks, self.enable_caching)
+            self._lock.mutate("free", self._kernel.free, ordered_blocks, caching)
             return
         if self._tiers:
             # As vLLM's pool, blocks of another pool (a tier's) are freed in theirs, after
@@ -1715,21 +1722,21 @@ class BlockPool:
                     other.setdefault(pool, []).append(block)
             if other:
                 self._free_own([b for b in ordered_blocks
-                                if getattr(b, "_pool", self) is self])
+                                if getattr(b, "_pool", self) is self], caching)
                 for pool, blocks in other.items():
-                    pool.free_blocks(blocks)
+                    pool.free_blocks(blocks, evict_first=evict_first)
                 return
-        self._free_own(ordered_blocks)
+        self._free_own(ordered_blocks, caching)
 
-    def _free_own(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def _free_own(self, blocks: Iterable[KVCacheBlock], caching: bool) -> None:
         """``free_blocks`` of this pool's own blocks; blocks unpinned with a watcher get
         their reuse stamp in the same hold (``poll_reuse``)."""
         if not self._reuse_watchers:
-            self._lock.mutate("free", self._kernel.free, blocks, self.enable_caching)
+            self._lock.mutate("free", self._kernel.free, blocks, caching)
             return
         blocks = list(blocks)
         with self._lock:
-            self._lock.mutate("free", self._kernel.free, blocks, self.enable_caching)
+            self._lock.mutate("free", self._kernel.free, blocks, caching)
             self._stamp_watched(blocks)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:

@@ -257,9 +257,10 @@ class RecordingMixin:
         return self._rec_call("get_new_blocks", {"num_blocks": num_blocks},
                               super().get_new_blocks, num_blocks, answer=_ids)
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         blocks = list(ordered_blocks)
-        self._rec_call("free_blocks", {"block_ids": _ids(blocks)}, super().free_blocks, blocks)
+        args = {"block_ids": _ids(blocks), **({"evict_first": True} if evict_first else {})}
+        self._rec_call("free_blocks", args, super().free_blocks, blocks, evict_first)
 
     def touch(self, blocks: Sequence[Any]) -> None:
         blocks = list(blocks)

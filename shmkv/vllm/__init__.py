@@ -25,8 +25,9 @@ The rooms:
   first use: vLLM's connector and CPU spec modules pull in its platform and worker code).
 
 vLLM's out-of-tree spec API is experimental and changes between releases, so importing this
-package checks vLLM's version against ``TESTED_VLLM_VERSIONS`` (0.32.0, the CPU build, and
-0.33.0); ``compat.py`` holds what differs between them, and ``cpu_worker.py`` moves the bytes
+package checks vLLM's version against ``TESTED_VLLM_VERSIONS`` (0.32.0, the CPU build, 0.33.0
+and 0.34.0; ``SHMKV_VLLM_UNTESTED=1`` tries another); ``compat.py`` holds what differs between
+them, and ``cpu_worker.py`` moves the bytes
 on vLLM's CPU platform, where vLLM's own CPU offloading refuses to run.
 """
 

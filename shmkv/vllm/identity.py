@@ -26,7 +26,7 @@ from typing import Any
 
 from shmkv.errors import LayoutMismatchError, UsageError
 from shmkv.model_files import model_files_digest
-from shmkv.vllm.compat import VLLM_RELEASE
+from shmkv.vllm.compat import VLLM_RELEASE, VLLM_RELEASE_VERSION
 from shmkv.vllm.tier import IDENTITY_MAX, TierTable
 
 # Non-cryptographic hashes of vLLM's prefix cache: their NONE_HASH seed is random per
@@ -112,6 +112,7 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
         "hash_seed": hash_seed_identity(cache.prefix_caching_hash_algo),
         "platform": platform_name(current_platform),
         "vllm_release": ".".join(map(str, VLLM_RELEASE)),
+        "vllm_version": VLLM_RELEASE_VERSION,
     }
 
 

@@ -88,7 +88,7 @@ from shmkv.pool import tier_counters as TC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import DEFAULT_LOCK_TIMEOUT_S
 from shmkv.pool.takeover import DEFAULT_STUCK_AFTER_S
-from shmkv.vllm.compat import EVENT_METADATA_ONLY, ConfigInfoMapping
+from shmkv.vllm.compat import EVENT_METADATA_ONLY, EVENT_REQ_CONTEXT, ConfigInfoMapping
 from shmkv.vllm.identity import check_identity
 from shmkv.vllm.lifecycle import MEDIUM, join_as_core, remove_tier
 from shmkv.vllm.lru import TierLRU
@@ -860,8 +860,11 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 self._lru.push_free(block_ids)
             if success:
                 if self.events is not None:
+                    # vLLM 0.34 marks a store as evictable later and names its request.
+                    extra = ({"removal_expected": True, "req_context": req_context}
+                             if EVENT_REQ_CONTEXT else {})
                     self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,
-                                                       removed=False))
+                                                       removed=False, **extra))
                 self._log_stored(done_keys)
             elif self.events is not None and EVENT_METADATA_ONLY:
                 self.events.append(OffloadingEvent(keys=done_keys, medium=self.medium,

@@ -22,6 +22,7 @@ always publishes bytes, so the workload runs with that variable set to 0 (see
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ vllm_lora_request = pytest.importorskip("vllm.lora.request")
 vllm_envs = pytest.importorskip("vllm.envs")
 
 pytestmark = pytest.mark.differential
+
+# vLLM 0.34's free_blocks(evict_first=True): freed cached blocks go to the front too.
+VLLM_EVICT_FIRST = "evict_first" in inspect.signature(
+    vllm_block_pool.BlockPool.free_blocks).parameters
 
 INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 HASH_BLOCK_SIZE = 16
@@ -88,6 +93,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def _all_token_ids(self) -> list[int]:  # what vLLM 0.34's hasher and events read
+        return self.all_token_ids
 
     def append_tokens(self, token_ids: list[int]) -> None:
         self.all_token_ids.extend(token_ids)
@@ -243,12 +252,15 @@ class Workload:
         return Request(self.next_id, tokens, cache_salt=salt, lora_request=lora, session_id=session)
 
     def free_request_blocks(self, req: Request) -> None:
-        """Frees a request's blocks, group by group, last block first (vLLM's order)."""
+        """Frees a request's blocks, group by group, last block first (vLLM's order); where
+        vLLM has it, now and then with ``evict_first`` (its offload connector's lazy mode)."""
+        first = VLLM_EVICT_FIRST and self.rng.random() < 0.25
         for group_id in self.groups:
             ids = req.block_ids.get(group_id, [])
             self.twin.call(
-                f"free_blocks(reversed({ids}))",
-                lambda pool, h, ids=ids: pool.free_blocks(reversed(h(ids))),
+                f"free_blocks(reversed({ids}), evict_first={first})",
+                lambda pool, h, ids=ids: pool.free_blocks(reversed(h(ids)), evict_first=first)
+                if first else pool.free_blocks(reversed(h(ids))),
             )
         req.block_ids.clear()
 

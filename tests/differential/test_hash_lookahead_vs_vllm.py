@@ -67,6 +67,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    @property
+    def _all_token_ids(self) -> list[int]:  # what vLLM 0.34's hasher and events read
+        return self.all_token_ids
+
 
 def _events(pool_events, batch_cls) -> bytes:
     return msgspec.msgpack.encode(batch_cls(ts=0.0, events=pool_events))
@@ -113,6 +117,12 @@ def test_lookahead_events_and_queue_match_vllm(make_pool, monkeypatch, lookahead
         req, ob, tb, cached = live[rid]
         req.all_token_ids += [rng.randrange(VOCAB) for _ in range(n)]
         rehash(req)
+        if hasattr(theirs, "get_lookahead_token_ids"):  # public in vLLM 0.34
+            for end in range(HBS, req.num_tokens + 1, HBS):
+                assert (ours.get_lookahead_token_ids(req, end)
+                        == list(theirs.get_lookahead_token_ids(req, end)))
+                assert (ours.generate_event_extra_keys(req, end - HBS, end, 0)
+                        == theirs.generate_event_extra_keys(req, end - HBS, end, 0))
         need = -(-req.num_tokens // BLOCK) - len(ob)
         if need > 0:
             if need > ours.get_num_free_blocks():

@@ -57,6 +57,15 @@ def _set_seed(monkeypatch, seed: str | None) -> None:
 
 # --------------------------------------------------------------------------- request twins
 
+# vLLM 0.34 keeps a request's token ids as int32 (an id >= 2**31 raises OverflowError), so
+# the large ids the hashing must carry are drawn below 2**31 there.
+try:
+    import vllm.v1.token_buffer  # noqa: F401
+
+    BIG_TOKEN = 2**31
+except ImportError:
+    BIG_TOKEN = 2**40
+
 
 class Twin:
     """One random request as a vLLM Request and as a shmkv Request."""
@@ -64,7 +73,7 @@ class Twin:
     def __init__(self, rng: random.Random, idx: int, hbs: int, vllm_hasher, shm_hasher):
         n = rng.choice([0, 1, hbs - 1, hbs, hbs + 1, rng.randrange(0, 8 * hbs + 3)])
         big = rng.random() < 0.1
-        tokens = [rng.randrange(0, 2**40 if big else 50_000) for _ in range(n)]
+        tokens = [rng.randrange(0, BIG_TOKEN if big else 50_000) for _ in range(n)]
         salt = rng.choice([None, None, "", "tenant-" + str(rng.randrange(5)), "sälz-✓"])
         lora = None
         shm_lora = None

@@ -47,6 +47,12 @@ def hisparse_config(num_blocks, host_blocks, num_resident_groups=1):
                                 kv_cache_groups=groups, hisparse_host_num_blocks=host_blocks)
 
 
+# Whether vLLM's page transfers say when they run (after_forward: up to 0.33).
+VLLM_AFTER_FORWARD = "after_forward" in getattr(
+    pytest.importorskip("vllm.v1.hisparse.types").SparseKVPageTransfer,
+    "__dataclass_fields__", {})
+
+
 class HiSide:
     """One implementation's KVCacheManager with its HiSparse coordinator."""
 
@@ -92,7 +98,9 @@ class HiSide:
     def transfers(self, complete=True):
         """The page transfers planned (as tuples) and, if ``complete``, every worker done."""
         command = self.coordinator.build_offload_command()
-        plans = [(t.transfer_id, t.host_block_id, t.resident_block_ids, t.after_forward,
+        # vLLM 0.34 dropped after_forward; shmkv keeps it for 0.33's workers.
+        plans = [(t.transfer_id, t.host_block_id, t.resident_block_ids,
+                  t.after_forward if VLLM_AFTER_FORWARD else None,
                   t.restore) for t in command.page_transfers]
         if complete:
             counts = {t[0]: 1 for t in plans}

@@ -30,16 +30,24 @@ def _comparable(value):
     return value
 
 
+# Fields shmkv has as vLLM 0.34.0 does, which an older vLLM lacks; their defaults keep the
+# older behaviour, so they are left out of the comparison with an older release.
+NEWER_FIELDS = {"kv_head_major_slots", "state_alignment", "needs_kv_cache_zeroing"}
+
+
 @pytest.mark.parametrize("name", SPEC_NAMES)
 def test_same_fields_defaults_and_kw_only(name):
-    """Every class has vLLM's fields, in order, with the same defaults and kw_only flags."""
-    ours = {f.name: f for f in dataclasses.fields(getattr(shm, name))}
+    """Every class has vLLM's fields, in order, with the same defaults and kw_only flags
+    (and init flags: a field vLLM sets itself is not a constructor argument in shmkv)."""
     theirs = {f.name: f for f in dataclasses.fields(getattr(vllm, name))}
+    ours = {f.name: f for f in dataclasses.fields(getattr(shm, name))
+            if f.name in theirs or f.name not in NEWER_FIELDS}
     assert list(ours) == list(theirs)
     for field_name, f in theirs.items():
         o = ours[field_name]
         assert o.kw_only == f.kw_only, field_name
         assert o.compare == f.compare, field_name
+        assert o.init == f.init, field_name
         if field_name == "mamba_type":
             assert o.default.lower() == f.default.name.lower()
             continue
@@ -78,6 +86,13 @@ CASES = [
                             "dtype": torch.float16}),
     ("SinkFullAttentionSpec", {"block_size": 16, "num_kv_heads": 4, "head_size": 64,
                                "dtype": torch.float16, "sink_len": 32}),
+    *([("FullAttentionSpec", {"block_size": 16, "num_kv_heads": 2, "head_size": 64,
+                              "dtype": torch.float16, "num_head_slots": 4,
+                              "kv_head_major_slots": True})]
+      if "kv_head_major_slots" in vllm.AttentionSpec.__dataclass_fields__ else []),
+    *([("MambaSpec", {"block_size": 16, "shapes": ((3, 5), (7,)),
+                      "dtypes": (torch.float32, torch.float16), "state_alignment": 64})]
+      if "state_alignment" in vllm.MambaSpec.__dataclass_fields__ else []),
     ("MambaSpec", {"block_size": 16, "shapes": ((4, 8), (2, 3)),
                    "dtypes": (torch.float32, torch.float16), "num_speculative_blocks": 2}),
     ("MambaSpec", {"block_size": 16, "shapes": ((4, 8),), "dtypes": (torch.float32,),
@@ -110,7 +125,10 @@ def test_same_sizes(name, kw, mode):
             == vllm.get_kv_cache_spec_sliding_window(theirs))
 
 
-@pytest.mark.parametrize(("name", "kw"), CASES[:-2], ids=[n for n, _ in CASES[:-2]])
+MERGEABLE = [(n, kw) for n, kw in CASES if n != "MambaSpec"]
+
+
+@pytest.mark.parametrize(("name", "kw"), MERGEABLE, ids=[n for n, _ in MERGEABLE])
 def test_same_merge(name, kw):
     """Merging two equal layers gives the same spec in both libraries."""
     a, b = _pair(name, **kw)
@@ -121,3 +139,29 @@ def test_same_merge(name, kw):
             continue
         assert _comparable(getattr(merged_ours, f.name)) == _comparable(
             getattr(merged_theirs, f.name)), f.name
+
+
+@pytest.mark.skipif("kv_head_major_slots" not in vllm.AttentionSpec.__dataclass_fields__,
+                    reason="vLLM 0.34's spec fields")
+def test_newer_spec_fields_match_vllm():
+    """vLLM 0.34's spec changes: a Mamba state is padded to ``state_alignment`` (the page
+    grows), a padded page must be a multiple of it, a HiSparse hot block's stride is a whole
+    number of pages, and
+    ``needs_kv_cache_zeroing`` is a field set at construction."""
+    ours, theirs = _pair("MambaSpec", block_size=16, shapes=((3, 5),), dtypes=(torch.float32,),
+                         state_alignment=64)
+    assert ours.page_size_bytes == theirs.page_size_bytes == 64
+    for lib in (shm, vllm):
+        with pytest.raises(AssertionError, match="aligned to state_alignment"):
+            lib.MambaSpec(block_size=16, shapes=((3, 5),), dtypes=(
+                torch.float32 if lib is vllm else "float32",), state_alignment=64,
+                page_size_padded=100)
+    hot = {"block_size": 16, "page_size": 96, "blocks_per_request": 4,
+           "block_stride_alignment": 256}
+    assert (shm.HiSparseHotSpec(**hot).get_block_stride_alignment()
+            == vllm.HiSparseHotSpec(**hot).get_block_stride_alignment() == 768)
+    for lib, spec in ((shm, ours), (vllm, theirs)):
+        group = lib.KVCacheGroupSpec(["m"], spec)
+        config = lib.KVCacheConfig(10, [], [group])
+        assert config.needs_kv_cache_zeroing is True
+        assert "needs_kv_cache_zeroing" in {f.name for f in dataclasses.fields(config)}

@@ -278,7 +278,8 @@ class Replayer:
             if any(v < 0 for v in held.values()):
                 raise _Mismatch(f"{where}: free_blocks({a['block_ids']}) frees blocks this "
                                 f"process does not hold")
-            self.pool.free_blocks(self.blocks(a["block_ids"]))
+            self.pool.free_blocks(self.blocks(a["block_ids"]),
+                                  **({"evict_first": True} if a.get("evict_first") else {}))
         elif op == "touch":
             held.update(b for b in a["block_ids"] if b != 0)
             self.pool.touch(self.blocks(a["block_ids"]))

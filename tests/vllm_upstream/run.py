@@ -1,6 +1,9 @@
-"""Runs vLLM 0.33.0's fetched KV-cache tests in their own pytest session and tabulates them.
+"""Runs a vLLM release's fetched KV-cache tests in their own pytest session and tabulates them.
 
     python tests/vllm_upstream/run.py [--target shmkv|vllm|both] [FILE ...]
+
+The release is the installed vLLM's (``fetch.installed_release``): its tests, fetched with
+``python tests/vllm_upstream/fetch.py``, under ``_upstream/<release>/``.
 
 prints, per file: tests collected, passed, failed, deselected (``expectations.DESELECTED``),
 xfailed (``expectations.KNOWN_GAPS``), and how many constructed a shmkv object.
@@ -19,7 +22,14 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-UPSTREAM = HERE / "_upstream"
+try:
+    from tests.vllm_upstream import fetch
+except ImportError:  # run as a script
+    sys.path.insert(0, str(HERE))
+    import fetch  # type: ignore[no-redef]
+
+RELEASE = fetch.installed_release()
+UPSTREAM = fetch.dest_for(RELEASE)
 # vLLM's tests of this layer that run here (paths relative to UPSTREAM).
 FILES = (
     "tests/v1/core/test_prefix_caching.py",
@@ -52,6 +62,7 @@ def run_upstream(target: str, files=FILES, extra_args=()) -> dict[str, dict]:
     env["PYTHONPATH"] = os.pathsep.join(
         [root, str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["SHMKV_UPSTREAM_TARGET"] = target
+    env["SHMKV_UPSTREAM_RELEASE"] = RELEASE
     # Some tests build vLLM's ModelConfig, which asks the Hugging Face hub about the model:
     # offline, they fail at once (on vLLM as on shmkv) instead of waiting on the network.
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("files", nargs="*", default=list(FILES))
     args = parser.parse_args(argv)
     if not fetched():
-        print("vLLM's tests are not fetched: python tests/vllm_upstream/fetch.py")
+        print(f"vLLM {RELEASE}'s tests are not fetched: python tests/vllm_upstream/fetch.py")
         return 2
     targets = ("vllm", "shmkv") if args.target == "both" else (args.target,)
     raw = {}
@@ -103,7 +114,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         raw[target] = run_upstream(target, args.files)
         table = tabulate(raw[target])
-        print(f"\n== against {target} ({time.monotonic() - t0:.0f} s)")
+        print(f"\n== vLLM {RELEASE}'s tests against {target} ({time.monotonic() - t0:.0f} s)")
         print(f"{'file':64} {'ran':>4} {'pass':>4} {'fail':>4} {'desel':>5} {'xfail':>5}"
               f" {'shmkv':>5}")
         tot = Counter()

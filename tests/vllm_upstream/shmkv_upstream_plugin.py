@@ -1,9 +1,9 @@
-"""pytest plugin that runs vLLM 0.33.0's own KV-cache tests against shmkv.
+"""pytest plugin that runs a vLLM release's own KV-cache tests against shmkv.
 
 Loaded only in the adapter's own pytest session (a subprocess started by
 ``tests/vllm_upstream/test_upstream.py``, or by hand)::
 
-    cd tests/vllm_upstream/_upstream && \\
+    cd tests/vllm_upstream/_upstream/<release> && \\
     PYTHONPATH=<shmkv's root>:<this dir> python -m pytest -p shmkv_upstream_plugin \\
         tests/v1/core/test_prefix_caching.py
 
