@@ -97,7 +97,7 @@ DEFAULT_NONE_ROUTERS = ("cache_aware", "round_robin")  # the no-tier baseline, s
 DEFAULT_DP_TIERS = ("shared",)
 # --quick (and the engine test): round_robin, which sends the restarted server its share
 # of every prefix at once (cache_aware sends it mostly prefixes no server has seen).
-QUICK_RUNS = {s: (("private", "shared"), ("round_robin",)) for s in SCENARIOS}
+QUICK_RUNS = dict.fromkeys(SCENARIOS, (("private", "shared"), ("round_robin",)))
 # Per server, from its /metrics: requests served, prompt tokens, prompt tokens computed,
 # prompt tokens loaded from the tier, seconds its processes waited for the tier's lock.
 COUNTERS = ("requests", "prompt_tokens", "computed", "loaded", "lock_wait_s")
@@ -145,7 +145,7 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 10.0
 class Proc:
     """A process in its own session (its children die with it), logged to a file."""
 
-    live: list["Proc"] = []
+    live: list[Proc] = []
     stopping = False  # set on the way out: a restart thread starts nothing more
 
     def __init__(self, argv: list[str], env: dict, log_path: Path) -> None:
@@ -184,7 +184,7 @@ class Proc:
 class Server:
     """One vLLM OpenAI server (``dp`` data-parallel ranks), tier ``pool`` or none."""
 
-    def __init__(self, ctx: "Context", name: str, pool: str | None, tier_bytes: int,
+    def __init__(self, ctx: Context, name: str, pool: str | None, tier_bytes: int,
                  dp: int = 1, index: int = 0) -> None:
         self.ctx, self.name, self.pool, self.tier_bytes, self.dp = ctx, name, pool, tier_bytes, dp
         # vLLM's CPU build gives a server's worker every core (one OpenMP thread each, bound,
@@ -329,7 +329,7 @@ class Server:
 class Router:
     """``smg launch`` over some servers; workers added and removed at run time."""
 
-    def __init__(self, ctx: "Context", policy: str, urls: list[str]) -> None:
+    def __init__(self, ctx: Context, policy: str, urls: list[str]) -> None:
         self.ctx = ctx
         self.port = _free_port()
         name = "cache_aware" if policy == "cache_aware-bal" else policy
@@ -453,7 +453,8 @@ def stream_one(base_url: str, model: str, prompt: str, max_tokens: int) -> dict:
     start = time.perf_counter()
     first, text, usage, error = None, [], None, None
     attempts = 0
-    for attempts in range(1, 4):
+    for _ in range(3):
+        attempts += 1
         first, text, usage = None, [], None
         conn = http.client.HTTPConnection(host, int(port), timeout=600)
         try:
@@ -494,7 +495,7 @@ def stream_one(base_url: str, model: str, prompt: str, max_tokens: int) -> dict:
             "error": error, "attempts": attempts}
 
 
-def drive(ctx: "Context", w: Workload, base_url: str, servers: list[Server],
+def drive(ctx: Context, w: Workload, base_url: str, servers: list[Server],
           router: Router | None) -> tuple[list[dict], list[tuple[float, float, str]]]:
     """Sends the workload; returns the per-request records and the events' spans
     (start, end, label) on the run's clock."""
@@ -635,10 +636,10 @@ class Context:
             if router_name == "vllm-dp":
                 ranks_after = servers[0].per_rank()
                 per_server = [{k: a[k] - b[k] for k in ("requests", "computed")}
-                              for a, b in zip(ranks_after, ranks_before)]
+                              for a, b in zip(ranks_after, ranks_before, strict=False)]
             else:
                 per_server = [{k: a[k] - b[k] for k in ("requests", "computed")}
-                              for a, b in zip(after, before)]
+                              for a, b in zip(after, before, strict=True)]
             restarted = [(s.counters()["computed"] - s.restarted_at["computed"],
                           s.counters()["prompt_tokens"] - s.restarted_at["prompt_tokens"])
                          for s in servers if s.restarted_at is not None]
@@ -666,9 +667,9 @@ class Context:
             "per_server_requests": [int(x) for x in loads],
             "per_server_computed": [int(p["computed"]) for p in per_server],
             "tier_loaded_tokens": int(sum(a["loaded"] - b["loaded"]
-                                          for a, b in zip(after, before))),
+                                          for a, b in zip(after, before, strict=True))),
             "lock_wait_s": sum(a["lock_wait_s"] - b["lock_wait_s"]
-                               for a, b in zip(after, before)),
+                               for a, b in zip(after, before, strict=True)),
             "restarted_computed": int(sum(c for c, _ in restarted)) if restarted else None,
             "restarted_prompt_tokens": int(sum(p for _, p in restarted)) if restarted else None,
             "retried": sum(r["attempts"] > 1 for r in records),
@@ -784,10 +785,11 @@ def plot(results: list[dict], path: str) -> None:
         return
     fig, axes = plt.subplots(len({r["scenario"] for r in rows}), 1, squeeze=False,
                              figsize=(9, 3.2 * len({r["scenario"] for r in rows})))
-    for ax, scenario in zip(axes[:, 0], dict.fromkeys(r["scenario"] for r in rows)):
+    for ax, scenario in zip(axes[:, 0], dict.fromkeys(r["scenario"] for r in rows), strict=True):
         for r in (r for r in rows if r["scenario"] == scenario):
-            xs, ys = zip(*sorted((x[0], x[1]) for x in r["ttft_series"]))
-            ax.plot(xs, [y * 1000 for y in ys], ".-", lw=0.8, label=f"{r['tier']}, {r['router']}")
+            xs, ys = zip(*sorted((x[0], x[1]) for x in r["ttft_series"]), strict=True)
+            ax.plot(xs, [y * 1000 for y in ys], ".-", lw=0.8,
+                    label=f"{r['tier']}, {r['router']}")
             for a, b, _ in r["spans"]:
                 ax.axvspan(a, b, color="grey", alpha=0.08)
         ax.set_title(f"{scenario}: TTFT by send time (grey: a server out of the router)")
