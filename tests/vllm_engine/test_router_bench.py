@@ -4,8 +4,8 @@ tier per server against one shared tier, server 0 restarted mid-run), checked on
 what does not depend on timing: every configuration completes every request, the greedy
 text is the same in every configuration, and the restarted server computes fewer prompt
 tokens on the shared tier (where the other server's stores wait for it) than on its private
-one (which starts empty, as vLLM's own CPU cache would). 5 min 14 s in one run on a 2-core
-machine other jobs shared (load 6): most of it starts servers."""
+one (which starts empty, as vLLM's own CPU cache would). 3.5 to 5 minutes on a 2-core
+machine other jobs shared: most of it starts servers."""
 
 from __future__ import annotations
 
