@@ -782,6 +782,9 @@ def _pool_paths(pool: str, tiers: tuple[str, ...]) -> list[str]:
               for kind in L.POOL_NAMED_SIBLINGS]
     paths.append(L.offload_replicas_path(pool))
     paths += [path for path, _ in _past_versions(pool)]
+    for seg, _ in _earlier_pools(pool):  # an earlier release's pool, removed with its tier
+        paths += [SHM_DIR + seg, f"{SHM_DIR}/sem.{lock_name(seg)[1:]}", alive_path(seg)]
+    paths += LC.region_paths(pool, L.PAST_OFFLOAD_DATA_REGION_PREFIX)
     try:
         paths += [f"{SHM_DIR}/{e}" for e in sorted(os.listdir(SHM_DIR))
                   if L.offload_data_region_pool(e) == pool]
