@@ -388,12 +388,7 @@ def _forget_for_new_table(pool: BlockPool, pool_name: str) -> None:
             f"again (`shmkv unlink --force {pool_name}` removes the tier), or use another "
             "shmkv_pool"
         )
-    rows = pool.block_rows()
-    keyed = np.flatnonzero(rows["hash_num_tokens"] != L.NO_HASH_TOKENS)
-    del rows
-    keyed = keyed[keyed > 0].tolist()
-    if keyed:
-        pool.evict_blocks(keyed)
+    _forget_chunks(pool)
 
 
 # ------------------------------------------------------------------ binding the data region
