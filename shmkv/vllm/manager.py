@@ -224,6 +224,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         replica_id: str | None = None,
         implicit_step_region: bool = False,
+        expect_workers: bool = False,
     ) -> None:
         """Creates the pool ``pool`` of ``num_chunks`` chunks, or attaches to it.
 
@@ -249,6 +250,11 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 :meth:`on_schedule_end` closes it, for a vLLM connector that holds no
                 ``lock`` (0.32: ``compat.IMPLICIT_STEP_REGION``; the spec sets it). Any
                 other caller either enters ``lock`` or gets per-call lookups.
+            expect_workers: this replica's GPU workers joined the tier before it (vLLM
+                builds them before its scheduler; the spec says so): while no worker of its
+                row bound this tier's region, the replica gets no hit and stores nothing
+                (its workers joined a removed tier of the same name). False: a manager
+                without workers, trusted while no region is bound at all.
 
         Raises:
             UsageError: a bad argument, or an unsupported policy or threshold.
@@ -297,6 +303,7 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         self._bit = 1 << self._row
         self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set
         self._warned_region = False
+        self._expect_workers = bool(expect_workers)
         tier = self._tier
         self._thdr, self._ranks = tier.words, tier.rank_words
         # memoryviews: a scalar read or write through one costs a fraction of numpy's, and
@@ -638,8 +645,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         no hit and stores nothing. A replica with no worker is trusted only while no
         region is bound at all (nothing holds bytes)."""
         mine = self._thdr[W_REPLICA_REGION + self._row]  # tier.replica_region[row]
-        if mine == self._thdr[W_REGION_TAG]:  # bound to the tier's region, or no region yet
-            return False
+        if mine == self._thdr[W_REGION_TAG] and (mine or not self._expect_workers):
+            return False  # bound to the tier's region; or no region yet, and no worker due
         if not self._warned_region:
             self._warned_region = True
             logger.error(

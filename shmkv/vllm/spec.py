@@ -41,7 +41,7 @@ KNOWN_EXTRA_CONFIG_KEYS = frozenset({
     "cache_policy_module_path", "store_threshold", "max_tracker_size",
     "self_describing_kv_events", "offload_prompt_only", "block_size", "blocks_per_chunk",
     "canonical_layout", "sync_load_budget_bytes",
-    "shmkv_pool", "shmkv_max_processes",
+    "shmkv_pool", "shmkv_max_processes", "shmkv_scheduler_only",
 })
 DEFAULT_MAX_PROCESSES = 64
 
@@ -204,6 +204,11 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 info=spec_cpu_info(self), max_processes=self.shmkv_max_processes,
                 replica_id=self.shmkv_replica_id,
                 implicit_step_region=IMPLICIT_STEP_REGION,
+                # vLLM builds a replica's workers before its scheduler: an engine core whose
+                # row no worker bound is cut off (its workers joined a removed tier). Only a
+                # scheduler run without GPU workers (a simulation, the tests' schedulers)
+                # says so, with shmkv_scheduler_only.
+                expect_workers=not bool(self.extra_config.get("shmkv_scheduler_only", False)),
             )
             try:
                 manager.check_identity(identity)

@@ -86,7 +86,10 @@ def make_vllm_config(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, *,
             else None,
             kv_connector_extra_config={"spec_name": "SharedCPUOffloadingSpec",
                                        "spec_module_path": "shmkv.vllm",
-                                       "cpu_bytes_to_use": cpu_bytes, "shmkv_pool": pool}),
+                                       "cpu_bytes_to_use": cpu_bytes, "shmkv_pool": pool,
+                                       # its schedulers run without GPU workers, unless a
+                                       # test starts them (replica_worker)
+                                       "shmkv_scheduler_only": True}),
         device_config=DeviceConfig("cpu"),
     )
     config.instance_id = f"{engine_id}-start-{start}" if engine_id else config.instance_id

@@ -358,9 +358,11 @@ def test_spec_loads_through_vllms_factory(spec_pool, model_dir):
 
     from tests.multiprocess.vllm_scheduler_driver import make_vllm_config
 
-    with set_current_vllm_config(make_vllm_config("unused", model_dir)):
-        first = OffloadingSpecFactory.create_spec(make_config(spec_pool))
-        second = OffloadingSpecFactory.create_spec(make_config(spec_pool))
+    with set_current_vllm_config(make_vllm_config("unused", model_dir)):  # no GPU workers
+        first = OffloadingSpecFactory.create_spec(
+            make_config(spec_pool, shmkv_scheduler_only=True))
+        second = OffloadingSpecFactory.create_spec(
+            make_config(spec_pool, shmkv_scheduler_only=True))
     assert type(first).__name__ == "SharedCPUOffloadingSpec" and first.num_chunks == 8
     a, b = first.get_manager(), second.get_manager()
     try:

@@ -179,3 +179,25 @@ def test_a_copy_of_the_region_renamed_over_it_is_never_the_bound_region(tier):
     assert b.lookup(key(1), CTX) == MISS
     _store(b, [1])
     assert a.lookup(key(1), CTX) == MISS
+
+
+def test_an_engine_core_whose_workers_joined_a_removed_tier_is_cut_off(tier):
+    """Replica A's worker joins the tier; the tier is removed whole (``unlink --force``)
+    before A's engine core starts; the core makes the tier anew, where no worker of A bound
+    a region and none is bound at all. Built as vLLM builds it (its workers expected), the
+    core gets no hit and stores nothing: its workers write a removed region, and another
+    replica's core in the same position would otherwise load their bytes as its own."""
+    name, manager, worker = tier
+    worker("A")
+    SharedCPUOffloadingManager.unlink(name)
+    a = SharedCPUOffloadingManager(name, NUM_CHUNKS, replica_id="A", expect_workers=True)
+    try:
+        assert a.prepare_store([key(1)], CTX) is None
+        b = SharedCPUOffloadingManager(name, NUM_CHUNKS, replica_id="B", expect_workers=True)
+        try:
+            assert b.lookup(key(1), CTX) == MISS
+            assert b.prepare_store([key(2)], CTX) is None
+        finally:
+            b.close()
+    finally:
+        a.close()
