@@ -77,9 +77,9 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
                    ) -> tuple[ReplicaLocks, RegionBinding]:
     """A GPU worker's start: checks its replica's ``identity`` against the tier's (and
     records it if it is the first), joins its replica's row (``replica_id``, one per engine
-    start), binds the data region to the pool (making it if needed) and returns (its hold on the
-    row, kept until the worker exits; the region's tag). The pool handle it needed is
-    closed again: a worker takes no slot of the pool's process table.
+    start), binds the data region to the pool (making it if needed) and returns its hold on
+    the row (kept until the worker exits) and the region it bound. The pool handle it
+    needed is closed again: a worker takes no slot of the pool's process table.
 
     A worker whose identity differs touches nothing: it is refused before it sizes,
     joins or binds anything (vLLM builds its workers before its scheduler, so the worker
@@ -119,6 +119,7 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
             discard_unused_tier(pool_name, generation, BlockPool.TIERS)
     return locks, binding
 
+
 def _check_room(pool_name: str, num_chunks: int, data_bytes: int) -> None:
     """Refuses a worker that would make the tier in a /dev/shm without room for its data
     region and table, before it makes anything (a replica joining a tier whose region is
@@ -137,6 +138,7 @@ def _check_room(pool_name: str, num_chunks: int, data_bytes: int) -> None:
             f"the offload tier {pool_name!r} needs at least {need:,} bytes in /dev/shm (its "
             f"data region and table) and {free:,} are free: lower cpu_bytes_to_use, or give "
             "/dev/shm more room (docker run --shm-size=...); nothing was made")
+
 
 def refuse_foreign_replica(pool: str, identity: dict, process: dict) -> None:
     """Checks ``identity`` against the one the tier recorded, if the pool and its table
@@ -261,6 +263,7 @@ def open_pool(pool: str, num_chunks: int, max_processes: int, event_log_bytes: i
             raise
         return bp, False
 
+
 def _being_made(exc: SegmentError) -> bool:
     """Whether an attach failed because the pool's creator has not finished it: replicas
     start together, and an attacher can map the segment before its creator sized it, wrote
@@ -268,6 +271,7 @@ def _being_made(exc: SegmentError) -> bool:
     text = str(exc)
     return ("INITIALIZING" in text or "smaller than a shmkv header" in text
             or "header field magic is '0x0'" in text)
+
 
 def _check_pool(bp: BlockPool, pool: str, num_chunks: int) -> None:
     if bp.medium != MEDIUM or bp.hash_block_size != 1 or not bp.enable_caching:
@@ -351,11 +355,13 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
             seg.close()
             raise
 
+
 def _open_table(name: str) -> Segment | None:
     try:
         return Segment.open(name)
     except SegmentNotFoundError:
         return None
+
 
 def _recorded_generation(seg: Segment) -> bytes | None:
     """The generation a complete table records; None for one whose filler has not
@@ -364,6 +370,7 @@ def _recorded_generation(seg: Segment) -> bytes | None:
         return None
     at = 8 * W_GENERATION_TIER
     return bytes(seg.buf[at:at + LC.GENERATION_BYTES])
+
 
 def _forget_for_new_table(pool: BlockPool, pool_name: str) -> None:
     """Before a table is made again for a pool that outlived its own (removed alone, by
@@ -424,6 +431,7 @@ def bind_region(pool: BlockPool, tier: TierTable, locks: ReplicaLocks, row: int,
             )
         time.sleep(0.01)
 
+
 def _make_and_bind(pool: BlockPool, tier: TierTable, row: int, path: str,
                    data_bytes: int, generation: bytes) -> RegionBinding:
     with pool.lock():  # another maker may have bound it before this one got the byte
@@ -461,6 +469,7 @@ def _bind_row(tier: TierTable, row: int, tag: int) -> None:
     replica is lost until all of its processes are gone and it starts again."""
     mine = int(tier.replica_region[row])
     tier.replica_region[row] = tag if mine in (0, tag) else REGION_MIXED
+
 
 def _forget_chunks(pool: BlockPool) -> None:
     """Drops the key of every chunk the tier described: their bytes were in a region that
