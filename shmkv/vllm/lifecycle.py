@@ -301,6 +301,27 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
         LayoutMismatchError: the table is foreign, of another version or chunk count; or
             the pool lost its table while other processes hold the tier.
     """
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    while True:
+        table = _open_or_make_table(pool, pool_name, num_chunks, created,
+                                    may_wait=time.monotonic() < deadline)
+        if table is not None:
+            return table
+        time.sleep(0.01)  # the pool's creator, alive and attached, is making the table
+
+
+def _creator_making_table(pool: BlockPool) -> bool:
+    """Whether the pool's creator, another process, is attached and alive: it makes the
+    table right after the pool, so an attacher that finds none waits for it (caller holds
+    the pool lock)."""
+    creator = int(pool.header_snapshot()["creator_pid"])
+    return any(p["pid"] == creator and p["alive"] and not p["self"] for p in pool.processes())
+
+
+def _open_or_make_table(pool: BlockPool, pool_name: str, num_chunks: int, created: bool,
+                        may_wait: bool) -> TierTable | None:
+    """:func:`open_tier_table`'s one try, under the pool lock; None: wait for the pool's
+    creator to make the table (only while ``may_wait``)."""
     name = tier_table_name(pool_name)
     size = table_bytes(num_chunks)
     generation = pool.generation
@@ -316,6 +337,8 @@ def open_tier_table(pool: BlockPool, pool_name: str, num_chunks: int,
             seg = None
         if seg is None:
             if not created:
+                if may_wait and _creator_making_table(pool):
+                    return None
                 _forget_for_new_table(pool, pool_name)
             Segment.unlink(name)  # an earlier generation's, if any (nobody believes it)
             seg = Segment.create(name, size)
