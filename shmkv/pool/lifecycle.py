@@ -46,6 +46,7 @@ import errno
 import fcntl
 import os
 import secrets
+import stat
 import struct
 
 from shmkv.errors import LayoutMismatchError
@@ -180,8 +181,6 @@ def remove_objects(pool: str, generation: bytes | None, *, past: bool = True) ->
     ``generation`` None: the pool is gone and its generation unknown, so every object goes.
     A region still being made goes only with its generation's table. ``past``: also the
     earlier versions' objects. Returns what was removed, one phrase each."""
-    from shmkv.pool.segment import Segment  # the segment module imports this layer's layout
-
     removed: list[str] = []
 
     def ours(found: bytes) -> bool:
@@ -189,9 +188,8 @@ def remove_objects(pool: str, generation: bytes | None, *, past: bool = True) ->
 
     name = table_name(pool)
     table_gen = _table_generation(name)
-    if table_gen is not None and ours(table_gen):
-        if Segment.unlink(name):
-            removed.append("offload tier table")
+    if table_gen is not None and ours(table_gen) and _unlink(SHM_DIR + name):
+        removed.append("offload tier table")
     for path in region_paths(pool):
         if L.OFFLOAD_REGION_MAKING in path and table_gen is not None and not ours(table_gen):
             continue
@@ -215,7 +213,12 @@ def remove_objects(pool: str, generation: bytes | None, *, past: bool = True) ->
 
 
 def _unlink(path: str) -> bool:
+    """Removes ``path`` if it is a regular file of this user (a link, a FIFO, a directory or
+    another user's file planted at a tier's name is never removed); True if it did."""
     try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
         os.unlink(path)
         return True
     except OSError as exc:
