@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 
 from shmkv import BlockPool  # noqa: E402
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
+from shmkv.vllm.lifecycle import join_as_worker  # noqa: E402
 from shmkv.vllm.region import region_path  # noqa: E402
 from shmkv.vllm.replicas import replica_locks_path  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
@@ -104,7 +105,11 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False,
         bp.close()
         SharedCPUOffloadingManager.unlink(pool)
         return list(counters), pool
-    with SharedCPUOffloadingManager(pool, soak.NUM_CHUNKS) as fresh:
+    # a replica of its own (a worker, then its core, as vLLM builds them): a core whose row
+    # no worker bound gets nothing once the tier has a region
+    locks, _ = join_as_worker(pool, soak.NUM_CHUNKS, 32, "after",
+                              soak.NUM_CHUNKS * soak.CHUNK_BYTES)
+    with SharedCPUOffloadingManager(pool, soak.NUM_CHUNKS, replica_id="after") as fresh:
         fresh.pool.reap_dead()
         rows = fresh.pool.block_rows()
         assert int(rows["ref_cnt"][1:].max()) == 0  # no pin or store left behind
@@ -116,6 +121,7 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False,
         assert out is not None and out.keys_to_store == keys
         assert sorted(out.store_spec.block_ids.tolist()) == list(range(soak.NUM_CHUNKS))
         fresh.complete_store(keys, ctx)
+    locks.close()
     SharedCPUOffloadingManager.unlink(pool)
     assert not [e for e in os.listdir("/dev/shm") if pool in e]
     return list(counters), pool
