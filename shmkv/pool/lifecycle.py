@@ -161,9 +161,8 @@ def holders(pool: str, generation: bytes | None = None) -> list[str]:
     fd = open_read(path)
     if fd is not None:
         try:
-            if generation is not None and read_lock_file_generation(fd) != generation:
-                pass
-            elif locked_bytes(fd):
+            mine = generation is None or read_lock_file_generation(fd) == generation
+            if mine and locked_bytes(fd):
                 reasons.append(f"replica processes (engine cores, GPU workers) hold {path}")
         except OSError:
             reasons.append(f"{path} cannot be read for locks: kept")

@@ -908,20 +908,9 @@ def earlier_release_running(pool: str) -> bool:
 def earlier_tiers_running(pool: str) -> list[str]:
     """The paths of the earlier offload tier tables named after ``pool`` whose replica lock
     file a process holds: an earlier release's tier, running."""
-    running = []
-    for version in L.SIBLING_KINDS["offload"].past_versions:
-        table = SHM_DIR + L.sibling_segment_name("offload", pool, version)
-        fd = LC.open_read(table + L.OFFLOAD_REPLICAS_SUFFIX)
-        if fd is None:
-            continue
-        try:
-            if LC.locked_bytes(fd):
-                running.append(table)
-        except OSError:
-            running.append(table)
-        finally:
-            os.close(fd)
-    return running
+    tables = [SHM_DIR + L.sibling_segment_name("offload", pool, version)
+              for version in L.SIBLING_KINDS["offload"].past_versions]
+    return [t for t in tables if _any_lock_held(t + L.OFFLOAD_REPLICAS_SUFFIX)]
 
 
 def unlink_pool_siblings(pool: str, generation: bytes | None = None) -> list[str]:
