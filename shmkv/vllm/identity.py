@@ -69,9 +69,10 @@ def platform_name(platform: Any) -> str:
     return f"{type(platform).__name__} ({platform.device_type or 'no device'})"
 
 
-def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
-    """The identity of the replica ``spec`` belongs to (the fields of the module
-    docstring), from vLLM's whole config.
+def config_identity(vllm_config: Any) -> dict[str, Any]:
+    """The fields of a replica's identity that vLLM's config decides before its KV cache is
+    sized (the model, weights, dtype, block size, parallel layout, block hash, platform and
+    release): what :func:`replica_identity` holds less the KV geometry of the spec.
 
     Raises:
         UsageError: a hash algorithm whose seed replicas cannot share.
@@ -80,8 +81,6 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
 
     model, cache, par = vllm_config.model_config, vllm_config.cache_config, \
         vllm_config.parallel_config
-    cfg = spec.config
-    layers = [list(g.layer_names) for g in cfg.groups]
     return {
         "model": model.model,
         "model_files": model_files_digest(model.model),
@@ -89,25 +88,12 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
         "hf_overrides": _overrides(model.hf_overrides),
         "quantization": model.quantization,
         "model_dtype": str(model.dtype).removeprefix("torch."),
-        "kv_cache_dtype": cfg.model.dtype,
-        "kv_layers": _digest(json.dumps(layers).encode()),
-        "num_kv_layers": sum(len(g) for g in layers),
         "block_size": cache.block_size,
-        "tokens_per_block": list(spec.tokens_per_block),
-        "tokens_per_hash": spec.tokens_per_hash,
-        "blocks_per_chunk": spec.blocks_per_chunk,
-        "kv_bytes_per_chunk": spec.kv_bytes_per_chunk,
-        "cpu_page_size_per_worker": spec.cpu_page_size_per_worker,
-        "num_chunks": spec.num_chunks,
-        "kv_cache_layout": cfg.kv_cache_layout,
-        "canonical_layout": cfg.canonical_layout,
         "tensor_parallel_size": par.tensor_parallel_size,
         "pipeline_parallel_size": par.pipeline_parallel_size,
         "decode_context_parallel_size": par.decode_context_parallel_size,
         "prefill_context_parallel_size": par.prefill_context_parallel_size,
         "world_size": par.world_size,
-        "slot_writers": ("rank 0 writes the one slot (replicated layout)"
-                         if spec.replicated_layout else "worker rank r writes slot r"),
         "hash_algorithm": cache.prefix_caching_hash_algo,
         "hash_seed": hash_seed_identity(cache.prefix_caching_hash_algo),
         "platform": platform_name(current_platform),
@@ -116,10 +102,39 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
     }
 
 
+def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
+    """The identity of the replica ``spec`` belongs to (the fields of the module
+    docstring), from vLLM's whole config: :func:`config_identity` and the spec's KV
+    geometry.
+
+    Raises:
+        UsageError: a hash algorithm whose seed replicas cannot share.
+    """
+    cfg = spec.config
+    layers = [list(g.layer_names) for g in cfg.groups]
+    return {
+        **config_identity(vllm_config),
+        "kv_cache_dtype": cfg.model.dtype,
+        "kv_layers": _digest(json.dumps(layers).encode()),
+        "num_kv_layers": sum(len(g) for g in layers),
+        "tokens_per_block": list(spec.tokens_per_block),
+        "tokens_per_hash": spec.tokens_per_hash,
+        "blocks_per_chunk": spec.blocks_per_chunk,
+        "kv_bytes_per_chunk": spec.kv_bytes_per_chunk,
+        "cpu_page_size_per_worker": spec.cpu_page_size_per_worker,
+        "num_chunks": spec.num_chunks,
+        "kv_cache_layout": cfg.kv_cache_layout,
+        "canonical_layout": cfg.canonical_layout,
+        "slot_writers": ("rank 0 writes the one slot (replicated layout)"
+                         if spec.replicated_layout else "worker rank r writes slot r"),
+    }
+
+
 def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
-                   record: bool = True) -> None:
+                   record: bool = True, partial: bool = False) -> None:
     """Records ``identity`` as the tier's (if none is and ``record``), or checks that it
-    equals the tier's (caller holds the pool lock).
+    equals the tier's (caller holds the pool lock); ``partial``: ``identity`` holds some of
+    the fields (:func:`config_identity`), and only those are compared.
 
     Raises:
         LayoutMismatchError: fields differ (each named, with both values, and the way to
@@ -138,7 +153,8 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
         return
     theirs = json.loads(recorded)
     differ = [name for name in identity if theirs.get(name) != identity[name]]
-    differ += [name for name in theirs if name not in identity]
+    if not partial:
+        differ += [name for name in theirs if name not in identity]
     if differ:
         fields = "; ".join(f"{name}: this replica {identity.get(name)!r}, the tier "
                            f"{theirs.get(name)!r}" for name in differ)

@@ -140,11 +140,14 @@ def _check_room(pool_name: str, num_chunks: int, data_bytes: int) -> None:
             "/dev/shm more room (docker run --shm-size=...); nothing was made")
 
 
-def refuse_foreign_replica(pool: str, identity: dict, process: dict) -> None:
+def refuse_foreign_replica(pool: str, identity: dict, process: dict, *,
+                           partial: bool = False) -> None:
     """Checks ``identity`` against the one the tier recorded, if the pool and its table
     exist, BEFORE this process sizes, joins or binds anything: a replica whose chunk
     geometry differs would otherwise be refused only for its chunk count, or (a worker,
     which vLLM builds before its scheduler) replace the data region first. Records nothing.
+    ``partial``: ``identity`` holds some of the fields, and only those are compared (the
+    engine core's check before its KV cache is sized, when the chunk geometry is unknown).
 
     Raises:
         LayoutMismatchError: the identities differ (every differing field named).
@@ -164,7 +167,7 @@ def refuse_foreign_replica(pool: str, identity: dict, process: dict) -> None:
         tier = open_tier_table(bp, pool, bp.num_gpu_blocks - 1, False)
         try:
             with bp.lock():
-                check_identity(tier, pool, identity, record=False)
+                check_identity(tier, pool, identity, record=False, partial=partial)
         finally:
             tier.close()
     finally:

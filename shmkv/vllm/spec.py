@@ -6,6 +6,7 @@ manager should not pay for)."""
 from __future__ import annotations
 
 import contextvars
+import logging
 from typing import Any
 
 from vllm import platforms
@@ -18,11 +19,11 @@ from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from shmkv.errors import UsageError
+from shmkv.errors import LayoutMismatchError, UsageError
 from shmkv.pool import layout as L
 from shmkv.vllm.compat import IMPLICIT_STEP_REGION, VLLM_RELEASE, spec_cpu_info
 from shmkv.vllm.cpu_worker import CPUTransferWorker
-from shmkv.vllm.identity import platform_name, replica_identity
+from shmkv.vllm.identity import config_identity, platform_name, replica_identity
 from shmkv.vllm.lifecycle import join_as_worker, refuse_foreign_replica
 from shmkv.vllm.manager import (
     SHMKV_CROSS_REPLICA_HITS,
@@ -44,6 +45,7 @@ KNOWN_EXTRA_CONFIG_KEYS = frozenset({
     "shmkv_pool", "shmkv_max_processes", "shmkv_scheduler_only",
 })
 DEFAULT_MAX_PROCESSES = 64
+logger = logging.getLogger(__name__)
 
 # vLLM's whole config while a SharedOffloadingConnector builds its spec: the spec is given
 # only vLLM's OffloadingConfig, which lacks what the tier's identity needs.
@@ -54,7 +56,20 @@ _VLLM_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("shmkv_vllm_c
 class SharedOffloadingConnector(OffloadingConnector):
     """vLLM's ``OffloadingConnector``, unchanged, handing vLLM's whole config to the shmkv
     spec it builds (``kv_connector: SharedOffloadingConnector``,
-    ``kv_connector_module_path: shmkv.vllm``)."""
+    ``kv_connector_module_path: shmkv.vllm``).
+
+    Two of vLLM's class-level calls on the connector check the replica before the spec is
+    built, so a misconfigured replica is told what is wrong and what to do at the earliest
+    point vLLM calls shmkv, once, instead of in every worker's traceback after the KV cache
+    is sized:
+
+    - ``requires_piecewise_for_cudagraph``: in the API server, while vLLM builds its config,
+      before any engine starts (vLLM calls it where CUDA graphs are captured whole, the
+      default on CUDA): the extra config alone (:func:`check_extra_config`);
+    - ``get_required_kvcache_layout``: in each engine core, before vLLM profiles memory and
+      sizes the KV cache, on every platform: the whole config (:func:`preflight`), the
+      identity of an existing tier included.
+    """
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         token = _VLLM_CONFIG.set(vllm_config)
@@ -62,6 +77,113 @@ class SharedOffloadingConnector(OffloadingConnector):
             super().__init__(vllm_config, *args, **kwargs)
         finally:
             _VLLM_CONFIG.reset(token)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        _said_once(check_extra_config, extra_config, connector=True)
+        return super().requires_piecewise_for_cudagraph(extra_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        _said_once(preflight, vllm_config)
+        return super().get_required_kvcache_layout(vllm_config)
+
+
+def _said_once(check: Any, *args: Any, **kwargs: Any) -> None:
+    """Runs ``check``; a refusal is logged as one line naming the problem and the fix (the
+    head of vLLM's failure output), then raised for vLLM to stop the start."""
+    try:
+        check(*args, **kwargs)
+    except (UsageError, LayoutMismatchError) as e:
+        logger.error("shmkv refuses this replica before its KV cache is sized: %s", e)
+        raise
+
+
+def check_extra_config(extra: dict[str, Any], *, connector: bool = False) -> str:
+    """Checks ``kv_connector_extra_config`` alone and returns the tier's pool name;
+    ``connector``: called for SharedOffloadingConnector, so the spec must be shmkv's too.
+
+    Raises:
+        UsageError: an unknown key, ``shmkv_pool`` missing or not a pool name, a cache
+            policy the shared tier does not offer, or vLLM's own spec under shmkv's
+            connector (each named, with what to set).
+    """
+    if not isinstance(extra, dict):
+        raise UsageError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
+    unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
+    if unknown:
+        raise UsageError(
+            f"unknown kv_connector_extra_config keys {unknown}; "
+            f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
+        )
+    if connector and (extra.get("spec_name"), extra.get("spec_module_path")) != (
+            "SharedCPUOffloadingSpec", "shmkv.vllm"):
+        raise UsageError(
+            "SharedOffloadingConnector runs the shared tier's spec: set \"spec_name\": "
+            "\"SharedCPUOffloadingSpec\" and \"spec_module_path\": \"shmkv.vllm\" in "
+            f"kv_connector_extra_config (found spec_name={extra.get('spec_name')!r}, "
+            f"spec_module_path={extra.get('spec_module_path')!r})"
+        )
+    pool = extra.get("shmkv_pool")
+    if not pool:
+        raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
+    L.validate_pool_name(pool)
+    policy = extra.get("eviction_policy", "lru")
+    if policy != "lru":
+        raise UsageError(
+            f"eviction_policy {policy!r} is not supported by the shared offload tier "
+            "(ARC's ghost lists are not shared); use 'lru'"
+        )
+    return pool
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """Checks what vLLM's whole config decides of the tier: shmkv's connector, a parallel
+    layout and a platform the tier supports.
+
+    Raises:
+        UsageError: each named, with what runs instead.
+    """
+    connector = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector",
+                        None)
+    if vllm_config is None or connector != SharedOffloadingConnector.__name__:
+        raise UsageError(
+            "SharedCPUOffloadingSpec needs vLLM's whole config to check that replicas "
+            "sharing the tier hold the same KV: set \"kv_connector\": "
+            "\"SharedOffloadingConnector\" and \"kv_connector_module_path\": "
+            "\"shmkv.vllm\" in --kv-transfer-config"
+        )
+    refuse_unsupported_layout(vllm_config.parallel_config)
+    if VLLM_RELEASE == (0, 32) and not platforms.current_platform.is_cpu():
+        raise UsageError(
+            "the shared offload tier runs on vLLM 0.32 as vLLM's CPU build only (it is "
+            "tested there); on "
+            f"{platform_name(platforms.current_platform)} use vLLM 0.33.0"
+        )
+    if platforms.current_platform.is_rocm():
+        raise UsageError(
+            "the shared offload tier needs vLLM's shared offload region, which vLLM does "
+            "not use on ROCm (its workers would keep private buffers behind a shared "
+            "manager); use vLLM's own CPUOffloadingSpec there"
+        )
+
+
+def preflight(vllm_config: Any) -> None:
+    """Every check vLLM's config allows before the KV cache is sized: the extra config, the
+    engine config, the block hash's seed, and this replica's model, weights, dtype,
+    parallel layout and releases against the identity an existing tier recorded (the KV
+    geometry is checked when the spec is built). Makes, records and sizes nothing.
+
+    Raises:
+        UsageError: a bad extra config, connector, layout, platform or hash seed.
+        LayoutMismatchError: this replica differs from the tier's replicas (each field).
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    pool = check_extra_config(dict(getattr(transfer, "kv_connector_extra_config", None) or {}),
+                              connector=True)
+    check_engine_config(vllm_config)
+    refuse_foreign_replica(pool, config_identity(vllm_config), {"label": "vllm-preflight"},
+                           partial=True)
 
 
 def refuse_unsupported_layout(parallel: Any) -> None:
@@ -119,48 +241,12 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
 
     def __init__(self, config: Any) -> None:
         extra = dict(config.extra_config)
-        unknown = sorted(set(extra) - KNOWN_EXTRA_CONFIG_KEYS)
-        if unknown:
-            raise UsageError(
-                f"unknown kv_connector_extra_config keys {unknown}; "
-                f"known: {sorted(KNOWN_EXTRA_CONFIG_KEYS)}"
-            )
-        pool = extra.get("shmkv_pool")
-        if not pool:
-            raise UsageError("kv_connector_extra_config needs 'shmkv_pool', the tier's name")
-        L.validate_pool_name(pool)
-        policy = extra.get("eviction_policy", "lru")
-        if policy != "lru":
-            raise UsageError(
-                f"eviction_policy {policy!r} is not supported by the shared offload tier "
-                "(ARC's ghost lists are not shared); use 'lru'"
-            )
-        if VLLM_RELEASE == (0, 32) and not platforms.current_platform.is_cpu():
-            raise UsageError(
-                "the shared offload tier runs on vLLM 0.32 as vLLM's CPU build only (it is "
-                "tested there); on "
-                f"{platform_name(platforms.current_platform)} use vLLM 0.33.0"
-            )
-        if platforms.current_platform.is_rocm():
-            raise UsageError(
-                "the shared offload tier needs vLLM's shared offload region, which vLLM does "
-                "not use on ROCm (its workers would keep private buffers behind a shared "
-                "manager); use vLLM's own CPUOffloadingSpec there"
-            )
+        pool = check_extra_config(extra)
         # With vLLM's plain connector (whose workers have a current config too) a worker
         # would otherwise make the tier before its engine core is refused, leaving a
         # full-size region behind a crash-looping replica: every process refuses it.
         vllm_config = _VLLM_CONFIG.get() or get_current_vllm_config_or_none()
-        connector = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector",
-                            None)
-        if vllm_config is None or connector != SharedOffloadingConnector.__name__:
-            raise UsageError(
-                "SharedCPUOffloadingSpec needs vLLM's whole config to check that replicas "
-                "sharing the tier hold the same KV: set \"kv_connector\": "
-                "\"SharedOffloadingConnector\" and \"kv_connector_module_path\": "
-                "\"shmkv.vllm\" in --kv-transfer-config"
-            )
-        refuse_unsupported_layout(vllm_config.parallel_config)
+        check_engine_config(vllm_config)
         super().__init__(config)
         self.vllm_config = vllm_config
         self.shmkv_pool: str = pool
@@ -315,4 +401,5 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
 
 
 __all__ = ["KNOWN_EXTRA_CONFIG_KEYS", "SharedCPUOffloadingSpec",
-           "SharedOffloadingConnector"]
+           "SharedOffloadingConnector", "check_engine_config", "check_extra_config",
+           "preflight"]

@@ -153,8 +153,9 @@ def test_killed_engines_leave_the_tier_whole(engines, vllm_cpu, tiny_model, tier
 def test_a_replica_of_another_block_size_is_refused_and_touches_nothing(
         engines, vllm_cpu, tiny_model, tier_pool):
     """An engine with block size 64 (so another chunk size and count) on the tier fails to
-    start, naming block_size with both values; the tier's data region and chunks are
-    untouched: the running engine still loads P from it."""
+    start before its KV cache is sized, naming block_size with both values in one logged
+    line; the tier's data region and chunks are untouched: the running engine still loads
+    P from it."""
     before = region_tag(tier_pool)
     bad = Engine(vllm_cpu, tiny_model, _opts(tier_pool, "D", block_size=64),
                  engines["log_dir"], "D")
@@ -164,6 +165,10 @@ def test_a_replica_of_another_block_size_is_refused_and_touches_nothing(
     log = bad.log_path.read_text(errors="replace")
     assert "LayoutMismatchError" in log
     assert "block_size: this replica 64, the tier 32" in log, bad.log_tail()
+    refusals = [line for line in log.splitlines()
+                if "shmkv refuses this replica before its KV cache is sized" in line]
+    assert len(refusals) == 1 and "block_size" in refusals[0], bad.log_tail()
+    assert "KV cache size:" not in log, "the refused engine sized its KV cache first"
     assert region_tag(tier_pool) == before
     live = engines["C"]
     live.generate([Q])  # evicts P from the engine's own cache
