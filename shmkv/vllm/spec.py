@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 from typing import Any
 
 from vllm import platforms
@@ -34,6 +35,7 @@ from shmkv.vllm.manager import (
 )
 from shmkv.vllm.region import RegionBinding, check_mapped, region_path
 from shmkv.vllm.replicas import ReplicaLocks
+from shmkv.vllm.sizing import check_room_after_tier, vllm_ipc_bytes
 
 #: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
 #: plus this spec's own.
@@ -172,18 +174,24 @@ def preflight(vllm_config: Any) -> None:
     """Every check vLLM's config allows before the KV cache is sized: the extra config, the
     engine config, the block hash's seed, and this replica's model, weights, dtype,
     parallel layout and releases against the identity an existing tier recorded (the KV
-    geometry is checked when the spec is built). Makes, records and sizes nothing.
+    geometry is checked when the spec is built). Warns when /dev/shm, once the tier is
+    made, keeps less than vLLM's own queues need (``shmkv/vllm/sizing.py``). Makes,
+    records and sizes nothing.
 
     Raises:
         UsageError: a bad extra config, connector, layout, platform or hash seed.
         LayoutMismatchError: this replica differs from the tier's replicas (each field).
     """
     transfer = getattr(vllm_config, "kv_transfer_config", None)
-    pool = check_extra_config(dict(getattr(transfer, "kv_connector_extra_config", None) or {}),
-                              connector=True)
+    extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+    pool = check_extra_config(extra, connector=True)
     check_engine_config(vllm_config)
     refuse_foreign_replica(pool, config_identity(vllm_config), {"label": "vllm-preflight"},
                            partial=True)
+    path = region_path(pool)
+    tier_bytes = 0 if os.path.lexists(path) else int(extra.get("cpu_bytes_to_use", 0) or 0)
+    check_room_after_tier(os.path.dirname(path), tier_bytes,
+                          vllm_ipc_bytes(vllm_config.parallel_config))
 
 
 def refuse_unsupported_layout(parallel: Any) -> None:

@@ -146,3 +146,41 @@ def test_the_spec_still_runs_every_check(pool, model_dir):
 @pytest.fixture(autouse=True)
 def _log_errors(caplog):
     caplog.set_level(logging.ERROR, logger="shmkv.vllm.spec")
+
+
+# ------------------------------------------------------------------ /dev/shm beside the tier
+
+def test_vllms_queues_are_counted_per_engine_and_worker():
+    """Two engines of one worker: 2 x (160 MiB broadcast + 240 MiB response) = 800 MiB, the
+    apparent size measured with DP=2 on vLLM's CPU build; TP=2 adds a response queue per
+    worker and the TP group's queue; the chunk size follows VLLM_MQ_MAX_CHUNK_BYTES_MB."""
+    from types import SimpleNamespace
+
+    from shmkv.vllm.sizing import MIB, vllm_ipc_bytes
+
+    dp2 = SimpleNamespace(world_size=1, tensor_parallel_size=1, data_parallel_size_local=2)
+    assert vllm_ipc_bytes(dp2, {}) == 800 * MIB
+    tp2 = SimpleNamespace(world_size=2, tensor_parallel_size=2, data_parallel_size_local=1)
+    assert vllm_ipc_bytes(tp2, {}) == (160 + 2 * 240 + 24) * MIB
+    assert vllm_ipc_bytes(dp2, {"VLLM_MQ_MAX_CHUNK_BYTES_MB": "32"}) == 2 * (320 + 240) * MIB
+
+
+def test_a_tier_that_leaves_vllm_too_little_room_is_warned_of_at_start(pool, model_dir,
+                                                                       caplog):
+    """The engine core's check warns, naming both sizes and the fix, when /dev/shm would
+    keep less than vLLM's queues need once the tier is made; it makes nothing."""
+    from shmkv.vllm.sizing import vllm_ipc_bytes
+
+    caplog.set_level(logging.WARNING, logger="shmkv.vllm.sizing")
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    small = make_vllm_config(pool, model_dir, cpu_bytes=1 << 20)
+    get_kv_connector_cache_layout(small)
+    room = free - (1 << 20) >= vllm_ipc_bytes(small.parallel_config)
+    assert bool([r for r in caplog.records if r.name == "shmkv.vllm.sizing"]) == (not room)
+    caplog.clear()
+    get_kv_connector_cache_layout(make_vllm_config(pool, model_dir, cpu_bytes=free))
+    warned = [r.getMessage() for r in caplog.records if r.name == "shmkv.vllm.sizing"]
+    assert len(warned) == 1, caplog.text
+    assert "vLLM's own inter-process queues" in warned[0] and "--shm-size" in warned[0]
+    assert _mine(pool) == []
