@@ -152,7 +152,7 @@ def _log_errors(caplog):
 
 def test_vllms_queues_are_counted_per_engine_and_worker():
     """Two engines of one worker: 2 x (160 MiB broadcast + 240 MiB response) = 800 MiB, the
-    apparent size measured with DP=2 on vLLM's CPU build; TP=2 adds a response queue per
+    apparent size an operator saw with DP=2 on vLLM's CPU build; TP=2 adds a response queue per
     worker and the TP group's queue; the chunk size follows VLLM_MQ_MAX_CHUNK_BYTES_MB."""
     from types import SimpleNamespace
 
