@@ -773,31 +773,31 @@ def print_tables(results: list[dict], summary: list[dict], args) -> None:
 
 
 def plot(results: list[dict], path: str) -> None:
+    """TTFT by send time around the restarts (one panel per restart scenario, a line per
+    configuration, grey spans where a server was out of the router), drawn with
+    ``shmkv.plot``; one line instead of the plot without matplotlib."""
+    from shmkv.plot import PlotUnavailable, draw_lines, figure, save
+
+    rows = [r for r in results if r["scenario"] in ("restart", "rolling") and r["ttft_series"]]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    if not scenarios:
+        return
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot skipped: no matplotlib", file=sys.stderr)
+        fig, axes = figure(len(scenarios), width=560 * len(scenarios), height=420)
+    except PlotUnavailable as e:
+        print(f"plot skipped: {e}", file=sys.stderr)
         return
-    rows = [r for r in results if r["scenario"] in ("restart", "rolling")]
-    if not rows:
-        return
-    fig, axes = plt.subplots(len({r["scenario"] for r in rows}), 1, squeeze=False,
-                             figsize=(9, 3.2 * len({r["scenario"] for r in rows})))
-    for ax, scenario in zip(axes[:, 0], dict.fromkeys(r["scenario"] for r in rows), strict=True):
+    for ax, scenario in zip(axes, scenarios, strict=True):
+        series, spans = {}, set()
         for r in (r for r in rows if r["scenario"] == scenario):
-            xs, ys = zip(*sorted((x[0], x[1]) for x in r["ttft_series"]), strict=True)
-            ax.plot(xs, [y * 1000 for y in ys], ".-", lw=0.8,
-                    label=f"{r['tier']}, {r['router']}")
-            for a, b, _ in r["spans"]:
-                ax.axvspan(a, b, color="grey", alpha=0.08)
-        ax.set_title(f"{scenario}: TTFT by send time (grey: a server out of the router)")
-        ax.set_xlabel("seconds since the run's start (restart downtime included)")
-        ax.set_ylabel("TTFT ms")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            xs, ys = zip(*sorted((x[0], x[1] * 1000) for x in r["ttft_series"]), strict=True)
+            series[f"{r['tier']}, {r['router']}"] = (xs, ys)
+            spans.update((a, b) for a, b, _ in r["spans"])
+        draw_lines(ax, series, x_label="seconds since the run's start", y_label="TTFT ms",
+                   title=f"{scenario}: TTFT by send time (grey: a server out of the router)")
+        for a, b in spans:
+            ax.axvspan(a, b, color="grey", alpha=0.1)
+    save(fig, path)
     print(f"plot: {path}", file=sys.stderr)
 
 
