@@ -54,14 +54,21 @@ def check_room_after_tier(shm_dir: str, tier_bytes: int, ipc_bytes: int) -> str 
     taken (0 for a tier already made: its pages are reserved), keeps less than vLLM's
     queues may grow to (``ipc_bytes``); None when it keeps enough."""
     st = os.statvfs(shm_dir)
-    left = st.f_bavail * st.f_frsize - tier_bytes
+    free = st.f_bavail * st.f_frsize
+    left = free - tier_bytes
     if left >= ipc_bytes:
         return None
+    if left < 0:
+        kept = (f"{shm_dir} has {human_bytes(free)} free and the offload tier takes up to "
+                f"{human_bytes(tier_bytes)} (cpu_bytes_to_use): the first worker refuses to "
+                "make a tier that does not fit, and")
+    else:
+        kept = (f"{shm_dir} keeps {human_bytes(left)} once the offload tier's "
+                f"{human_bytes(tier_bytes)} are taken, and")
     message = (
-        f"{shm_dir} keeps {human_bytes(max(left, 0))} once the offload tier's "
-        f"{human_bytes(tier_bytes)} are taken, and vLLM's own inter-process queues of this "
-        f"node's engines may grow to {human_bytes(ipc_bytes)} while serving (sparse files "
-        "that fill later; an engine core that finds no page left dies with SIGBUS): lower "
-        "cpu_bytes_to_use, or give /dev/shm more room (docker run --shm-size=...)")
+        f"{kept} vLLM's own inter-process queues of this node's engines may grow to "
+        f"{human_bytes(ipc_bytes)} while serving (sparse files that fill later; an engine "
+        "core that finds no page left dies with SIGBUS): lower cpu_bytes_to_use, or give "
+        "/dev/shm more room (docker run --shm-size=...)")
     logger.warning("shmkv: %s", message)
     return message
