@@ -1,7 +1,8 @@
 """What a process can see of the weights it serves without reading them: a digest of a
-local model directory. The integrations (``shmkv.vllm``, ``shmkv.sglang``) put it in the
-identity the replicas of one store must share, so two engines serving different weights
-under one model name never exchange KV.
+local model directory, and the identity fields that name the weights. The integrations
+(``shmkv.vllm``, ``shmkv.sglang``) put them in the identity the replicas of one store must
+share, so two engines serving different weights never exchange KV, and the same weights
+at another path (a copy, another mount, a cache snapshot's symlinks) share the store.
 
 What the digest reads, for each file directly in the directory (not its subdirectories):
 
@@ -27,7 +28,7 @@ always crosses a window. Nor are files in subdirectories or of other names read 
 files, LoRA adapters loaded at run time).
 
 A hub id (not a local directory) is named by itself and its revision: its digest is
-``HUB_ID``.
+``HUB_ID``, and the id itself is compared.
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ WINDOW_BYTES = 64 << 10
 NUM_WINDOWS = 16  # evenly spaced over a file's data, the first at its start, the last at its end
 SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit on its JSON header
 HUB_ID = "hub id"  # the digest of a model that is not a local directory
+
+# The identity fields that are recorded and shown when replicas are refused, never compared:
+# the weights' digest is their identity, the path is where this replica found them.
+SHOWN_FIELDS = frozenset({"model_dir"})
+LOCAL_DIR = "local directory (model_files names its weights)"
+
+
+def weights_fields(model: str, name_field: str) -> dict[str, str]:
+    """The identity fields naming the weights at ``model``: for a hub id, ``name_field`` is
+    the id (compared) and ``model_files`` is ``HUB_ID``; for a local directory,
+    ``name_field`` says so, ``model_files`` is its digest (compared) and ``model_dir`` its
+    path (shown, not compared: ``SHOWN_FIELDS``)."""
+    if not os.path.isdir(model):
+        return {name_field: model, "model_files": HUB_ID}
+    return {name_field: LOCAL_DIR, "model_dir": model, "model_files": model_files_digest(model)}
 
 
 def model_files_digest(model: str) -> str:

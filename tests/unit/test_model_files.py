@@ -5,11 +5,8 @@ windows does not (the documented blind spot); a 4 GiB shard is read only in its 
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import shutil
-import struct
 
 import pytest
 
@@ -20,61 +17,7 @@ from shmkv.model_files import (
     model_files_digest,
     sample_windows,
 )
-
-F16_BYTES = 2
-SHARDS = {  # a sharded checkpoint: shard name -> {tensor: shape}, all float16
-    "model-00001-of-00002.safetensors": {"embed.weight": [1024, 1024],
-                                         "layers.0.weight": [1024, 1024]},
-    "model-00002-of-00002.safetensors": {"lm_head.weight": [1024, 2048]},
-}
-
-
-def make_safetensors(path: str, shapes: dict[str, list[int]], seed: int) -> None:
-    """A safetensors file: the 8-byte little-endian header length, the JSON header (padded
-    with spaces to 8 bytes, as safetensors writes it), then random float16 bytes."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    at = 0
-    for name, shape in shapes.items():
-        nbytes = F16_BYTES * shape[0] * shape[1]
-        header[name] = {"dtype": "F16", "shape": shape, "data_offsets": [at, at + nbytes]}
-        at += nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob + random.Random(seed).randbytes(at))
-
-
-def make_model_dir(path: str, seed: int = 0) -> str:
-    """A two-shard safetensors checkpoint: config.json, the shards and their index."""
-    os.makedirs(path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "torch_dtype": "float16"}, f)
-    weight_map = {}
-    for i, (shard, shapes) in enumerate(SHARDS.items()):
-        make_safetensors(os.path.join(path, shard), shapes, seed + i)
-        weight_map.update(dict.fromkeys(shapes, shard))
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": 12 << 20}, "weight_map": weight_map}, f)
-    return path
-
-
-def data_at(path: str) -> int:
-    """Where a safetensors file's tensor bytes start."""
-    with open(path, "rb") as f:
-        return 8 + struct.unpack("<Q", f.read(8))[0]
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        old = f.read(1)
-        f.seek(offset)
-        f.write(bytes([old[0] ^ 0xFF]))
-
-
-def copy_of(model: str, to: str) -> str:
-    shutil.copytree(model, to)
-    return to
+from tests.model_dirs import copy_of, data_at, flip_byte, make_model_dir, make_safetensors
 
 
 def test_the_windows_are_evenly_spaced_from_the_data_to_the_end():
