@@ -6,9 +6,11 @@ first rank of each DCP group, as SGLang's ``is_storage_writer``), tokens per pag
 host-pool layout and page bytes, and the weights themselves: SGLang fills the storage
 config's ``model_name`` with ``--served-model-name``, which two instances serving different
 weights (base and instruct, another quantization) may share, so the identity also holds what
-the process's SGLang server args say of the weights (model path, a digest of a local model
-directory's config and weight files, revision, quantization, dtype: ``shmkv/model_files.py``
-says what the digest cannot see). The first instance records its identity in the store's
+the process's SGLang server args say of the weights (the hub id, or a digest of a local
+model directory's config and weight files; revision, quantization, dtype:
+``shmkv/model_files.py`` says what the digest cannot see). A local directory's path is
+recorded and shown in a refusal, never compared (``SHOWN_FIELDS``): the same weights at
+another path share the store. The first instance records its identity in the store's
 region (region.py); a later one that differs is refused at start, every differing field
 named with both values.
 """
@@ -19,7 +21,7 @@ import json
 from typing import Any
 
 from shmkv.errors import LayoutMismatchError, UsageError
-from shmkv.model_files import model_files_digest
+from shmkv.model_files import SHOWN_FIELDS, weights_fields
 
 # What StorageBackendFactory's ``dynamic`` config and SGLang's controller put there.
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
@@ -68,15 +70,16 @@ def current_server_args() -> Any:
 
 
 def weights_identity(server_args: Any) -> dict[str, Any]:
-    """What the process can see of its weights, from SGLang's server args; fields that say
-    so when there are none (a backend used outside an SGLang server)."""
+    """What the process can see of its weights, from SGLang's server args
+    (``weights_fields`` of its model path); fields that say so when there are none (a
+    backend used outside an SGLang server)."""
     if server_args is None:
         unknown = "unknown: no SGLang server args in this process"
         return {"model_path": unknown, "model_files": unknown}
     path = getattr(server_args, "model_path", None)
     return {
-        "model_path": str(path),
-        "model_files": model_files_digest(str(path)) if path else "",
+        **(weights_fields(str(path), "model_path") if path else
+           {"model_path": str(path), "model_files": ""}),
         "revision": str(getattr(server_args, "revision", None)),
         "quantization": str(getattr(server_args, "quantization", None)),
         "model_dtype": str(getattr(server_args, "dtype", None)),
@@ -109,18 +112,24 @@ def encode(identity: dict[str, Any]) -> bytes:
 
 
 def compare(found: bytes, mine: dict[str, Any], store: str) -> None:
-    """Refuses an instance whose identity differs from the one the store recorded.
+    """Refuses an instance whose identity differs from the one the store recorded, but
+    for the fields only shown (``SHOWN_FIELDS``).
 
     Raises:
         LayoutMismatchError: naming every differing field, the store's value and this
-            instance's.
+            instance's, then the shown ones.
     """
     recorded = json.loads(found.decode()) if found else {}
-    diffs = [f"{k}: the store has {recorded.get(k)!r}, this instance {mine.get(k)!r}"
-             for k in sorted(set(recorded) | set(mine)) if recorded.get(k) != mine.get(k)]
-    if diffs:
+    names = sorted(set(recorded) | set(mine))
+    differ = [k for k in names if k not in SHOWN_FIELDS and recorded.get(k) != mine.get(k)]
+    if differ:
+        shown = [k for k in names if k in SHOWN_FIELDS]
+        fields = "; field ".join(f"{k}: the store has {recorded.get(k)!r}, this instance "
+                                 f"{mine.get(k)!r}" for k in differ + shown)
+        if shown:
+            fields += f" ({', '.join(shown)} shown, not compared)"
         raise LayoutMismatchError(
             f"SGLang store {store!r} belongs to instances of another identity; field "
-            + "; field ".join(diffs)
+            + fields
             + f". Every instance sharing it must match; to start afresh, stop them all and "
               f"run `shmkv unlink {store}`")

@@ -4,9 +4,11 @@ The first replica records its identity in the tier table; every later one must m
 field for field, or is refused at start with every differing field named, both values, and
 how to start afresh. The fields are what decides the bytes of a chunk and who writes them:
 
-- the model: its path or hub id, a digest of a local model directory's config and weight
-  files (names and sizes), the revision, ``hf_overrides``, the weights' quantization and
-  dtype;
+- the model: its hub id, or for a local directory a digest of its config and weight files
+  (``shmkv/model_files.py`` says what it reads), the revision, ``hf_overrides``, the
+  weights' quantization and dtype. A local directory's path is recorded and shown in a
+  refusal, never compared (``SHOWN_FIELDS``): the same weights copied or mounted at another
+  path share the tier;
 - the KV format: the KV cache dtype, the layer names of every KV group, the GPU block size,
   tokens per hash and blocks per chunk, the bytes of a chunk and of a worker's slot in it,
   the KV layout;
@@ -25,7 +27,7 @@ import os
 from typing import Any
 
 from shmkv.errors import LayoutMismatchError, UsageError
-from shmkv.model_files import model_files_digest
+from shmkv.model_files import SHOWN_FIELDS, weights_fields
 from shmkv.vllm.compat import VLLM_RELEASE, VLLM_RELEASE_VERSION
 from shmkv.vllm.tier import IDENTITY_MAX, TierTable
 
@@ -82,8 +84,7 @@ def config_identity(vllm_config: Any) -> dict[str, Any]:
     model, cache, par = vllm_config.model_config, vllm_config.cache_config, \
         vllm_config.parallel_config
     return {
-        "model": model.model,
-        "model_files": model_files_digest(model.model),
+        **weights_fields(model.model, "model"),
         "revision": model.revision,
         "hf_overrides": _overrides(model.hf_overrides),
         "quantization": model.quantization,
@@ -133,12 +134,13 @@ def replica_identity(spec: Any, vllm_config: Any) -> dict[str, Any]:
 def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
                    record: bool = True, partial: bool = False) -> None:
     """Records ``identity`` as the tier's (if none is and ``record``), or checks that it
-    equals the tier's (caller holds the pool lock); ``partial``: ``identity`` holds some of
-    the fields (:func:`config_identity`), and only those are compared.
+    equals the tier's but for the fields only shown (``SHOWN_FIELDS``); caller holds the
+    pool lock. ``partial``: ``identity`` holds some of the fields
+    (:func:`config_identity`), and only those are compared.
 
     Raises:
-        LayoutMismatchError: fields differ (each named, with both values, and the way to
-            start afresh), or the identity does not fit the table.
+        LayoutMismatchError: fields differ (each named, with both values, then the shown
+            ones, and the way to start afresh), or the identity does not fit the table.
     """
     blob = json.dumps(identity, sort_keys=True).encode()
     if len(blob) > IDENTITY_MAX:
@@ -152,12 +154,17 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
             tier.write_identity(blob)
         return
     theirs = json.loads(recorded)
-    differ = [name for name in identity if theirs.get(name) != identity[name]]
+    names = list(identity)
     if not partial:
-        differ += [name for name in theirs if name not in identity]
+        names += [name for name in theirs if name not in identity]
+    differ = [name for name in names
+              if name not in SHOWN_FIELDS and theirs.get(name) != identity.get(name)]
     if differ:
+        shown = [name for name in names if name in SHOWN_FIELDS]
         fields = "; ".join(f"{name}: this replica {identity.get(name)!r}, the tier "
-                           f"{theirs.get(name)!r}" for name in differ)
+                           f"{theirs.get(name)!r}" for name in differ + shown)
+        if shown:
+            fields += f" ({', '.join(shown)} shown, not compared)"
         raise LayoutMismatchError(
             f"pool {pool!r}: this replica differs from the replicas sharing the offload tier "
             f"({fields}). Replicas of one tier must run the same model, weights, parallel "
@@ -165,5 +172,3 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
             f"every replica using it and run `shmkv unlink {pool}`; or give this replica "
             "another shmkv_pool"
         )
-
-

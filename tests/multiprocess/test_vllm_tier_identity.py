@@ -1,10 +1,12 @@
 """One identity per tier, with real vLLM 0.33.0 Schedulers in separate processes: a replica
 whose KV bytes could differ from the tier's (another TP/PP split, hf_overrides, block-hash
-seed) is refused at start, naming the field and both values; an equal one is welcome."""
+seed) is refused at start, naming the field and both values; an equal one is welcome, also
+when it serves a copy of the model directory at another path."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -18,8 +20,10 @@ from tests.multiprocess.vllm_scheduler_driver import make_scheduler, write_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
+COPY = "-copy"  # a variant's model directory: the tier's, copied to its path + COPY
 VARIANTS = {
     "same": {"parallel": {"tensor_parallel_size": 2}},
+    "copied model": {"parallel": {"tensor_parallel_size": 2}, "model_dir": COPY},
     "TP1xPP2": {"parallel": {"tensor_parallel_size": 1, "pipeline_parallel_size": 2}},
     "hf_overrides": {"parallel": {"tensor_parallel_size": 2},
                      "model": {"hf_overrides": {"num_hidden_layers": 1}}},
@@ -34,9 +38,10 @@ def start_variants(pool: str, model_dir: str, to_parent) -> None:
     for name, variant in VARIANTS.items():
         variant = dict(variant)
         env = variant.pop("env", {})
+        directory = model_dir + variant.pop("model_dir", "")
         os.environ.update(env)
         try:
-            scheduler = make_scheduler(pool, model_dir, engine_id=f"B-{name}", **variant)
+            scheduler = make_scheduler(pool, directory, engine_id=f"B-{name}", **variant)
         except Exception as exc:  # noqa: BLE001 (reported to the parent)
             to_parent.put((name, f"{type(exc).__name__}: {exc}"))
         else:
@@ -51,9 +56,11 @@ def test_replicas_whose_kv_differs_are_refused_naming_the_field(spawn_ctx, tmp_p
     """The tier's first replica is TP2 x PP1; a TP1 x PP2 replica is refused for its layout
     (pipeline parallelism), never as another replica; one with hf_overrides, one with
     another PYTHONHASHSEED and one built by vLLM's plain OffloadingConnector are refused
-    naming the field; an equal replica starts."""
+    naming the field; an equal replica starts, and so does one serving a copy of the model
+    directory at another path (the path is shown, not compared)."""
     pool = unique_pool_name("idn")
     model_dir = write_model_dir(str(tmp_path / "model"))
+    shutil.copytree(model_dir, model_dir + COPY)
     to_parent = spawn_ctx.Queue()
     first = make_scheduler(pool, model_dir, engine_id="A", parallel={"tensor_parallel_size": 2})
     try:
@@ -65,6 +72,7 @@ def test_replicas_whose_kv_differs_are_refused_naming_the_field(spawn_ctx, tmp_p
         first.connector.shutdown()
         SharedCPUOffloadingManager.unlink(pool)
     assert answers["same"] is None
+    assert answers["copied model"] is None
     tp_pp = answers["TP1xPP2"]  # refused for its layout, never as "another replica"
     assert tp_pp.startswith("UsageError"), tp_pp
     assert "does not support pipeline parallelism (pipeline_parallel_size=2" in tp_pp

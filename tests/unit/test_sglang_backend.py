@@ -294,3 +294,38 @@ def test_instances_serving_other_weights_under_one_name_are_refused(store_name, 
         ident.compare(recorded, identity(args(base, "fp8")), store_name)
     assert ident.current_server_args() is None
     assert identity(None)["model_files"].startswith("unknown")
+
+
+def test_the_same_weights_at_another_model_path_share_the_store(store_name, tmp_path):
+    """A local --model-path is named by the digest of its files, its path shown, not
+    compared: a copy at another path is accepted; a copy whose shard differs in a sampled
+    window (same names, sizes and headers) is refused naming model_files, both paths shown;
+    another hub id is refused naming model_path."""
+    from types import SimpleNamespace
+
+    from shmkv.sglang import identity as ident
+    from tests.model_dirs import copy_of, make_model_dir, tuned_copy
+
+    config = make_config(store_name, model="alias")
+
+    def identity(path):
+        args = SimpleNamespace(model_path=path, revision=None, quantization=None,
+                               dtype="auto")
+        return ident.store_identity(config, 4, "bfloat16", "page_first", 4096, 1 << 20, args)
+
+    model = make_model_dir(str(tmp_path / "model"))
+    recorded = ident.encode(identity(model))
+    ident.compare(recorded, identity(copy_of(model, str(tmp_path / "mnt" / "model"))),
+                  store_name)
+    tuned = tuned_copy(model, str(tmp_path / "tuned"))
+    with pytest.raises(LayoutMismatchError) as info:
+        ident.compare(recorded, identity(tuned), store_name)
+    theirs, mine = identity(model)["model_files"], identity(tuned)["model_files"]
+    assert (f"field model_files: the store has {theirs!r}, this instance {mine!r}; field "
+            f"model_dir: the store has {model!r}, this instance {tuned!r} (model_dir shown, "
+            "not compared). Every instance") in str(info.value)
+    hub = ident.encode(identity("org/base"))
+    ident.compare(hub, identity("org/base"), store_name)
+    with pytest.raises(LayoutMismatchError, match="field model_path: the store has "
+                                                  "'org/base', this instance 'org/instruct'"):
+        ident.compare(hub, identity("org/instruct"), store_name)

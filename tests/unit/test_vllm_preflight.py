@@ -21,11 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: E402
 
 from shmkv import LayoutMismatchError, UsageError  # noqa: E402
 from shmkv.vllm import SharedCPUOffloadingManager  # noqa: E402
+from shmkv.vllm import spec as spec_module  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess.vllm_scheduler_driver import make_vllm_config, write_model_dir  # noqa: E402
 from tests.unit.test_vllm_offload_bad_input import make_config, make_spec  # noqa: E402
 
-spec_module = pytest.importorskip("shmkv.vllm.spec")
 Connector = spec_module.SharedOffloadingConnector
 PREFLIGHT_LINE = "shmkv refuses this replica before its KV cache is sized"
 
