@@ -3,6 +3,7 @@ joins a vLLM offload tier as a replica does, its GPU worker first, then its engi
 
 from __future__ import annotations
 
+import logging
 import os
 
 NUM_CHUNKS = 4
@@ -41,3 +42,19 @@ def hold_tier(pool: str, ready, stop) -> None:
     ready.set()
     stop.wait(120)
     locks.close()
+
+
+def start_replica_and_report(pool: str, out) -> None:
+    """A replica's start on ``pool``: puts the warnings shmkv logged meanwhile on ``out``."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname} {record.name} {record.getMessage()}")
+
+    shmkv_log = logging.getLogger("shmkv")
+    shmkv_log.addHandler(Keep(logging.WARNING))
+    locks, core = _join(pool, "starter")
+    core.close()
+    locks.close()
+    out.put(lines)

@@ -1,9 +1,11 @@
 """Idle vLLM offload tiers (``shmkv/pool/lifecycle.py``, rule 6): a tier no process holds is
 idle since a process last joined or left it; ``shmkv cleanup --idle-for`` removes those idle
-that long and nothing held, whatever its age. Real processes make, hold and leave the
-tiers; a tier is made "old" by setting its record back (the times of
-``lifecycle.presence_paths``), never by sleeping. Every name is the test's own and every
-cleanup is scoped to it (``--prefix``): the machine's other pools are never touched."""
+that long and nothing held, whatever its age; a replica's start names the other idle
+tiers and what they keep of /dev/shm. Real processes make, hold and leave the tiers; a tier
+is made "old" by setting its record back (the times of ``lifecycle.presence_paths``),
+never by sleeping. Every name is the test's own, every cleanup is scoped to it
+(``--prefix``), and every assertion about the start-up line is about the test's own names:
+the machine's other pools are never touched."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 from shmkv import BlockPool  # noqa: E402
 from shmkv.pool import lifecycle as LC  # noqa: E402
 from shmkv.pool.siblings import human_bytes  # noqa: E402
+from shmkv.vllm.lifecycle import idle_tiers_notice  # noqa: E402
 from tests.conftest import unique_pool_name  # noqa: E402
 from tests.multiprocess import idle_tier_workers as workers  # noqa: E402
 from tests.multiprocess.conftest import join_processes  # noqa: E402
@@ -187,3 +190,39 @@ def test_bad_idle_for_values_are_refused_and_change_nothing(spawn_ctx, base):
     assert out.returncode == 2 and "with --include-idle: give one" in out.stderr
     assert _objects(base) == before
     _check(tier)
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_start_names_the_other_idle_tiers_and_what_they_keep(spawn_ctx, base):
+    """A replica starting on one tier logs one warning naming another idle tier of this
+    user, its /dev/shm memory and idle time and how to remove it, and removes nothing; with
+    no other idle tier of the test's names, it names none of them."""
+    old, new = f"{base}-old", f"{base}-new"
+    _run(spawn_ctx, workers.make_tier_and_leave, old)
+    _age(old, 2 * HOUR)
+    old_objects, size = _objects(old), human_bytes(_memory(old))
+    queue = spawn_ctx.Queue()
+    p = spawn_ctx.Process(target=workers.start_replica_and_report, args=(new, queue))
+    p.start()
+    lines = queue.get(timeout=120)
+    assert join_processes([p]) == [0]
+    mine = [line for line in lines if base in line]
+    assert len(mine) == 1, lines
+    assert mine[0].startswith("WARNING shmkv.vllm.lifecycle shmkv: ")
+    assert "other shmkv tier(s) kept idle in /dev/shm, no process holding them" in mine[0]
+    assert f"{old} (vllm tier, {size}, idle for 2.0 h)" in mine[0]
+    assert new not in mine[0]
+    assert "`shmkv unlink NAME` removes one; `shmkv cleanup --idle-for DURATION`" in mine[0]
+    assert _objects(old) == old_objects  # named, never touched
+    # The same look, scoped to the test's names, from this process
+    assert f"{old} (vllm tier, {size}, idle for 2.0 h)" in idle_tiers_notice(new, base)
+    assert idle_tiers_notice(old, base).count(f"{new} (vllm tier, ") == 1
+
+    assert shmkv("unlink", old).returncode == 0
+    p = spawn_ctx.Process(target=workers.start_replica_and_report, args=(new, queue))
+    p.start()
+    lines = queue.get(timeout=120)
+    assert join_processes([p]) == [0]
+    assert not [line for line in lines if base in line], lines
+    assert idle_tiers_notice(new, base) is None
+    _check(new)
