@@ -2,7 +2,8 @@
 """Remove orphaned shmkv objects (pools meant to stay are kept); the same as
 ``shmkv cleanup``.
 
-    python scripts/shmkv_cleanup.py [--dry-run] [--include-idle] [--prefix PREFIX]
+    python scripts/shmkv_cleanup.py [--dry-run] [--idle-for DURATION] [--include-idle]
+                                    [--prefix PREFIX]
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@
     shmkv unlink NAME                           remove a pool (segment, lock, lock file, siblings)
     shmkv ls [--all] [--json] [--prefix P]      every shmkv object on this machine, and
                                                 which pools stay and which are orphans
-    shmkv cleanup [--dry-run] [--include-idle]  remove orphaned pools (none meant to stay)
-                  [--prefix P]                  and what a killed ``shmkv run`` left
+    shmkv cleanup [--dry-run] [--idle-for D]    remove orphaned pools (none meant to stay,
+                  [--include-idle]              unless idle D) and what a killed
+                  [--prefix P]                  ``shmkv run`` left
     shmkv bench [NAME [ARGS...]] [--list]       the built-in benchmark, or benchmarks/bench_NAME.py
     shmkv index --redis URL --source SPEC...    a cluster-wide prefix index in Redis
     shmkv route --redis URL --tokens IDS        how much of a prompt each pool has cached

@@ -456,33 +456,73 @@ def _describe(v) -> str:
     return f"{v.path} ({v.kind}{f' of pool {v.pool}' if v.pool else ''})"
 
 
+IDLE_FOR_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_idle_for(text: str) -> float:
+    """The seconds a ``--idle-for`` value names: plain seconds (``3600``, ``90.5``) or a
+    number with one unit, s, m, h or d (``90s``, ``30m``, ``2h``, ``1.5d``).
+
+    Raises:
+        UsageError: anything else (empty, negative, two units, no number), naming the flag
+            and the accepted forms.
+    """
+    import re
+
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhdSMHD]?)\s*", text,
+                         re.ASCII)
+    seconds = (float(found[1]) * IDLE_FOR_UNITS[found[2].lower() or "s"] if found
+               else float("inf"))
+    if seconds == float("inf"):
+        raise UsageError(f"--idle-for {text!r}: give how long a pool meant to stay must have "
+                         "been idle (no process joined or left it) to go: plain seconds "
+                         "(3600), or a number with one unit, s, m, h or d (90s, 30m, 2h, "
+                         "1.5d); leave --idle-for out to keep every pool meant to stay")
+    return seconds
+
+
+def _with_memory(v, verdicts) -> str:
+    """An idle pool's line ends with the /dev/shm memory it takes with what goes with it."""
+    from shmkv.pool import siblings
+
+    if v.kind == "pool" and v.idle:
+        return f" ({siblings.human_bytes(siblings.memory_of(verdicts, v.name))} of /dev/shm)"
+    return ""
+
+
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from shmkv.pool import siblings
     from shmkv.pool.siblings import human_bytes
 
     if args.prefix is not None:
         _check_prefix(args.prefix)
-    verdicts = siblings.plan(include_idle=args.include_idle, prefix=args.prefix)
+    idle_for = None
+    if args.idle_for is not None:
+        idle_for = parse_idle_for(args.idle_for)
+        if args.include_idle:
+            raise UsageError(f"--idle-for {args.idle_for!r} with --include-idle: give one "
+                             "(--include-idle removes every idle pool meant to stay, as "
+                             "--idle-for 0)")
+    verdicts = siblings.plan(include_idle=args.include_idle, idle_for=idle_for,
+                             prefix=args.prefix)
     if args.dry_run:
         removed = [v for v in verdicts if v.remove]
         for v in removed:
-            print(f"would remove {_describe(v)}: {v.reason}")
+            print(f"would remove {_describe(v)}: {v.reason}{_with_memory(v, verdicts)}")
     else:
         removed = []
         for v, ok in siblings.remove(verdicts):
             if ok:
                 removed.append(v)
-                print(f"removed {_describe(v)}: {v.reason}")
+                print(f"removed {_describe(v)}: {v.reason}{_with_memory(v, verdicts)}")
     kept = [v for v in verdicts if not v.remove]
     for v in kept:
-        extra = ""
-        if v.kind == "pool" and v.idle:
-            extra = f" ({human_bytes(siblings.memory_of(verdicts, v.name))} of /dev/shm)"
-        print(f"kept {_describe(v)}: {v.reason}{extra}")
+        print(f"kept {_describe(v)}: {v.reason}{_with_memory(v, verdicts)}")
     freed = sum(v.memory_bytes for v in removed)
     staying = [v.name for v in removed if v.kind == "pool" and v.idle]
+    flag = "--include-idle" if args.include_idle else f"--idle-for {args.idle_for}"
     if args.prefix and staying:
-        print(f"--include-idle with --prefix {args.prefix!r} "
+        print(f"{flag} with --prefix {args.prefix!r} "
               f"{'would remove' if args.dry_run else 'removed'} {len(staying)} pool(s) meant "
               f"to stay whose name starts with it: {', '.join(staying)}")
     idle = [v for v in kept if v.kind == "pool" and v.idle]
@@ -491,8 +531,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
           f"{len(kept)} kept"
           + ("" if any(v.kind == "pool" and v.remove for v in verdicts)
              else "; no orphaned pools")
-          + (f"; {len(idle)} idle pool(s) meant to stay kept (`shmkv unlink NAME` or "
-             "--include-idle removes them)" if idle else "")
+          + (f"; {len(idle)} idle pool(s) meant to stay kept (`shmkv unlink NAME`, "
+             "--idle-for DURATION or --include-idle removes them)" if idle else "")
           + (f"; only objects whose name, or whose pool's name, starts with {args.prefix!r}"
              if args.prefix else ""))
     return EXIT_OK
@@ -511,11 +551,13 @@ def _check_prefix(prefix: str) -> None:
 
 def add_cleanup_parser(sub) -> None:
     cleanup = sub.add_parser(
-        "cleanup", help="remove every orphaned shmkv object (pools meant to stay are kept)",
+        "cleanup", help="remove every orphaned shmkv object (pools meant to stay are kept, "
+        "unless --idle-for or --include-idle)",
         description="Removes every orphaned pool of this layout version: one whose attached "
         "processes and creator are all dead and that was never marked to stay (pools made "
-        "by `shmkv create`, the vLLM offload tier and the SGLang page store stay), or whose "
-        "creator died while creating it; with its lock and liveness file. Removes every "
+        "by `shmkv create`, the vLLM offload tier and the SGLang page store stay, for a warm "
+        "restart: --idle-for removes those idle that long, --include-idle every idle one), "
+        "or whose creator died while creating it; with its lock and liveness file. Removes every "
         "sibling object (channels and their doorbells, block tables, KV stores, stats, "
         "publisher positions) whose creator is dead and whose pool is gone or removed with "
         "it, as their headers record it. Lists everything it keeps with the reason: meant "
@@ -524,9 +566,17 @@ def add_cleanup_parser(sub) -> None:
         "attaching at that very moment keeps working on the removed pool.")
     cleanup.add_argument("--dry-run", action="store_true",
                          help="only say what would go (and what stays)")
+    cleanup.add_argument("--idle-for", metavar="DURATION",
+                         help="also remove the pools meant to stay (vLLM offload tiers, SGLang "
+                         "page stores, `shmkv create` pools) that no live process holds and "
+                         "that have been idle at least DURATION: since a process last joined "
+                         "or left them (a process killed records no leave, so such a pool "
+                         "reads idle since its last join: `up to`). DURATION is plain seconds "
+                         "(3600) or a number with a unit, s, m, h or d (90s, 30m, 2h, 1d). "
+                         "Off by default; a pool held by a live process stays whatever its age")
     cleanup.add_argument("--include-idle", action="store_true",
                          help="also remove the pools meant to stay that no live process "
-                         "holds (with their siblings and data regions)")
+                         "holds (with their siblings and data regions), however long idle")
     cleanup.add_argument("--prefix", metavar="PREFIX",
                          help="only objects whose name, or whose pool's name, starts with "
                          "PREFIX: the start of names (e.g. every name of one test run), "
@@ -723,6 +773,8 @@ def list_objects(prefix: str | None = None) -> list[dict]:
             # "stays", "scoped" (lives while a process holds it), "orphan"; "" left alone
             row["lifetime"] = v.lifetime if v else ""
             row["idle"] = bool(v and v.idle)
+            # an idle one's: when a process last joined or left it (seconds since the epoch)
+            row["idle_since"] = v.idle_since if v else None
             row["memory_bytes"] = siblings.memory_of(all_verdicts, row["name"])
         if v and v.pool and "pool" not in row:
             row["pool"] = v.pool

@@ -847,7 +847,8 @@ class BlockPool:
     def mark_stays(self, by: str) -> None:
         """Marks the pool to stay in /dev/shm once no process uses it: ``shmkv cleanup``
         keeps it, and ``shmkv ls`` lists it as staying, made by ``by``, until it is removed
-        by name (``shmkv unlink``, :meth:`unlink`) or by ``shmkv cleanup --include-idle``.
+        by name (``shmkv unlink``, :meth:`unlink`) or by ``shmkv cleanup --include-idle``
+        (or ``--idle-for``, once idle that long).
 
         A new pool lives only while a process holds it: once every process attached to it
         is dead (its creator too), cleanup removes it as an orphan. Call this once whatever

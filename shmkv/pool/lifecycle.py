@@ -33,11 +33,36 @@ The rules, each stated once, here:
    it records the removed generation (or none, being unfinished), so a tier made again
    meanwhile under the same name keeps its objects. Never while the tier is held, unless
    forced (``shmkv unlink --force``), which names what the running replicas lose.
+6. **Idle since.** A tier nothing holds (rule 4) has been idle since a process last joined
+   or left it. Each process records that moment itself, as the modification time of the
+   file it locks a byte of (:func:`record_presence`): the pool's liveness file (``.alive``,
+   locked by every process attached to the pool) as it takes and gives back its slot, and
+   the replica lock file (locked by every engine core and GPU worker) as it joins and
+   leaves its row. :func:`idle_since` reads the newest of those times (the pool segment's
+   own for a pool that has neither file). What follows from it:
+
+   - held is judged by the kernel's locks, never by a clock: a tier held now is in use
+     whatever its times say, so no clock step makes a busy tier idle;
+   - file times are wall-clock (``CLOCK_REALTIME``): a step forward makes an idle tier
+     look idle longer than it was (``shmkv cleanup --idle-for`` removes it that much
+     sooner); a step back makes it look idle for less (a time in the future reads as 0 s)
+     and keeps it longer;
+   - a process that is killed (SIGKILL, the OOM killer) gives its bytes back without a
+     word: the time is then the last join or leave before it, so the tier reads idle for
+     longer than it is, by as long as that process ran after it joined. A pool whose
+     process table still has rows of dead processes shows it, and cleanup says "up to";
+   - a process that attaches to look (``shmkv stats``, ``inspect``) joins and leaves like
+     any other; ``shmkv ls``, ``cleanup`` and the replicas' start-up notice read without
+     attaching and record nothing;
+   - the table's and the region's times are never read, the segment's only for want of
+     both files: they move when a page is first written through a mapping, not when the
+     tier is used.
 
 Who calls what: ``shmkv/vllm/tier.py`` (the table), ``shmkv/vllm/replicas.py`` (the lock
 file), ``shmkv/vllm/region.py`` (the region) check and record generations through this
-module; ``shmkv/pool/siblings.py`` (``shmkv cleanup``, ``shmkv unlink``) asks it who holds a
-tier and removes through it.
+module; ``shmkv/pool/liveness.py`` (the pool's slots) and ``replicas.py`` (the rows) record
+joins and leaves through it; ``shmkv/pool/siblings.py`` (``shmkv cleanup``, ``shmkv unlink``)
+asks it who holds a tier and since when it is idle, and removes through it.
 """
 
 from __future__ import annotations
@@ -169,6 +194,40 @@ def holders(pool: str, generation: bytes | None = None) -> list[str]:
         finally:
             os.close(fd)
     return reasons
+
+
+# ------------------------------------------------------------------ idle since (rule 6)
+
+def record_presence(fd: int) -> None:
+    """Records that a process joins or leaves the tier now: sets the modification time of
+    ``fd``'s file (a file whose bytes the tier's processes lock) to now. A record is advice:
+    a file that cannot take it keeps its older time."""
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
+
+
+def presence_paths(pool: str) -> list[str]:
+    """The files whose modification time records when a process last joined or left the
+    tier of ``pool``: the pool's liveness file and the replica lock file."""
+    return [f"{SHM_DIR}{L.segment_name(pool)}.alive", lock_file_path(pool)]
+
+
+def idle_since(pool: str, segment_mtime: float) -> float:
+    """When a process last joined or left the tier of ``pool`` (seconds since the epoch,
+    wall-clock): the newest time of :func:`presence_paths` that are regular files of this
+    user, else ``segment_mtime`` (the pool segment's). Meaningful only for a tier nothing
+    holds (rule 6: what a clock step and a killed process do to it)."""
+    times = []
+    for path in presence_paths(pool):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            times.append(st.st_mtime)
+    return max(times, default=segment_mtime)
 
 
 # ------------------------------------------------------------------ removal

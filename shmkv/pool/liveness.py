@@ -52,6 +52,7 @@ import numpy as np
 
 from shmkv.errors import SegmentError
 from shmkv.pool.layout import MAX_PROCESSES, SLOT_ACTIVE
+from shmkv.pool.lifecycle import record_presence
 from shmkv.pool.segment import check_fd, secure_new_fd
 
 ARBITER_BYTE = MAX_PROCESSES  # past the last possible slot byte
@@ -114,10 +115,12 @@ class AliveLocks:
         self.procs = procs
 
     def claim(self, slot: int) -> bool:
-        """Takes the lock on byte ``slot``; False if a live process holds it."""
+        """Takes the lock on byte ``slot``; False if a live process holds it. Taken, the
+        file's time records the join (``shmkv/pool/lifecycle.py``, rule 6)."""
         if not self._try_lock(slot):
             return False
         self.held_slot = slot
+        record_presence(self._fd)
         return True
 
     def release(self, slot: int) -> None:
@@ -215,8 +218,11 @@ class AliveLocks:
         self.procs = None
 
     def close(self) -> None:
-        """Closes the descriptor, which drops every lock this process held on the file."""
+        """Closes the descriptor, which drops every lock this process held on the file; a
+        process that held a slot records its leave first (``lifecycle.py``, rule 6)."""
         if self._fd >= 0:
+            if self.held_slot is not None:
+                record_presence(self._fd)
             os.close(self._fd)
             self._fd = -1
             self.held_slot = self.held_mark = None

@@ -15,9 +15,11 @@ The rules (issue 15, item 6, and issue 21):
 - a pool is meant to stay when its header's ``retention`` says so (``BlockPool.mark_stays``:
   ``shmkv create``, the vLLM offload tier, the SGLang page store, once each is complete), or
   says nothing (a pool made before pools recorded it: kept, to be safe). Such a pool goes
-  only by name (``shmkv unlink``) or with ``include_idle`` (``shmkv cleanup
-  --include-idle``), and then only while no live process holds it. A tier (HiSparse's host
-  pool) stays while the very pool it is the tier of stays;
+  only by name (``shmkv unlink``), with ``include_idle`` (``shmkv cleanup
+  --include-idle``), or with ``idle_for`` once it has been idle that long (``shmkv cleanup
+  --idle-for``: idle since a process last joined or left it, ``lifecycle.idle_since``), and
+  then only while no live process holds it, whatever its age. A tier (HiSparse's host pool)
+  stays while the very pool it is the tier of stays;
 - a sibling segment stays while its creator lives, and while the very pool it names stays;
   it is removed once both are gone (its pool gone, re-created under the same name, or
   removed in the same cleanup);
@@ -149,11 +151,18 @@ class Verdict:
     # while a process holds it), "orphan" (cleanup removes it); "" when it is left alone
     lifetime: str = ""
     idle: bool = False  # a pool meant to stay that no live process holds
+    # an idle pool's: when a process last joined or left it (``lifecycle.idle_since``), and
+    # whether rows of dead processes say that time may be older than the truth
+    idle_since: float | None = None
+    idle_since_is_lower_bound: bool = field(default=False, repr=False)
+    stays_by: str = ""  # a pool meant to stay: what made it so ("vllm tier", ...)
     memory_bytes: int = 0  # what it takes in /dev/shm (allocated, not its nominal size)
     # what was judged: the object's inode, and a pool's header ``pool_id`` (``remove``
     # removes an object only while the one at its name is still this one, still to go)
     ino: int = field(default=0, repr=False)
     pool_id: bytes = field(default=b"", repr=False)
+    # a pool's: the idle time it was judged under (None: idle pools stay; 0: --include-idle)
+    idle_for: float | None = field(default=None, repr=False)
     # a doorbell's: the entries of the channels naming it (it goes with them)
     channels: tuple[str, ...] = field(default=(), repr=False)
 
@@ -200,6 +209,13 @@ class _Pool:
         self.live_pids: list[int] = []  # live processes attached
 
 
+def _stays_by(retention: int, stays_by: bytes) -> str:
+    """What made a pool meant to stay so, in a word or two ("vllm tier", "shmkv create")."""
+    if retention == L.RETENTION_STAYS:
+        return stays_by.rstrip(bytes(1)).decode(errors="replace")
+    return "an older shmkv"
+
+
 def stays_text(retention: int, stays_by: bytes) -> str | None:
     """Why a pool stays, from its header's `retention` and `stays_by`; None for a pool
     that lives only while a process holds it."""
@@ -220,7 +236,28 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) -> _Pool:
+def duration_text(seconds: float) -> str:
+    """``45 s``, ``20 min``, ``3.5 h``, ``2.0 d``: a time span as people read it."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _idle_text(seconds: float, dead: int) -> str:
+    """How long an idle pool has been idle; "up to" when rows of dead processes say its
+    last holder may have died after the time recorded (``lifecycle.py``, rule 6)."""
+    if dead:
+        return (f"idle for up to {duration_text(seconds)} (a process died without leaving: "
+                "when is not recorded)")
+    return f"idle for {duration_text(seconds)}"
+
+
+def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool,
+                 idle_for: float | None = None, now: float | None = None) -> _Pool:
     pool_id = tier_of = b""
 
     def keep(reason: str, creator: int = 0, lifetime: str = "") -> _Pool:
@@ -252,6 +289,7 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
         tier_of = bytes(hdr["tier_of"]) if any(bytes(hdr["tier_of"])) else b""
         state = int(hdr["state"])
         stays = stays_text(int(hdr["retention"]), bytes(hdr["stays_by"]))
+        made_by = _stays_by(int(hdr["retention"]), bytes(hdr["stays_by"]))
         if state == L.STATE_INITIALIZING:
             creating = _creating(entry, name, creator)
             if creating:
@@ -301,15 +339,23 @@ def _assess_pool(entry: str, name: str, st: os.stat_result, include_idle: bool) 
     dead = len(active)
     idle = (f"no live process attached ({dead} dead), creator pid {creator} dead"
             + ("; it was POISONED" if poisoned else ""))
-    if stays and not include_idle:
-        kept = keep(f"{stays}; idle: {idle}; `shmkv unlink {name}` or `shmkv cleanup "
-                    "--include-idle` removes it", creator, lifetime)
-        kept.verdict.idle = True
-        return kept
     if stays:
-        return _Pool(Verdict(entry, "pool", name, True,
-                             f"{stays}; idle: {idle} (--include-idle)", lifetime=lifetime,
-                             idle=True),
+        since = LC.idle_since(name, st.st_mtime)
+        age = max(0.0, (time.time() if now is None else now) - since)
+        idle += "; " + _idle_text(age, dead)
+        if include_idle:
+            go, why = True, " (--include-idle)"
+        elif idle_for is None:
+            go, why = False, f"; `shmkv unlink {name}` or `shmkv cleanup --include-idle` removes it"
+        elif age >= idle_for:
+            go, why = True, f", at least --idle-for {duration_text(idle_for)}"
+        else:
+            go, why = False, (f", less than --idle-for {duration_text(idle_for)}; `shmkv "
+                              f"unlink {name}` removes it now")
+        return _Pool(Verdict(entry, "pool", name, go, f"{stays}; idle: {idle}{why}",
+                             lifetime=lifetime, idle=True, idle_since=since,
+                             idle_since_is_lower_bound=bool(dead), stays_by=made_by,
+                             idle_for=0.0 if include_idle else idle_for),
                      creator, st.st_ino, pool_id, tier_of)
     return _Pool(Verdict(entry, "pool", name, True,
                          f"{idle}; it was never marked to stay", lifetime="orphan"),
@@ -458,13 +504,16 @@ def _assess_sibling(entry: str, st: os.stat_result, pools: dict[str, _Pool]) -> 
 
 
 def plan(now: float | None = None, *, include_idle: bool = False,
-         prefix: str | None = None) -> list[Verdict]:
+         idle_for: float | None = None, prefix: str | None = None) -> list[Verdict]:
     """What cleanup would do with every shmkv object in /dev/shm, in listing order.
 
     Args:
-        now: the time doorbells' ages are counted to (default: now).
+        now: the time doorbells' and idle pools' ages are counted to (default: now).
         include_idle: also remove the pools meant to stay (``BlockPool.mark_stays``, or
             made before pools recorded it) that no live process holds, with what is theirs.
+        idle_for: as ``include_idle``, but only the pools idle at least this many seconds
+            (since a process last joined or left them: ``lifecycle.idle_since``); None:
+            none. A pool a live process holds stays whatever its age.
         prefix: only the objects whose name, or whose pool's name, starts with it
             (``in_scope``: a prefix of names, which may match several pools). Every object
             is still read, so each verdict is the one an unscoped plan gives, except that
@@ -473,13 +522,22 @@ def plan(now: float | None = None, *, include_idle: bool = False,
             pool (or one of those channels) is out of scope.
 
     Raises:
-        UsageError: an empty ``prefix``.
+        UsageError: an empty ``prefix``; an ``idle_for`` that is not a finite number of
+            seconds >= 0, or given with ``include_idle``.
     """
+    if idle_for is not None:
+        if isinstance(idle_for, bool) or not isinstance(idle_for, int | float) or not (
+                0 <= idle_for < float("inf")):
+            raise UsageError(f"idle_for {idle_for!r}: give the seconds a pool meant to stay "
+                             "must have been idle, a finite number >= 0")
+        if include_idle:
+            raise UsageError("idle_for with include_idle: give one (include_idle removes "
+                             "every idle pool, as idle_for=0)")
     if prefix is not None and not (isinstance(prefix, str) and prefix):
         raise UsageError(f"prefix {prefix!r}: give the start of the names to clean up (of "
                          "every pool and sibling whose name starts with it; `shmkv unlink "
                          "NAME` removes one pool), or no prefix at all for every object")
-    verdicts = _plan(time.time() if now is None else now, include_idle)
+    verdicts = _plan(time.time() if now is None else now, include_idle, idle_for)
     if prefix is None:
         return verdicts
     scoped = [v for v in verdicts if in_scope(v, prefix)]
@@ -505,7 +563,7 @@ def in_scope(v: Verdict, prefix: str) -> bool:
     return (v.name or "").startswith(prefix) or bool(v.pool and v.pool.startswith(prefix))
 
 
-def _plan(now: float, include_idle: bool) -> list[Verdict]:
+def _plan(now: float, include_idle: bool, idle_for: float | None) -> list[Verdict]:
     try:
         entries = sorted(os.listdir(SHM_DIR))
     except OSError:
@@ -532,7 +590,7 @@ def _plan(now: float, include_idle: bool) -> list[Verdict]:
                                      f"v{L.LAYOUT_VERSION}: left alone (remove it with the "
                                      "shmkv that made it, or by hand)")
                 continue
-            pools[name] = _assess_pool(entry, name, st, include_idle)
+            pools[name] = _assess_pool(entry, name, st, include_idle, idle_for, now)
             out[entry] = pools[name].verdict
     for name, pool in pools.items():  # a tier stays with the very pool it is the tier of
         owner = pools.get(name.rpartition(".")[0]) if pool.tier_of else None
@@ -957,15 +1015,17 @@ class _Recheck:
                       if v.kind == "pool" and v.entry.endswith(f"-v{L.LAYOUT_VERSION}")}
 
     def pool_now(self, name: str) -> _Pool | None:
-        """The pool named ``name`` judged now (with ``--include-idle`` if the plan removed
-        it so); None if there is none of this layout version."""
+        """The pool named ``name`` judged now (under the idle time the plan removed it
+        under, if it did: a process that joined and left meanwhile keeps it); None if there
+        is none of this layout version."""
         try:
             entry = L.segment_name(name)[1:]
             st = os.lstat(f"{SHM_DIR}/{entry}")
         except (OSError, UsageError):
             return None
         planned = self.pools.get(name)
-        return _assess_pool(entry, name, st, bool(planned and planned.idle and planned.remove))
+        idle_for = planned.idle_for if planned and planned.idle and planned.remove else None
+        return _assess_pool(entry, name, st, False, idle_for)
 
     def pool_as_planned(self, name: str) -> bool:
         """The pool at ``name`` is now what the plan saw: the same pool, still to go, or
@@ -1065,7 +1125,7 @@ def remove(verdicts: list[Verdict]) -> list[tuple[Verdict, bool]]:
 
 
 __all__ = ["CHANGED", "DOORBELL_GRACE_S", "Unlinked", "Verdict", "discard_unused_tier",
-           "foreign_reason", "human_bytes",
+           "duration_text", "foreign_reason", "human_bytes",
            "in_scope", "memory_of", "owner_record", "plan", "pool_identity", "remove",
            "stays_text", "tier_in_use", "tier_of", "unlink_offload_data_region",
            "unlink_past_versions", "unlink_pool", "unlink_pool_files", "unlink_pool_siblings",

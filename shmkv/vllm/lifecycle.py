@@ -13,12 +13,15 @@ tier, removal whole and root first); the objects' formats live beside it: the ta
     core start    open_pool  ->  open_tier_table  ->  ReplicaLocks  ->  join its row (the
                   row its workers bound; a row no worker bound is cut off: manager.py)
     a refused start takes back what it made (``siblings.discard_unused_tier``)
+    core started  one warning naming the other tiers that no process holds, with the /dev/shm
+                  memory each keeps and how long it has been idle (``idle_tiers_notice``)
     removal       ``remove_tier``: the pool first, then the table, region and lock file of
                   its generation (``shmkv unlink``, ``shmkv cleanup``: ``siblings.py``)
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import NamedTuple
@@ -36,7 +39,16 @@ from shmkv.pool import layout as L
 from shmkv.pool import lifecycle as LC
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.segment import Segment
-from shmkv.pool.siblings import discard_unused_tier, owner_record, unlink_pool, write_owner
+from shmkv.pool.siblings import (
+    discard_unused_tier,
+    duration_text,
+    human_bytes,
+    memory_of,
+    owner_record,
+    plan,
+    unlink_pool,
+    write_owner,
+)
 from shmkv.vllm.identity import check_identity
 from shmkv.vllm.region import (
     TRAILER_BYTES,
@@ -62,6 +74,8 @@ from shmkv.vllm.tier import (
     table_bytes,
     tier_table_name,
 )
+
+logger = logging.getLogger(__name__)
 
 STAYS_BY = "vllm tier"  # what `shmkv ls` says keeps the tier's pool (BlockPool.mark_stays)
 MEDIUM = "CPU"
@@ -223,7 +237,49 @@ def join_as_core(pool_name: str, num_chunks: int, max_processes: int,
         if created:  # nothing half made stays behind a refused start
             discard_unused_tier(pool_name, generation, BlockPool.TIERS)
         raise
+    _warn_idle_tiers(pool_name)
     return CoreJoin(pool, tier, locks, row)
+
+
+# ------------------------------------------------------------------ other tiers, at start
+
+def idle_tiers_notice(own_pool: str, prefix: str | None = None) -> str | None:
+    """The start-up line naming each other pool meant to stay (vLLM tiers, SGLang page
+    stores, ``shmkv create`` pools) of this user that no process holds: the /dev/shm memory
+    it keeps (allocated bytes, with what goes with it), how long it has been idle
+    (``shmkv/pool/lifecycle.py``, rule 6), and how to remove it. None when there is none.
+
+    Reads only shmkv's objects in /dev/shm (``siblings.plan``: its names, without
+    attaching); removes, records and changes nothing. ``prefix``: only pools whose name
+    starts with it."""
+    now = time.time()
+    verdicts = plan(now, prefix=prefix)
+    idle = [v for v in verdicts if v.kind == "pool" and v.idle and v.name != own_pool]
+    if not idle:
+        return None
+    items, total = [], 0
+    for v in idle:
+        memory = memory_of(verdicts, v.name)
+        total += memory
+        age = max(0.0, now - v.idle_since) if v.idle_since is not None else 0.0
+        items.append(f"{v.name} ({v.stays_by}, {human_bytes(memory)}, idle for "
+                     f"{'up to ' if v.idle_since_is_lower_bound else ''}{duration_text(age)})")
+    return (f"shmkv: {len(idle)} other shmkv tier(s) kept idle in /dev/shm, no process "
+            f"holding them, {human_bytes(total)} in all: {', '.join(items)}. `shmkv unlink "
+            "NAME` removes one; `shmkv cleanup --idle-for DURATION` removes those idle at "
+            "least DURATION (e.g. 1d)")
+
+
+def _warn_idle_tiers(own_pool: str) -> None:
+    """Logs :func:`idle_tiers_notice` as a warning, if there is one. A replica starts
+    whatever the look finds or fails at: it is advice."""
+    try:
+        line = idle_tiers_notice(own_pool)
+    except Exception:  # noqa: BLE001  (a look at other tiers never stops a replica's start)
+        logger.debug("shmkv: could not look for other idle tiers", exc_info=True)
+        return
+    if line is not None:
+        logger.warning("%s", line)
 
 
 # ------------------------------------------------------------------ the root: the pool

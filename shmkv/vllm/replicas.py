@@ -144,14 +144,17 @@ class ReplicaLocks:
         return True
 
     def hold(self, row: int) -> None:
-        """Joins row ``row``: a shared lock on its byte, for as long as this handle lives."""
+        """Joins row ``row``: a shared lock on its byte, for as long as this handle lives.
+        The file's time records the join (``shmkv/pool/lifecycle.py``, rule 6)."""
         self._setlk(fcntl.F_RDLCK, row)
         self.rows.add(row)
+        LC.record_presence(self._fd)
 
     def leave(self, row: int) -> None:
-        """Leaves row ``row`` (drops this process's lock on its byte)."""
+        """Leaves row ``row`` (drops this process's lock on its byte), recording the leave."""
         self._setlk(fcntl.F_UNLCK, row)
         self.rows.discard(row)
+        LC.record_presence(self._fd)
 
     def is_gone(self, row: int) -> bool:
         """Whether no process holds row ``row`` (this process's own rows are live; every
@@ -169,8 +172,11 @@ class ReplicaLocks:
         self._setlk(fcntl.F_UNLCK, REGION_MAKER_BYTE)
 
     def close(self) -> None:
-        """Closes the descriptor, which leaves every row this process held."""
+        """Closes the descriptor, which leaves every row this process held (recorded, if it
+        held one)."""
         if self._fd >= 0:
+            if self.rows:
+                LC.record_presence(self._fd)
             os.close(self._fd)
             self._fd = -1
         self.rows.clear()

@@ -392,3 +392,66 @@ def test_a_sibling_made_again_between_plan_and_remove_is_left_alone(pool_name):
     assert os.path.exists(f"/dev/shm/{stats}")
     assert not _verdict(stats).remove
     siblings.unlink_pool(pool_name, ())
+
+
+# ---------------------------------------------------------------- idle for how long
+
+def _age(pool_name: str, seconds: float) -> float:
+    """Sets back the record of the last join or leave of ``pool_name`` (the times of its
+    liveness file and replica lock file, ``lifecycle.presence_paths``) by ``seconds``, as if
+    it had been idle that long; returns that time."""
+    from shmkv.pool import lifecycle as LC
+
+    then = time.time() - seconds
+    for path in LC.presence_paths(pool_name):
+        if os.path.exists(path):
+            os.utime(path, (then, then))
+    return then
+
+
+def test_idle_for_removes_a_pool_meant_to_stay_once_idle_that_long(pool_name):
+    """A pool meant to stay whose creator exited is idle since its last join or leave: with
+    idle_for it is kept while younger, removed once idle that long; a process that joins and
+    leaves makes it young again, also between the plan and its removal."""
+    _orphan(pool_name, stays=True)
+    entry = L.segment_name(pool_name)[1:]
+    v = _pool_verdict(pool_name, idle_for=3600)
+    assert not v.remove and v.idle and v.stays_by == "a test"
+    assert time.time() - 60 < v.idle_since <= time.time()
+    assert ", less than --idle-for 60 min; `shmkv unlink" in v.reason
+    assert not _pool_verdict(pool_name).remove  # without idle_for: kept, as always
+    then = _age(pool_name, 2 * 3600)
+    v = _pool_verdict(pool_name, idle_for=3600)
+    assert v.remove and abs(v.idle_since - then) < 1e-3 and not v.idle_since_is_lower_bound
+    assert v.reason.startswith("stays (made by a test); idle: no live process attached "
+                               "(0 dead)")
+    assert v.reason.endswith("; idle for 2.0 h, at least --idle-for 60 min")
+    assert not _pool_verdict(pool_name).remove
+    plan = siblings.plan(idle_for=3600, prefix=pool_name)
+    with BlockPool.attach(pool_name, label="look") as pool:  # a join and a leave
+        pool.check_invariants()
+    assert time.time() - 60 < _pool_verdict(pool_name, idle_for=3600).idle_since
+    done = {w.entry: (ok, w.reason) for w, ok in siblings.remove(plan)}
+    assert done[entry] == (False, siblings.CHANGED)
+    assert os.path.exists(f"/dev/shm/{entry}")
+    _age(pool_name, 2 * 3600)
+    done = {w.entry: ok for w, ok in
+            siblings.remove(siblings.plan(idle_for=3600, prefix=pool_name))}
+    assert done == {entry: True, f"sem.{entry}.lock": True, f"{entry}.alive": True}
+    assert not [e for e in os.listdir("/dev/shm") if pool_name in e]
+
+
+def test_idle_for_refuses_what_is_not_a_time(pool_name):
+    """A negative, infinite, NaN or non-number idle_for, or one with include_idle, is
+    refused, naming it, before anything is read."""
+    import pytest
+
+    from shmkv.errors import UsageError
+
+    for bad in (-1, float("inf"), float("nan"), "1h", True):
+        with pytest.raises(UsageError, match="idle_for .*: give the seconds"):
+            siblings.plan(idle_for=bad, prefix=pool_name)
+    with pytest.raises(UsageError, match="give one"):
+        siblings.plan(idle_for=60, include_idle=True, prefix=pool_name)
+    assert [siblings.duration_text(s) for s in (0, 119, 120, 7199, 7200, 2 * 86400)] == [
+        "0 s", "119 s", "2 min", "120 min", "2.0 h", "2.0 d"]
