@@ -33,7 +33,7 @@ servers stay up; their prefix caches and tiers are emptied (vLLM's dev endpoint
     python benchmarks/bench_vllm_router.py [--quick | --all] [--scenarios a,b] [--servers 2]
         [--python PATH] [--plot FILE] [--json FILE]
 
-By default (32 runs: 26 minutes in one run on a 2-core machine other jobs shared, most of it
+By default (32 runs: 14 to 26 minutes on a 2-core machine other jobs shared, most of it
 starting servers and restarting them) each scenario runs a subset (``DEFAULT_RUNS``):
 private and shared tiers with cache_aware everywhere; round_robin too where stickiness is
 the question (steady, surge, small-tier, multi-turn); cache_aware-bal and power_of_two in
