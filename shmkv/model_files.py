@@ -51,6 +51,19 @@ SHOWN_FIELDS = frozenset({"model_dir"})
 LOCAL_DIR = "local directory (model_files names its weights)"
 
 
+def differing_fields(recorded: dict, mine: dict, names: list[str]) -> list[str]:
+    """Of ``names``, the fields whose values differ between two identities, then (only if
+    any do) the shown fields, which a refusal names beside them and never compares."""
+    differ = [k for k in names if k not in SHOWN_FIELDS and recorded.get(k) != mine.get(k)]
+    return differ + [k for k in names if k in SHOWN_FIELDS] if differ else []
+
+
+def shown_note(fields: list[str]) -> str:
+    """What a refusal adds after the fields it names: which of them were only shown."""
+    shown = [k for k in fields if k in SHOWN_FIELDS]
+    return f" ({', '.join(shown)} shown, not compared)" if shown else ""
+
+
 def weights_fields(model: str, name_field: str) -> dict[str, str]:
     """The identity fields naming the weights at ``model``: for a hub id, ``name_field`` is
     the id (compared) and ``model_files`` is ``HUB_ID``; for a local directory,

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from shmkv.errors import LayoutMismatchError, UsageError
-from shmkv.model_files import SHOWN_FIELDS, weights_fields
+from shmkv.model_files import differing_fields, shown_note, weights_fields
 
 # What StorageBackendFactory's ``dynamic`` config and SGLang's controller put there.
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
@@ -120,14 +120,10 @@ def compare(found: bytes, mine: dict[str, Any], store: str) -> None:
             instance's, then the shown ones.
     """
     recorded = json.loads(found.decode()) if found else {}
-    names = sorted(set(recorded) | set(mine))
-    differ = [k for k in names if k not in SHOWN_FIELDS and recorded.get(k) != mine.get(k)]
-    if differ:
-        shown = [k for k in names if k in SHOWN_FIELDS]
+    named = differing_fields(recorded, mine, sorted(set(recorded) | set(mine)))
+    if named:
         fields = "; field ".join(f"{k}: the store has {recorded.get(k)!r}, this instance "
-                                 f"{mine.get(k)!r}" for k in differ + shown)
-        if shown:
-            fields += f" ({', '.join(shown)} shown, not compared)"
+                                 f"{mine.get(k)!r}" for k in named) + shown_note(named)
         raise LayoutMismatchError(
             f"SGLang store {store!r} belongs to instances of another identity; field "
             + fields

@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from shmkv.errors import LayoutMismatchError, UsageError
-from shmkv.model_files import SHOWN_FIELDS, weights_fields
+from shmkv.model_files import differing_fields, shown_note, weights_fields
 from shmkv.vllm.compat import VLLM_RELEASE, VLLM_RELEASE_VERSION
 from shmkv.vllm.tier import IDENTITY_MAX, TierTable
 
@@ -157,14 +157,10 @@ def check_identity(tier: TierTable, pool: str, identity: dict[str, Any], *,
     names = list(identity)
     if not partial:
         names += [name for name in theirs if name not in identity]
-    differ = [name for name in names
-              if name not in SHOWN_FIELDS and theirs.get(name) != identity.get(name)]
-    if differ:
-        shown = [name for name in names if name in SHOWN_FIELDS]
+    named = differing_fields(theirs, identity, names)
+    if named:
         fields = "; ".join(f"{name}: this replica {identity.get(name)!r}, the tier "
-                           f"{theirs.get(name)!r}" for name in differ + shown)
-        if shown:
-            fields += f" ({', '.join(shown)} shown, not compared)"
+                           f"{theirs.get(name)!r}" for name in named) + shown_note(named)
         raise LayoutMismatchError(
             f"pool {pool!r}: this replica differs from the replicas sharing the offload tier "
             f"({fields}). Replicas of one tier must run the same model, weights, parallel "
