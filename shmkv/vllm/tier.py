@@ -26,7 +26,9 @@ the tier):
     byte 3968  the owner record that tells ``shmkv cleanup`` the table goes with its pool
     byte 4096  the counter block (``shmkv/pool/tier_counters.py``): the node's row, then one
                per replica row: chunks stored, loaded, loaded from another replica's stores
-    byte 8192  ranks: int64 [num_chunks + 1], one LRU rank per block (block 0 unused)
+               (65 rows of 64 bytes: to byte 8256)
+    BODY_AT    (the next page: byte 12288) ranks: int64 [num_chunks + 1], one LRU rank per
+               block (block 0 unused)
     then       jobs: uint64 [num_chunks + 1], bit r set while replica row r has a store, a
                load or an unflushed reset on the block (replicas.py)
     then       heap_rank: int64 [heap_capacity], heap_block: int32 [heap_capacity] and
@@ -55,7 +57,10 @@ TIER_MAGIC = L.OFFLOAD_TIER_MAGIC
 HEADER_BYTES = 4096
 MAX_REPLICAS = TC.OFFLOAD_MAX_REPLICAS  # one job bit per replica row in a uint64
 COUNTERS_AT = TC.OFFLOAD_COUNTERS_OFFSET
-BODY_AT = COUNTERS_AT + 4096  # the counter block, padded to a page
+PAGE_BYTES = 4096
+# the counter block, padded to a page (v4 padded 4096 of its 4160 bytes: its last row lay on
+# the ranks)
+BODY_AT = -(-(COUNTERS_AT + TC.block_bytes(MAX_REPLICAS)) // PAGE_BYTES) * PAGE_BYTES
 
 W_MAGIC, W_VERSION_CHUNKS, W_NEXT_RANK, W_GENERATION, W_IDENTITY_LEN, W_REGION_TAG = range(6)
 W_HEAP_SIZE, W_FREE_TOP, W_LRU_DIRTY, W_REAPED_SEEN = range(6, 10)  # lru.py
