@@ -57,6 +57,17 @@ def block_bytes(num_rows: int) -> int:
     return ROW_BYTES * (num_rows + 1)
 
 
+# The vLLM offload tier's replica labels, right after its counter block: one record per
+# replica row, naming the replica as vLLM does (what each field means, who writes it and how
+# an engine id too long for its field is cut: ``shmkv/vllm/tier.py``).
+OFFLOAD_LABELS_OFFSET = OFFLOAD_COUNTERS_OFFSET + block_bytes(OFFLOAD_MAX_REPLICAS)
+ENGINE_ID_BYTES = 112
+NO_DP_RANK = -1  # a label's dp_rank when its replica did not say
+LABEL_DTYPE = np.dtype([("key", "<i8"), ("dp_rank", "<i4"), ("core_pid", "<i4"),
+                        ("engine_id", f"S{ENGINE_ID_BYTES}")])
+assert LABEL_DTYPE.itemsize == 128 and OFFLOAD_LABELS_OFFSET % 64 == 0
+
+
 def sglang_counters_offset(num_pages: int, page_bytes: int) -> int:
     """Where the SGLang store's counter block starts: after its pages, 64-byte aligned."""
     end = SGLANG_HEADER_BYTES + num_pages * page_bytes

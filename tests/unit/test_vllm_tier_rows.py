@@ -33,12 +33,13 @@ def _span(view, base: int) -> tuple[int, int]:
 
 
 def test_every_part_of_the_table_has_bytes_of_its_own(manager):
-    """The header, the counter block and each body array of a 16-chunk table are disjoint
-    and inside the table (in tier v4 the counter block's last row, replica row 63's, lay on
-    the chunks' first ranks)."""
+    """The header, the counter block, the replica labels and each body array of a 16-chunk
+    table are disjoint and inside the table (in tier v4 the counter block's last row,
+    replica row 63's, lay on the chunks' first ranks)."""
     tier = manager._tier
     base = np.frombuffer(tier._seg.buf, np.uint8).__array_interface__["data"][0]
-    parts = {"header": (0, HEADER_BYTES), "counters": _span(tier.counter_words, base)}
+    parts = {"header": (0, HEADER_BYTES), "counters": _span(tier.counter_words, base),
+             "labels": _span(tier.labels, base)}
     for name in ("ranks", "jobs", "heap_rank", "heap_block", "free_stack", "producer"):
         parts[name] = _span(getattr(tier, name), base)
     spans = sorted(parts.values())
