@@ -325,6 +325,9 @@ Changelog
   other object of the tier records it and is never believed without it
   (``shmkv/pool/lifecycle.py``). The version is in the pool's name, so a release that did not
   record generations (v8) never opens a v9 tier, nor v9 its: each makes its own.
+- v10: no field moves. The version follows the vLLM offload tier's v5 (a tier's root is its
+  pool, and a tier's objects share it by name alone): a release of tier v4 never opens a
+  tier v5 pool, nor v5 its, so neither loads the other's keys from its own data region.
 
 Sibling segments (versioned on their own): ch v2, bt v2, kv v2, stats v2, pub v2: the owner
 record (channel header 128 -> 256 bytes; stats header 64 -> 192 bytes; publisher state 128 ->
@@ -346,7 +349,7 @@ import numpy as np
 
 from shmkv.errors import UsageError
 
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 # Eight different bytes: a byte-swapped reader, or any other segment, never sees this value.
 MAGIC = 0x1A5E_4B76_6D68_73F0
 ALIGN_BYTES = 64
@@ -813,16 +816,19 @@ STATS_OWNER_OFFSET = 64  # the header is 192 bytes: 64 of fields, then the owner
 PUBLISHER_STATE_VERSION = 3
 PUBLISHER_STATE_MAGIC = 0x5348_4B56_5055_4201  # "SHKVPUB" + 1
 PUBLISHER_OWNER_OFFSET = 128  # the state is 256 bytes: 128 of fields, then the owner record
-OFFLOAD_TIER_VERSION = 4  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
+OFFLOAD_TIER_VERSION = 5  # the vLLM offload tier's table (shmkv/vllm/tier.py); v2: replica
 # rows, per-chunk job bits, the data region's tag and the replica identity; v3: the counter
 # block (shmkv/pool/tier_counters.py) after the header; v4: the tier's generation (its pool's
 # pool_id) in the table, the data region's trailer and the replica lock file, and the version
-# in the data region's name (shmkv/pool/lifecycle.py)
+# in the data region's name (shmkv/pool/lifecycle.py); v5: the body after the whole counter
+# block (in v4 the counter rows of replica row 63 lay on the ranks of chunks 0-7), with the
+# pool's v10 (a tier version never meets another through their pool)
 OFFLOAD_TIER_MAGIC = 0x5EC7_0FF1_0AD3_2B61
 OFFLOAD_TIER_OWNER_OFFSET = 3968  # in its 4 KiB header, after the replica identity
-SGLANG_STORE_VERSION = 3  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages;
+SGLANG_STORE_VERSION = 4  # SGLang's L3 page store (shmkv/sglang/region.py): header + pages;
 # v2: the counter rows in the header, the counter block and the page producers after the pages;
-# v3: no layout change: the version follows the pool's v9, so a release of v2 never opens it
+# v3: no layout change: the version follows the pool's v9, so a release of v2 never opens it;
+# v4: no layout change: the version follows the pool's v10, so a release of v3 never opens it
 SGLANG_STORE_MAGIC = 0x5C1A_46E5_70A6_E301
 SGLANG_STORE_OWNER_OFFSET = 3968  # in its 4 KiB header, after the store's identity
 
@@ -852,9 +858,9 @@ SIBLING_KINDS: dict[str, SiblingKind] = {
         SiblingKind("pub", "publisher position", PUBLISHER_STATE_VERSION,
                     PUBLISHER_STATE_MAGIC, PUBLISHER_OWNER_OFFSET, past_versions=(1, 2)),
         SiblingKind("offload", "offload tier table", OFFLOAD_TIER_VERSION, OFFLOAD_TIER_MAGIC,
-                    OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2, 3)),
+                    OFFLOAD_TIER_OWNER_OFFSET, past_versions=(1, 2, 3, 4)),
         SiblingKind("sglang", "SGLang page store", SGLANG_STORE_VERSION, SGLANG_STORE_MAGIC,
-                    SGLANG_STORE_OWNER_OFFSET, past_versions=(1, 2)),
+                    SGLANG_STORE_OWNER_OFFSET, past_versions=(1, 2, 3)),
     )
 }
 DOORBELL_PREFIX = "/shmkv_bell-"
@@ -867,8 +873,12 @@ POOL_NAMED_SIBLINGS = ("pub", "stats", "offload", "sglang")
 # engine id, ``shmkv_offload<version>_data-<pool>``, so every replica of this tier version
 # maps the same bytes, and a replica of another version never finds them.
 OFFLOAD_DATA_REGION_PREFIX = f"vllm_offload_shmkv_offload{OFFLOAD_TIER_VERSION}_data-"
-# The earlier name (tier versions 1-3), which ``shmkv unlink`` also removes.
-PAST_OFFLOAD_DATA_REGION_PREFIX = "vllm_offload_shmkv_offload_data-"
+# The earlier names (and the tier versions that used them), which ``shmkv unlink`` also
+# removes.
+PAST_OFFLOAD_DATA_REGION_PREFIXES = {
+    "vllm_offload_shmkv_offload_data-": "tier v1-v3",
+    "vllm_offload_shmkv_offload4_data-": "tier v4",
+}
 OFFLOAD_REGION_MAKING = ".making-"  # a region being made: ``<region path>.making-<random>``
 
 

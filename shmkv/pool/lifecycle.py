@@ -20,7 +20,10 @@ The rules, each stated once, here:
 2. **Versions never meet.** The format version is in every object's name (the pool's layout
    version, the table's and the lock file's tier version, the region's prefix), so a release
    of another format finds none of this one's objects and makes its own: a rolling upgrade or
-   a rollback costs a cold tier for the other version, and memory for both.
+   a rollback costs a cold tier for the other version, and memory for both. A new format of
+   any object of a tier bumps the pool's layout version with it: the pool holds the tier's
+   keys, so two releases sharing it would each load the other's keys from their own region
+   (tier table v5 came with pool v10; the SGLang store follows the pool's version).
 3. **A table is made with its pool.** The process that made the pool makes the table. A
    pool found without its table (the table removed alone) has keys whose bytes nothing
    vouches for: the table is made again only while nobody else holds the tier, and the pool
@@ -264,9 +267,11 @@ def remove_objects(pool: str, generation: bytes | None, *, past: bool = True) ->
         if mine and _unlink(path):
             removed.append("offload replica locks")
     if past:
-        for path in region_paths(pool, L.PAST_OFFLOAD_DATA_REGION_PREFIX):
-            if _unlink(path) and "offload data region (tier v1-v3)" not in removed:
-                removed.append("offload data region (tier v1-v3)")
+        for prefix, versions in L.PAST_OFFLOAD_DATA_REGION_PREFIXES.items():
+            what = f"offload data region ({versions})"
+            for path in region_paths(pool, prefix):
+                if _unlink(path) and what not in removed:
+                    removed.append(what)
     return removed
 
 

@@ -842,7 +842,8 @@ def _pool_paths(pool: str, tiers: tuple[str, ...]) -> list[str]:
     paths += [path for path, _ in _past_versions(pool)]
     for seg, _ in _earlier_pools(pool):  # an earlier release's pool, removed with its tier
         paths += [SHM_DIR + seg, f"{SHM_DIR}/sem.{lock_name(seg)[1:]}", alive_path(seg)]
-    paths += LC.region_paths(pool, L.PAST_OFFLOAD_DATA_REGION_PREFIX)
+    for prefix in L.PAST_OFFLOAD_DATA_REGION_PREFIXES:
+        paths += LC.region_paths(pool, prefix)
     try:
         paths += [f"{SHM_DIR}/{e}" for e in sorted(os.listdir(SHM_DIR))
                   if L.offload_data_region_pool(e) == pool]

@@ -70,6 +70,7 @@ from shmkv.vllm.tier import (
     W_REGION_INODE,
     W_REGION_TAG,
     W_VERSION_CHUNKS,
+    ReplicaLabel,
     TierTable,
     table_bytes,
     tier_table_name,
@@ -87,11 +88,12 @@ MAKER_WAIT_S = 120.0  # how long a worker waits for another to make the region
 # (vLLM builds a replica's workers before its scheduler: a worker meets the tier first)
 
 def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_id: str,
-                   data_bytes: int, identity: dict | None = None
-                   ) -> tuple[ReplicaLocks, RegionBinding]:
+                   data_bytes: int, identity: dict | None = None,
+                   label: ReplicaLabel | None = None) -> tuple[ReplicaLocks, RegionBinding]:
     """A GPU worker's start: checks its replica's ``identity`` against the tier's (and
     records it if it is the first), joins its replica's row (``replica_id``, one per engine
-    start), binds the data region to the pool (making it if needed) and returns its hold on
+    start; ``label``: its DP rank and engine id, for the row's label: ``tier.py``), binds
+    the data region to the pool (making it if needed) and returns its hold on
     the row (kept until the worker exits) and the region it bound. The pool handle it
     needed is closed again: a worker takes no slot of the pool's process table.
 
@@ -118,7 +120,7 @@ def join_as_worker(pool_name: str, num_chunks: int, max_processes: int, replica_
                 locks = ReplicaLocks(pool_name, generation)
                 if identity is not None:
                     check_identity(tier, pool_name, identity)
-                row = join(tier, locks, replica_key(replica_id), pool_name)
+                row = join(tier, locks, replica_key(replica_id), pool_name, label)
             binding = bind_region(pool, tier, locks, row, pool_name, data_bytes)
         except BaseException:
             if locks is not None:
@@ -201,11 +203,13 @@ class CoreJoin(NamedTuple):
 
 
 def join_as_core(pool_name: str, num_chunks: int, max_processes: int,
-                 event_log_bytes: int | None, replica_id: str, process: dict) -> CoreJoin:
+                 event_log_bytes: int | None, replica_id: str, process: dict,
+                 label: ReplicaLabel | None = None) -> CoreJoin:
     """An engine core's start: opens (or makes) the pool and its table, opens the replica
     lock file of the tier's generation, joins its replica's row (the row its workers
-    joined) and marks the tier to stay. A start refused after it made the pool takes the
-    tier back (unless another process joined it meanwhile).
+    joined; ``label`` and this process's pid go into the row's label: ``tier.py``) and
+    marks the tier to stay. A start refused after it made the pool takes the tier back
+    (unless another process joined it meanwhile).
 
     Raises:
         LayoutMismatchError: the pool is not an offload tier, holds another number of
@@ -221,7 +225,8 @@ def join_as_core(pool_name: str, num_chunks: int, max_processes: int,
         try:
             with pool.lock():
                 locks = ReplicaLocks(pool_name, pool.generation)
-                row = join(tier, locks, replica_key(replica_id), pool_name)
+                row = join(tier, locks, replica_key(replica_id), pool_name, label,
+                           core_pid=os.getpid())
             # The tier is complete (its table, a replica joined): it stays in /dev/shm for
             # restarted replicas until `shmkv unlink` (a maker that died before this line
             # left an orphan, which `shmkv cleanup` removes).

@@ -112,6 +112,7 @@ from shmkv.vllm.tier import (
     W_REAPED_SEEN,
     W_REGION_TAG,
     W_REPLICA_REGION,
+    replica_label,
     tier_table_name,
 )
 
@@ -225,6 +226,8 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         replica_id: str | None = None,
         implicit_step_region: bool = False,
         expect_workers: bool = False,
+        dp_rank: int | None = None,
+        engine_id: str | None = None,
     ) -> None:
         """Creates the pool ``pool`` of ``num_chunks`` chunks, or attaches to it.
 
@@ -255,9 +258,14 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
                 row bound this tier's region, the replica gets no hit and stores nothing
                 (its workers joined a removed tier of the same name). False: a manager
                 without workers, trusted while no region is bound at all.
+            dp_rank: the engine's data-parallel rank (vLLM's ``data_parallel_index``), for
+                the row's label that ``shmkv inspect`` shows (``tier.py``); None: not said.
+            engine_id: vLLM's ``kv_transfer_config.engine_id``, for the same label (cut,
+                with a marker, past 112 UTF-8 bytes); None: not said.
 
         Raises:
-            UsageError: a bad argument, or an unsupported policy or threshold.
+            UsageError: a bad argument (a ``dp_rank`` that is not an int >= 0, an
+                ``engine_id`` that is not a str), or an unsupported policy or threshold.
             LayoutMismatchError: the pool exists with another ``num_chunks`` (both values
                 named), is not an offload tier, or its tier table is foreign or corrupt.
             SegmentError: the pool belongs to another user, or is not READY in time.
@@ -296,9 +304,11 @@ class SharedCPUOffloadingManager(StepLookupCalls, TierStats, RequestRecency,
         self._as_int = use_int_block_hashes()
         if replica_id is not None and not (isinstance(replica_id, str) and replica_id):
             raise UsageError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        row_label = replica_label(dp_rank, engine_id)
         joined = join_as_core(
             pool, num_chunks, max_processes, event_log_bytes, replica_id or secrets.token_hex(16),
-            {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s})
+            {"label": label, "lock_timeout_s": lock_timeout_s, "stuck_after_s": stuck_after_s},
+            row_label)
         self._pool, self._tier, self._locks, self._row = joined
         self._bit = 1 << self._row
         self._unflushed: set[int] = set()  # blocks of jobs a reset cut off, bit still set

@@ -46,7 +46,7 @@ from shmkv.pool import layout as L
 from shmkv.pool import lifecycle as LC
 from shmkv.pool import tier_counters as TC
 from shmkv.pool.segment import open_checked
-from shmkv.vllm.tier import MAX_REPLICAS, W_REPLICA_FILE, TierTable
+from shmkv.vllm.tier import MAX_REPLICAS, W_REPLICA_FILE, ReplicaLabel, TierTable, write_label
 
 REGION_MAKER_BYTE = MAX_REPLICAS
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64 / aarch64
@@ -206,9 +206,11 @@ def reap_gone(tier: TierTable, locks: ReplicaLocks) -> list[int]:
     return freed
 
 
-def join(tier: TierTable, locks: ReplicaLocks, key: int, pool: str) -> int:
-    """Joins the replica keyed ``key`` (its row, or a free one); returns the row (caller
-    holds the pool lock).
+def join(tier: TierTable, locks: ReplicaLocks, key: int, pool: str,
+         label: ReplicaLabel | None = None, core_pid: int = 0) -> int:
+    """Joins the replica keyed ``key`` (its row, or a free one) and writes what ``label``
+    and ``core_pid`` (the engine core's own pid; 0 for a GPU worker) say into the row's
+    label (``tier.py``); returns the row (caller holds the pool lock).
 
     Raises:
         PoolFullError: all MAX_REPLICAS rows belong to live replicas.
@@ -238,5 +240,6 @@ def join(tier: TierTable, locks: ReplicaLocks, key: int, pool: str) -> int:
     keys[row] = key
     if TC.reset_row(tier.counter_words, row + 1, key):  # another replica's row: from zero,
         tier.producer[tier.producer == row + 1] = 0  # and its chunks are not this one's
+    write_label(tier, row, key, label, core_pid)
     locks.hold(row)
     return row

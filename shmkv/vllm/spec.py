@@ -36,6 +36,7 @@ from shmkv.vllm.manager import (
 from shmkv.vllm.region import RegionBinding, check_mapped, region_path
 from shmkv.vllm.replicas import ReplicaLocks
 from shmkv.vllm.sizing import check_room_after_tier, vllm_ipc_bytes
+from shmkv.vllm.tier import ReplicaLabel, replica_label
 
 #: ``kv_connector_extra_config`` keys vLLM 0.33.0's offloading connector and CPU spec read,
 #: plus this spec's own.
@@ -273,6 +274,18 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         instance = getattr(self.vllm_config, "instance_id", "")
         return f"{self.config.engine_id}@{instance}" if instance else self.config.engine_id
 
+    @property
+    def shmkv_dp_rank(self) -> int:
+        """This engine's data-parallel rank, for its row's label: vLLM's
+        ``data_parallel_index`` (the n of ``EngineCore_DP<n>``; vLLM resets
+        ``data_parallel_rank`` to 0 in each rank of a dense model and keeps the rank there)."""
+        parallel = self.vllm_config.parallel_config
+        return int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
+
+    def replica_label(self) -> ReplicaLabel:
+        """This replica's row label: its DP rank and vLLM's engine id (``tier.py``)."""
+        return replica_label(self.shmkv_dp_rank, self.config.engine_id)
+
     def replica_identity(self) -> dict[str, Any]:
         """What every replica sharing the tier must agree on (``shmkv/vllm/identity.py``)."""
         return replica_identity(self, self.vllm_config)
@@ -303,6 +316,7 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
                 # scheduler run without GPU workers (a simulation, the tests' schedulers)
                 # says so, with shmkv_scheduler_only.
                 expect_workers=not bool(self.extra_config.get("shmkv_scheduler_only", False)),
+                dp_rank=self.shmkv_dp_rank, engine_id=self.config.engine_id,
             )
             try:
                 manager.check_identity(identity)
@@ -325,7 +339,8 @@ class SharedCPUOffloadingSpec(CPUOffloadingSpec):
         """
         locks, binding = join_as_worker(
             self.shmkv_pool, self.num_chunks, self.shmkv_max_processes, self.shmkv_replica_id,
-            self.num_chunks * self.kv_bytes_per_chunk, identity=self.replica_identity())
+            self.num_chunks * self.kv_bytes_per_chunk, identity=self.replica_identity(),
+            label=self.replica_label())
         if self._worker_locks is not None:
             self._worker_locks.close()
         self._worker_locks = locks

@@ -43,6 +43,7 @@ CHUNK_BYTES = os.sysconf("SC_PAGE_SIZE")
 DATA_BYTES = NUM_CHUNKS * CHUNK_BYTES
 CTX = ReqContext("gen")
 EARLIER_RELEASE = "d1248c4^"  # the tree before the tier counters: tier table v2, pool v8
+TIER_V4_RELEASE = "3080ff5"  # the last tree of tier table v4 (pool v9), before the replica labels
 
 
 def key(i: int):
@@ -220,17 +221,18 @@ def test_unlink_refuses_a_tier_in_use_and_force_says_what_is_lost(tier):
     assert a.load(2) == b"A" * CHUNK_BYTES and b.load(2) is None
 
 
-def _earlier_release(tmp_path: Path) -> Path:
-    """The tree of ``EARLIER_RELEASE`` (shmkv before tier generations), unpacked."""
+def _earlier_release(tmp_path: Path, release: str = EARLIER_RELEASE) -> Path:
+    """The tree of ``release`` (default ``EARLIER_RELEASE``: shmkv before tier generations),
+    unpacked."""
     import vllm
 
     if not vllm.__version__.startswith("0.33."):
         pytest.skip(f"the earlier release runs on vLLM 0.33 only (this is {vllm.__version__})")
     try:
-        data = subprocess.run(["git", "-C", str(ROOT), "archive", EARLIER_RELEASE, "shmkv"],
+        data = subprocess.run(["git", "-C", str(ROOT), "archive", release, "shmkv"],
                               capture_output=True, timeout=60, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"the earlier release {EARLIER_RELEASE} is not in this checkout's git "
+        pytest.skip(f"the earlier release {release} is not in this checkout's git "
                     f"history ({exc}); a full clone has it")
     tree = tmp_path / "earlier"
     tree.mkdir()
@@ -266,6 +268,36 @@ def test_an_earlier_release_never_meets_this_tier(tier, tmp_path):
     assert later.load(1) == b"N" * CHUNK_BYTES
     assert later.load(2) is None
     assert os.path.exists(f"/dev/shm/shmkv-{name}-v8")  # the earlier tier, idle, kept
+
+
+@pytest.mark.timeout(300)
+def test_a_tier_v4_release_never_meets_this_tier(tier, tmp_path):
+    """The release before tier table v5 (tier v4, pool v9) and this one, taking turns on one
+    pool name, each find only their own keys, and load each key's own bytes: the v4 replica
+    misses key 2, which this release stored after it (sharing the pool, as a bump of the
+    tier's version alone left them, it would hit and load its own region's bytes of key 1),
+    and this release misses key 1. This release's unlink then removes the v4 tier whole
+    (the fixture's teardown finds nothing of the name left)."""
+    tree = _earlier_release(tmp_path, TIER_V4_RELEASE)
+    name, replica = tier
+
+    def v4(action: str, i: int, value: int = 0) -> dict:
+        out = _run_earlier(tree, workers.TIER_V4_REPLICA, name, str(NUM_CHUNKS),
+                           str(DATA_BYTES), action, str(i), str(value))
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert v4("store", 1, ord("O"))["lookup"] == "MISS"
+    new = replica("N")
+    assert new.load(1) is None
+    new.store(2, ord("N"))
+    seen = v4("load", 2)
+    assert seen["region"].endswith(f"offload4_data-{name}.mmap"), seen
+    assert seen == {"region": seen["region"], "lookup": "MISS"}, seen
+    assert v4("load", 1) == {"region": seen["region"], "lookup": "HIT", "loaded": ord("O")}
+    assert new.load(2) == b"N" * CHUNK_BYTES
+    assert os.path.exists(f"/dev/shm/shmkv-{name}-v9")  # the v4 tier, idle, kept
+    assert os.path.exists(seen["region"])
 
 
 @pytest.mark.timeout(120)

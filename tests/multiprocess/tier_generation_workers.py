@@ -45,3 +45,38 @@ print(json.dumps(out), flush=True)
 m.close()
 locks.close()
 """
+
+
+# A replica of the release before tier table v5 (tier v4 on a v9 pool), run from its own tree
+# (``sys.argv[1]``): ``store`` key ``sys.argv[4]`` writing byte ``sys.argv[5]`` into its chunk,
+# or ``load`` it; prints what it saw (the lookup, and the first loaded byte) as one JSON line.
+TIER_V4_REPLICA = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+pool, num_chunks, data_bytes = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+action, i, value = sys.argv[5], sys.argv[6], int(sys.argv[7])
+import shmkv
+assert shmkv.__file__.startswith(sys.argv[1]), shmkv.__file__
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from shmkv.vllm import SharedCPUOffloadingManager
+from shmkv.vllm.lifecycle import join_as_worker
+from shmkv.vllm.region import region_path
+locks, _ = join_as_worker(pool, num_chunks, 16, "tier-v4", data_bytes)
+region = np.memmap(region_path(pool), np.uint8, "r+", 0, (num_chunks, data_bytes // num_chunks))
+m = SharedCPUOffloadingManager(pool, num_chunks, replica_id="tier-v4")
+ctx = ReqContext("tier-v4")
+key = make_offload_key(i.encode(), 0)
+out = {"region": region_path(pool), "lookup": m.lookup(key, ctx).name}
+if action == "store":
+    spec = m.prepare_store([key], ctx)
+    region[int(spec.store_spec.block_ids[0]), :] = value
+    m.complete_store(spec.keys_to_store, ctx)
+elif out["lookup"] == "HIT":
+    chunk = int(m.prepare_load([key], ctx).block_ids[0])
+    out["loaded"] = int(region[chunk, 0])
+    m.complete_load([key], ctx)
+print(json.dumps(out), flush=True)
+m.close()
+locks.close()
+"""

@@ -234,7 +234,7 @@ def test_a_special_file_at_the_stats_or_publisher_path_is_a_note(pool_name, plan
 
 
 def test_a_directory_at_a_pools_path_is_a_segment_error(pool_name, planted):
-    """``shmkv inspect NAME`` with a directory at /dev/shm/shmkv-NAME-v9 says what is there
+    """``shmkv inspect NAME`` with a directory at /dev/shm/shmkv-NAME-v10 says what is there
     (before: a raw ``ValueError: Invalid parameter(s)`` traceback from posix_ipc)."""
     path = planted(SHM + L.segment_name(pool_name), "directory")
     out = shmkv("inspect", pool_name, timeout=60)

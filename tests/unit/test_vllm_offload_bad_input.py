@@ -7,6 +7,7 @@ data region named after the pool, and ``kv_connector_extra_config`` validation.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,11 +88,26 @@ def test_bad_constructor_arguments_create_nothing():
         ({"pool": name, "num_chunks": True}, "num_chunks must be an int"),
         ({"pool": name, "num_chunks": 4, "cache_policy": "lfu"}, "unknown cache_policy"),
         ({"pool": name, "num_chunks": 4, "enable_events": "yes"}, "enable_events"),
+        ({"pool": name, "num_chunks": 4, "dp_rank": -1}, r"dp_rank must be an int .* -1"),
+        ({"pool": name, "num_chunks": 4, "engine_id": 7}, r"engine_id must be a str .* 7"),
     ):
         with pytest.raises(UsageError, match=match):
             SharedCPUOffloadingManager(**kwargs)
     assert not os.path.exists(f"/dev/shm{segment_name(name)}")
     assert not SharedCPUOffloadingManager.unlink(name)
+
+
+@pytest.mark.parametrize("dp_rank", [-1, "1", 1.0, True, 2**31, np.int32(1)])
+def test_a_bad_dp_rank_is_refused_and_changes_nothing(tier, dp_rank):
+    """A replica joining a tier with a DP rank that is not an int in [0, 2**31 - 1] is
+    refused, naming the value, before it joins: the tier and its rows are unchanged."""
+    _stored(tier, [1, 2])
+    before = _image(tier)
+    with pytest.raises(UsageError, match=rf"dp_rank must be an int in \[0, 2147483647\].*"
+                                         rf"got {re.escape(repr(dp_rank))}"):
+        SharedCPUOffloadingManager(tier.pool_name, 4, replica_id="other", dp_rank=dp_rank,
+                                   engine_id="engine-x_dp1")
+    assert _image(tier) == before
 
 
 def test_num_chunks_mismatch_names_both_values(tier):
