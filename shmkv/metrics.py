@@ -30,9 +30,9 @@ holds them, so "in use" says nothing of how full a tier is).
 | `shmkv_events_dropped_total` | counter | pool | events too large for the log |
 | `shmkv_event_log_lost_total` | counter | pool | events this exporter could not count (overwritten before it read them) |
 | `shmkv_tier_chunks` | gauge | pool, state | a tier pool's chunks (vLLM offload tier, SGLang store): `total`, `with_data`, `storing`, `held` |
-| `shmkv_tier_stored_chunks_total` | counter | pool, replica | chunks whose store completed, per replica row (`node`: all) |
-| `shmkv_tier_loaded_chunks_total` | counter | pool, replica | chunks loaded (pinned for the copy) |
-| `shmkv_tier_cross_replica_hit_chunks_total` | counter | pool, replica | of them, chunks another replica stored |
+| `shmkv_tier_stored_chunks_total` | counter | pool, replica, dp_rank, engine_id | chunks whose store completed, per replica row (`node`: all) |
+| `shmkv_tier_loaded_chunks_total` | counter | pool, replica, dp_rank, engine_id | chunks loaded (pinned for the copy) |
+| `shmkv_tier_cross_replica_hit_chunks_total` | counter | pool, replica, dp_rank, engine_id | of them, chunks another replica stored |
 
 The eviction, stored and reset counters come from the pool's global event log (a pool
 made without ``enable_kv_cache_events`` has none of them); they count what the log still
@@ -318,10 +318,12 @@ def _tier_metrics(name: str, tier: TierCounts):
     yield chunks
     for metric, doc, what in TIER_COUNTERS:
         fam = CounterMetricFamily(metric, doc + " replica=\"node\": every replica, those "
-                                  "gone included.", labels=["pool", "replica"])
-        fam.add_metric([name, "node"], getattr(tier, what))
+                                  "gone included.", labels=["pool", "replica", "dp_rank",
+                                                            "engine_id"])
+        fam.add_metric([name, "node", "", ""], getattr(tier, what))
         for row in tier.rows:
-            fam.add_metric([name, str(row["row"])], row[what])
+            dp_rank = "" if row["dp_rank"] is None else str(row["dp_rank"])
+            fam.add_metric([name, str(row["row"]), dp_rank, row["engine_id"] or ""], row[what])
         yield fam
 
 

@@ -25,7 +25,7 @@ from shmkv.pool import layout as L
 from shmkv.pool.block_pool import BlockPool
 from shmkv.pool.lock import decode_holder
 from shmkv.pool.recovery import collect_violations
-from shmkv.pool.tier_counters import TierFiles, read_tier_counts
+from shmkv.pool.tier_counters import TierFiles, read_tier_counts, row_name
 
 # ---------------------------------------------------------------------------- demo
 
@@ -631,7 +631,8 @@ def usage_text(in_use: int, with_data: int, num_blocks: int) -> str:
 
 def tier_lines(tier) -> list[str]:
     """A tier's chunks and counters (``shmkv stats``, ``shmkv inspect``): the node's, then
-    one line per replica row (a vLLM replica, an SGLang process slot)."""
+    one line per replica row (a vLLM replica, named by its DP rank, engine id and engine
+    core pid; an SGLang process slot, by its pid)."""
     unit = tier.unit
     full = tier.chunks_with_data / tier.num_chunks if tier.num_chunks else 0.0
     lines = [
@@ -642,9 +643,10 @@ def tier_lines(tier) -> list[str]:
         f"{tier.cross_replica_hits:,} cross-replica hits",
     ]
     for row in tier.rows:
-        lines.append(f"  row {row['row']:>2} {row['replica']} {'live' if row['live'] else 'gone'}"
-                     f": {row['stored']:,} stored, {row['loaded']:,} loaded, "
-                     f"{row['cross_replica_hits']:,} cross-replica hits")
+        lines.append(f"  row {row['row']:>2} {row_name(row)} "
+                     f"{'live' if row['live'] else 'gone'}: {row['stored']:,} stored, "
+                     f"{row['loaded']:,} loaded, {row['cross_replica_hits']:,} cross-replica "
+                     "hits")
     return lines
 
 

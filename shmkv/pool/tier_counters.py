@@ -16,6 +16,11 @@ store's process-table slot ``r``):
     word 4   cross_replica_hits: of those, chunks another row had stored
     5..7     unused (a row is one 64-byte line)
 
+The vLLM tier's table also keeps a label per replica row (``LABEL_DTYPE`` at
+``OFFLOAD_LABELS_OFFSET``, after the counter block): the replica's DP rank, vLLM engine id
+and engine core pid, which name its row in ``shmkv stats``, ``shmkv inspect`` and the
+``shmkv_tier_*`` metrics (``shmkv/vllm/tier.py`` says how it is written).
+
 Written under the pool lock by the row's processes (row 0 by all); read without it by
 :func:`read_tier_counts` (aligned 8-byte words: a reader sees each one whole). The producer of a
 chunk is advice: a row reused by another replica reads as the same producer.
@@ -117,7 +122,9 @@ class TierCounts:
     stored: int = 0
     loaded: int = 0
     cross_replica_hits: int = 0
-    rows: list[dict] = field(default_factory=list)  # replica: row, key, live, counters
+    # replica: row, replica (its key in hex; SGLang: "pid N"), dp_rank, engine_id, pid (None:
+    # not known), live, counters
+    rows: list[dict] = field(default_factory=list)
 
 
 def _planted(path: str, what: str) -> str:
@@ -243,8 +250,9 @@ def _row_held(replicas_fd: int | None, recorded_inode: int):
 
 def _offload(fd: int | None, pool_id: bytes, replicas_fd: int | None = None
              ) -> TierCounts | None:
-    head = _pread(fd, OFFLOAD_COUNTERS_OFFSET + block_bytes(OFFLOAD_MAX_REPLICAS), 0)
-    if head is None or len(head) < OFFLOAD_COUNTERS_OFFSET:
+    labels_end = OFFLOAD_LABELS_OFFSET + OFFLOAD_MAX_REPLICAS * LABEL_DTYPE.itemsize
+    head = _pread(fd, labels_end, 0)
+    if head is None or len(head) < labels_end:
         return None
     words = np.frombuffer(head, np.int64, OFFLOAD_COUNTERS_OFFSET // 8)
     version = int(words[OFFLOAD_VERSION_WORD])
@@ -254,6 +262,7 @@ def _offload(fd: int | None, pool_id: bytes, replicas_fd: int | None = None
         return None
     rows = _rows(head[OFFLOAD_COUNTERS_OFFSET:], OFFLOAD_MAX_REPLICAS)
     keys = words[OFFLOAD_REPLICA_KEYS_WORD:OFFLOAD_REPLICA_KEYS_WORD + OFFLOAD_MAX_REPLICAS]
+    labels = np.frombuffer(head, LABEL_DTYPE, OFFLOAD_MAX_REPLICAS, OFFLOAD_LABELS_OFFSET)
     out = TierCounts("vLLM offload tier", "chunks", version >> 32)
     held = _row_held(replicas_fd, int(words[OFFLOAD_REPLICA_FILE_WORD]))
     for r in range(OFFLOAD_MAX_REPLICAS):
@@ -263,7 +272,14 @@ def _offload(fd: int | None, pool_id: bytes, replicas_fd: int | None = None
             # row's byte goes with the last of them (a SIGKILL included)
             live = (bool(row[C_LIVE]) and int(keys[r]) == int(row[C_KEY])
                     and (held is None or held(r)))
-            out.rows.append(_row_dict(r, f"{int(row[C_KEY]) & (2**64 - 1):016x}", live, row))
+            entry = _row_dict(r, f"{int(row[C_KEY]) & (2**64 - 1):016x}", live, row)
+            label = labels[r]
+            if int(label["key"]) == int(row[C_KEY]):  # the label of the replica counted
+                dp_rank = int(label["dp_rank"])
+                entry["dp_rank"] = None if dp_rank == NO_DP_RANK else dp_rank
+                entry["engine_id"] = bytes(label["engine_id"]).decode("utf-8", "replace") or None
+                entry["pid"] = int(label["core_pid"]) or None
+            out.rows.append(entry)
     _totals(out, rows[0])
     return out
 
@@ -284,14 +300,33 @@ def _sglang(fd: int | None, pool_id: bytes) -> TierCounts | None:
         if row[C_KEY]:
             pid = int(row[C_KEY])
             live = bool(row[C_LIVE]) and pid_alive(pid)
-            out.rows.append(_row_dict(r, f"pid {pid}", live, row))
+            entry = _row_dict(r, f"pid {pid}", live, row)
+            entry["pid"] = pid
+            out.rows.append(entry)
     _totals(out, rows[0])
     return out
 
 
 def _row_dict(row: int, who: str, live: bool, words: np.ndarray) -> dict:
-    return {"row": row, "replica": who, "live": live, "stored": int(words[C_STORED]),
-            "loaded": int(words[C_LOADED]), "cross_replica_hits": int(words[C_CROSS])}
+    return {"row": row, "replica": who, "dp_rank": None, "engine_id": None, "pid": None,
+            "live": live, "stored": int(words[C_STORED]), "loaded": int(words[C_LOADED]),
+            "cross_replica_hits": int(words[C_CROSS])}
+
+
+def row_name(row: dict) -> str:
+    """How ``shmkv stats`` and ``shmkv inspect`` name a replica row: ``dp 1 engine-a_dp1
+    pid 4242`` (what its label says: an engine id with spaces or control characters is
+    quoted), or its key when it says nothing (an SGLang row: ``pid 4242``)."""
+    parts = []
+    if row.get("dp_rank") is not None:
+        parts.append(f"dp {row['dp_rank']}")
+    engine_id = row.get("engine_id")
+    if engine_id:
+        plain = engine_id.isprintable() and not any(c.isspace() for c in engine_id)
+        parts.append(engine_id if plain else repr(engine_id))
+    if row.get("pid"):
+        parts.append(f"pid {row['pid']}")
+    return " ".join(parts) or row["replica"]
 
 
 def _totals(out: TierCounts, node: np.ndarray) -> None:
@@ -325,5 +360,6 @@ def read_tier_counts(pool, files: TierFiles | None = None) -> TierCounts | None:
     return out
 
 
-__all__ = ["COUNTER_NAMES", "ROW_WORDS", "TierCounts", "TierFiles", "add", "block_bytes",
-           "read_tier_counts", "reset_row", "row_preference", "sglang_counters_offset"]
+__all__ = ["COUNTER_NAMES", "ENGINE_ID_BYTES", "LABEL_DTYPE", "NO_DP_RANK", "ROW_WORDS",
+           "TierCounts", "TierFiles", "add", "block_bytes", "read_tier_counts", "reset_row",
+           "row_name", "row_preference", "sglang_counters_offset"]

@@ -63,10 +63,13 @@ def write_model_dir(path: str) -> str:
 def make_vllm_config(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, *,
                      engine_id: str | None = None, connector: str = "SharedOffloadingConnector",
                      model: dict | None = None, parallel: dict | None = None,
-                     start: str = "0") -> VllmConfig:
+                     start: str = "0", dp_index: int | None = None) -> VllmConfig:
     """vLLM's config of one replica on shmkv's tier ``pool``: ``model`` and ``parallel``
     are extra ``ModelConfig`` / ``ParallelConfig`` arguments (quantization, hf_overrides,
     tensor_parallel_size, ...); ``engine_id`` names the replica (its workers share it).
+    ``dp_index``: the replica's data-parallel rank, set as vLLM's engine core sets it in
+    each DP rank's process (``parallel_config.data_parallel_index = dp_rank``; a dense
+    model's ranks each run with ``data_parallel_rank`` 0).
 
     vLLM makes a config's instance id once per engine start and hands that config to the
     engine core and its workers; here the core and its workers build configs of their own
@@ -93,6 +96,8 @@ def make_vllm_config(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, *,
         device_config=DeviceConfig("cpu"),
     )
     config.instance_id = f"{engine_id}-start-{start}" if engine_id else config.instance_id
+    if dp_index is not None:
+        config.parallel_config.data_parallel_index = dp_index
     return config
 
 
@@ -160,6 +165,17 @@ def run_request(scheduler: Scheduler, request_id: str, prompt: list[int],
     else:
         raise AssertionError(f"request {request_id} did not finish in 64 steps")
     return {"loaded": loaded, "stored": stored}
+
+
+def serving_core(pool: str, model_dir: str, engine_id: str, dp_index: int,
+                 prompt: list[int], to_parent, from_parent) -> None:
+    """A replica's engine core (DP rank ``dp_index``): serves the prompt once, offloading
+    it, reports (its pid, what it loaded and stored) and stays until told "exit"."""
+    scheduler = make_scheduler(pool, model_dir, engine_id=engine_id, dp_index=dp_index)
+    result = run_request(scheduler, f"{engine_id}-req0", prompt)
+    to_parent.put((os.getpid(), result))
+    assert from_parent.get(timeout=300) == "exit"
+    scheduler.connector.shutdown()
 
 
 def first_replica(pool: str, model_dir: str, prompt: list[int], to_parent) -> None:
@@ -266,12 +282,14 @@ def worker_spec(pool: str, model_dir: str, cpu_bytes: int = 1 << 20, **config: A
 
 
 def replica_worker(pool: str, model_dir: str, engine_id: str, cpu_bytes: int, to_parent,
-                   from_parent, rank: int = 0, start: str = "0") -> None:
+                   from_parent, rank: int = 0, start: str = "0",
+                   dp_index: int | None = None) -> None:
     """A replica's GPU worker: joins the replica, maps the tier's data region (what vLLM's
     create_worker does on a GPU) and, on command, writes or reads chunks of it:
     ("write", chunk ids, one byte value per chunk), ("read", chunk ids) -> the first
-    bytes of each, "exit". ``start``: see :func:`make_vllm_config`."""
-    spec = worker_spec(pool, model_dir, cpu_bytes, engine_id=engine_id, start=start)
+    bytes of each, "exit". ``start``, ``dp_index``: see :func:`make_vllm_config`."""
+    spec = worker_spec(pool, model_dir, cpu_bytes, engine_id=engine_id, start=start,
+                       dp_index=dp_index)
     region = spec.open_data_region(rank)
     view = np.asarray(region.create_kv_memoryview())  # [chunk, byte]
     to_parent.put(("ready", spec.num_chunks, spec.kv_bytes_per_chunk))
