@@ -57,14 +57,16 @@ digest (``replicas.replica_key``):
     core_pid   int32   the engine core's pid, in its own pid namespace; 0: no engine core
                        joined the row yet (its GPU workers join first)
     engine_id  112 B   vLLM's ``kv_transfer_config.engine_id`` (the string vLLM logs, with
-                       its ``_dp<n>`` suffix), UTF-8, NUL-padded; b"": not said. An id longer
-                       than 112 bytes keeps its first whole characters that fit in 109 bytes
-                       and ends with TRUNCATED_MARK ("…", 3 bytes)
+                       the ``_dp<n>`` vLLM appends in each rank of a data-parallel engine),
+                       UTF-8, NUL-padded; b"": not said. An id longer than 112 bytes
+                       keeps its first whole characters that fit in 109 bytes and ends
+                       with TRUNCATED_MARK ("…", 3 bytes)
 
-Every process of a replica writes its label when it joins its row (``replicas.join``, under
-the pool lock): the fields it knows (its workers the engine id and rank, its engine core
-those and its pid), then the key, last, so a process killed half way leaves a label no reader
-believes. A label is advice for people: the tier never reads one.
+Only ``replicas.join`` writes a label (:func:`write_label`, under the pool lock): every
+process of a replica writes the fields it knows when it joins its row (its workers the engine
+id and rank, its engine core those and its pid). Another replica's label is blanked first,
+key included, and the key is written last, so a process killed half way leaves a label no
+reader believes. A label is advice for people: the tier never reads one.
 """
 
 from __future__ import annotations
