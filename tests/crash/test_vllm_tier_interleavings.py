@@ -112,7 +112,7 @@ class Replica:
 
     def __init__(self, ctx, pool: str, name: str, seed: int, trust_rows: bool):
         self.name = name
-        self.stop = ctx.Event()
+        self.stop = soak.StopFlag(ctx)
         # its core's own counters, written by it alone (no lock a SIGKILL could leave taken):
         # loads checked, wrong, stores, resets, steps
         self.counters = counters = ctx.Array("q", 5, lock=False)

@@ -65,7 +65,7 @@ def run_soak(ctx, seed: int, kills: int, guard_off: bool = False,
     print(f"soak seed {seed}")
     rng = random.Random(seed)
     pool = unique_pool_name("soak")
-    stop = ctx.Event()
+    stop = soak.StopFlag(ctx)
     counters = ctx.Array("q", 4)
     SharedCPUOffloadingManager(pool, soak.NUM_CHUNKS, max_processes=32).close()  # the pool
     replicas = [Replica(ctx, pool, f"r{i}-0", seed * 100 + i, stop, counters, guard_off)

@@ -42,6 +42,21 @@ def key_bytes(key: bytes) -> np.ndarray:
     return np.tile(pattern, CHUNK_BYTES // 16)
 
 
+class StopFlag:
+    """A stop flag with no lock: an engine core SIGKILLed while it reads the flag leaves
+    nothing taken. (A multiprocessing Event takes its condition's lock in ``is_set``; a core
+    killed there would leave it held, and the driver's ``set`` would wait forever.)"""
+
+    def __init__(self, ctx) -> None:
+        self._flag = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+
 def worker(pool: str, engine_id: str, core_pid_box, commands, acks) -> None:
     """A GPU worker: joins the replica, maps the region; executes its core's jobs in order,
     ("write", job, chunks, keys) -> ("written", job) and ("read", job, chunks, keys) ->
